@@ -1,0 +1,87 @@
+"""Every environment variable sglang_kvxfer reads, in one place.
+
+Each variable is declared once here with its default and effect; the README's table is
+checked against this list by a test. Code reads values through ``<VAR>.get()`` so an
+unset or malformed value never surprises a caller: a malformed value raises ``ValueError``
+naming the variable.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["EnvVar", "all_vars"]
+
+_REGISTRY: dict[str, "EnvVar"] = {}
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    default: T
+    parse: Callable[[str], T]
+    doc: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"environment variable {self.name}={raw!r} is invalid: {exc}") from None
+
+    def is_set(self) -> bool:
+        return os.environ.get(self.name, "") != ""
+
+
+def _bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected one of 1/0/true/false/yes/no/on/off")
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        val = raw.strip().lower()
+        if val not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return val
+
+    return parse
+
+
+def _define(name: str, default, parse, doc: str) -> EnvVar:
+    if not name.startswith("KVXFER_"):
+        raise AssertionError(f"environment variables must start with KVXFER_: {name}")
+    var = EnvVar(name, default, parse, doc)
+    _REGISTRY[name] = var
+    return var
+
+
+def all_vars() -> list[EnvVar]:
+    """All declared variables, in declaration order."""
+    return list(_REGISTRY.values())
+
+
+KVXFER_LOG_LEVEL = _define(
+    "KVXFER_LOG_LEVEL", "WARNING", lambda s: s.strip().upper(),
+    "Log level of the `sglang_kvxfer` logger (DEBUG, INFO, WARNING, ERROR).",
+)
+KVXFER_DATA_PATH = _define(
+    "KVXFER_DATA_PATH", "auto", _choice("auto", "direct", "staged"),
+    "Force the data path of every (writer, reader) pair: `direct` page runs (only where the "
+    "bytes are contiguous on both sides), `staged` gather -> one write -> scatter, or `auto` "
+    "(the planner's cost rule).",
+)
+KVXFER_DIRECT_MIN_OP_BYTES = _define(
+    "KVXFER_DIRECT_MIN_OP_BYTES", 64 * 1024, int,
+    "`auto` data path: a contiguous pair goes direct when its average op is at least this "
+    "many bytes, or when it needs no more than 4 ops per KV buffer; otherwise it is staged.",
+)
