@@ -1,0 +1,16 @@
+"""Planning: pure functions from geometries and page lists to transfer plans.
+
+``tp`` decides which heads go from which prefill rank to which decode rank; ``byteplan``
+turns one (writer, reader) pair and a request's page lists into array-shaped byte plans
+(direct page runs, or a staged gather/scatter description); ``executor`` applies plans to
+real byte buffers on the CPU, as the reference the tests and the engine are checked
+against. Nothing here does I/O.
+"""
+from sglang_kvxfer.planning.byteplan import DirectPlan, PairPlan, StagedPlan, plan_pair  # noqa: F401
+from sglang_kvxfer.planning.tp import (  # noqa: F401
+    HeadTransfer,
+    TPPlan,
+    candidate_decode_ranks,
+    candidate_prefill_ranks,
+    plan_tp,
+)

@@ -1,0 +1,393 @@
+"""Per-request byte plans for one (writer, reader) pair, as numpy arrays.
+
+Owns ``plan_pair`` and the two plan shapes it returns:
+
+* ``DirectPlan``: the bytes to move are contiguous on both sides (equal TP or MLA on NHD
+  pools, or page-aligned head slices of HND pools with equal page sizes). The plan holds
+  ``(src_offset, dst_offset, nbytes)`` ops for one K buffer and one V buffer; the same ops
+  apply to every layer's buffer of that kind. Contiguous runs are coalesced.
+* ``StagedPlan``: the head slice is strided (NHD with a TP mismatch) or the two sides
+  differ in page size/layout so that nothing lines up. The writer gathers the slice of all
+  layers into a token-major staging buffer ``[layer][K|V][token][n][dim]``, moves it with
+  one large write, and the reader scatters it. The plan holds what gather and scatter need.
+
+Both report the op count of both strategies so callers (and ``kvxfer plan``) can show
+why a path was chosen. Page lists are validated, never truncated. No I/O, no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from sglang_kvxfer import envs
+from sglang_kvxfer.errors import PlanError
+from sglang_kvxfer.geometry import Layout, RankPlacement, check_compatible
+from sglang_kvxfer.planning.tp import HeadTransfer
+
+__all__ = ["PairPlan", "DirectPlan", "StagedPlan", "plan_pair", "coalesce", "MAX_WRITE_BYTES",
+           "per_token_op_count"]
+
+# One staged write never exceeds this (MORI and most verbs stacks cap a WR below 4 GiB).
+MAX_WRITE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """What one writer moves to one reader for tokens ``[token_start, token_start + num_tokens)``.
+
+    ``nbytes`` is the payload (all layers, K and V). ``direct_op_count`` is ``None`` when
+    the bytes are not contiguous on both sides; ``staged_op_count`` counts wire writes of
+    the staged path (gather and scatter are one kernel launch each on top).
+    """
+
+    transfer: HeadTransfer
+    src: RankPlacement
+    dst: RankPlacement
+    token_start: int
+    num_tokens: int
+    nbytes: int
+    direct_op_count: int | None
+    staged_op_count: int
+    reason: str
+    path: ClassVar[str] = ""
+
+    @property
+    def op_count(self) -> int:
+        """Transport ops this plan posts."""
+        return self.direct_op_count if self.path == "direct" else self.staged_op_count
+
+
+@dataclass(frozen=True)
+class DirectPlan(PairPlan):
+    """Direct writes. ``k_ops``/``v_ops`` are ``int64 [N, 3]`` arrays of
+    ``(src_offset, dst_offset, nbytes)`` relative to one K (V) buffer of each side; apply
+    them to buffer ``l`` (K) and ``L + l`` (V) for every layer ``l``."""
+
+    k_ops: np.ndarray = None
+    v_ops: np.ndarray | None = None
+    path: ClassVar[str] = "direct"
+
+    def buffer_ops(self, buffer_index: int) -> np.ndarray:
+        """``(src_offset, dst_offset, nbytes)`` rows for buffer ``buffer_index``."""
+        g = self.src.geometry
+        if not 0 <= buffer_index < g.num_buffers:
+            raise ValueError(f"buffer_index={buffer_index} must be in [0, {g.num_buffers})")
+        return self.k_ops if buffer_index < g.num_layers else self.v_ops
+
+
+@dataclass(frozen=True)
+class StagedPlan(PairPlan):
+    """Gather -> one write -> scatter. Staging layout: for each layer, K block
+    ``[num_tokens, num_heads, head_dim]`` then V block ``[num_tokens, num_heads, v_head_dim]``."""
+
+    src_pages: np.ndarray = None
+    dst_pages: np.ndarray = None
+    staging_nbytes: int = 0
+    path: ClassVar[str] = "staged"
+
+    def gather_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``ops.gather_kv_heads`` on the writer's pool."""
+        return self._side_kwargs(self.src, self.src_pages, self.transfer.src_head_start)
+
+    def scatter_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``ops.scatter_kv_heads`` on the reader's pool."""
+        return self._side_kwargs(self.dst, self.dst_pages, self.transfer.dst_head_start)
+
+    def _side_kwargs(self, side: RankPlacement, pages: np.ndarray, head_start: int) -> dict[str, Any]:
+        return {
+            "page_ids": pages,
+            "page_size": side.geometry.page_size,
+            "head_start": head_start,
+            "num_heads": self.transfer.num_heads,
+            "layout": side.geometry.layout.value,
+            "token_offset": self.token_start,
+            "num_tokens": self.num_tokens,
+        }
+
+
+def per_token_op_count(num_layers: int, num_tokens: int, has_v: bool = True) -> int:
+    """Ops of the one-write-per-token-per-layer pattern SGLang's connectors use for a
+    strided head slice (for comparison only)."""
+    return num_layers * (2 if has_v else 1) * num_tokens
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """Merge consecutive ops that are contiguous on both sides. Returns ``int64 [N, 3]``."""
+    src = np.asarray(src, dtype=np.int64)
+    dst = np.asarray(dst, dtype=np.int64)
+    size = np.asarray(size, dtype=np.int64)
+    if src.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    brk = np.ones(src.size, dtype=bool)
+    brk[1:] = (src[1:] != src[:-1] + size[:-1]) | (dst[1:] != dst[:-1] + size[:-1])
+    starts = np.flatnonzero(brk)
+    out = np.empty((starts.size, 3), dtype=np.int64)
+    out[:, 0] = src[starts]
+    out[:, 1] = dst[starts]
+    out[:, 2] = np.add.reduceat(size, starts)
+    out.setflags(write=False)
+    return out
+
+
+def _as_pages(name: str, pages: Any, num_pages: int, unique: bool) -> np.ndarray:
+    arr = np.asarray(pages)
+    if arr.ndim != 1:
+        raise PlanError(f"{name} must be a 1-D list of page ids, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise PlanError(f"{name} must hold integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=True)
+    if arr.size:
+        bad = np.flatnonzero((arr < 0) | (arr >= num_pages))
+        if bad.size:
+            i = int(bad[0])
+            raise PlanError(f"{name}[{i}]={int(arr[i])} is outside the pool's pages [0, {num_pages})")
+        if unique:
+            uniq, counts = np.unique(arr, return_counts=True)
+            if uniq.size != arr.size:
+                dup = int(uniq[np.argmax(counts > 1)])
+                raise PlanError(f"{name} repeats page id {dup}; a request's destination pages must be distinct")
+    arr.setflags(write=False)
+    return arr
+
+
+def _pages_needed(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def plan_pair(
+    transfer: HeadTransfer,
+    src: RankPlacement,
+    dst: RankPlacement,
+    src_pages: Any,
+    dst_pages: Any,
+    *,
+    num_tokens: int | None = None,
+    token_start: int = 0,
+    token_stop: int | None = None,
+    path: str | None = None,
+) -> PairPlan:
+    """Byte plan of one (writer, reader) pair for one request or one chunk of it.
+
+    Args:
+        transfer: the pair and head ranges, from ``TPPlan``.
+        src, dst: the writer's and reader's placements.
+        src_pages, dst_pages: the request's page ids on each side, covering tokens
+            ``[0, num_tokens)`` (``ceil(num_tokens / page_size)`` pages each).
+        num_tokens: tokens in the request. Defaults to ``len(src_pages) * page_size`` when
+            both sides use the same page size; required otherwise.
+        token_start, token_stop: the chunk of tokens to plan (default: all of them).
+        path: ``"auto"``, ``"direct"`` or ``"staged"``; default from ``KVXFER_DATA_PATH``.
+            ``direct`` falls back to staged where the bytes are not contiguous.
+
+    Raises:
+        PlanError: page lists that do not cover the tokens, out-of-range or repeated page
+            ids, a transfer that does not belong to these placements, a bad token range.
+        IncompatibleGeometryError: the two geometries cannot exchange KV.
+    """
+    compat = check_compatible(src.geometry, dst.geometry)
+    _check_transfer(transfer, src, dst)
+    gs, gd = src.geometry, dst.geometry
+    src_arr = _as_pages("src_pages", src_pages, gs.num_pages, unique=False)
+    dst_arr = _as_pages("dst_pages", dst_pages, gd.num_pages, unique=True)
+    total = _resolve_num_tokens(num_tokens, src_arr, dst_arr, gs.page_size, gd.page_size)
+    start, stop = _resolve_range(token_start, token_stop, total)
+    count = stop - start
+    n = transfer.num_heads
+    itemsize = gs.itemsize
+    nbytes = gs.num_layers * count * n * (gs.head_dim + gs.v_head_dim) * itemsize
+    staged_ops = -(-nbytes // MAX_WRITE_BYTES)
+
+    direct = _direct_ops(transfer, src, dst, src_arr, dst_arr, start, stop)
+    direct_count = None
+    if direct is not None:
+        k_ops, v_ops = direct
+        direct_count = gs.num_layers * (len(k_ops) + (len(v_ops) if v_ops is not None else 0))
+
+    choice = (path or envs.KVXFER_DATA_PATH.get()).lower()
+    if choice not in ("auto", "direct", "staged"):
+        raise PlanError(f"path={path!r} must be one of auto, direct, staged")
+    common = dict(transfer=transfer, src=src, dst=dst, token_start=start, num_tokens=count,
+                  nbytes=nbytes, direct_op_count=direct_count, staged_op_count=staged_ops)
+    if direct is not None and choice != "staged":
+        use_direct, why = True, "contiguous on both sides"
+        if choice == "auto":
+            use_direct, why = _auto_prefers_direct(direct_count, nbytes, len(direct[0]))
+        if use_direct or count == 0:
+            return DirectPlan(**common, reason=why, k_ops=direct[0], v_ops=direct[1])
+        reason = why
+    elif direct is None:
+        reason = _why_strided(transfer, src, dst, compat)
+    else:
+        reason = "forced by path='staged'"
+    return StagedPlan(**common, reason=reason, src_pages=src_arr, dst_pages=dst_arr, staging_nbytes=nbytes)
+
+
+def _auto_prefers_direct(direct_count: int, nbytes: int, ops_per_buffer: int) -> tuple[bool, str]:
+    min_op = envs.KVXFER_DIRECT_MIN_OP_BYTES.get()
+    avg = nbytes / max(direct_count, 1)
+    if ops_per_buffer <= 4 or avg >= min_op:
+        return True, f"contiguous on both sides ({ops_per_buffer} op(s) per buffer, {avg:.0f} B per op)"
+    return False, (f"contiguous but fragmented ({ops_per_buffer} ops per buffer of {avg:.0f} B "
+                   f"< KVXFER_DIRECT_MIN_OP_BYTES={min_op}); staging is fewer, larger writes")
+
+
+def _why_strided(transfer: HeadTransfer, src: RankPlacement, dst: RankPlacement, compat) -> str:
+    parts = []
+    if _layouts(src) == {Layout.NHD} and transfer.num_heads < src.num_local_heads:
+        parts.append(f"head slice {transfer.num_heads}/{src.num_local_heads} is strided in the NHD source")
+    if _layouts(dst) == {Layout.NHD} and transfer.num_heads < dst.num_local_heads:
+        parts.append(f"head slice {transfer.num_heads}/{dst.num_local_heads} is strided in the NHD destination")
+    if compat.layout_differs:
+        parts.append(f"layouts differ ({src.geometry.layout} -> {dst.geometry.layout})")
+    if compat.page_size_differs:
+        parts.append(f"page sizes differ ({src.geometry.page_size} -> {dst.geometry.page_size})")
+    return "; ".join(parts) or "not contiguous on both sides"
+
+
+def _check_transfer(t: HeadTransfer, src: RankPlacement, dst: RankPlacement) -> None:
+    if t.prefill_rank != src.tp_rank or t.decode_rank != dst.tp_rank:
+        raise PlanError(
+            f"transfer is for prefill rank {t.prefill_rank} -> decode rank {t.decode_rank}, "
+            f"but the placements are prefill rank {src.tp_rank} -> decode rank {dst.tp_rank}"
+        )
+    for side, place, start in (("src", src, t.src_head_start), ("dst", dst, t.dst_head_start)):
+        if start < 0 or t.num_heads < 1 or start + t.num_heads > place.num_local_heads:
+            raise PlanError(
+                f"{side} heads [{start}, {start + t.num_heads}) are outside the "
+                f"{place.num_local_heads} local head(s) of the {side} rank"
+            )
+        if place.heads.start + start != t.global_head_start:
+            raise PlanError(
+                f"{side} local head {start} is global head {place.heads.start + start}, but the "
+                f"transfer starts at global head {t.global_head_start}: the plan was built for "
+                f"another TP layout"
+            )
+
+
+def _resolve_num_tokens(num_tokens, src: np.ndarray, dst: np.ndarray, ps: int, pd: int) -> int:
+    if num_tokens is None:
+        if ps != pd:
+            raise PlanError(
+                f"num_tokens is required when page sizes differ (prefill page_size={ps}, "
+                f"decode page_size={pd})"
+            )
+        if len(src) != len(dst):
+            raise PlanError(
+                f"prefill page list has {len(src)} page(s) but decode page list has {len(dst)} "
+                f"(page_size {ps} on both sides); they must cover the same tokens"
+            )
+        return len(src) * ps
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+        raise PlanError(f"num_tokens={num_tokens!r} must be a non-negative integer")
+    num_tokens = int(num_tokens)
+    for side, pages, size in (("prefill", src, ps), ("decode", dst, pd)):
+        need = _pages_needed(num_tokens, size)
+        if len(pages) != need:
+            raise PlanError(
+                f"{side} page list has {len(pages)} page(s) but {num_tokens} tokens at "
+                f"page_size {size} need exactly {need}"
+            )
+    return num_tokens
+
+
+def _resolve_range(start, stop, total: int) -> tuple[int, int]:
+    stop = total if stop is None else stop
+    for name, v in (("token_start", start), ("token_stop", stop)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise PlanError(f"{name}={v!r} must be an integer")
+    if not 0 <= start <= stop <= total:
+        raise PlanError(f"token range [{start}, {stop}) must lie within the request's {total} token(s)")
+    return int(start), int(stop)
+
+
+def _layouts(place: RankPlacement) -> set[Layout]:
+    # With one local head, NHD [pages*S, 1, dim] and HND [pages, 1, S, dim] are the same
+    # bytes, so such a side can be read either way.
+    return set(Layout) if place.num_local_heads == 1 else {place.geometry.layout}
+
+
+def _direct_ops(t: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_pages: np.ndarray,
+                dst_pages: np.ndarray, start: int, stop: int):
+    """Per-kind op arrays when the slice is contiguous on both sides, else ``None``."""
+    both = _layouts(src) & _layouts(dst)
+    n = t.num_heads
+    g = src.geometry
+    dims = [g.head_dim] + ([g.v_head_dim] if g.has_v else [])
+    if Layout.NHD in both and n == src.num_local_heads == dst.num_local_heads:
+        rows = _token_runs(src_pages, dst_pages, g.page_size, dst.geometry.page_size, start, stop)
+        ops = [coalesce(*(rows.T * np.array([[n * d * g.itemsize]] * 3))) for d in dims]
+    elif Layout.HND in both and g.page_size == dst.geometry.page_size:
+        ops = [_hnd_ops(t, src, dst, src_pages, dst_pages, start, stop, d) for d in dims]
+    else:
+        return None
+    return ops[0], (ops[1] if len(ops) > 1 else None)
+
+
+def _token_runs(src_pages, dst_pages, ps: int, pd: int, start: int, stop: int) -> np.ndarray:
+    """``[N, 3]`` rows of (src_row, dst_row, num_rows) covering tokens [start, stop) of NHD
+    pools, split wherever either side's rows stop being consecutive."""
+    if stop <= start:
+        return np.zeros((0, 3), dtype=np.int64)
+    # Rows can only stop being consecutive where a page ends on either side.
+    cand = np.union1d(
+        np.arange(-(-(start + 1) // ps) * ps, stop, ps, dtype=np.int64),
+        np.arange(-(-(start + 1) // pd) * pd, stop, pd, dtype=np.int64),
+    )
+    cand = cand[(cand > start) & (cand < stop)]
+
+    def rows(pages, size, tok):
+        return pages[tok // size] * size + tok % size
+
+    keep = (rows(src_pages, ps, cand) != rows(src_pages, ps, cand - 1) + 1) | (
+        rows(dst_pages, pd, cand) != rows(dst_pages, pd, cand - 1) + 1
+    )
+    starts = np.concatenate(([start], cand[keep])).astype(np.int64)
+    stops = np.concatenate((starts[1:], [stop]))
+    out = np.empty((starts.size, 3), dtype=np.int64)
+    out[:, 0] = rows(src_pages, ps, starts)
+    out[:, 1] = rows(dst_pages, pd, starts)
+    out[:, 2] = stops - starts
+    return out
+
+
+def _hnd_ops(t: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_pages, dst_pages,
+             start: int, stop: int, dim: int) -> np.ndarray:
+    """Ops for HND pools with equal page size: a full page's head slice is contiguous
+    (``num_heads * page_size * dim``); a partial page needs one op per head."""
+    if stop <= start:
+        return np.zeros((0, 3), dtype=np.int64)
+    size = src.geometry.page_size
+    hs, hd = src.num_local_heads, dst.num_local_heads
+    n = t.num_heads
+    item = src.geometry.itemsize * dim
+    first, last = start // size, (stop - 1) // size
+    idx = np.arange(first, last + 1, dtype=np.int64)
+    lo = np.maximum(start - idx * size, 0)
+    hi = np.minimum(stop - idx * size, size)
+    full = (lo == 0) & (hi == size)
+    chunks = []
+    # Full pages: one op each, [page][head_start .. head_start+n)[all slots][dim].
+    fp = idx[full]
+    chunks.append((
+        (src_pages[fp] * hs + t.src_head_start) * size * item,
+        (dst_pages[fp] * hd + t.dst_head_start) * size * item,
+        np.full(fp.size, n * size * item, dtype=np.int64),
+        fp,
+    ))
+    # Partial pages (at most the first and the last): one op per head.
+    for i in np.flatnonzero(~full):
+        p, a, b = int(idx[i]), int(lo[i]), int(hi[i])
+        heads = np.arange(n, dtype=np.int64)
+        chunks.append((
+            ((src_pages[p] * hs + t.src_head_start + heads) * size + a) * item,
+            ((dst_pages[p] * hd + t.dst_head_start + heads) * size + a) * item,
+            np.full(n, (b - a) * item, dtype=np.int64),
+            np.full(n, p, dtype=np.int64),
+        ))
+    src_off = np.concatenate([c[0] for c in chunks])
+    dst_off = np.concatenate([c[1] for c in chunks])
+    sizes = np.concatenate([c[2] for c in chunks])
+    order = np.argsort(np.concatenate([c[3] for c in chunks]), kind="stable")
+    return coalesce(src_off[order], dst_off[order], sizes[order])

@@ -1,0 +1,112 @@
+"""CPU reference executor: applies byte plans to real buffers with numpy.
+
+Owns ``apply_plan`` and the numpy reference of the staged path (``gather_np`` /
+``scatter_np``). It is deliberately simple and slow-but-obvious: it is the yardstick the
+planner's oracle tests, the kernels and the engine are compared against. It must not grow
+performance tricks; the engine's data path lives in ``ops`` and ``transports``.
+
+Buffers are numpy arrays, one per buffer index of a ``RankPlacement`` (K of every layer,
+then V of every layer), C-contiguous with exactly ``placement.buffer_nbytes(i)`` bytes.
+They are handled as bytes, so any dtype works.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from sglang_kvxfer.geometry import Layout, RankPlacement
+from sglang_kvxfer.planning.byteplan import DirectPlan, PairPlan, StagedPlan
+
+__all__ = ["apply_plan", "gather_np", "scatter_np"]
+
+
+def _byte_views(place: RankPlacement, buffers: Sequence[np.ndarray], name: str) -> list[np.ndarray]:
+    g = place.geometry
+    if len(buffers) != g.num_buffers:
+        raise ValueError(f"{name} has {len(buffers)} buffer(s); the geometry needs {g.num_buffers}")
+    out = []
+    for i, buf in enumerate(buffers):
+        if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
+            raise ValueError(f"{name}[{i}] must be a C-contiguous numpy array")
+        if buf.nbytes != place.buffer_nbytes(i):
+            raise ValueError(
+                f"{name}[{i}] has {buf.nbytes} bytes; the geometry needs {place.buffer_nbytes(i)}"
+            )
+        out.append(buf.reshape(-1).view(np.uint8))
+    return out
+
+
+def _shaped(place: RankPlacement, flat: np.ndarray, buffer_index: int) -> np.ndarray:
+    """Byte view with the pool's shape, last dim in bytes: NHD ``[rows, heads, dim_bytes]``,
+    HND ``[pages, heads, page_size, dim_bytes]``."""
+    shape = list(place.buffer_shape(buffer_index))
+    shape[-1] *= place.geometry.itemsize
+    return flat.reshape(shape)
+
+
+def _token_index(pages: np.ndarray, page_size: int, start: int, count: int):
+    tok = np.arange(start, start + count, dtype=np.int64)
+    return pages[tok // page_size], tok % page_size
+
+
+def gather_np(place: RankPlacement, buffers: Sequence[np.ndarray], pages: np.ndarray, head_start: int,
+              num_heads: int, token_start: int, num_tokens: int) -> np.ndarray:
+    """Staging bytes ``[layer][K|V][token][num_heads][dim]`` of the given tokens and heads."""
+    views = _byte_views(place, buffers, "buffers")
+    g = place.geometry
+    pg, slot = _token_index(pages, g.page_size, token_start, num_tokens)
+    heads = slice(head_start, head_start + num_heads)
+    blocks = []
+    for layer in range(g.num_layers):
+        for b in (layer, g.num_layers + layer)[: 2 if g.has_v else 1]:
+            arr = _shaped(place, views[b], b)
+            if g.layout is Layout.NHD:
+                blocks.append(arr[pg * g.page_size + slot][:, heads, :].reshape(-1))
+            else:
+                blocks.append(arr[pg, heads, slot, :].reshape(-1))
+    return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.uint8)
+
+
+def scatter_np(place: RankPlacement, buffers: Sequence[np.ndarray], staging: np.ndarray, pages: np.ndarray,
+               head_start: int, num_heads: int, token_start: int, num_tokens: int) -> None:
+    """Inverse of ``gather_np``: write staging bytes into the given tokens and heads."""
+    views = _byte_views(place, buffers, "buffers")
+    g = place.geometry
+    pg, slot = _token_index(pages, g.page_size, token_start, num_tokens)
+    heads = slice(head_start, head_start + num_heads)
+    staging = np.asarray(staging).reshape(-1).view(np.uint8)
+    pos = 0
+    for layer in range(g.num_layers):
+        for b in (layer, g.num_layers + layer)[: 2 if g.has_v else 1]:
+            dim_bytes = g.buffer_dim(b) * g.itemsize
+            size = num_tokens * num_heads * dim_bytes
+            block = staging[pos: pos + size].reshape(num_tokens, num_heads, dim_bytes)
+            pos += size
+            arr = _shaped(place, views[b], b)
+            if g.layout is Layout.NHD:
+                arr[pg * g.page_size + slot, heads, :] = block
+            else:
+                arr[pg, heads, slot, :] = block
+    if pos != staging.size:
+        raise ValueError(f"staging has {staging.size} bytes; the plan needs {pos}")
+
+
+def apply_plan(plan: PairPlan, src_buffers: Sequence[np.ndarray], dst_buffers: Sequence[np.ndarray]) -> None:
+    """Move the bytes ``plan`` describes from the writer's buffers into the reader's."""
+    if isinstance(plan, DirectPlan):
+        src = _byte_views(plan.src, src_buffers, "src_buffers")
+        dst = _byte_views(plan.dst, dst_buffers, "dst_buffers")
+        for b in range(plan.src.geometry.num_buffers):
+            for s, d, n in plan.buffer_ops(b):
+                dst[b][d: d + n] = src[b][s: s + n]
+        return
+    if not isinstance(plan, StagedPlan):
+        raise TypeError(f"plan must be a DirectPlan or StagedPlan, got {type(plan).__name__}")
+    t = plan.transfer
+    staging = gather_np(plan.src, src_buffers, plan.src_pages, t.src_head_start, t.num_heads,
+                        plan.token_start, plan.num_tokens)
+    if staging.size != plan.staging_nbytes:
+        raise AssertionError(f"gather produced {staging.size} bytes, plan says {plan.staging_nbytes}")
+    scatter_np(plan.dst, dst_buffers, staging, plan.dst_pages, t.dst_head_start, t.num_heads,
+               plan.token_start, plan.num_tokens)

@@ -1,0 +1,49 @@
+"""A brute-force oracle for KV re-sharding, written independently of the planner.
+
+It builds the full KV of every head, places each rank's owned heads into that rank's pool
+token by token with plain loops, and says what every decode pool must hold afterwards.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from sglang_kvxfer.geometry import Layout, RankPlacement
+
+SENTINEL = -7.0  # untouched decode bytes
+POISON = -3.0  # unused prefill bytes: copying any of them shows up in a decode pool
+
+
+def full_kv(num_layers, num_heads, num_tokens, head_dim, v_head_dim, seed=0):
+    """Distinct float32 values for every (layer, K/V, token, head, dim)."""
+    rng = np.random.default_rng(seed)
+    k = rng.permutation(num_layers * num_tokens * num_heads * head_dim).astype(np.float32)
+    k = k.reshape(num_layers, num_tokens, num_heads, head_dim) + 1.0
+    v = None
+    if v_head_dim:
+        v = rng.permutation(num_layers * num_tokens * num_heads * v_head_dim).astype(np.float32)
+        v = -(v.reshape(num_layers, num_tokens, num_heads, v_head_dim) + 1.0) * 0.5 - 100.0
+    return k, v
+
+
+def empty_pool(place: RankPlacement, fill: float = SENTINEL):
+    return [np.full(place.buffer_shape(i), fill, dtype=np.float32) for i in range(place.geometry.num_buffers)]
+
+
+def place_tokens(place: RankPlacement, pool, k_full, v_full, pages, num_tokens):
+    """Write this rank's owned heads of tokens [0, num_tokens) into its pages, one element
+    row at a time."""
+    g = place.geometry
+    heads = list(place.heads)
+    for layer in range(g.num_layers):
+        kinds = [(layer, k_full)] + ([(g.num_layers + layer, v_full)] if g.has_v else [])
+        for buf_index, full in kinds:
+            buf = pool[buf_index]
+            for t in range(num_tokens):
+                page, slot = int(pages[t // g.page_size]), t % g.page_size
+                for local, head in enumerate(heads):
+                    row = full[layer, t, head]
+                    if g.layout is Layout.NHD:
+                        buf[page * g.page_size + slot, local, :] = row
+                    else:
+                        buf[page, local, slot, :] = row
+    return pool

@@ -1,0 +1,183 @@
+"""Byte plans: property tests over random geometries, page lists, layouts and chunks, with
+real bytes moved and compared against the oracle; and every rejection path's message."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sglang_kvxfer.errors import IncompatibleGeometryError, PlanError
+from sglang_kvxfer.geometry import KVGeometry
+from sglang_kvxfer.planning import DirectPlan, StagedPlan, plan_pair, plan_tp
+from sglang_kvxfer.planning.byteplan import coalesce, per_token_op_count
+from sglang_kvxfer.planning.executor import apply_plan
+
+from .oracle import POISON, empty_pool, full_kv, place_tokens
+
+TP_SIZES = {1: [1, 2, 4], 2: [1, 2, 4], 4: [1, 2, 4, 8], 6: [1, 2, 3, 6], 8: [1, 2, 4, 8]}
+
+
+@st.composite
+def scenarios(draw):
+    mla = draw(st.booleans())
+    h = 1 if mla else draw(st.sampled_from(sorted(TP_SIZES)))
+    p = draw(st.sampled_from(TP_SIZES[h] if not mla else [1, 2, 3, 4]))
+    d = draw(st.sampled_from(TP_SIZES[h] if not mla else [1, 2, 3, 4]))
+    ps, pd = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    lp, ld = draw(st.sampled_from(["NHD", "HND"])), draw(st.sampled_from(["NHD", "HND"]))
+    num_tokens = draw(st.integers(1, 20))
+    cuts = sorted(draw(st.lists(st.integers(0, num_tokens), max_size=3)))
+    head_dim = draw(st.integers(1, 4))
+    v_head_dim = None if mla else draw(st.integers(1, 4))
+    path = draw(st.sampled_from(["auto", "direct", "staged"]))
+    seed = draw(st.integers(0, 2**16))
+    return mla, h, p, d, ps, pd, lp, ld, num_tokens, cuts, head_dim, v_head_dim, path, seed
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_random_plans_move_exactly_the_right_bytes(s):
+    mla, h, p, d, ps, pd, lp, ld, num_tokens, cuts, head_dim, v_head_dim, path, seed = s
+    common = dict(num_layers=2, total_kv_heads=h, head_dim=head_dim, v_head_dim=v_head_dim,
+                  dtype="float32", mla=mla)
+    gp = KVGeometry(**common, page_size=ps, layout=lp, num_pages=25)
+    gd = KVGeometry(**common, page_size=pd, layout=ld, num_pages=22)
+    rng = np.random.default_rng(seed)
+    src_pages = rng.permutation(gp.num_pages)[: -(-num_tokens // ps)]
+    dst_pages = rng.permutation(gd.num_pages)[: -(-num_tokens // pd)]
+    k_full, v_full = full_kv(2, h, num_tokens, head_dim, gp.v_head_dim, seed)
+    pre = [gp.placement(p, r) for r in range(p)]
+    dec = [gd.placement(d, r) for r in range(d)]
+    src_pools = [place_tokens(pl, empty_pool(pl, POISON), k_full, v_full, src_pages, num_tokens) for pl in pre]
+    dst_pools = [empty_pool(pl) for pl in dec]
+    bounds = [0] + cuts + [num_tokens]
+    plan = plan_tp(h, p, d, mla=mla, salt=seed)
+    for t in plan.transfers:
+        for a, b in zip(bounds, bounds[1:]):  # chunked sends: each chunk planned on its own
+            pair = plan_pair(t, pre[t.prefill_rank], dec[t.decode_rank], src_pages, dst_pages,
+                             num_tokens=num_tokens, token_start=a, token_stop=b, path=path)
+            assert pair.num_tokens == b - a
+            assert pair.nbytes == 2 * (b - a) * t.num_heads * (gp.head_dim + gp.v_head_dim) * 4
+            if path == "staged":
+                assert isinstance(pair, StagedPlan)
+            if isinstance(pair, DirectPlan):
+                moved = sum(int(pair.buffer_ops(i)[:, 2].sum()) for i in range(gp.num_buffers))
+                assert moved == pair.nbytes
+                assert pair.op_count == pair.direct_op_count
+            apply_plan(pair, src_pools[t.prefill_rank], dst_pools[t.decode_rank])
+    for r, pl in enumerate(dec):
+        want = place_tokens(pl, empty_pool(pl), k_full, v_full, dst_pages, num_tokens)
+        for got, exp in zip(dst_pools[r], want):
+            assert np.array_equal(got, exp)
+
+
+def _pair(h=8, p=2, d=1, ps=4, pd=4, lp="NHD", ld="NHD", mla=False, **kw):
+    common = dict(num_layers=3, total_kv_heads=h, head_dim=8, dtype="bf16", mla=mla)
+    gp = KVGeometry(**common, page_size=ps, layout=lp, num_pages=64)
+    gd = KVGeometry(**common, page_size=pd, layout=ld, num_pages=32)
+    t = plan_tp(h, p, d, mla=mla).transfers[0]
+    return t, gp.placement(p, t.prefill_rank), gd.placement(d, t.decode_rank)
+
+
+def test_equal_tp_contiguous_pages_coalesce_into_one_op_per_buffer():
+    t, src, dst = _pair(p=2, d=2)
+    plan = plan_pair(t, src, dst, list(range(10, 20)), list(range(0, 10)))
+    assert plan.path == "direct" and plan.direct_op_count == 6  # 3 layers x (K, V)
+    assert plan.k_ops.tolist() == [[10 * 4 * 4 * 8 * 2, 0, 10 * 4 * 4 * 8 * 2]]
+
+
+def test_strided_nhd_slice_is_staged_with_one_write():
+    t, src, dst = _pair(p=2, d=1)
+    plan = plan_pair(t, src, dst, list(range(8)), list(range(8)))
+    assert plan.path == "staged" and plan.direct_op_count is None and plan.staged_op_count == 1
+    assert "strided" in plan.reason
+    assert plan.staging_nbytes == 3 * 32 * 4 * (8 + 8) * 2
+    assert plan.gather_kwargs()["head_start"] == t.src_head_start
+    assert plan.scatter_kwargs()["head_start"] == t.dst_head_start
+    assert per_token_op_count(3, 32) == 192
+
+
+def test_hnd_slices_are_direct_per_page_when_pages_are_large():
+    t, src, dst = _pair(p=1, d=2, lp="HND", ld="HND", ps=64, pd=64)
+    plan = plan_pair(t, src, dst, [3, 9], [1, 2], path="auto")
+    assert plan.path == "direct"
+    assert len(plan.k_ops) == 2  # one op per page: the head slice of a full HND page is contiguous
+
+
+def test_fragmented_direct_plans_go_staged_under_auto():
+    t, src, dst = _pair(p=2, d=2, ps=1, pd=1)
+    pages = np.arange(0, 64, 2)  # every other page: no two consecutive
+    plan = plan_pair(t, src, dst, pages, np.arange(32))
+    assert plan.path == "staged" and "fragmented" in plan.reason
+    assert plan.direct_op_count == 3 * 2 * 32
+    forced = plan_pair(t, src, dst, pages, np.arange(32), path="direct")
+    assert forced.path == "direct"
+
+
+def test_path_env_var_forces_staging(monkeypatch):
+    t, src, dst = _pair(p=2, d=2)
+    monkeypatch.setenv("KVXFER_DATA_PATH", "staged")
+    assert plan_pair(t, src, dst, [0, 1], [0, 1]).path == "staged"
+
+
+def test_coalesce_merges_only_runs_contiguous_on_both_sides():
+    ops = coalesce([0, 10, 20, 50], [100, 110, 125, 135], [10, 10, 10, 10])
+    assert ops.tolist() == [[0, 100, 20], [20, 125, 10], [50, 135, 10]]
+    assert coalesce([], [], []).shape == (0, 3)
+
+
+# --- rejections ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("src_pages,dst_pages,kw,words", [
+    ([0, 1, 2], [0, 1], {}, ["prefill page list has 3", "decode page list has 2"]),
+    ([0, 64], [0, 1], {}, ["src_pages[1]=64", "[0, 64)"]),
+    ([0, 1], [-1, 1], {}, ["dst_pages[0]=-1"]),
+    ([0, 1], [3, 3], {}, ["dst_pages repeats page id 3"]),
+    ([[0, 1]], [0, 1], {}, ["src_pages must be a 1-D", "(1, 2)"]),
+    ([0.5, 1.0], [0, 1], {}, ["src_pages must hold integers", "float64"]),
+    ([0, 1], [0, 1], {"num_tokens": 9}, ["prefill page list has 2 page(s) but 9 tokens", "need exactly 3"]),
+    ([0, 1], [0, 1], {"num_tokens": -1}, ["num_tokens=-1"]),
+    ([0, 1], [0, 1], {"token_start": 3, "token_stop": 2}, ["token range [3, 2)", "8 token(s)"]),
+    ([0, 1], [0, 1], {"token_stop": 9}, ["token range [0, 9)"]),
+    ([0, 1], [0, 1], {"token_start": 1.5}, ["token_start=1.5"]),
+    ([0, 1], [0, 1], {"path": "sideways"}, ["path='sideways'"]),
+])
+def test_bad_page_lists_and_ranges_are_rejected(src_pages, dst_pages, kw, words):
+    t, src, dst = _pair(p=2, d=2)
+    with pytest.raises(PlanError) as exc:
+        plan_pair(t, src, dst, src_pages, dst_pages, **kw)
+    for w in words:
+        assert w in str(exc.value)
+
+
+def test_num_tokens_is_required_when_page_sizes_differ():
+    t, src, dst = _pair(p=2, d=2, ps=4, pd=8)
+    with pytest.raises(PlanError, match=r"num_tokens is required when page sizes differ \(prefill page_size=4, decode page_size=8\)"):
+        plan_pair(t, src, dst, [0, 1], [0])
+    assert plan_pair(t, src, dst, [0, 1], [0], num_tokens=8).num_tokens == 8
+
+
+def test_transfer_must_belong_to_the_placements():
+    t, src, dst = _pair(p=2, d=1)
+    other = src.geometry.placement(2, 1)
+    with pytest.raises(PlanError, match="transfer is for prefill rank 0 -> decode rank 0, but the placements are prefill rank 1"):
+        plan_pair(t, other, dst, [0], [0])
+    wrong_tp = src.geometry.placement(4, 0)
+    with pytest.raises(PlanError, match="outside the 2 local head"):
+        plan_pair(t, wrong_tp, dst, [0], [0])
+
+
+def test_transfer_built_for_another_layout_is_rejected():
+    t = plan_tp(8, 2, 1).transfers[1]  # prefill rank 1 holds global heads 4..7
+    g = KVGeometry(num_layers=1, total_kv_heads=8, head_dim=8)
+    shifted = type(t)(t.prefill_rank, t.decode_rank, t.src_head_start, 0, t.num_heads, t.global_head_start)
+    with pytest.raises(PlanError, match="dst local head 0 is global head 0, but the transfer starts at global head 4"):
+        plan_pair(shifted, g.placement(2, 1), g.placement(1, 0), [0], [0])
+
+
+def test_incompatible_geometries_are_rejected_before_planning():
+    t, src, _ = _pair(p=2, d=1)
+    other = KVGeometry(num_layers=3, total_kv_heads=8, head_dim=4, dtype="bf16").placement(1, 0)
+    with pytest.raises(IncompatibleGeometryError, match="head_dim: prefill=8 decode=4"):
+        plan_pair(t, src, other, [0], [0])
