@@ -85,3 +85,15 @@ KVXFER_DIRECT_MIN_OP_BYTES = _define(
     "`auto` data path: a contiguous pair goes direct when its average op is at least this "
     "many bytes, or when it needs no more than 4 ops per KV buffer; otherwise it is staged.",
 )
+
+
+def markdown_table() -> str:
+    """The README's table of environment variables (kept in sync by a test)."""
+    rows = ["| variable | default | effect |", "|---|---|---|"]
+    for var in all_vars():
+        rows.append(f"| `{var.name}` | `{var.default}` | {var.doc} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m sglang_kvxfer.envs: print the README table
+    print(markdown_table())
