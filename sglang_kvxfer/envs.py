@@ -86,6 +86,41 @@ KVXFER_DIRECT_MIN_OP_BYTES = _define(
     "many bytes, or when it needs no more than 4 ops per KV buffer; otherwise it is staged.",
 )
 
+KVXFER_BOOTSTRAP_TIMEOUT_S = _define(
+    "KVXFER_BOOTSTRAP_TIMEOUT_S", 60.0, float,
+    "Deadline of a request in Bootstrapping (peers found, registered, metadata exchanged).",
+)
+KVXFER_WAITING_TIMEOUT_S = _define(
+    "KVXFER_WAITING_TIMEOUT_S", 300.0, float,
+    "Deadline of a request in WaitingForInput (prefill has not started sending).",
+)
+KVXFER_TRANSFER_TIMEOUT_S = _define(
+    "KVXFER_TRANSFER_TIMEOUT_S", 120.0, float,
+    "Deadline of a request in Transferring without progress (no chunk, no writer done).",
+)
+KVXFER_HEARTBEAT_INTERVAL_S = _define(
+    "KVXFER_HEARTBEAT_INTERVAL_S", 1.0, float,
+    "Seconds between heartbeats a rank sends to each peer it is registered with.",
+)
+KVXFER_HEARTBEAT_TIMEOUT_S = _define(
+    "KVXFER_HEARTBEAT_TIMEOUT_S", 5.0, float,
+    "A peer silent for this long is declared dead: its in-flight requests fail and its "
+    "registration is dropped (a restarted peer registers again).",
+)
+KVXFER_STAGING_BYTES = _define(
+    "KVXFER_STAGING_BYTES", 256 << 20, int,
+    "Size of each rank's staging arena (prefill: gather buffers; decode: windows lent to writers).",
+)
+KVXFER_STAGING_SLOT_BYTES = _define(
+    "KVXFER_STAGING_SLOT_BYTES", 8 << 20, int,
+    "Size of one staging slot; a decode rank lends each staged writer two slots per request, "
+    "so gather, wire and scatter of consecutive slots overlap.",
+)
+KVXFER_WORKERS = _define(
+    "KVXFER_WORKERS", 2, int,
+    "Transfer worker threads per rank (requests are spread over them by room id).",
+)
+
 
 def markdown_table() -> str:
     """The README's table of environment variables (kept in sync by a test)."""

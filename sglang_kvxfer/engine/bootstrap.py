@@ -1,0 +1,151 @@
+"""The bootstrap service and its client calls.
+
+Owns ``BootstrapServer`` (a ZMQ ROUTER on one thread: prefill ranks register, decode ranks
+ask where the prefill ranks are) and ``request`` (one request/reply with a deadline, used by
+both). A prefill rank that registers again with a new session replaces its old entry, so a
+restarted prefill is found by the next lookup. Conflicting registrations (another TP size,
+geometry or transport than the ranks already registered) are refused with the reason.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from sglang_kvxfer.errors import ProtocolError, TransferTimeoutError
+from sglang_kvxfer.engine.config import parse_host_port
+from sglang_kvxfer.protocol import codec
+from sglang_kvxfer.protocol.fields import MAX_FRAME_BYTES
+from sglang_kvxfer.protocol.messages import (
+    BootstrapQuery,
+    BootstrapReply,
+    PrefillRankInfo,
+    PrefillRegister,
+)
+
+__all__ = ["BootstrapServer", "request"]
+
+log = logging.getLogger("sglang_kvxfer.bootstrap")
+
+
+class BootstrapServer:
+    """Serve prefill registrations and decode lookups on ``host:port`` (port 0: any)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.host, self.port = host, port
+        self.address = f"{host}:{port}"
+        self._ranks: dict[int, PrefillRegister] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvxfer-bootstrap", daemon=True)
+        self._thread.start()
+
+    def registered(self) -> dict[int, str]:
+        """tp_rank -> session of the registered prefill ranks."""
+        with self._lock:
+            return {r: m.session for r, m in self._ranks.items()}
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(50):
+                continue
+            try:
+                ident, _, frame = self._sock.recv_multipart(zmq.NOBLOCK)
+            except (zmq.Again, ValueError):
+                continue
+            try:
+                reply = self._handle(codec.decode(frame))
+            except ProtocolError as exc:
+                log.warning("bootstrap dropped a malformed frame: %s", exc)
+                continue
+            self._sock.send_multipart([ident, b"", codec.encode(reply)])
+
+    def _handle(self, msg) -> BootstrapReply:
+        with self._lock:
+            if isinstance(msg, PrefillRegister):
+                conflict = self._conflict(msg)
+                if conflict:
+                    log.warning("refused prefill rank %d: %s", msg.tp_rank, conflict)
+                    return self._reply(reason=conflict, force_not_ready=True)
+                self._ranks[msg.tp_rank] = msg
+                return self._reply()
+            if isinstance(msg, BootstrapQuery):
+                return self._reply()
+        return self._reply(reason=f"bootstrap does not handle {type(msg).__name__}", force_not_ready=True)
+
+    def _conflict(self, msg: PrefillRegister) -> str:
+        for other in self._ranks.values():
+            if other.tp_rank == msg.tp_rank:
+                continue  # a restart of the same rank replaces it
+            for name in ("tp_size", "geometry", "transport"):
+                a, b = getattr(other, name), getattr(msg, name)
+                if a != b:
+                    return (f"prefill rank {msg.tp_rank} registers {name}={b!r} but rank "
+                            f"{other.tp_rank} registered {name}={a!r}")
+        return ""
+
+    def _reply(self, reason: str = "", force_not_ready: bool = False) -> BootstrapReply:
+        ranks = sorted(self._ranks.values(), key=lambda m: m.tp_rank)
+        size = ranks[0].tp_size if ranks else 0
+        ready = bool(ranks) and len(ranks) == size and not force_not_ready
+        if not ready and not reason:
+            reason = f"{len(ranks)} of {size or '?'} prefill rank(s) registered"
+        return BootstrapReply(
+            ready=ready, tp_size=size, geometry=ranks[0].geometry if ranks else None,
+            transport=ranks[0].transport if ranks else "",
+            ranks=tuple(PrefillRankInfo(tp_rank=m.tp_rank, endpoint=m.endpoint, session=m.session) for m in ranks),
+            reason="" if ready else reason,
+        )
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout_s)
+        self._sock.close(0)
+        self._ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def request(address: str, message, timeout_s: float) -> BootstrapReply:
+    """Send ``message`` to the bootstrap at ``address`` and return its reply.
+
+    Raises ``TransferTimeoutError`` when no reply comes within ``timeout_s`` (the service is
+    down or unreachable) and ``RemoteProtocolError`` for a malformed reply.
+    """
+    host, port = parse_host_port(address)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    try:
+        sock.connect(f"tcp://{host}:{port}")
+        sock.send_multipart([b"", codec.encode(message)])
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeoutError(f"bootstrap {address} did not answer within {timeout_s:.1f} s")
+            if sock.poll(min(left, 0.2) * 1000):
+                parts = sock.recv_multipart()
+                reply = codec.decode(parts[-1])
+                if not isinstance(reply, BootstrapReply):
+                    raise ProtocolError(f"bootstrap {address} answered with {type(reply).__name__}")
+                return reply
+    finally:
+        sock.close(0)

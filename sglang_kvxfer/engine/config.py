@@ -1,0 +1,99 @@
+"""Engine configuration: one frozen dataclass, validated on construction.
+
+Defaults come from ``envs`` (``KVXFER_*``); every field can be given explicitly. Must not
+start anything.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang_kvxfer import envs
+from sglang_kvxfer.geometry import KVGeometry
+
+__all__ = ["EngineConfig", "parse_host_port"]
+
+ENGINE_VERSION = "sglang_kvxfer-0.1"
+
+
+def parse_host_port(text: str, name: str = "bootstrap") -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; a clear ``ValueError`` otherwise."""
+    if not isinstance(text, str) or ":" not in text:
+        raise ValueError(f"{name}={text!r} must look like 'host:port'")
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name}={text!r} must look like 'host:port' with a port in 1..65535")
+    return host, int(port)
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive number")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one rank's ``KVManager`` needs.
+
+    Args:
+        role: ``"prefill"`` or ``"decode"``.
+        geometry: this rank's pool geometry (its page size and layout may differ from the
+            peer's; model fields must match).
+        tp_size, tp_rank: this rank's TP placement.
+        bootstrap: ``"host:port"`` of the bootstrap service (prefill registers there;
+            decode looks prefill up there).
+        transport: transport name (``local``, ``tcp``, ``nixl``, ``mori``).
+        transport_options: keyword options of that transport.
+        host: address this rank advertises for its control inbox.
+        device: ``"cpu"`` or ``"cuda:N"`` for pools allocated by the engine.
+    """
+
+    role: str
+    geometry: KVGeometry
+    tp_size: int
+    tp_rank: int
+    bootstrap: str
+    transport: str = "local"
+    transport_options: dict = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    device: str = "cpu"
+    bootstrap_timeout_s: float = field(default_factory=envs.KVXFER_BOOTSTRAP_TIMEOUT_S.get)
+    waiting_timeout_s: float = field(default_factory=envs.KVXFER_WAITING_TIMEOUT_S.get)
+    transfer_timeout_s: float = field(default_factory=envs.KVXFER_TRANSFER_TIMEOUT_S.get)
+    heartbeat_interval_s: float = field(default_factory=envs.KVXFER_HEARTBEAT_INTERVAL_S.get)
+    heartbeat_timeout_s: float = field(default_factory=envs.KVXFER_HEARTBEAT_TIMEOUT_S.get)
+    staging_bytes: int = field(default_factory=envs.KVXFER_STAGING_BYTES.get)
+    staging_slot_bytes: int = field(default_factory=envs.KVXFER_STAGING_SLOT_BYTES.get)
+    num_workers: int = field(default_factory=envs.KVXFER_WORKERS.get)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role={self.role!r} must be 'prefill' or 'decode'")
+        if not isinstance(self.geometry, KVGeometry):
+            raise ValueError(f"geometry must be a KVGeometry, got {type(self.geometry).__name__}")
+        self.geometry.placement(self.tp_size, self.tp_rank)  # validates (H, T) and the rank
+        parse_host_port(self.bootstrap)
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s",
+                     "heartbeat_interval_s", "heartbeat_timeout_s"):
+            _positive(name, getattr(self, name))
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed "
+                f"heartbeat_interval_s={self.heartbeat_interval_s}"
+            )
+        for name in ("staging_bytes", "staging_slot_bytes", "num_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if 2 * self.staging_slot_bytes > self.staging_bytes:
+            raise ValueError(
+                f"staging_bytes={self.staging_bytes} must hold at least two slots of "
+                f"staging_slot_bytes={self.staging_slot_bytes}"
+            )
+        if self.device != "cpu" and not str(self.device).startswith("cuda"):
+            raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda[:N]'")
+
+    @property
+    def placement(self):
+        return self.geometry.placement(self.tp_size, self.tp_rank)

@@ -1,0 +1,130 @@
+"""The control channel of one rank: a ZMQ PULL inbox and PUSH sockets to peers.
+
+Owns the sockets and the I/O thread. The thread feeds every decoded message to a handler
+and calls a tick function every ``tick_s``; a malformed frame is logged and counted, never
+fatal. Sends never block: a peer whose queue is full or that is gone makes ``send`` return
+False (deadlines and heartbeats take it from there). Must not interpret messages.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+from sglang_kvxfer.errors import ProtocolError
+from sglang_kvxfer.protocol import codec
+from sglang_kvxfer.protocol.fields import MAX_FRAME_BYTES
+
+__all__ = ["ControlChannel"]
+
+log = logging.getLogger("sglang_kvxfer.control")
+
+
+class ControlChannel:
+    """Inbox + outboxes + I/O thread.
+
+    Args:
+        host: address to bind and advertise.
+        on_message: called on the I/O thread with each decoded message.
+        on_tick: called on the I/O thread with ``time.monotonic()`` every ``tick_s``.
+        name: for thread names and logs.
+    """
+
+    def __init__(self, host: str, on_message: Callable, on_tick: Callable[[float], None],
+                 name: str, tick_s: float = 0.05):
+        self._ctx = zmq.Context()
+        self._inbox = self._ctx.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        port = self._inbox.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._out: dict[str, zmq.Socket] = {}
+        self._out_lock = threading.Lock()
+        self._on_message, self._on_tick, self._tick_s = on_message, on_tick, tick_s
+        self._stop = threading.Event()
+        self.bad_frames = 0
+        self._thread = threading.Thread(target=self._loop, name=f"kvxfer-io-{name}", daemon=True)
+        self._thread.start()
+
+    def send(self, endpoint: str, message) -> bool:
+        """Queue ``message`` for ``endpoint``; False if it could not be queued now."""
+        frame = codec.encode(message)
+        with self._out_lock:
+            if self._stop.is_set():
+                return False
+            sock = self._out.get(endpoint)
+            if sock is None:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 100_000)
+                sock.connect(endpoint)
+                self._out[endpoint] = sock
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                log.warning("control queue to %s is full; dropping %s", endpoint, type(message).__name__)
+                return False
+
+    def forget(self, endpoint: str) -> None:
+        """Close the outbox to a peer that is gone."""
+        with self._out_lock:
+            sock = self._out.pop(endpoint, None)
+            if sock is not None:
+                sock.close(0)
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._inbox, zmq.POLLIN)
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            timeout_ms = max(0.0, next_tick - time.monotonic()) * 1000
+            try:
+                ready = dict(poller.poll(timeout_ms))
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            if ready.get(self._inbox):
+                for _ in range(256):  # drain a burst, but keep ticking under load
+                    try:
+                        frame = self._inbox.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._dispatch(frame.buffer)
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + self._tick_s
+                try:
+                    self._on_tick(now)
+                except Exception:  # a bug in a tick must not kill the rank's I/O
+                    log.exception("control tick failed")
+
+    def _dispatch(self, data) -> None:
+        try:
+            message = codec.decode(data)
+        except ProtocolError as exc:
+            self.bad_frames += 1
+            log.warning("dropped a malformed control frame: %s", exc)
+            return
+        try:
+            self._on_message(message)
+        except Exception:
+            log.exception("handling %s failed", type(message).__name__)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the I/O thread (bounded join) and close every socket. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+        with self._out_lock:
+            for sock in self._out.values():
+                sock.close(0)
+            self._out.clear()
+        self._inbox.close(0)
+        self._ctx.term()

@@ -1,0 +1,514 @@
+"""The decode side: ``DecodeManager`` and ``KVReceiver``.
+
+A decode rank looks the prefill group up at the bootstrap, registers its pool with every
+candidate prefill rank (both sides check the geometry; a mismatch fails the requests at
+once with the field-level message), then per request sends metadata to every candidate:
+destination pages, and for each elected writer either nothing (direct writes into the
+pool) or a window of two staging slots. It scatters each staged chunk as its
+``ChunkReady`` arrives and returns the slot, and reports Success only when every expected
+writer has sent ``TransferDone``. Deadlines, aborts and peer death fail a request and free
+its staging windows; the next request to a live peer works.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from sglang_kvxfer.engine import bootstrap
+from sglang_kvxfer.engine.config import ENGINE_VERSION
+from sglang_kvxfer.engine.manager import Peer, RankBase
+from sglang_kvxfer.errors import IncompatibleGeometryError, KVXferError, TransferFailedError
+from sglang_kvxfer.geometry import check_compatible
+from sglang_kvxfer.planning import candidate_prefill_ranks, plan_pair, plan_tp
+from sglang_kvxfer.protocol.fields import Side
+from sglang_kvxfer.protocol.messages import (
+    Abort,
+    BootstrapQuery,
+    ChunkAck,
+    ChunkReady,
+    DecodeRegister,
+    Heartbeat,
+    RegisterReply,
+    RequestMeta,
+    TransferDone,
+    TransferFailed,
+)
+from sglang_kvxfer.protocol.state import Event, KVPoll
+
+__all__ = ["DecodeManager", "KVReceiver"]
+
+log = logging.getLogger("sglang_kvxfer.decode")
+
+_SLOTS = 2
+
+
+class PrefillGroup:
+    """What one bootstrap told us, and our registration with each candidate prefill rank."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.status = "resolving"  # -> "registering" -> "ready" | "failed"
+        self.error = ""
+        self.reply = None
+        self.placements: dict[int, object] = {}
+        self.peers: dict[int, Peer] = {}  # prefill tp_rank -> peer (its endpoint and session)
+        self.acks: dict[int, bool] = {}
+
+
+class DecodeRoom:
+    """One request on this decode rank."""
+
+    def __init__(self, room: int, state, group: str):
+        self.room = room
+        self.state = state
+        self.group = group
+        self.pages: np.ndarray | None = None
+        self.num_tokens = 0
+        self.aux_slot = -1
+        self.meta_pending = False
+        self.meta_sent = False
+        self.writers: dict[int, object] = {}  # prefill rank -> HeadTransfer
+        self.windows: dict[int, tuple[int, int]] = {}  # prefill rank -> (offset, capacity)
+        self.candidates: tuple[int, ...] = ()
+        self.aux_payload = b""
+        self.bytes = 0
+        self.timings: dict[str, float] = {}
+        self.first_notice: float | None = None
+        self.last_notice: float | None = None
+        self.finished_at: float | None = None
+        self.waiting_for = ""
+
+
+class DecodeManager(RankBase):
+    """One decode TP rank."""
+
+    side = Side.DECODE
+
+    def __init__(self, config, pool=None):
+        super().__init__(config, pool)
+        self._groups: dict[str, PrefillGroup] = {}
+
+    # -- bootstrap and registration --------------------------------------------------------------
+    def _group(self, address: str) -> PrefillGroup:
+        with self._lock:
+            group = self._groups.get(address)
+            if group is None or group.status == "failed":
+                group = self._groups[address] = PrefillGroup(address)
+                threading.Thread(target=self._resolve, args=(group,), daemon=True,
+                                 name=f"kvxfer-decode{self.tp_rank}-resolve").start()
+            return group
+
+    def _resolve(self, group: PrefillGroup) -> None:
+        deadline = time.monotonic() + self.config.bootstrap_timeout_s
+        query = BootstrapQuery(session=self.session, tp_rank=self.tp_rank)
+        reply, last = None, "no answer"
+        while not self._closed and time.monotonic() < deadline:
+            try:
+                reply = bootstrap.request(group.address, query, timeout_s=2.0)
+            except KVXferError as exc:
+                last = str(exc)
+            else:
+                if reply.ready:
+                    break
+                last = reply.reason
+            reply = None
+            time.sleep(0.1)
+        if reply is None:
+            return self._group_failed(group, f"bootstrap {group.address}: prefill group not ready after "
+                                             f"{self.config.bootstrap_timeout_s:.0f} s ({last})")
+        g = self.config.geometry
+        try:
+            candidates = candidate_prefill_ranks(g.total_kv_heads, reply.tp_size, self.config.tp_size,
+                                                 self.tp_rank, g.mla)
+        except KVXferError as exc:
+            return self._group_failed(group, str(exc))
+        now = time.monotonic()
+        with self._lock:
+            group.reply = reply
+            group.status = "registering"
+            for info in reply.ranks:
+                if info.tp_rank in candidates:
+                    group.peers[info.tp_rank] = Peer(info.session, info.tp_rank, info.endpoint, now)
+                    group.placements[info.tp_rank] = reply.geometry.placement(reply.tp_size, info.tp_rank)
+        register = DecodeRegister(
+            engine_version=ENGINE_VERSION, session=self.session, tp_size=self.config.tp_size,
+            tp_rank=self.tp_rank, endpoint=self.control.endpoint, geometry=g,
+            transport=self.config.transport, agent_descriptor=self.transport.agent_descriptor(),
+            kv_regions=tuple(self.kv_descriptors),
+            kv_buffer_locs=tuple((loc.region, loc.offset) for loc in self.pool.locs),
+            staging_region=self.staging_descriptor, aux_region=None)
+        for peer in list(group.peers.values()):
+            self.control.send(peer.endpoint, register)
+
+    def _group_failed(self, group: PrefillGroup, reason: str) -> None:
+        log.error("decode rank %d: %s", self.tp_rank, reason)
+        with self._lock:
+            group.status, group.error = "failed", reason
+            rooms = [r for r in self._rooms.values() if r.group == group.address and not r.state.is_terminal]
+        for rec in rooms:
+            self._fail_room(rec, reason)
+
+    def _on_register_reply(self, msg: RegisterReply) -> None:
+        with self._lock:
+            group = next((g for g in self._groups.values()
+                          if msg.tp_rank in g.peers and g.peers[msg.tp_rank].session == msg.session), None)
+        if group is None:
+            return
+        error = msg.error if not msg.ok else ""
+        if not error:
+            try:
+                check_compatible(msg.geometry, self.config.geometry)
+            except IncompatibleGeometryError as exc:
+                error = str(exc)
+        if error:
+            return self._group_failed(group, f"prefill rank {msg.tp_rank} refused this decode rank: {error}")
+        with self._lock:
+            group.acks[msg.tp_rank] = True
+            group.peers[msg.tp_rank].last_seen = time.monotonic()
+            if set(group.acks) != set(group.peers) or group.status != "registering":
+                return
+            group.status = "ready"
+            rooms = [r for r in self._rooms.values() if r.group == group.address]
+            for rec in rooms:
+                if rec.state.poll is KVPoll.Bootstrapping:
+                    rec.state.handle(Event.BOOTSTRAPPED, time.monotonic())
+        for rec in rooms:
+            if rec.meta_pending:
+                self._dispatch_meta(rec)
+
+    # -- requests --------------------------------------------------------------------------------
+    def create_room(self, room: int, address: str) -> DecodeRoom:
+        group = self._group(address)
+        with self._lock:
+            old = self._rooms.get(room)
+            if old is not None and not old.state.is_terminal:
+                raise ValueError(f"room {room} is already in flight on decode rank {self.tp_rank}")
+            rec = self._rooms[room] = DecodeRoom(room, self.new_state(room), address)
+            if group.status == "ready":
+                rec.state.handle(Event.BOOTSTRAPPED, time.monotonic())
+            failed = group.error if group.status == "failed" else ""
+        if failed:
+            self._fail_room(rec, failed)
+        return rec
+
+    def set_metadata(self, rec: DecodeRoom, pages: np.ndarray, num_tokens: int, aux_slot: int) -> None:
+        with self._lock:
+            rec.pages, rec.num_tokens, rec.aux_slot = pages, num_tokens, aux_slot
+            rec.meta_pending = True
+            ready = rec.state.poll is KVPoll.WaitingForInput
+        if ready:
+            self._dispatch_meta(rec)
+
+    def _dispatch_meta(self, rec: DecodeRoom) -> None:
+        """Plan the request, lend staging windows to staged writers, send RequestMeta."""
+        g = self.config.geometry
+        with self._lock:
+            if not rec.meta_pending or rec.meta_sent or rec.state.is_terminal:
+                return
+            group = self._groups.get(rec.group)
+            if group is None or group.status != "ready":
+                return  # the group was lost; the room fails through _peer_lost or its deadline
+            reply = group.reply
+            try:
+                plan = plan_tp(g.total_kv_heads, reply.tp_size, self.config.tp_size, g.mla, salt=rec.room)
+                writers = {t.prefill_rank: t for t in plan.writers_of(self.tp_rank)}
+                windows = self._lend_windows(rec, writers, group)
+            except KVXferError as exc:
+                windows, problem = None, str(exc)
+            else:
+                problem = ""
+            if windows is None and not problem:
+                rec.waiting_for = "staging space on this decode rank (KVXFER_STAGING_BYTES)"
+                return  # retried on the next tick, within the request's deadline
+            if not problem:
+                rec.writers, rec.windows, rec.candidates = writers, windows, tuple(group.peers)
+                rec.state.expect_writers(list(writers))
+                rec.meta_sent, rec.meta_pending, rec.waiting_for = True, False, ""
+        if problem:
+            return self._fail_room(rec, problem)
+        for p, peer in group.peers.items():
+            offset, capacity = rec.windows.get(p, (-1, 0))
+            self.control.send(peer.endpoint, RequestMeta(
+                room=rec.room, session=self.session, tp_rank=self.tp_rank, tp_size=self.config.tp_size,
+                num_tokens=rec.num_tokens, dst_page_ids=rec.pages, aux_slot=rec.aux_slot,
+                elected=p in writers, staging_offset=offset, staging_capacity_bytes=capacity))
+
+    def _lend_windows(self, rec: DecodeRoom, writers, group: PrefillGroup):
+        """Staging windows for the writers whose pair is staged; None if space is short now."""
+        g = self.config.geometry
+        lent: dict[int, tuple[int, int]] = {}
+        for p, t in writers.items():
+            src = group.placements[p]
+            n_src = -(-rec.num_tokens // src.geometry.page_size)
+            if n_src > src.geometry.num_pages:
+                raise TransferFailedError(f"a {rec.num_tokens}-token request needs {n_src} prefill pages; "
+                                          f"prefill pools hold {src.geometry.num_pages}", rec.room)
+            # Path choice with the real decode pages, assuming prefill pages are contiguous
+            # (decode cannot know them); prefill follows this choice.
+            pair = plan_pair(t, src, self.placement, np.arange(n_src), rec.pages, num_tokens=rec.num_tokens)
+            if pair.path == "direct" or pair.nbytes == 0:
+                continue
+            per_token = pair.nbytes // rec.num_tokens
+            slot = max(per_token, min(self.config.staging_slot_bytes, pair.nbytes))
+            offset = self.staging.alloc(_SLOTS * slot)
+            if offset is None:
+                for off, _ in lent.values():
+                    self.staging.free(off)
+                if _SLOTS * slot > self.staging.nbytes:
+                    raise TransferFailedError(f"one token of this pair needs {slot} B of staging; the arena "
+                                              f"holds {self.staging.nbytes} B (KVXFER_STAGING_BYTES)", rec.room)
+                return None
+            lent[p] = (offset, _SLOTS * slot)
+        return lent
+
+    # -- messages (I/O thread) --------------------------------------------------------------------
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, Heartbeat):
+            self._touch(msg.tp_rank, msg.session)
+        elif isinstance(msg, RegisterReply):
+            self._on_register_reply(msg)
+        elif isinstance(msg, ChunkReady):
+            self._on_chunk(msg)
+        elif isinstance(msg, TransferDone):
+            self._on_done(msg)
+        elif isinstance(msg, (TransferFailed, Abort)):
+            rec = self.room(msg.room)
+            if rec is not None:
+                what = "aborted" if isinstance(msg, Abort) else "failed"
+                self._fail_room(rec, f"prefill rank {msg.tp_rank} {what} the request: {msg.reason}",
+                                notify=False)
+        else:
+            log.warning("decode rank %d ignored unexpected %s", self.tp_rank, type(msg).__name__)
+
+    def _touch(self, tp_rank: int, session: str | None = None) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for group in self._groups.values():
+                peer = group.peers.get(tp_rank)
+                if peer is not None and (session is None or peer.session == session):
+                    peer.last_seen = now
+
+    def _writer(self, rec: DecodeRoom, tp_rank: int):
+        t = rec.writers.get(tp_rank)
+        if t is None:
+            raise TransferFailedError(f"prefill rank {tp_rank} is not a writer of this request "
+                                      f"(writers: {sorted(rec.writers)})", rec.room)
+        return t
+
+    def _on_chunk(self, msg: ChunkReady) -> None:
+        rec = self.room(msg.room)
+        if rec is None or rec.state.is_terminal:
+            return
+        self._touch(msg.tp_rank)
+        now = time.monotonic()
+        try:
+            t = self._writer(rec, msg.tp_rank)
+            offset, capacity = rec.windows.get(msg.tp_rank, (-1, 0))
+            if not (offset <= msg.staging_offset and msg.staging_offset + msg.chunk_bytes <= offset + capacity):
+                raise TransferFailedError(f"ChunkReady from prefill rank {msg.tp_rank} points outside its "
+                                          f"staging window [{offset}, {offset + capacity})", rec.room)
+            if msg.token_start + msg.num_tokens > rec.num_tokens:
+                raise TransferFailedError(f"ChunkReady tokens [{msg.token_start}, {msg.token_start + msg.num_tokens})"
+                                          f" exceed the request's {rec.num_tokens}", rec.room)
+            with self._lock:
+                rec.first_notice = rec.first_notice or now
+                rec.state.handle(Event.CHUNK_STARTED, now)
+        except KVXferError as exc:
+            return self._fail_room(rec, str(exc))
+        self.worker_for(rec.room).submit(lambda: self._scatter(rec, t, msg))
+
+    def _scatter(self, rec: DecodeRoom, t, msg: ChunkReady) -> None:
+        from sglang_kvxfer import ops
+
+        if rec.state.is_terminal:
+            return
+        g = self.config.geometry
+        t0 = time.perf_counter()
+        try:
+            ops.scatter_kv_heads(
+                self.staging.view(msg.staging_offset, msg.chunk_bytes),
+                self.pool.buffers[: g.num_layers], self.pool.buffers[g.num_layers:] if g.has_v else None,
+                rec.pages, page_size=g.page_size, head_start=t.dst_head_start, num_heads=t.num_heads,
+                layout=g.layout.value, token_offset=msg.token_start, num_tokens=msg.num_tokens)
+            if self.config.device.startswith("cuda"):
+                import torch
+
+                torch.cuda.current_stream(self.config.device).synchronize()
+        except Exception as exc:
+            return self._fail_room(rec, f"scatter of tokens [{msg.token_start}, "
+                                        f"{msg.token_start + msg.num_tokens}) failed: {exc}")
+        rec.timings["scatter"] = rec.timings.get("scatter", 0.0) + time.perf_counter() - t0
+        group = self._groups.get(rec.group)
+        peer = group.peers.get(msg.tp_rank) if group else None
+        if peer is not None:
+            self.control.send(peer.endpoint, ChunkAck(room=rec.room, tp_rank=self.tp_rank,
+                                                      staging_offset=msg.staging_offset))
+
+    def _on_done(self, msg: TransferDone) -> None:
+        rec = self.room(msg.room)
+        if rec is None or rec.state.is_terminal:
+            return
+        self._touch(msg.tp_rank)
+        rec.last_notice = time.monotonic()
+        self.worker_for(rec.room).submit(lambda: self._writer_done(rec, msg))
+
+    def _writer_done(self, rec: DecodeRoom, msg: TransferDone) -> None:
+        with self._lock:
+            if rec.state.is_terminal:
+                return
+            try:
+                self._writer(rec, msg.tp_rank)
+                rec.state.writer_done(msg.tp_rank, time.monotonic())
+            except KVXferError as exc:
+                problem = str(exc)
+            else:
+                problem = ""
+                rec.bytes += msg.total_bytes
+                for k, v in msg.timings.items():
+                    rec.timings[k] = rec.timings.get(k, 0.0) + v
+                if msg.aux_payload:
+                    rec.aux_payload = msg.aux_payload
+                done = rec.state.poll is KVPoll.Success
+        if problem:
+            return self._fail_room(rec, problem)
+        if done:
+            rec.finished_at = time.monotonic()
+            self._free_windows(rec)
+
+    # -- failures and liveness ---------------------------------------------------------------------
+    def _free_windows(self, rec: DecodeRoom) -> None:
+        with self._lock:
+            windows, rec.windows = rec.windows, {}
+        for offset, _ in windows.values():
+            self.staging.free(offset)
+
+    def _fail_room(self, rec, reason: str, notify: bool = True, already_failed: bool = False) -> None:
+        with self._lock:
+            if not already_failed:
+                if rec.state.is_terminal:
+                    return
+                rec.state.fail(reason, time.monotonic())
+            rec.finished_at = time.monotonic()
+            group = self._groups.get(rec.group)
+            peers = [group.peers[p] for p in rec.candidates if group and p in group.peers] if notify else []
+        log.warning("decode rank %d room %d failed: %s", self.tp_rank, rec.room, reason)
+        # Free the windows after any scatter already queued for this room has run.
+        self.worker_for(rec.room).submit(lambda: self._free_windows(rec))
+        for peer in peers:
+            self.control.send(peer.endpoint, TransferFailed(room=rec.room, side=Side.DECODE,
+                                                            tp_rank=self.tp_rank, reason=reason))
+
+    def abort(self, rec: DecodeRoom, reason: str) -> None:
+        with self._lock:
+            if rec.state.is_terminal:
+                return
+            rec.state.abort(reason, time.monotonic())
+            rec.finished_at = time.monotonic()
+            group = self._groups.get(rec.group)
+            peers = list(group.peers.values()) if group else []
+        self.worker_for(rec.room).submit(lambda: self._free_windows(rec))
+        for peer in peers:
+            self.control.send(peer.endpoint, Abort(room=rec.room, side=Side.DECODE,
+                                                   tp_rank=self.tp_rank, reason=reason))
+
+    def _peers(self):
+        with self._lock:
+            return [p for g in self._groups.values() if g.status in ("registering", "ready")
+                    for p in g.peers.values()]
+
+    def _peer_lost(self, peer, reason: str) -> None:
+        with self._lock:
+            groups = [g for g in self._groups.values() if peer in g.peers.values()]
+            for g in groups:  # the next request looks the group up again (a restarted prefill)
+                g.status, g.error = "failed", reason
+                self._groups.pop(g.address, None)
+            rooms = [r for r in self._rooms.values() if not r.state.is_terminal
+                     and any(r.group == g.address for g in groups)]
+        self.control.forget(peer.endpoint)
+        for rec in rooms:
+            self._fail_room(rec, f"prefill rank {peer.tp_rank} is gone: {reason}")
+
+    def _on_tick(self, now: float) -> None:
+        super()._on_tick(now)
+        with self._lock:
+            retry = [r for r in self._rooms.values() if r.meta_pending and not r.meta_sent
+                     and r.state.poll is KVPoll.WaitingForInput]
+        for rec in retry:
+            self._dispatch_meta(rec)
+
+    def release(self, room: int) -> None:
+        with self._lock:
+            rec = self._rooms.get(room)
+            if rec is not None and rec.state.is_terminal:
+                del self._rooms[room]
+
+
+class KVReceiver:
+    """Decode side of one request, as SGLang's scheduler drives it.
+
+    ``KVReceiver(mgr, room)`` starts looking up and registering with the prefill group
+    (non-blocking). ``send_metadata(page_ids)`` says where the KV goes; ``poll()`` reaches
+    ``KVPoll.Success`` when every writer is done (then ``aux_payload`` holds the prefill's
+    aux bytes) or ``KVPoll.Failed`` (then ``failure_reason`` says why).
+    """
+
+    def __init__(self, mgr: DecodeManager, room: int, bootstrap_addr: str | None = None):
+        if not isinstance(mgr, DecodeManager):
+            raise TypeError(f"mgr must be a DecodeManager, got {type(mgr).__name__}")
+        self.mgr, self.room = mgr, room
+        self._rec = mgr.create_room(room, bootstrap_addr or mgr.config.bootstrap)
+        self._sent = False
+
+    def init(self) -> None:
+        """Kept for SGLang-shaped callers: lookup and registration already started."""
+
+    def send_metadata(self, page_ids, aux_slot: int = -1, num_tokens: int | None = None) -> None:
+        """Tell the writers where this request's KV goes (this rank's page ids)."""
+        if self._sent:
+            raise ValueError(f"room {self.room}: send_metadata() was already called")
+        g = self.mgr.config.geometry
+        pages = np.asarray(page_ids, dtype=np.int64).reshape(-1)
+        if pages.size == 0:
+            raise ValueError("page_ids is empty")
+        if pages.min() < 0 or pages.max() >= g.num_pages:
+            raise ValueError(f"page_ids must lie in [0, {g.num_pages}), got {pages.min()}..{pages.max()}")
+        if len(np.unique(pages)) != pages.size:
+            raise ValueError("page_ids repeats a page")
+        tokens = pages.size * g.page_size if num_tokens is None else int(num_tokens)
+        if not (pages.size - 1) * g.page_size < tokens <= pages.size * g.page_size:
+            raise ValueError(f"num_tokens={tokens} does not fit {pages.size} page(s) of {g.page_size} tokens")
+        self._sent = True
+        self.mgr.set_metadata(self._rec, pages, tokens, int(aux_slot))
+
+    def poll(self) -> KVPoll:
+        return self._rec.state.poll
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self._rec.state.reason
+
+    def failure_exception(self) -> None:
+        raise TransferFailedError(self._rec.state.reason or "the transfer failed", self.room)
+
+    @property
+    def aux_payload(self) -> bytes:
+        return self._rec.aux_payload
+
+    @property
+    def waiting_for(self) -> str:
+        return self._rec.waiting_for
+
+    @property
+    def stats(self) -> dict:
+        r = self._rec
+        return {"bytes": r.bytes, "timings": dict(r.timings), "first_notice": r.first_notice,
+                "last_notice": r.last_notice, "finished_at": r.finished_at}
+
+    def abort(self, reason: str = "aborted by the decode side") -> None:
+        self.mgr.abort(self._rec, reason)
+
+    def clear(self) -> None:
+        self.mgr.release(self.room)

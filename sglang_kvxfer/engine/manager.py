@@ -1,0 +1,201 @@
+"""What a prefill rank and a decode rank share: resources, workers, rooms, liveness.
+
+Owns ``RankBase``: the transport, the registered KV pool and staging arena, the control
+channel, the worker threads, the table of rooms (one ``RequestState`` each), deadline
+checks, and heartbeats with peer-death detection. The two roles (``prefill.py``,
+``decode.py``) add their message handlers and data path. ``KVManager`` builds the right
+one from an ``EngineConfig``.
+
+Locking: ``self._lock`` guards the room and peer tables; it is never held while waiting
+on a transport, a socket or another thread.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from typing import Callable
+
+from sglang_kvxfer.engine.config import EngineConfig
+from sglang_kvxfer.engine.control import ControlChannel
+from sglang_kvxfer.engine.pool import KVPool, StagingArena
+from sglang_kvxfer.errors import LocalProtocolError
+from sglang_kvxfer.protocol.fields import Side
+from sglang_kvxfer.protocol.messages import Heartbeat
+from sglang_kvxfer.protocol.state import Deadlines, KVPoll, RequestState
+from sglang_kvxfer.transports import get_transport
+
+__all__ = ["RankBase", "KVManager", "Worker", "Peer"]
+
+log = logging.getLogger("sglang_kvxfer.engine")
+
+
+class Worker:
+    """One thread running submitted callables in order."""
+
+    def __init__(self, name: str):
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._q.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._q.get()
+            if fn is None:
+                return
+            try:
+                fn()
+            except Exception:
+                log.exception("worker task failed")
+
+    def close(self, timeout_s: float) -> None:
+        self._q.put(None)
+        self._thread.join(timeout_s)
+
+
+class Peer:
+    """A registered peer process (one session of one rank)."""
+
+    def __init__(self, session: str, tp_rank: int, endpoint: str, now: float):
+        self.session, self.tp_rank, self.endpoint = session, tp_rank, endpoint
+        self.last_seen = now
+        self.alive = True
+
+
+class RankBase:
+    """Resources and bookkeeping of one rank; see ``PrefillManager`` / ``DecodeManager``."""
+
+    side: Side
+
+    def __init__(self, config: EngineConfig, pool: KVPool | None = None):
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        if config.role != self.side.value:
+            raise ValueError(f"config.role={config.role!r} but this is a {self.side.value} manager")
+        self.config = config
+        self.placement = config.placement
+        self.session = secrets.token_hex(8)
+        self.deadlines = Deadlines(config.bootstrap_timeout_s, config.waiting_timeout_s,
+                                   config.transfer_timeout_s)
+        self._lock = threading.RLock()
+        self._rooms: dict[int, object] = {}
+        self._closed = False
+        self.transport = self.pool = self.staging = self.control = None
+        self._workers: list[Worker] = []
+        try:
+            self.transport = get_transport(config.transport, **config.transport_options)
+            shared = config.transport == "local" and config.device == "cpu"
+            if pool is not None and pool.placement != self.placement:
+                raise ValueError("pool was built for another placement than config")
+            self.pool = pool or KVPool.allocate(self.placement, config.device, shared=shared)
+            self.kv_descriptors = self.pool.register(self.transport)
+            self.staging = StagingArena(config.staging_bytes, config.device, shared=shared)
+            self.staging_descriptor = self.staging.register(self.transport)
+            self._workers = [Worker(f"kvxfer-{self.side.value}{config.tp_rank}-w{i}")
+                             for i in range(config.num_workers)]
+            self._hb_seq = 0
+            self._next_heartbeat = 0.0
+            self.control = ControlChannel(config.host, self._on_message, self._on_tick,
+                                          f"{self.side.value}{config.tp_rank}")
+        except BaseException:
+            self.close()
+            raise
+
+    # -- helpers for the roles -----------------------------------------------------------------
+    @property
+    def tp_rank(self) -> int:
+        return self.config.tp_rank
+
+    def worker_for(self, room: int) -> Worker:
+        return self._workers[room % len(self._workers)]
+
+    def new_state(self, room: int) -> RequestState:
+        return RequestState(room, self.side, time.monotonic(), self.deadlines)
+
+    def room(self, room: int):
+        with self._lock:
+            return self._rooms.get(room)
+
+    def _peers(self) -> list[Peer]:
+        """Peers to send heartbeats to and watch (overridden)."""
+        return []
+
+    def _peer_lost(self, peer: Peer, reason: str) -> None:
+        """A peer stopped answering (overridden)."""
+
+    def _fail_room(self, rec, reason: str, notify: bool = True, already_failed: bool = False) -> None:
+        """Fail a room here and, when ``notify``, tell the peers involved (overridden)."""
+
+    def _on_message(self, msg) -> None:  # overridden
+        raise LocalProtocolError(f"{type(self).__name__} cannot handle {type(msg).__name__}")
+
+    # -- the I/O thread's periodic work ----------------------------------------------------------
+    def _on_tick(self, now: float) -> None:
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.config.heartbeat_interval_s
+            self._hb_seq += 1
+            for peer in self._peers():
+                self.control.send(peer.endpoint, Heartbeat(
+                    session=self.session, side=self.side, tp_rank=self.tp_rank,
+                    seq=self._hb_seq, sent_at=max(now, 0.0)))
+        for peer in self._peers():
+            silent = now - peer.last_seen
+            if peer.alive and silent > self.config.heartbeat_timeout_s:
+                peer.alive = False
+                self._peer_lost(peer, f"peer {peer.endpoint} (session {peer.session}) sent nothing for "
+                                      f"{silent:.1f} s (KVXFER_HEARTBEAT_TIMEOUT_S="
+                                      f"{self.config.heartbeat_timeout_s})")
+        with self._lock:
+            rooms = list(self._rooms.values())
+        for rec in rooms:
+            state = rec.state
+            if not state.is_terminal and now >= state.deadline:
+                with self._lock:
+                    expired = state.check_deadline(now)
+                if expired:
+                    self._fail_room(rec, state.reason, notify=True, already_failed=True)
+
+    def poll(self, room: int) -> KVPoll:
+        rec = self.room(room)
+        return KVPoll.Failed if rec is None else rec.state.poll
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop threads, deregister memory, close the transport. Idempotent, bounded."""
+        if getattr(self, "_closed", False) and self.control is None:
+            return
+        self._closed = True
+        if self.control is not None:
+            self.control.close(timeout_s)
+            self.control = None
+        for w in self._workers:
+            w.close(timeout_s)
+        self._workers = []
+        for res in (self.pool, self.staging):
+            if res is not None:
+                res.close()
+        self.pool = self.staging = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def KVManager(config: EngineConfig, pool: KVPool | None = None, **kwargs):
+    """The manager of ``config.role``: a ``PrefillManager`` or a ``DecodeManager``."""
+    if config.role == "prefill":
+        from sglang_kvxfer.engine.prefill import PrefillManager
+
+        return PrefillManager(config, pool, **kwargs)
+    from sglang_kvxfer.engine.decode import DecodeManager
+
+    return DecodeManager(config, pool, **kwargs)

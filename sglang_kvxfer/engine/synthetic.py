@@ -1,0 +1,110 @@
+"""Deterministic KV content for servers without a model, and its verification.
+
+Owns ``fill_request`` (a prefill rank writes the content of its owned heads into a
+request's pages) and ``verify_request`` (a decode rank checks every byte of its owned heads
+in the request's pages). The content of one (room, layer, K/V, global head, token) row is
+a 64-bit hash of those five numbers tiled across the row and mixed with the byte position,
+so a row landing in the wrong token, head, layer, K/V buffer or request is detected, and so
+is a byte moved inside a row. Must not know about transports or the protocol.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from sglang_kvxfer.geometry import Layout, RankPlacement
+
+__all__ = ["row_bytes", "fill_request", "verify_request"]
+
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser, vectorised (uint64 arithmetic wraps)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def row_bytes(room: int, layer: int, kind: int, heads: Sequence[int], token_start: int,
+              num_tokens: int, dim_bytes: int) -> np.ndarray:
+    """Content of tokens ``[token_start, token_start+num_tokens)`` x ``heads`` of one buffer:
+    ``uint8 [num_tokens, len(heads), dim_bytes]``."""
+    with np.errstate(over="ignore"):
+        tok = np.arange(token_start, token_start + num_tokens, dtype=np.uint64)[:, None]
+        head = np.asarray(list(heads), dtype=np.uint64)[None, :]
+        seed = _mix(np.uint64(room & 0xFFFFFFFFFFFFFFFF) ^ _mix(np.uint64(layer * 2 + kind + 1)))
+        h = _mix(seed ^ _mix(head + np.uint64(0x9E3779B97F4A7C15)) ^ (tok * np.uint64(0xD6E8FEB86659FD93)))
+    raw = np.ascontiguousarray(h).view(np.uint8).reshape(num_tokens, len(heads), 8)
+    reps = -(-dim_bytes // 8)
+    tiled = np.tile(raw, (1, 1, reps))[:, :, :dim_bytes]
+    pattern = (np.arange(dim_bytes, dtype=np.uint32) * 151 + 7).astype(np.uint8)
+    return tiled ^ pattern
+
+
+def _token_rows(place: RankPlacement, pages: np.ndarray, token_start: int, num_tokens: int):
+    g = place.geometry
+    tok = np.arange(token_start, token_start + num_tokens, dtype=np.int64)
+    return pages[tok // g.page_size], tok % g.page_size
+
+
+def _byte_view(place: RankPlacement, buffer, index: int):
+    """A uint8 view of one pool buffer with the last dim in bytes (torch tensor)."""
+    import torch
+
+    shape = list(place.buffer_shape(index))
+    shape[-1] *= place.geometry.itemsize
+    return buffer.view(torch.uint8).reshape(shape)
+
+
+def fill_request(place: RankPlacement, buffers: Sequence, room: int, pages, token_start: int,
+                 num_tokens: int) -> None:
+    """Write the content of this rank's owned heads for tokens ``[token_start, +num_tokens)``
+    into ``pages`` of ``buffers`` (torch tensors, K of every layer then V)."""
+    import torch
+
+    g = place.geometry
+    pages = np.asarray(pages, dtype=np.int64)
+    pg, slot = _token_rows(place, pages, token_start, num_tokens)
+    heads = list(place.heads)
+    for b in range(g.num_buffers):
+        layer, kind = (b, 0) if b < g.num_layers else (b - g.num_layers, 1)
+        data = row_bytes(room, layer, kind, heads, token_start, num_tokens, g.buffer_dim(b) * g.itemsize)
+        dst = _byte_view(place, buffers[b], b)
+        src = torch.from_numpy(data).to(dst.device)
+        if g.layout is Layout.NHD:
+            dst[torch.from_numpy(pg * g.page_size + slot).to(dst.device)] = src
+        else:
+            dst[torch.from_numpy(pg).to(dst.device), :, torch.from_numpy(slot).to(dst.device)] = src
+
+
+def verify_request(place: RankPlacement, buffers: Sequence, room: int, pages, num_tokens: int) -> list[str]:
+    """Compare every byte of this rank's owned heads for tokens ``[0, num_tokens)`` in
+    ``pages`` with the expected content. Returns a list of problems (empty when exact)."""
+    import torch
+
+    g = place.geometry
+    pages = np.asarray(pages, dtype=np.int64)
+    pg, slot = _token_rows(place, pages, 0, num_tokens)
+    heads = list(place.heads)
+    problems = []
+    for b in range(g.num_buffers):
+        layer, kind = (b, 0) if b < g.num_layers else (b - g.num_layers, 1)
+        want = row_bytes(room, layer, kind, heads, 0, num_tokens, g.buffer_dim(b) * g.itemsize)
+        src = _byte_view(place, buffers[b], b)
+        if g.layout is Layout.NHD:
+            got = src[torch.from_numpy(pg * g.page_size + slot).to(src.device)]
+        else:
+            got = src[torch.from_numpy(pg).to(src.device), :, torch.from_numpy(slot).to(src.device)]
+        got = got.cpu().numpy()
+        if not np.array_equal(got, want):
+            bad = np.argwhere(got != want)[0]
+            t, h = int(bad[0]), int(bad[1])
+            problems.append(
+                f"buffer {b} ({'K' if kind == 0 else 'V'} of layer {layer}): token {t} head "
+                f"{heads[h]} byte {int(bad[2])} is {int(got[tuple(bad)])}, expected {int(want[tuple(bad)])}"
+            )
+    return problems
