@@ -9,7 +9,7 @@ Must not: open sockets, start threads, read clocks, import zmq or torch.
 """
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Mapping, Optional
 
 import numpy as np
 
@@ -62,10 +62,16 @@ Seq = Annotated[int, Int(0, UINT64_MAX)]
 Seconds = Annotated[float, Number(0.0)]
 Bool = Annotated[bool, Flag()]
 SideField = Annotated[Side, SideKind()]
-Name = Annotated[str, Text(MAX_NAME_CHARS, r"[!-~]+", "1 or more printable ASCII chars, no space")]
+Name = Annotated[
+    str, Text(MAX_NAME_CHARS, r"[!-~]+", "1 or more printable ASCII chars, no space")
+]
 SessionId = Name
-TransportName = Annotated[str, Text(32, r"[a-z][a-z0-9_]*", "a transport name like 'tcp' or 'mori'")]
-Endpoint = Annotated[str, Text(MAX_ENDPOINT_CHARS, r"(tcp|ipc|inproc)://\S+", "a ZMQ endpoint like 'tcp://host:port'")]
+TransportName = Annotated[
+    str, Text(32, r"[a-z][a-z0-9_]*", "a transport name like 'tcp' or 'mori'")
+]
+Endpoint = Annotated[
+    str, Text(MAX_ENDPOINT_CHARS, r"(tcp|ipc|inproc)://\S+", "a ZMQ endpoint like 'tcp://host:port'")
+]
 Reason = Annotated[str, Text(MAX_REASON_CHARS, r"(?s).*\S.*", "a non-empty reason", cut=True)]
 ErrorText = Annotated[str, Text(MAX_REASON_CHARS, cut=True)]
 GeometryField = Annotated[KVGeometry, Geometry()]
@@ -73,10 +79,12 @@ MaybeGeometry = Annotated[Optional[KVGeometry], Maybe(Geometry())]
 PageIdArray = Annotated[np.ndarray, PageIds()]
 AgentDescriptor = Annotated[bytes, Blob(MAX_AGENT_DESCRIPTOR_BYTES, min_bytes=1)]
 RegionDescriptor = Blob(MAX_REGION_DESCRIPTOR_BYTES, min_bytes=1)
-KVRegions = Annotated[tuple, ListOf(RegionDescriptor, MAX_KV_REGIONS, min_items=1)]
+KVRegions = Annotated[tuple[bytes, ...], ListOf(RegionDescriptor, MAX_KV_REGIONS, min_items=1)]
 MaybeRegion = Annotated[Optional[bytes], Maybe(RegionDescriptor)]
 AuxPayload = Annotated[bytes, Blob(MAX_AUX_PAYLOAD_BYTES)]
-PhaseTimings = Annotated[dict, Timings(MAX_TIMINGS, Text(MAX_NAME_CHARS, r"[!-~]+", "a phase name"))]
+PhaseTimings = Annotated[
+    Mapping[str, float], Timings(MAX_TIMINGS, Text(MAX_NAME_CHARS, r"[!-~]+", "a phase name"))
+]
 
 MESSAGE_TYPES: dict[str, type["Message"]] = {}
 
@@ -145,7 +153,7 @@ class BootstrapReply(Message):
     tp_size: Annotated[int, Int(0, MAX_TP_SIZE)]   # 0: not known yet
     geometry: MaybeGeometry
     transport: Annotated[str, Text(32)]
-    ranks: Annotated[tuple, ListOf(Nested(PrefillRankInfo), MAX_TP_SIZE)]
+    ranks: Annotated[tuple[PrefillRankInfo, ...], ListOf(Nested(PrefillRankInfo), MAX_TP_SIZE)]
     reason: ErrorText
 
     def _validate(self) -> None:

@@ -18,7 +18,7 @@ from sglang_kvxfer.protocol import (
     encode,
 )
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def decode_or_reject(data: bytes):
