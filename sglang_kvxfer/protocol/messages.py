@@ -1,0 +1,305 @@
+"""Every control message of the engine, as a frozen, slotted, self-validating dataclass.
+
+Owns the message types and the rules across their fields (``tp_rank < tp_size``, a
+direct-path pair has no staging window, ...). Field types say what each field may hold
+(see ``fields.py``); a bad value raises ``LocalProtocolError`` naming the message, the field
+and the value. The codec (``codec.py``) is the only place that turns these into bytes.
+
+Must not: open sockets, start threads, read clocks, import zmq or torch.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Mapping, Optional
+
+import numpy as np
+
+from sglang_kvxfer.geometry import KVGeometry
+from sglang_kvxfer.protocol.fields import (
+    INT32_MAX,
+    INT64_MAX,
+    MAX_AGENT_DESCRIPTOR_BYTES,
+    MAX_AUX_PAYLOAD_BYTES,
+    MAX_ENDPOINT_CHARS,
+    MAX_KV_REGIONS,
+    MAX_NAME_CHARS,
+    MAX_REASON_CHARS,
+    MAX_REGION_DESCRIPTOR_BYTES,
+    MAX_TIMINGS,
+    MAX_TP_SIZE,
+    UINT64_MAX,
+    Blob,
+    Flag,
+    Geometry,
+    Int,
+    ListOf,
+    Maybe,
+    Nested,
+    Number,
+    PageIds,
+    Record,
+    Side,
+    SideKind,
+    Text,
+    Timings,
+    record,
+)
+
+__all__ = [
+    "Message", "MESSAGE_TYPES", "PrefillRankInfo",
+    "PrefillRegister", "BootstrapQuery", "BootstrapReply", "DecodeRegister", "RegisterReply",
+    "RequestMeta", "ChunkReady", "TransferDone", "TransferFailed", "Abort", "Heartbeat",
+]
+
+# -- field types (name: Annotated[python type, how it is checked]) -------------------------
+Room = Annotated[int, Int(0, UINT64_MAX)]          # SGLang's bootstrap_room
+TpSize = Annotated[int, Int(1, MAX_TP_SIZE)]
+TpRank = Annotated[int, Int(0, MAX_TP_SIZE - 1)]
+Count = Annotated[int, Int(0, INT64_MAX)]          # num_* and *_bytes
+Positive = Annotated[int, Int(1, INT64_MAX)]
+OffsetOrNone = Annotated[int, Int(-1, INT64_MAX)]  # -1: not used
+SlotOrNone = Annotated[int, Int(-1, INT32_MAX)]    # -1: no aux slot
+Seq = Annotated[int, Int(0, UINT64_MAX)]
+Seconds = Annotated[float, Number(0.0)]
+Bool = Annotated[bool, Flag()]
+SideField = Annotated[Side, SideKind()]
+Name = Annotated[
+    str, Text(MAX_NAME_CHARS, r"[!-~]+", "1 or more printable ASCII chars, no space")
+]
+SessionId = Name
+TransportName = Annotated[
+    str, Text(32, r"[a-z][a-z0-9_]*", "a transport name like 'tcp' or 'mori'")
+]
+Endpoint = Annotated[
+    str, Text(MAX_ENDPOINT_CHARS, r"(tcp|ipc|inproc)://\S+", "a ZMQ endpoint like 'tcp://host:port'")
+]
+Reason = Annotated[str, Text(MAX_REASON_CHARS, r"(?s).*\S.*", "a non-empty reason", cut=True)]
+ErrorText = Annotated[str, Text(MAX_REASON_CHARS, cut=True)]
+GeometryField = Annotated[KVGeometry, Geometry()]
+MaybeGeometry = Annotated[Optional[KVGeometry], Maybe(Geometry())]
+PageIdArray = Annotated[np.ndarray, PageIds()]
+AgentDescriptor = Annotated[bytes, Blob(MAX_AGENT_DESCRIPTOR_BYTES, min_bytes=1)]
+RegionDescriptor = Blob(MAX_REGION_DESCRIPTOR_BYTES, min_bytes=1)
+KVRegions = Annotated[tuple[bytes, ...], ListOf(RegionDescriptor, MAX_KV_REGIONS, min_items=1)]
+MaybeRegion = Annotated[Optional[bytes], Maybe(RegionDescriptor)]
+AuxPayload = Annotated[bytes, Blob(MAX_AUX_PAYLOAD_BYTES)]
+PhaseTimings = Annotated[
+    Mapping[str, float], Timings(MAX_TIMINGS, Text(MAX_NAME_CHARS, r"[!-~]+", "a phase name"))
+]
+
+MESSAGE_TYPES: dict[str, type["Message"]] = {}
+
+
+class Message(Record):
+    """Base of the messages the codec carries; ``MESSAGE_TYPES`` maps wire tag -> class."""
+
+    __slots__ = ()
+
+
+def message(cls: type) -> type:
+    cls = record(cls)
+    if cls.__name__ in MESSAGE_TYPES:
+        raise TypeError(f"message type {cls.__name__} is defined twice")
+    MESSAGE_TYPES[cls.__name__] = cls
+    return cls
+
+
+def _rank_below_size(msg: Record, rank_field: str = "tp_rank", size_field: str = "tp_size") -> None:
+    rank, size = getattr(msg, rank_field), getattr(msg, size_field)
+    if rank >= size:
+        msg._bad(rank_field, f"={rank} must be < {size_field}={size}")
+
+
+# -- bootstrap ------------------------------------------------------------------------------
+@message
+class PrefillRegister(Message):
+    """Prefill rank -> bootstrap, once per process start (a new ``session`` = a restart)."""
+
+    engine_version: Name
+    session: SessionId
+    tp_size: TpSize
+    tp_rank: TpRank
+    endpoint: Endpoint        # the rank's PULL inbox
+    geometry: GeometryField
+    transport: TransportName
+
+    def _validate(self) -> None:
+        _rank_below_size(self)
+
+
+@message
+class BootstrapQuery(Message):
+    """Decode rank -> bootstrap: where are the prefill ranks? (request/reply)."""
+
+    session: SessionId        # the asking decode process
+    tp_rank: TpRank
+
+
+@record
+class PrefillRankInfo(Record):
+    """One registered prefill rank, as the bootstrap reports it."""
+
+    tp_rank: TpRank
+    endpoint: Endpoint
+    session: SessionId
+
+
+@message
+class BootstrapReply(Message):
+    """Bootstrap -> decode. ``ready`` only once every prefill rank has registered; then
+    ``ranks`` lists each of ``0..tp_size-1`` exactly once, in order. Not ready: ``reason``
+    says why (e.g. "2 of 4 prefill ranks registered"), other fields hold what is known."""
+
+    ready: Bool
+    tp_size: Annotated[int, Int(0, MAX_TP_SIZE)]   # 0: not known yet
+    geometry: MaybeGeometry
+    transport: Annotated[str, Text(32)]
+    ranks: Annotated[tuple[PrefillRankInfo, ...], ListOf(Nested(PrefillRankInfo), MAX_TP_SIZE)]
+    reason: ErrorText
+
+    def _validate(self) -> None:
+        seen = [r.tp_rank for r in self.ranks]
+        if len(set(seen)) != len(seen):
+            self._bad("ranks", f"lists a tp_rank twice: {seen}")
+        if self.tp_size and any(r >= self.tp_size for r in seen):
+            self._bad("ranks", f"has tp_rank >= tp_size={self.tp_size}: {seen}")
+        if not self.ready:
+            return
+        if self.reason:
+            self._bad("reason", f"must be empty when ready, got {self.reason!r}")
+        if self.tp_size == 0 or self.geometry is None or not self.transport:
+            self._bad("ready", "is True but tp_size, geometry or transport is missing")
+        if seen != list(range(self.tp_size)):
+            self._bad("ranks", f"must list tp_rank 0..{self.tp_size - 1} once each, got {seen}")
+
+
+# -- decode <-> prefill registration ---------------------------------------------------------
+@message
+class DecodeRegister(Message):
+    """Decode rank -> each candidate prefill rank, once per (decode session, prefill rank).
+
+    ``kv_regions`` holds one region descriptor per KV buffer (K_0..K_{L-1}, V_0..V_{L-1});
+    ``staging_region`` / ``aux_region`` are None when this rank has none.
+    """
+
+    engine_version: Name
+    session: SessionId
+    tp_size: TpSize
+    tp_rank: TpRank
+    endpoint: Endpoint
+    geometry: GeometryField
+    transport: TransportName
+    agent_descriptor: AgentDescriptor
+    kv_regions: KVRegions
+    staging_region: MaybeRegion
+    aux_region: MaybeRegion
+
+    def _validate(self) -> None:
+        _rank_below_size(self)
+
+
+@message
+class RegisterReply(Message):
+    """Prefill -> decode, answering ``DecodeRegister``. ``ok=False``: ``error`` says which
+    geometry field differs, with both values. ``geometry`` lets decode check as well."""
+
+    session: SessionId        # the prefill process
+    tp_rank: TpRank
+    ok: Bool
+    error: ErrorText
+    geometry: GeometryField
+
+    def _validate(self) -> None:
+        if self.ok and self.error:
+            self._bad("error", f"must be empty when ok=True, got {self.error!r}")
+        if not self.ok and not self.error.strip():
+            self._bad("error", "must say why when ok=False")
+
+
+# -- per request -----------------------------------------------------------------------------
+@message
+class RequestMeta(Message):
+    """Decode -> each candidate prefill rank, per request: where to write.
+
+    ``dst_page_ids``: read-only ``numpy.int32`` array ``[num_pages]`` of this decode rank's
+    pages. ``elected``: whether this prefill rank writes to this decode rank for this room.
+    ``staging_offset`` / ``staging_capacity_bytes``: this pair's window in the decode
+    staging region, or ``-1`` / ``0`` on the direct path.
+    """
+
+    room: Room
+    session: SessionId        # the decode process
+    tp_rank: TpRank
+    tp_size: TpSize
+    num_tokens: Count
+    dst_page_ids: PageIdArray
+    aux_slot: SlotOrNone
+    elected: Bool
+    staging_offset: OffsetOrNone
+    staging_capacity_bytes: Count
+
+    def _validate(self) -> None:
+        _rank_below_size(self)
+        direct = self.staging_offset == -1
+        if direct != (self.staging_capacity_bytes == 0):
+            self._bad(
+                "staging_capacity_bytes",
+                f"={self.staging_capacity_bytes} does not fit staging_offset={self.staging_offset} "
+                "(direct path: offset -1 and capacity 0; staged: offset >= 0 and capacity > 0)",
+            )
+
+
+@message
+class ChunkReady(Message):
+    """Prefill -> decode, staged path: one chunk of ``num_tokens`` tokens from
+    ``token_start`` sits at ``staging_offset`` in the pair's staging window."""
+
+    room: Room
+    tp_rank: TpRank           # the writing prefill rank
+    token_start: Count
+    num_tokens: Positive
+    staging_offset: Count
+    chunk_bytes: Positive
+
+
+@message
+class TransferDone(Message):
+    """Prefill -> decode, once per writer after its transport reported every write done."""
+
+    room: Room
+    tp_rank: TpRank
+    total_bytes: Count
+    num_ops: Count
+    aux_payload: AuxPayload   # e.g. first output token id + a small metadata blob
+    timings: PhaseTimings     # phase -> seconds, read-only
+
+
+@message
+class TransferFailed(Message):
+    """Either side -> the other: this room failed here, and why."""
+
+    room: Room
+    side: SideField
+    tp_rank: TpRank
+    reason: Reason
+
+
+@message
+class Abort(Message):
+    """Either side -> the other: stop this room (the sender gave up on it)."""
+
+    room: Room
+    side: SideField
+    tp_rank: TpRank
+    reason: Reason
+
+
+@message
+class Heartbeat(Message):
+    """Both sides, periodically. ``sent_at`` is the sender's monotonic clock (only
+    differences between two heartbeats of one session mean anything)."""
+
+    session: SessionId
+    side: SideField
+    tp_rank: TpRank
+    seq: Seq
+    sent_at: Seconds
