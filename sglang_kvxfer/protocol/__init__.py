@@ -16,6 +16,7 @@ control frames are one-way PUSH -> PULL, the bootstrap lookup is request/reply):
     per room:
     decode rank   --RequestMeta------>  each candidate prefill rank (page ids, elected, staging window)
     decode rank   <--ChunkReady-------  elected prefill rank      (staged path, per chunk)
+    decode rank   --ChunkAck--------->  that prefill rank         (slot scattered; reuse it)
     decode rank   <--TransferDone-----  each writer               (bytes, ops, aux payload, timings)
     either side   --TransferFailed--> / --Abort-->  the other side (with a reason)
     both sides    --Heartbeat-------->  peers                     (session, seq, monotonic send time)
@@ -48,6 +49,7 @@ from sglang_kvxfer.protocol.messages import (
     Abort,
     BootstrapQuery,
     BootstrapReply,
+    ChunkAck,
     ChunkReady,
     DecodeRegister,
     Heartbeat,
@@ -75,7 +77,7 @@ __all__ = [
     "encode", "decode", "PROTOCOL_VERSION",
     # messages
     "Message", "MESSAGE_TYPES", "PrefillRegister", "BootstrapQuery", "BootstrapReply",
-    "PrefillRankInfo", "DecodeRegister", "RegisterReply", "RequestMeta", "ChunkReady",
+    "PrefillRankInfo", "DecodeRegister", "RegisterReply", "RequestMeta", "ChunkReady", "ChunkAck",
     "TransferDone", "TransferFailed", "Abort", "Heartbeat", "Side",
     # state machine
     "KVPoll", "Event", "Deadlines", "RequestState", "PREFILL_TRANSITIONS",

@@ -47,7 +47,7 @@ from sglang_kvxfer.protocol.fields import (
 __all__ = [
     "Message", "MESSAGE_TYPES", "PrefillRankInfo",
     "PrefillRegister", "BootstrapQuery", "BootstrapReply", "DecodeRegister", "RegisterReply",
-    "RequestMeta", "ChunkReady", "TransferDone", "TransferFailed", "Abort", "Heartbeat",
+    "RequestMeta", "ChunkReady", "ChunkAck", "TransferDone", "TransferFailed", "Abort", "Heartbeat",
 ]
 
 # -- field types (name: Annotated[python type, how it is checked]) -------------------------
@@ -80,6 +80,8 @@ PageIdArray = Annotated[np.ndarray, PageIds()]
 AgentDescriptor = Annotated[bytes, Blob(MAX_AGENT_DESCRIPTOR_BYTES, min_bytes=1)]
 RegionDescriptor = Blob(MAX_REGION_DESCRIPTOR_BYTES, min_bytes=1)
 KVRegions = Annotated[tuple[bytes, ...], ListOf(RegionDescriptor, MAX_KV_REGIONS, min_items=1)]
+# (region index, byte offset) of each KV buffer, K_0..K_{L-1} then V_0..V_{L-1}
+BufferLocs = Annotated[tuple, ListOf(ListOf(Int(0, INT64_MAX), 2, min_items=2), MAX_KV_REGIONS, min_items=1)]
 MaybeRegion = Annotated[Optional[bytes], Maybe(RegionDescriptor)]
 AuxPayload = Annotated[bytes, Blob(MAX_AUX_PAYLOAD_BYTES)]
 PhaseTimings = Annotated[
@@ -177,7 +179,9 @@ class BootstrapReply(Message):
 class DecodeRegister(Message):
     """Decode rank -> each candidate prefill rank, once per (decode session, prefill rank).
 
-    ``kv_regions`` holds one region descriptor per KV buffer (K_0..K_{L-1}, V_0..V_{L-1});
+    ``kv_regions`` holds the descriptors of the regions the KV buffers live in (one per
+    buffer, or one for a pool allocated in one block); ``kv_buffer_locs`` gives, per buffer
+    (K_0..K_{L-1}, V_0..V_{L-1}), its ``(region index, byte offset)``.
     ``staging_region`` / ``aux_region`` are None when this rank has none.
     """
 
@@ -192,9 +196,17 @@ class DecodeRegister(Message):
     kv_regions: KVRegions
     staging_region: MaybeRegion
     aux_region: MaybeRegion
+    kv_buffer_locs: BufferLocs
 
     def _validate(self) -> None:
         _rank_below_size(self)
+        if len(self.kv_buffer_locs) != self.geometry.num_buffers:
+            self._bad("kv_buffer_locs", f"has {len(self.kv_buffer_locs)} entries; the geometry has "
+                                        f"{self.geometry.num_buffers} KV buffers")
+        for i, (region, _) in enumerate(self.kv_buffer_locs):
+            if region >= len(self.kv_regions):
+                self._bad(f"kv_buffer_locs[{i}]", f"names region {region}; only "
+                                                  f"{len(self.kv_regions)} region(s) are registered")
 
 
 @message
@@ -259,6 +271,16 @@ class ChunkReady(Message):
     num_tokens: Positive
     staging_offset: Count
     chunk_bytes: Positive
+
+
+@message
+class ChunkAck(Message):
+    """Decode -> prefill, staged path: the chunk at ``staging_offset`` has been scattered,
+    so the writer may reuse that staging slot (flow control for the two-slot window)."""
+
+    room: Room
+    tp_rank: TpRank           # the decode rank
+    staging_offset: Count
 
 
 @message

@@ -9,6 +9,7 @@ from sglang_kvxfer.protocol import (
     Abort,
     BootstrapQuery,
     BootstrapReply,
+    ChunkAck,
     ChunkReady,
     DecodeRegister,
     Heartbeat,
@@ -99,10 +100,14 @@ def bootstrap_replies(draw):
 @st.composite
 def decode_registers(draw):
     size, rank = draw(tp_pairs())
+    geometry = draw(geometries())
+    regions = draw(st.lists(blobs, min_size=1, max_size=40))
+    locs = draw(st.lists(st.tuples(st.integers(0, len(regions) - 1), counts),
+                         min_size=geometry.num_buffers, max_size=geometry.num_buffers))
     return DecodeRegister(
-        draw(names), draw(names), size, rank, draw(endpoints), draw(geometries()), draw(transports),
-        draw(st.binary(min_size=1, max_size=512)), draw(st.lists(blobs, min_size=1, max_size=40)),
-        draw(st.one_of(st.none(), blobs)), draw(st.one_of(st.none(), blobs)),
+        draw(names), draw(names), size, rank, draw(endpoints), geometry, draw(transports),
+        draw(st.binary(min_size=1, max_size=512)), regions,
+        draw(st.one_of(st.none(), blobs)), draw(st.one_of(st.none(), blobs)), locs,
     )
 
 
@@ -131,6 +136,7 @@ MESSAGE_STRATEGIES = {
     "DecodeRegister": decode_registers(),
     "RegisterReply": register_replies(),
     "RequestMeta": request_metas(),
+    "ChunkAck": st.builds(ChunkAck, rooms, st.integers(0, 1023), counts),
     "ChunkReady": st.builds(ChunkReady, rooms, st.integers(0, 1023), counts, positives, counts,
                             positives),
     "TransferDone": st.builds(TransferDone, rooms, st.integers(0, 1023), counts, counts,

@@ -28,7 +28,7 @@ from sglang_kvxfer.protocol import (
 GEO = KVGeometry(num_layers=2, total_kv_heads=8, head_dim=64)
 META = RequestMeta(7, "dec-1", 1, 2, 40, [3, 9, 4], 5, True, -1, 0)
 REG = DecodeRegister("0.1.0", "dec-1", 2, 0, "tcp://10.0.0.2:5000", GEO, "tcp", b"agent",
-                     [b"k0", b"k1", b"v0", b"v1"], None, b"aux")
+                     [b"k0", b"k1", b"v0", b"v1"], None, b"aux", [(0, 0), (1, 0), (2, 0), (3, 0)])
 DONE = TransferDone(7, 0, 4096, 3, b"\x01", {"write": 0.5})
 ABORT = Abort(7, "decode", 1, "client went away")
 BEAT = Heartbeat("pre-1", "prefill", 0, 12, 1234.5)
@@ -297,6 +297,6 @@ def test_encode_refuses_a_non_message():
 def test_encode_refuses_a_frame_the_peer_would_refuse():
     region = bytes(16 * 1024)
     big = DecodeRegister("0.1.0", "d", 1, 0, "tcp://a:1", GEO, "tcp", b"a",
-                         [region] * (MAX_FRAME_BYTES // len(region) + 1), None, None)
+                         [region] * (MAX_FRAME_BYTES // len(region) + 1), None, None, [(0, 0)] * 4)
     with pytest.raises(LocalProtocolError, match="DecodeRegister encodes to .* bytes, over MAX_FRAME_BYTES"):
         encode(big)

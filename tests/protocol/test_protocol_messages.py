@@ -45,7 +45,7 @@ def decode_register(**over):
     fields = dict(engine_version="0.1.0", session="dec-1", tp_size=2, tp_rank=0,
                   endpoint="tcp://10.0.0.2:5000", geometry=GEO, transport="tcp",
                   agent_descriptor=b"agent", kv_regions=[b"k0", b"k1", b"v0", b"v1"],
-                  staging_region=None, aux_region=b"aux")
+                  staging_region=None, aux_region=b"aux", kv_buffer_locs=[(0, 0), (1, 0), (2, 0), (3, 0)])
     fields.update(over)
     return DecodeRegister(**fields)
 
@@ -53,7 +53,7 @@ def decode_register(**over):
 # -- round trips -------------------------------------------------------------------------------
 def test_every_message_type_has_a_strategy():
     assert set(MESSAGE_STRATEGIES) == set(MESSAGE_TYPES)
-    assert len(MESSAGE_TYPES) == 11
+    assert len(MESSAGE_TYPES) == 12
 
 
 @pytest.mark.parametrize("tag", sorted(MESSAGE_STRATEGIES))
@@ -109,9 +109,19 @@ def test_page_ids_are_copied_and_read_only():
 
 
 def test_bytes_like_descriptors_become_bytes():
-    m = decode_register(agent_descriptor=bytearray(b"ag"), kv_regions=(memoryview(b"k"),))
+    m = decode_register(agent_descriptor=bytearray(b"ag"), kv_regions=(memoryview(b"k"),),
+                        kv_buffer_locs=[(0, 0), (0, 64), (0, 128), (0, 192)])
     assert m.agent_descriptor == b"ag" and type(m.agent_descriptor) is bytes
     assert m.kv_regions == (b"k",)
+
+
+def test_kv_buffer_locs_must_match_the_geometry_and_regions():
+    with pytest.raises(LocalProtocolError, match=r"DecodeRegister.kv_buffer_locs has 3 entries; the geometry has 4 KV buffers"):
+        decode_register(kv_buffer_locs=[(0, 0)] * 3)
+    with pytest.raises(LocalProtocolError, match=r"DecodeRegister.kv_buffer_locs\[2\] names region 4; only 4 region\(s\) are registered"):
+        decode_register(kv_buffer_locs=[(0, 0), (1, 0), (4, 0), (3, 0)])
+    with pytest.raises(LocalProtocolError, match=r"DecodeRegister.kv_buffer_locs\[0\] has 1 items; needs at least 2"):
+        decode_register(kv_buffer_locs=[(0,), (1, 0), (2, 0), (3, 0)])
 
 
 def test_geometry_dict_is_parsed_into_kvgeometry():
