@@ -570,6 +570,21 @@ class KVSender:
         return self._rec.bytes
 
     @property
+    def ops(self) -> int:
+        """Transport ops posted for this request so far."""
+        return self._rec.ops
+
+    @property
+    def paths(self) -> dict[str, int]:
+        """Readers of this request by data path, e.g. ``{"staged": 1}``."""
+        out: dict[str, int] = {}
+        for meta in self._rec.metas.values():
+            if meta.elected:
+                key = "direct" if meta.staging_offset < 0 else "staged"
+                out[key] = out.get(key, 0) + 1
+        return out
+
+    @property
     def timings(self) -> dict[str, float]:
         return dict(self._rec.timings)
 

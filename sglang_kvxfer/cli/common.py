@@ -1,0 +1,63 @@
+"""Command-line options shared by ``demo``, ``bench``, ``prefill`` and ``decode``.
+
+Owns the model-geometry flags (with per-side page size and layout) and the deadline
+flags, and turns them into ``KVGeometry`` objects and engine options.
+"""
+from __future__ import annotations
+
+import argparse
+
+from sglang_kvxfer import envs
+from sglang_kvxfer.geometry import KVGeometry
+
+__all__ = ["add_model_args", "add_side_args", "add_deadline_args", "side_geometry", "engine_options"]
+
+
+def add_model_args(p: argparse.ArgumentParser, layers: int = 16) -> None:
+    g = p.add_argument_group("model geometry (must match on both sides)")
+    g.add_argument("--layers", type=int, default=layers, help=f"KV layers (default {layers})")
+    g.add_argument("--total-kv-heads", type=int, default=None, help="un-sharded KV heads (default 8; 1 with --mla)")
+    g.add_argument("--head-dim", type=int, default=128, help="K head dim (default 128; MLA latent e.g. 576)")
+    g.add_argument("--v-head-dim", type=int, default=None, help="V head dim (default: --head-dim)")
+    g.add_argument("--dtype", default="bf16", help="KV dtype: bf16, fp16, fp32, fp8_e4m3, fp8_e5m2 (default bf16)")
+    g.add_argument("--mla", action="store_true", help="MLA latent cache (one head replicated on every rank)")
+
+
+def add_side_args(p: argparse.ArgumentParser, both: bool) -> None:
+    """Page size and layout; with ``both`` also per-side overrides (demo, bench)."""
+    g = p.add_argument_group("pool format")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    g.add_argument("--layout", default="NHD", help="pool layout NHD or HND (default NHD)")
+    g.add_argument("--num-pages", type=int, default=None, help="pool capacity in pages (default: sized for the workload)")
+    if both:
+        g.add_argument("--prefill-page-size", type=int, default=None, help="prefill page size (default --page-size)")
+        g.add_argument("--decode-page-size", type=int, default=None, help="decode page size (default --page-size)")
+        g.add_argument("--prefill-layout", default=None, help="prefill layout (default --layout)")
+        g.add_argument("--decode-layout", default=None, help="decode layout (default --layout)")
+
+
+def add_deadline_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("deadlines (seconds)")
+    g.add_argument("--bootstrap-timeout", type=float, default=envs.KVXFER_BOOTSTRAP_TIMEOUT_S.get(),
+                   help="deadline in Bootstrapping (KVXFER_BOOTSTRAP_TIMEOUT_S)")
+    g.add_argument("--waiting-timeout", type=float, default=envs.KVXFER_WAITING_TIMEOUT_S.get(),
+                   help="deadline in WaitingForInput (KVXFER_WAITING_TIMEOUT_S)")
+    g.add_argument("--transfer-timeout", type=float, default=envs.KVXFER_TRANSFER_TIMEOUT_S.get(),
+                   help="deadline in Transferring without progress (KVXFER_TRANSFER_TIMEOUT_S)")
+    g.add_argument("--heartbeat-timeout", type=float, default=envs.KVXFER_HEARTBEAT_TIMEOUT_S.get(),
+                   help="declare a silent peer dead after this long (KVXFER_HEARTBEAT_TIMEOUT_S)")
+
+
+def side_geometry(args: argparse.Namespace, side: str | None, num_pages: int) -> KVGeometry:
+    page = getattr(args, f"{side}_page_size", None) if side else None
+    layout = getattr(args, f"{side}_layout", None) if side else None
+    return KVGeometry(
+        num_layers=args.layers, total_kv_heads=args.total_kv_heads or (1 if args.mla else 8),
+        head_dim=args.head_dim, v_head_dim=args.v_head_dim, dtype=args.dtype, mla=args.mla,
+        page_size=page or args.page_size, layout=layout or args.layout,
+        num_pages=args.num_pages or num_pages)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {"bootstrap_timeout_s": args.bootstrap_timeout, "waiting_timeout_s": args.waiting_timeout,
+            "transfer_timeout_s": args.transfer_timeout, "heartbeat_timeout_s": args.heartbeat_timeout}

@@ -1,0 +1,102 @@
+"""``kvxfer demo``: the main job on the built-in defaults.
+
+Starts a bootstrap, a prefill TP group and a decode TP group of rank processes on this host
+(defaults: prefill TP 2 -> decode TP 1, CPU pools, the ``local`` transport), runs a stream
+of requests of mixed lengths with chunked sends, verifies every byte on the decode side,
+prints a summary and exits 0 only if every request verified.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from sglang_kvxfer.cli.common import add_deadline_args, add_model_args, add_side_args, engine_options, side_geometry
+from sglang_kvxfer.cli.workload import make_requests, parse_tokens, run_workload, summarize
+from sglang_kvxfer.geometry import check_compatible
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-tp", type=int, default=2, help="prefill TP size (default 2)")
+    p.add_argument("--decode-tp", type=int, default=1, help="decode TP size (default 1)")
+    p.add_argument("--transport", default="local", help="local (default), tcp, nixl or mori")
+    p.add_argument("--requests", type=int, default=16, help="requests to run (default 16)")
+    p.add_argument("--tokens", default="256,2048,512,1024", help="request lengths, cycled (default 256,2048,512,1024)")
+    p.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk size in tokens (default 512; 0: one chunk)")
+    p.add_argument("--concurrency", type=int, default=2, help="requests in flight (default 2)")
+    p.add_argument("--no-verify", action="store_true", help="skip filling and checking the bytes (speed runs)")
+    p.add_argument("--seed", type=int, default=0, help="seed of room ids and page allocation")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--log-level", default="WARNING", help="log level of the rank processes")
+    add_model_args(p)
+    add_side_args(p, both=True)
+    add_deadline_args(p)
+
+
+def run_demo(args: argparse.Namespace) -> dict:
+    from sglang_kvxfer.cli.group import RankGroup, make_spec
+    from sglang_kvxfer.engine.bootstrap import BootstrapServer
+
+    tokens = parse_tokens(args.tokens)
+    for name in ("prefill_tp", "decode_tp", "concurrency"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    def pool_pages(side: str) -> int:  # room for every request in flight, plus slack
+        page = getattr(args, f"{side}_page_size") or args.page_size
+        return -(-max(tokens) // page) * (args.concurrency + 1) + 8
+
+    gp = side_geometry(args, "prefill", pool_pages("prefill"))
+    gd = side_geometry(args, "decode", pool_pages("decode"))
+
+    check_compatible(gp, gd)
+    gp.placement(args.prefill_tp, 0)
+    gd.placement(args.decode_tp, 0)
+    jobs = make_requests(args.requests, tokens, args.chunk_tokens, gp.page_size, args.seed, not args.no_verify)
+    opts = engine_options(args)
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    with BootstrapServer() as boot:
+        say(f"kvxfer demo: bootstrap at {boot.address}; starting {args.prefill_tp} prefill + "
+            f"{args.decode_tp} decode rank process(es), transport {args.transport}")
+        spec_p = make_spec("prefill", gp, args.prefill_tp, boot.address, args.transport, options=opts,
+                           concurrency=args.concurrency + 1, log_level=args.log_level)
+        spec_d = make_spec("decode", gd, args.decode_tp, boot.address, args.transport, options=opts,
+                           concurrency=args.concurrency + 1, log_level=args.log_level)
+        with RankGroup(spec_p) as pre, RankGroup(spec_d) as dec:
+            say(f"kvxfer demo: {len(jobs)} requests of {','.join(map(str, tokens))} tokens, "
+                f"{args.chunk_tokens or 'one'}-token chunks, {args.concurrency} in flight")
+            timeout = args.bootstrap_timeout + args.waiting_timeout + args.transfer_timeout + 30
+            results, wall = run_workload(pre, dec, jobs, args.concurrency, timeout, progress=not args.quiet)
+    return summarize(results, wall, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                     transport=args.transport, total_kv_heads=gp.total_kv_heads, mla=gp.mla,
+                     layers=gp.num_layers, head_dim=gp.head_dim, dtype=gp.dtype,
+                     prefill_page_size=gp.page_size, decode_page_size=gd.page_size,
+                     prefill_layout=gp.layout.value, decode_layout=gd.layout.value,
+                     verify=not args.no_verify)
+
+
+def render(s: dict) -> str:
+    lines = [
+        f"prefill TP {s['prefill_tp']} -> decode TP {s['decode_tp']} over {s['transport']}: "
+        f"{s['total_kv_heads']} KV heads x {s['head_dim']} ({s['dtype']}), {s['layers']} layers, "
+        f"pages {s['prefill_page_size']}/{s['decode_page_size']}, layout {s['prefill_layout']}/{s['decode_layout']}"
+        + (", MLA" if s["mla"] else ""),
+        f"requests: {s['requests']}  succeeded: {s['succeeded_requests']}  verified: {s['verified_requests']}"
+        + ("" if s["verify"] else " (verification off)"),
+        f"bytes: {s['bytes'] / 1e6:.1f} MB in {s['wall_s']:.2f} s = {s['gbps']:.2f} GB/s",
+        f"transfer latency per request: p50 {s['p50_ms']:.1f} ms, p90 {s['p90_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms",
+        f"ops per request (transport writes): {s['ops_per_request']} by tokens: "
+        + ", ".join(f"{t}->{o}" for t, o in s["ops_by_tokens"]),
+        f"data path (writer->reader pairs): {s['data_path']}",
+    ]
+    lines += [f"FAILED {f}" for f in s["failures"]]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = run_demo(args)
+    print(json.dumps(summary) if args.json else render(summary))
+    want = summary["requests"] if summary["verify"] else 0
+    good = summary["succeeded_requests"] == summary["requests"] and summary["verified_requests"] >= want
+    return 0 if good else 1
