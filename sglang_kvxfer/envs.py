@@ -85,3 +85,18 @@ KVXFER_DIRECT_MIN_OP_BYTES = _define(
     "`auto` data path: a contiguous pair goes direct when its average op is at least this "
     "many bytes, or when it needs no more than 4 ops per KV buffer; otherwise it is staged.",
 )
+KVXFER_TCP_HOST = _define(
+    "KVXFER_TCP_HOST", "127.0.0.1", lambda s: s.strip(),
+    "`tcp` transport: the address it listens on and advertises to peers (must be reachable "
+    "by them; `0.0.0.0` is refused).",
+)
+KVXFER_TCP_CONNECTIONS = _define(
+    "KVXFER_TCP_CONNECTIONS", 1, int,
+    "`tcp` transport: connections per peer; a batch of at least 1 MiB per connection is "
+    "split over them.",
+)
+KVXFER_TCP_IO_TIMEOUT_S = _define(
+    "KVXFER_TCP_IO_TIMEOUT_S", 30.0, float,
+    "`tcp` transport: a connection with writes pending that makes no progress (bytes sent or "
+    "ACK received) for this many seconds is failed, and so are its tickets.",
+)
