@@ -13,8 +13,8 @@ import importlib.util
 from dataclasses import dataclass
 
 from sglang_kvxfer.errors import TransportUnavailableError
-from sglang_kvxfer.transports.base import (Caps, PeerFailure, Region, RemoteRegion, Ticket,
-                                           TicketState, Transport, wait_all)
+from sglang_kvxfer.transports.base import Caps, PeerFailure, Region, RemoteRegion, Transport
+from sglang_kvxfer.transports.ticket import Ticket, TicketState, wait_all
 
 __all__ = [
     "get_transport",

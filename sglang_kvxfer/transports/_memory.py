@@ -177,6 +177,7 @@ class SharedBuffer:
         self.fd = self._fd
         self.path = f"/proc/{self.pid}/fd/{self._fd}"
         self.inode = os.fstat(self._fd).st_ino
+        self.registrations = 0  # regions a transport holds in this buffer (close() refuses)
         _live_buffers[id(self)] = self
 
     @property
@@ -203,9 +204,15 @@ class SharedBuffer:
         return torch.frombuffer(self._mm, dtype=dtype, count=numel).view(*shape)
 
     def close(self) -> None:
-        """Release the buffer. Idempotent; peers that mapped it keep their pages."""
+        """Release the buffer. Idempotent; peers that mapped it keep their pages.
+
+        Raises ``ValueError`` while a transport still has a region registered in it.
+        """
         if self._mm is None:
             return
+        if self.registrations:
+            raise ValueError(f"SharedBuffer still holds {self.registrations} registered "
+                             "region(s); deregister them before close()")
         _live_buffers.pop(id(self), None)
         mm, self._mm = self._mm, None
         try:

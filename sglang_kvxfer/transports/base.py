@@ -1,25 +1,21 @@
-"""The transport interface: value types, the ``Transport`` base class, tickets, validation.
+"""The transport interface: value types, the ``Transport`` base class, batch validation.
 
-This module owns what every transport shares: the ``Transport`` contract (register memory,
-exchange opaque descriptors, post a batch of one-sided writes given as offset/size arrays,
-poll or wait on a ``Ticket`` with a deadline, report peer failures, close), the batch
-validation that runs before any byte moves, the coalescing of contiguous entries, and the
-``Ticket`` state machine (PENDING -> DONE | FAILED, failure sticky, failure wins in
-``wait_all``). It must not open sockets, map memory or import torch: transports do that.
+This module owns the ``Transport`` contract every backend implements (register memory,
+exchange opaque descriptors, post a batch of one-sided writes given as offset/size arrays
+and get a ``Ticket``, report peer failures, close) and the checks that run before any
+byte moves: batch validation against both region sizes and the coalescing of contiguous
+entries. Tickets live in ``transports.ticket``. It must not open sockets, map memory or
+import torch: transports do that.
 """
 from __future__ import annotations
 
 import abc
-import enum
-import math
-import threading
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import numpy as np
 
-from sglang_kvxfer.errors import KVXferError, TransferTimeoutError, TransportError
+from sglang_kvxfer.errors import TransportError
+from sglang_kvxfer.transports.ticket import Ticket, TicketState, wait_all
 
 __all__ = [
     "Caps",
@@ -27,16 +23,13 @@ __all__ = [
     "RemoteRegion",
     "PeerFailure",
     "Entries",
-    "TicketState",
-    "Ticket",
     "Transport",
+    "Ticket",
+    "TicketState",
     "wait_all",
     "validate_batch",
     "coalesce",
     "parse_device",
-    "pack_descriptor",
-    "unpack_descriptor",
-    "UseTable",
     "tensor_memory",
 ]
 
@@ -103,180 +96,6 @@ class Entries:
     @property
     def total_bytes(self) -> int:
         return int(self.sizes.sum())
-
-
-class TicketState(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
-
-
-class Ticket:
-    """Completion of one posted batch.
-
-    A ticket starts PENDING and ends DONE or FAILED exactly once; a failure is sticky and
-    carries the error. ``parts`` > 1 means the batch travels in several pieces (e.g. over
-    several connections): the ticket is DONE when every part is, FAILED as soon as one fails.
-    ``progress`` is an optional callable polled by ``poll``/``wait`` that returns True when
-    the work is complete (for completions nobody signals, such as a CUDA event).
-    """
-
-    __slots__ = ("label", "_lock", "_done_event", "_state", "_error", "_parts", "_progress",
-                 "_waiters")
-
-    _POLL_SLICE_S = 0.0005  # how often a progress-driven ticket is re-polled while waiting
-
-    def __init__(self, label: str, parts: int = 1, progress: Callable[[], bool] | None = None):
-        if parts < 1:
-            raise ValueError(f"Ticket parts must be >= 1, got {parts}")
-        self.label = label
-        self._lock = threading.Lock()
-        self._done_event = threading.Event()
-        self._state = TicketState.PENDING
-        self._error: KVXferError | None = None
-        self._parts = parts
-        self._progress = progress
-        self._waiters: list[threading.Event] = []
-
-    @classmethod
-    def completed(cls, label: str) -> "Ticket":
-        ticket = cls(label)
-        ticket._part_done()
-        return ticket
-
-    @classmethod
-    def failed(cls, label: str, error: KVXferError) -> "Ticket":
-        ticket = cls(label)
-        ticket._fail(error)
-        return ticket
-
-    @property
-    def error(self) -> KVXferError | None:
-        """The error of a FAILED ticket, else None."""
-        return self._error
-
-    @property
-    def reason(self) -> str | None:
-        """Why the ticket failed, as text, else None."""
-        return None if self._error is None else str(self._error)
-
-    def poll(self) -> TicketState:
-        """The current state; drives ``progress`` once. Never raises."""
-        if self._state is TicketState.PENDING and self._progress is not None:
-            try:
-                finished = self._progress()
-            except Exception as exc:  # a progress hook failure is the ticket's failure
-                self._fail(TransportError(f"{self.label}: {type(exc).__name__}: {exc}"))
-            else:
-                if finished:
-                    self._complete_all()
-        return self._state
-
-    def wait(self, timeout_s: float) -> None:
-        """Block until DONE (return), FAILED (raise its error) or ``timeout_s`` passes.
-
-        Raises ``TransferTimeoutError`` on timeout, the ticket's ``TransportError`` /
-        ``PeerGoneError`` on failure, ``ValueError`` for a negative or non-finite timeout.
-        """
-        deadline = time.monotonic() + _check_timeout(timeout_s)
-        while True:
-            state = self.poll()
-            if state is TicketState.DONE:
-                return
-            if state is TicketState.FAILED:
-                raise self._error.with_traceback(None)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransferTimeoutError(f"{self.label}: not complete after {timeout_s} s")
-            if self._progress is not None:
-                remaining = min(remaining, self._POLL_SLICE_S)
-            self._done_event.wait(remaining)
-
-    # -- used by transports -------------------------------------------------------------
-    def _part_done(self) -> None:
-        with self._lock:
-            if self._state is not TicketState.PENDING:
-                return
-            self._parts -= 1
-            if self._parts > 0:
-                return
-            self._state = TicketState.DONE
-        self._wake()
-
-    def _complete_all(self) -> None:
-        with self._lock:
-            if self._state is not TicketState.PENDING:
-                return
-            self._parts = 0
-            self._state = TicketState.DONE
-        self._wake()
-
-    def _fail(self, error: KVXferError) -> None:
-        with self._lock:
-            if self._state is not TicketState.PENDING:
-                return
-            self._state = TicketState.FAILED
-            self._error = error
-        self._wake()
-
-    def _wake(self) -> None:
-        self._done_event.set()
-        with self._lock:
-            waiters, self._waiters = self._waiters, []
-        for event in waiters:
-            event.set()
-
-    def _add_waiter(self, event: threading.Event) -> None:
-        with self._lock:
-            if self._state is TicketState.PENDING:
-                self._waiters.append(event)
-                return
-        event.set()
-
-    def __repr__(self) -> str:
-        tail = f", reason={self.reason!r}" if self._error is not None else ""
-        return f"Ticket({self.label!r}, {self._state.value}{tail})"
-
-
-def wait_all(tickets: Iterable[Ticket], timeout_s: float) -> None:
-    """Wait until every ticket is DONE; failure wins.
-
-    Returns when all are DONE. Raises the error of a FAILED ticket as soon as one is seen
-    (even while others are still pending), or ``TransferTimeoutError`` naming how many are
-    still pending after ``timeout_s``.
-    """
-    tickets = list(tickets)
-    deadline = time.monotonic() + _check_timeout(timeout_s)
-    wake = threading.Event()
-    polled = any(t._progress is not None for t in tickets)
-    while True:
-        wake.clear()
-        pending = []
-        for ticket in tickets:
-            state = ticket.poll()
-            if state is TicketState.FAILED:
-                raise ticket._error.with_traceback(None)
-            if state is TicketState.PENDING:
-                pending.append(ticket)
-        if not pending:
-            return
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TransferTimeoutError(
-                f"{len(pending)} of {len(tickets)} tickets not complete after {timeout_s} s "
-                f"(first: {pending[0].label})"
-            )
-        for ticket in pending:
-            ticket._add_waiter(wake)
-        wake.wait(min(remaining, Ticket._POLL_SLICE_S) if polled else remaining)
-
-
-def _check_timeout(timeout_s: float) -> float:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-        raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
-    if not math.isfinite(timeout_s) or timeout_s < 0:
-        raise ValueError(f"timeout_s must be finite and >= 0, got {timeout_s!r}")
-    return float(timeout_s)
 
 
 # -- batch validation and coalescing ----------------------------------------------------
@@ -370,52 +189,6 @@ def parse_device(device) -> tuple[str, int]:
         if index.isdigit():
             return "cuda", int(index)
     raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-
-
-# -- descriptors ------------------------------------------------------------------------
-
-DESCRIPTOR_VERSION = 1
-
-
-def pack_descriptor(transport: str, what: str, **fields) -> bytes:
-    """Encode an agent or region descriptor: a msgpack map, tagged with transport and version."""
-    import msgpack
-
-    return msgpack.packb({"transport": transport, "what": what, "version": DESCRIPTOR_VERSION,
-                          **fields}, use_bin_type=True)
-
-
-def unpack_descriptor(blob, transport: str, what: str, fields: dict) -> dict:
-    """Decode a descriptor made by ``pack_descriptor`` and check its fields.
-
-    ``fields`` maps each required field to its type (or tuple of types). Raises
-    ``TypeError`` if ``blob`` is not bytes and ``ValueError`` naming the field otherwise.
-    """
-    import msgpack
-
-    if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise TypeError(f"{what} descriptor must be bytes, got {type(blob).__name__}")
-    try:
-        obj = msgpack.unpackb(bytes(blob), raw=False)
-    except Exception as exc:
-        raise ValueError(f"{what} descriptor is not a valid msgpack map ({exc})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{what} descriptor must be a msgpack map, got {type(obj).__name__}")
-    if obj.get("transport") != transport:
-        raise ValueError(f"{what} descriptor is for transport {obj.get('transport')!r}; "
-                         f"transport {transport!r} cannot use it")
-    if obj.get("what") != what:
-        raise ValueError(f"expected a {transport} {what} descriptor, got {obj.get('what')!r}")
-    if obj.get("version") != DESCRIPTOR_VERSION:
-        raise ValueError(f"{transport} {what} descriptor has version {obj.get('version')!r}, "
-                         f"this build speaks {DESCRIPTOR_VERSION}")
-    for name, types in fields.items():
-        value = obj.get(name)
-        if not isinstance(value, types) or isinstance(value, bool) and bool not in (
-                types if isinstance(types, tuple) else (types,)):
-            raise ValueError(f"{transport} {what} descriptor: field {name!r} is {value!r}, "
-                             f"expected {getattr(types, '__name__', types)}")
-    return obj
 
 
 def tensor_memory(tensor) -> tuple[int, int, str]:
@@ -554,76 +327,3 @@ class Transport(abc.ABC):
             raise ValueError(f"nbytes must be > 0, got {nbytes}")
         if ptr <= 0:
             raise ValueError(f"ptr must be a non-null address, got {ptr:#x}")
-
-
-class UseTable:
-    """Live objects by key, each with a count of in-flight users.
-
-    Transports keep their regions and mappings here so that removing one (``deregister``,
-    ``remove_peer``) stops new users at once and then waits, bounded, for the users already
-    copying into or out of that memory before the memory may be freed or unmapped.
-    """
-
-    class Lease:
-        __slots__ = ("key", "value", "uses")
-
-        def __init__(self, key, value):
-            self.key, self.value, self.uses = key, value, 0
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._live: dict = {}
-
-    def add(self, key, value) -> None:
-        with self._cond:
-            if key in self._live:
-                raise ValueError(f"{key!r} is already present")
-            self._live[key] = UseTable.Lease(key, value)
-
-    def get(self, key):
-        """The value under ``key``, or None."""
-        lease = self._live.get(key)
-        return None if lease is None else lease.value
-
-    def items(self) -> list:
-        with self._cond:
-            return [(k, lease.value) for k, lease in self._live.items()]
-
-    def acquire(self, key) -> "UseTable.Lease | None":
-        """Count one more user of ``key``; None when it is absent (or being removed)."""
-        with self._cond:
-            lease = self._live.get(key)
-            if lease is not None:
-                lease.uses += 1
-            return lease
-
-    def release(self, lease: "UseTable.Lease") -> None:
-        with self._cond:
-            lease.uses -= 1
-            if lease.uses == 0:
-                self._cond.notify_all()
-
-    def remove(self, key, timeout_s: float, on_timeout: Callable[[], None] | None = None):
-        """Remove ``key`` now; wait until its users are gone. Returns the value (None if absent).
-
-        If users remain after ``timeout_s``, ``on_timeout`` (which should make them stop,
-        e.g. by shutting their sockets down) is called and the wait repeats once. Raises
-        ``TransportError`` when users still remain (the key stays removed).
-        """
-        with self._cond:
-            lease = self._live.pop(key, None)
-            if lease is None:
-                return None
-            idle = self._cond.wait_for(lambda: lease.uses == 0, timeout_s)
-        if not idle and on_timeout is not None:
-            on_timeout()
-            with self._cond:
-                idle = self._cond.wait_for(lambda: lease.uses == 0, timeout_s)
-        if not idle:
-            raise TransportError(
-                f"{key!r} still has {lease.uses} transfer(s) in flight after {timeout_s} s")
-        return lease.value
-
-    def busy(self, key) -> bool:
-        lease = self._live.get(key)
-        return lease is not None and lease.uses > 0

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from sglang_kvxfer.errors import PeerGoneError, TransportError
 from sglang_kvxfer.transports import _memory
 from sglang_kvxfer.transports._memory import SharedBuffer, alloc_shared
+from sglang_kvxfer.transports._common import UseTable, pack_descriptor, unpack_descriptor
 from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
-                                           Ticket, Transport, UseTable, pack_descriptor,
-                                           parse_device, tensor_memory, unpack_descriptor)
+                                           Ticket, Transport, parse_device, tensor_memory)
 
 __all__ = ["LocalTransport", "SharedBuffer", "alloc_shared"]
 
@@ -199,13 +199,18 @@ class LocalTransport(Transport):
                                      nbytes=nbytes, device=device, **extra)
         region = Region(region_id, ptr, nbytes, device, descriptor)
         self._regions.add(region_id, _LocalRegion(region, extra["kind"], keepalive))
+        if isinstance(keepalive, SharedBuffer):
+            keepalive.registrations += 1
         return region
 
     def deregister(self, region: Region) -> None:
         if self._cuda is not None and region.device != "cpu":
             self._cuda.synchronize()
-        if self._regions.remove(region.region_id, self._timeout_s) is None:
+        entry = self._regions.remove(region.region_id, self._timeout_s)
+        if entry is None:
             raise ValueError(f"region {region.region_id} is not registered here")
+        if isinstance(entry.keepalive, SharedBuffer):
+            entry.keepalive.registrations -= 1
 
     def import_region(self, peer_id: str, descriptor: bytes) -> RemoteRegion:
         self._check_open()
@@ -327,8 +332,8 @@ class LocalTransport(Transport):
     def _close(self) -> None:
         for peer_id in list(self._peers):
             self.remove_peer(peer_id)
-        for region_id, _ in self._regions.items():
-            self._regions.remove(region_id, self._timeout_s)
+        for _, entry in self._regions.items():
+            self.deregister(entry.region)
 
 
 def _check_peer_id(peer_id) -> None:

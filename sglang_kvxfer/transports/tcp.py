@@ -1,32 +1,25 @@
 """The ``tcp`` transport: writes into a peer's registered host memory over TCP, no RDMA.
 
-Owns the sender and receiver sides of one small binary protocol (no pickle, no eval):
+How bytes move: each transport listens on ``host:port``; a writer opens
+``num_connections`` connections per peer lazily. A batch is coalesced, split by bytes over
+the connections (large entries are cut), and each share goes as one WRITE frame sent
+straight from views of the registered memory (``sendmsg``, no joining). The receiver
+checks every entry against its registered regions before reading the payload straight
+into the region (``recvmsg_into``, no intermediate copy); a write outside them is refused
+and the ACK says why. One ACK per share completes that part of the ticket. A lost
+connection fails every outstanding ticket of the peer with ``PeerGoneError`` naming it and
+is reported by ``peer_failures``; the peer stays failed until ``remove_peer``/``add_peer``.
 
-* Each transport listens on ``host:port``. A writer opens ``num_connections`` connections
-  per peer, lazily, each greeted with HELLO (magic, version, sender agent, target agent).
-* A batch is coalesced, split by bytes over the connections (large entries are cut), and
-  each share goes as one WRITE frame: a fixed header, a ``(remote_offset, size)`` table,
-  then the payload sent with ``sendmsg`` straight from views of the registered memory.
-* The receiver checks every entry against its region table first; a write outside a
-  registered region is refused (payload drained, never stored) and the ACK says why.
-  Otherwise ``recvmsg_into`` reads the payload straight into views of the region.
-* One ACK per frame completes that share of the ticket. A lost connection fails every
-  outstanding ticket of that peer with ``PeerGoneError`` naming the peer, and is recorded
-  as a ``PeerFailure``; the peer stays failed until ``remove_peer``/``add_peer``.
-
-Frames (little-endian): WRITE/BYE header ``<B3xIQQQ`` = type, n_entries, xfer_id,
-region_id, total_bytes; table ``n_entries x <QQ``; ACK ``<BB2xIQ`` = type, status,
-reason length, xfer_id, then the UTF-8 reason. This module must not import torch.
+This module owns peers, regions, splitting and lifetime; the connection ends and the wire
+format are in ``_tcp_conn``. It must not import torch.
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import os
 import secrets
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,257 +28,18 @@ import numpy as np
 
 from sglang_kvxfer import envs
 from sglang_kvxfer.errors import PeerGoneError, TransportError
-from sglang_kvxfer.transports._memory import IOV_MAX, view
+from sglang_kvxfer.transports._common import UseTable, pack_descriptor, unpack_descriptor
+from sglang_kvxfer.transports._memory import view
+from sglang_kvxfer.transports._tcp_conn import (HEADER, T_WRITE, _Conn, _Inbound, _Job,
+                                                _shutdown)
 from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
-                                           Ticket, Transport, UseTable, pack_descriptor,
-                                           parse_device, unpack_descriptor)
+                                           Ticket, Transport, parse_device)
 
 __all__ = ["TcpTransport"]
 
 log = logging.getLogger(__name__)
 
 _NAME = "tcp"
-MAGIC, WIRE_VERSION = b"KVXT", 1
-HELLO = struct.Struct("<4sHHH")        # magic, version, len(sender agent), len(target agent)
-HELLO_REPLY = struct.Struct("<4sHBxI")  # magic, version, status (0 ok), reason length
-HEADER = struct.Struct("<B3xIQQQ")     # type, n_entries, xfer_id, region_id, total_bytes
-ACK = struct.Struct("<BB2xIQ")         # type, status (0 ok, 1 refused), reason length, xfer_id
-T_WRITE, T_ACK, T_BYE = 1, 2, 3
-MAX_ENTRIES = 1 << 20                  # entries per frame the receiver accepts
-MAX_TEXT = 1 << 12                     # agent names and reasons
-_DRAIN = 1 << 20
-
-
-class _Violation(Exception):
-    """The other end broke the wire protocol; the connection cannot continue."""
-
-
-# -- socket helpers ---------------------------------------------------------------------
-
-
-def _send_all(sock: socket.socket, bufs: list, on_progress=None) -> None:
-    """Send every buffer (memoryviews), up to IOV_MAX per ``sendmsg``; resumes partial sends."""
-    i, n = 0, len(bufs)
-    while i < n:
-        sent = sock.sendmsg(bufs[i:i + IOV_MAX])
-        if on_progress is not None:
-            on_progress()
-        while i < n and sent >= bufs[i].nbytes:
-            sent -= bufs[i].nbytes
-            i += 1
-        if sent:
-            bufs[i] = bufs[i][sent:]
-
-
-def _recv_all_into(sock: socket.socket, bufs: list, *, eof_ok: bool = False) -> bool:
-    """Fill every buffer (memoryviews) from ``sock``; False on EOF before the first byte.
-
-    A connection closed after the first byte raises ``ConnectionError`` (a torn frame).
-    """
-    i, n, first = 0, len(bufs), True
-    while i < n and bufs[i].nbytes == 0:
-        i += 1
-    while i < n:
-        got = sock.recvmsg_into(bufs[i:i + IOV_MAX])[0]
-        if got == 0:
-            if first and eof_ok:
-                return False
-            raise ConnectionError("connection closed in the middle of a frame")
-        first = False
-        while i < n and got >= bufs[i].nbytes:
-            got -= bufs[i].nbytes
-            i += 1
-        if got:
-            bufs[i] = bufs[i][got:]
-    return True
-
-
-def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
-    buf = bytearray(nbytes)
-    _recv_all_into(sock, [memoryview(buf)])
-    return bytes(buf)
-
-
-def _shutdown(sock: socket.socket | None) -> None:
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-
-# -- sender side ------------------------------------------------------------------------
-
-
-@dataclass
-class _Job:
-    xfer_id: int
-    ticket: Ticket
-    lease: UseTable.Lease
-    bufs: list
-
-
-class _Conn:
-    """One outgoing connection to a peer: a sender thread and an ACK reader thread."""
-
-    def __init__(self, owner: "TcpTransport", peer_id: str, peer: "_Peer", index: int):
-        self.owner, self.peer_id, self.peer, self.index = owner, peer_id, peer, index
-        self.sock: socket.socket | None = None
-        self.cond = threading.Condition()
-        self.queue: collections.deque[_Job] = collections.deque()
-        self.outstanding: dict[int, Ticket] = {}
-        self.sending: _Job | None = None
-        self.dead: str | None = None
-        self.stopping = False
-        self.last_progress = time.monotonic()
-        self.threads: list[threading.Thread] = []
-
-    @property
-    def where(self) -> str:
-        return f"peer {self.peer_id!r} at {self.peer.host}:{self.peer.port}"
-
-    def submit(self, job: _Job) -> None:
-        with self.cond:
-            if self.dead is None and not self.stopping:
-                self.queue.append(job)
-                if not self.threads:
-                    self._start()
-                self.cond.notify()
-                return
-            reason = self.dead or f"connection to {self.where} is closing"
-        self.owner._regions.release(job.lease)
-        job.ticket._fail(PeerGoneError(reason))
-
-    def _start(self) -> None:
-        thread = threading.Thread(target=self._run_sender, daemon=True,
-                                  name=f"kvxfer-tcp-send-{self.peer_id}-{self.index}")
-        self.threads.append(thread)
-        thread.start()
-
-    def uses_region(self, region_id: int) -> bool:
-        with self.cond:
-            return any(j.lease.key == region_id for j in (self.sending, *self.queue) if j)
-
-    def _touch(self) -> None:
-        self.last_progress = time.monotonic()
-
-    def _run_sender(self) -> None:
-        try:
-            self._connect()
-            while True:
-                with self.cond:
-                    while not self.queue and not self.stopping and self.dead is None:
-                        self.cond.wait()
-                    if self.dead is not None:
-                        return
-                    if not self.queue:  # stopping with nothing left to send
-                        break
-                    job = self.sending = self.queue.popleft()
-                    self.outstanding[job.xfer_id] = job.ticket
-                try:
-                    _send_all(self.sock, job.bufs, self._touch)
-                finally:
-                    with self.cond:
-                        self.sending = None
-                    self.owner._regions.release(job.lease)  # the source is no longer read
-            self.sock.sendall(HEADER.pack(T_BYE, 0, 0, 0, 0))
-        except (OSError, _Violation) as exc:
-            self.fail(f"connection {self.index} to {self.where} lost: {_describe(exc)}")
-
-    def _connect(self) -> None:
-        timeout = self.owner._io_timeout_s
-        self.sock = socket.create_connection((self.peer.host, self.peer.port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        me, them = self.owner._agent.encode(), self.peer.agent.encode()
-        self.sock.sendall(HELLO.pack(MAGIC, WIRE_VERSION, len(me), len(them)) + me + them)
-        magic, version, status, n = HELLO_REPLY.unpack(_recv_exact(self.sock, HELLO_REPLY.size))
-        if magic != MAGIC or version != WIRE_VERSION:
-            raise _Violation(f"bad HELLO reply (magic {magic!r}, version {version})")
-        if status != 0:
-            reason = _recv_exact(self.sock, min(n, MAX_TEXT)).decode(errors="replace")
-            raise _Violation(f"peer refused the connection: {reason}")
-        reader = threading.Thread(target=self._run_acks, daemon=True,
-                                  name=f"kvxfer-tcp-ack-{self.peer_id}-{self.index}")
-        self.threads.append(reader)
-        reader.start()
-
-    def _run_acks(self) -> None:
-        buf = bytearray()
-        try:
-            while True:
-                try:
-                    chunk = self.sock.recv(1 << 16)
-                except TimeoutError:
-                    with self.cond:
-                        waiting = bool(self.outstanding) or self.sending is not None
-                    idle = time.monotonic() - self.last_progress
-                    if waiting and idle > self.owner._io_timeout_s:
-                        raise TimeoutError(f"no progress for {idle:.1f} s") from None
-                    continue
-                if not chunk:
-                    with self.cond:
-                        if self.stopping and not self.outstanding:
-                            return
-                    raise ConnectionError("connection closed by the peer")
-                buf += chunk
-                self._touch()
-                while len(buf) >= ACK.size:
-                    kind, status, n, xfer_id = ACK.unpack_from(buf)
-                    if kind != T_ACK or n > MAX_TEXT:
-                        raise _Violation(f"bad ACK frame (type {kind}, reason length {n})")
-                    if len(buf) < ACK.size + n:
-                        break
-                    reason = bytes(buf[ACK.size:ACK.size + n]).decode(errors="replace")
-                    del buf[:ACK.size + n]
-                    self._acked(xfer_id, status, reason)
-        except (OSError, _Violation) as exc:
-            self.fail(f"connection {self.index} to {self.where} lost: {_describe(exc)}")
-
-    def _acked(self, xfer_id: int, status: int, reason: str) -> None:
-        with self.cond:
-            ticket = self.outstanding.pop(xfer_id, None)
-        if ticket is None:
-            raise _Violation(f"ACK for unknown transfer {xfer_id}")
-        if status == 0:
-            ticket._part_done()
-        else:
-            ticket._fail(TransportError(f"{self.where} refused the write: {reason}"))
-
-    def fail(self, reason: str, *, peer_failure: bool = True, error_cls=PeerGoneError) -> None:
-        """Mark dead, fail everything queued or awaiting an ACK, and tell the owner."""
-        with self.cond:
-            if self.dead is not None:
-                return
-            self.dead = reason
-            jobs, self.queue = list(self.queue), collections.deque()
-            tickets = list(self.outstanding.values()) + [j.ticket for j in jobs]
-            self.outstanding.clear()
-            self.cond.notify_all()
-        _shutdown(self.sock)
-        for job in jobs:
-            self.owner._regions.release(job.lease)
-        error = error_cls(reason)
-        for ticket in tickets:
-            ticket._fail(error)
-        if peer_failure and not self.stopping:
-            self.owner._peer_failed(self.peer_id, self.peer, reason)
-
-    def stop(self, reason: str, deadline: float) -> None:
-        """Send what is queued (bounded by ``deadline``), say BYE, close; fail what is left."""
-        with self.cond:
-            self.stopping = True
-            self.cond.notify_all()
-        for thread in self.threads[:1]:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        with self.cond:
-            clean = not self.outstanding and not self.queue
-        if clean and self.threads:  # let the ACK reader see the peer close after BYE
-            self.threads[-1].join(min(0.2, max(0.0, deadline - time.monotonic())))
-        self.fail(reason, peer_failure=False, error_cls=TransportError)
-        for thread in self.threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        if self.sock is not None:
-            self.sock.close()
 
 
 @dataclass
@@ -298,94 +52,6 @@ class _Peer:
     failed: str | None = None
     turn: int = 0
 
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
-
-
-# -- receiver side ----------------------------------------------------------------------
-
-
-class _Inbound:
-    """One accepted connection: checks WRITE frames, reads payloads into regions, ACKs."""
-
-    def __init__(self, owner: "TcpTransport", sock: socket.socket, addr):
-        self.owner, self.sock, self.addr = owner, sock, addr
-        self.agent: str | None = None
-        self.region_id: int | None = None  # the region being filled right now
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"kvxfer-tcp-recv-{addr[0]}:{addr[1]}")
-
-    def _run(self) -> None:
-        reason = None
-        try:
-            self._handshake()
-            header = bytearray(HEADER.size)
-            while True:
-                if not _recv_all_into(self.sock, [memoryview(header)], eof_ok=True):
-                    reason = "closed without BYE"
-                    break
-                kind, num_entries, xfer_id, region_id, total = HEADER.unpack(header)
-                if kind == T_BYE:
-                    break
-                if kind != T_WRITE:
-                    raise _Violation(f"unknown frame type {kind}")
-                if num_entries > MAX_ENTRIES:
-                    raise _Violation(f"{num_entries} entries in one frame (limit {MAX_ENTRIES})")
-                self._serve_write(num_entries, xfer_id, region_id, total)
-        except (OSError, _Violation) as exc:
-            reason = _describe(exc)
-        finally:
-            self.sock.close()
-            self.owner._inbound_closed(self, reason)
-
-    def _handshake(self) -> None:
-        self.sock.settimeout(self.owner._io_timeout_s)
-        magic, version, n_from, n_to = HELLO.unpack(_recv_exact(self.sock, HELLO.size))
-        if magic != MAGIC or version != WIRE_VERSION or max(n_from, n_to) > MAX_TEXT:
-            raise _Violation(f"bad HELLO (magic {magic!r}, version {version})")
-        self.agent = _recv_exact(self.sock, n_from).decode(errors="replace")
-        target = _recv_exact(self.sock, n_to).decode(errors="replace")
-        if target != self.owner._agent:
-            reason = f"this is agent {self.owner._agent!r}, not {target!r}".encode()
-            self.sock.sendall(HELLO_REPLY.pack(MAGIC, WIRE_VERSION, 1, len(reason)) + reason)
-            raise _Violation(f"HELLO for agent {target!r}")
-        self.sock.sendall(HELLO_REPLY.pack(MAGIC, WIRE_VERSION, 0, 0))
-        self.sock.settimeout(None)  # idle connections are normal; close() shuts them down
-
-    def _serve_write(self, num_entries: int, xfer_id: int, region_id: int, total: int) -> None:
-        table = bytearray(16 * num_entries)
-        _recv_all_into(self.sock, [memoryview(table)])
-        pairs = np.frombuffer(table, dtype="<u8").reshape(num_entries, 2)
-        offsets, sizes = pairs[:, 0], pairs[:, 1]
-        if sum(sizes.tolist()) != total:
-            raise _Violation(f"frame {xfer_id}: entry sizes do not add up to {total} bytes")
-        lease, refusal = self.owner._admit(region_id, offsets, sizes)
-        if refusal is not None:
-            log.warning("tcp: refused a write from agent %r: %s", self.agent, refusal)
-            self._drain(total)
-            self._ack(xfer_id, 1, refusal)
-            return
-        try:
-            self.region_id = region_id
-            mem = lease.value.mem
-            _recv_all_into(self.sock, [mem[o:o + n] for o, n in zip(offsets.tolist(),
-                                                                    sizes.tolist())])
-        finally:
-            self.region_id = None
-            self.owner._regions.release(lease)
-        self._ack(xfer_id, 0, "")
-
-    def _drain(self, nbytes: int) -> None:
-        scratch = memoryview(bytearray(min(nbytes, _DRAIN)))
-        while nbytes:
-            chunk = min(nbytes, scratch.nbytes)
-            _recv_all_into(self.sock, [scratch[:chunk]])
-            nbytes -= chunk
-
-    def _ack(self, xfer_id: int, status: int, reason: str) -> None:
-        text = reason.encode()[:MAX_TEXT]
-        self.sock.sendall(ACK.pack(T_ACK, status, len(text), xfer_id) + text)
 
 
 # -- the transport ----------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Fixtures of the transport contract suite: which transports run, peers, writers.
 
-``--transport NAME[,NAME]`` picks transports (default: every available one). Each case is
-(transport, options, memory kind of the peer's region); a new backend adds its cases to
-``CASES``. Peers are spawned once per module and case; writers are fresh per test.
+``--transport NAME[,NAME]`` (declared in ``tests/conftest.py``) picks transports (default:
+every available one). Each case is (transport, options, memory kind of the peer's region);
+a new backend adds its cases to ``CASES``. Peers are spawned once per module and case;
+writers are fresh per test.
 """
 from __future__ import annotations
 
@@ -21,12 +22,6 @@ CASES = {
     "tcp": ("tcp", {}, "private"),
     "tcp-3conn": ("tcp", {"num_connections": 3, "split_min_bytes": 64 << 10}, "private"),
 }
-
-
-def pytest_addoption(parser):
-    parser.addoption("--transport", action="store", default=None,
-                     help="comma-separated transports for the contract suite (default: all "
-                          "available)")
 
 
 def selected_cases(config) -> list[str]:

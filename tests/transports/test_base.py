@@ -11,9 +11,10 @@ from sglang_kvxfer.errors import (PeerGoneError, TransferTimeoutError, Transport
                                   TransportUnavailableError)
 from sglang_kvxfer.transports import (available_transports, get_transport, register_transport,
                                       registered_transports)
-from sglang_kvxfer.transports.base import (Entries, Ticket, TicketState, UseTable, coalesce,
-                                           pack_descriptor, parse_device, tensor_memory,
-                                           unpack_descriptor, validate_batch, wait_all)
+from sglang_kvxfer.transports._common import UseTable, pack_descriptor, unpack_descriptor
+from sglang_kvxfer.transports.base import (Entries, coalesce, parse_device, tensor_memory,
+                                           validate_batch)
+from sglang_kvxfer.transports.ticket import Ticket, TicketState, wait_all
 
 
 def _arr(*values):

@@ -10,7 +10,7 @@ import pytest
 
 from sglang_kvxfer.errors import PeerGoneError, TransportError
 from sglang_kvxfer.transports import _memory
-from sglang_kvxfer.transports.base import pack_descriptor, unpack_descriptor
+from sglang_kvxfer.transports._common import pack_descriptor, unpack_descriptor
 from sglang_kvxfer.transports.local import LocalTransport, alloc_shared
 from transport_peer import PeerProcess
 
@@ -49,10 +49,16 @@ def test_shared_buffer_rejects_bad_sizes():
 
 
 def test_region_inside_a_shared_buffer_is_shm_kind():
-    with LocalTransport() as t, alloc_shared(1 << 20) as buf:
+    with alloc_shared(1 << 20) as buf, LocalTransport() as t:
         region = t.register(buf.ptr + 4096, 8192)
         desc = unpack_descriptor(region.descriptor, "local", "region", {})
         assert desc["kind"] == "shm" and desc["offset"] == 4096 and desc["path"] == buf.path
+        with pytest.raises(ValueError, match="still holds 1 registered region\\(s\\); "
+                                             "deregister them before close"):
+            buf.close()
+        t.deregister(region)
+        buf.close()
+        assert buf.closed
         private = np.zeros(100, np.uint8)
         assert unpack_descriptor(t.register(private.ctypes.data, 100).descriptor, "local",
                                  "region", {})["kind"] == "cma"

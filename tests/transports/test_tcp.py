@@ -11,9 +11,11 @@ import pytest
 
 from sglang_kvxfer.errors import PeerGoneError, TransferTimeoutError, TransportError
 from sglang_kvxfer.transports import TicketState
-from sglang_kvxfer.transports.base import Entries, pack_descriptor, unpack_descriptor
-from sglang_kvxfer.transports.tcp import (ACK, HEADER, HELLO, HELLO_REPLY, MAGIC, T_WRITE,
-                                          WIRE_VERSION, TcpTransport, _recv_exact, _split)
+from sglang_kvxfer.transports._common import pack_descriptor, unpack_descriptor
+from sglang_kvxfer.transports.base import Entries
+from sglang_kvxfer.transports._tcp_conn import (ACK, HEADER, HELLO, HELLO_REPLY, MAGIC,
+                                                T_WRITE, WIRE_VERSION, _recv_exact)
+from sglang_kvxfer.transports.tcp import TcpTransport, _split
 from transport_peer import wait_until
 
 TIMEOUT_S = 10.0
