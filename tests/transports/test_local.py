@@ -64,6 +64,16 @@ def test_region_inside_a_shared_buffer_is_shm_kind():
                                  "region", {})["kind"] == "cma"
 
 
+def test_register_tensor_of_a_shared_buffer_is_shm_kind():
+    torch = pytest.importorskip("torch")
+    with alloc_shared(1 << 16) as buf, LocalTransport() as t:
+        pool = buf.as_tensor(torch.bfloat16, (2, 8, 4, 64))[1]  # [page, head, dim] of layer 1
+        region = t.register_tensor(pool)
+        assert (region.ptr, region.nbytes, region.device) == (buf.ptr + 4096, 4096, "cpu")
+        desc = unpack_descriptor(region.descriptor, "local", "region", {})
+        assert (desc["kind"], desc["offset"]) == ("shm", 4096)
+
+
 def test_private_memory_with_cma_disabled_fails_at_registration():
     private = np.zeros(100, np.uint8)
     with LocalTransport(allow_cma=False) as t:

@@ -265,10 +265,11 @@ def test_batch_is_split_over_connections_and_lands(receiver):
         st.close()
 
 
-def test_deregister_during_a_torn_frame_stops_the_receive(receiver):
-    rt, mem, rregion = receiver
-    rt._close_timeout_s = 0.2
-    with _raw_connect(rt) as sock:
+def test_deregister_during_a_torn_frame_stops_the_receive():
+    mem = np.zeros(N, np.uint8)
+    with TcpTransport(close_timeout_s=0.2) as rt, _raw_connect_later() as connect:
+        rregion = rt.register(mem.ctypes.data, N)
+        sock = connect(rt)
         _recv_exact(sock, HELLO_REPLY.size)
         sock.sendall(HEADER.pack(T_WRITE, 1, 1, rregion.region_id, 4096)
                      + np.array([[0, 4096]], "<u8").tobytes() + b"\x01" * 100)
@@ -278,6 +279,18 @@ def test_deregister_during_a_torn_frame_stops_the_receive(receiver):
         rt.deregister(rregion)  # the receive into the region is cut off, then it returns
         assert time.monotonic() - start < 5
         assert _closed_by_peer(sock)
+
+
+class _raw_connect_later:
+    """Context manager handing out raw connections and closing them at exit."""
+
+    def __enter__(self):
+        self.socks = []
+        return lambda t: self.socks.append(_raw_connect(t)) or self.socks[-1]
+
+    def __exit__(self, *exc_info):
+        for s in self.socks:
+            s.close()
 
 
 @pytest.mark.parametrize("shares", [2, 3, 7])
