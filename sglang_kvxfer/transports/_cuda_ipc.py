@@ -42,8 +42,17 @@ def export_tensor(tensor: torch.Tensor) -> dict:
     }
 
 
+IPC_FIELDS = {"device": int, "handle": bytes, "storage_bytes": int, "storage_offset": int,
+              "ref_handle": bytes, "ref_offset": int, "event_handle": bytes, "event_sync": bool,
+              "byte_offset": int, "nbytes": int}
+
+
 def import_tensor(desc: dict) -> torch.Tensor:
     """Open a peer's exported tensor as ``uint8[nbytes]`` on its device (cross-process only)."""
+    for name, kind in IPC_FIELDS.items():
+        if not isinstance(desc.get(name), kind):
+            raise ValueError(f"local CUDA region descriptor: ipc field {name!r} is "
+                             f"{desc.get(name)!r}, expected {kind.__name__}")
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
         desc["device"], desc["handle"], desc["storage_bytes"], desc["storage_offset"],

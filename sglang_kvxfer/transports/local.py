@@ -253,7 +253,14 @@ class LocalTransport(Transport):
             return _Target("cma", nbytes, "cpu", desc["addr"])
         from sglang_kvxfer.transports import _cuda_ipc
 
-        return _Target("cuda", nbytes, desc["device"], mapping=_cuda_ipc.import_tensor(desc["ipc"]))
+        try:
+            tensor = _cuda_ipc.import_tensor(desc["ipc"])
+        except ValueError:
+            raise
+        except Exception as exc:  # torch raises RuntimeError/AssertionError without CUDA
+            raise TransportError(f"cannot open peer {peer_id!r}'s CUDA region by CUDA IPC: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+        return _Target("cuda", nbytes, desc["device"], mapping=tensor)
 
     # -- writes -------------------------------------------------------------------------
     def _write(self, local: Region, remote: RemoteRegion, entries: Entries) -> Ticket:

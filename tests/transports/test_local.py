@@ -236,3 +236,31 @@ def test_cpu_and_cuda_regions_cannot_be_mixed(shm_peer):
         with pytest.raises(ValueError, match="same kind of memory: local region 1 is cpu, the "
                                              "remote region is cuda:0"):
             t.write(region, remote, np.array([0]), np.array([0]), np.array([8]))
+
+
+def _cuda_region(agent: str, **ipc_changes) -> bytes:
+    ipc = {"device": 0, "handle": b"\0" * 64, "storage_bytes": 4096, "storage_offset": 0,
+           "ref_handle": b"x", "ref_offset": 0, "event_handle": b"\0" * 64, "event_sync": False,
+           "byte_offset": 0, "nbytes": 4096}
+    ipc.update(ipc_changes)
+    return pack_descriptor("local", "region", agent=agent, region=1, nbytes=4096,
+                           device="cuda:0", kind="cuda", ipc=ipc)
+
+
+def test_malformed_cuda_descriptor_names_the_field(shm_peer):
+    pytest.importorskip("torch")
+    agent = unpack_descriptor(shm_peer.agent, "local", "agent", {})["agent"]
+    with LocalTransport() as t:
+        t.add_peer("p", shm_peer.agent)
+        with pytest.raises(ValueError, match="ipc field 'handle' is 'abc', expected bytes"):
+            t.import_region("p", _cuda_region(agent, handle="abc"))
+
+
+def test_cuda_region_that_cannot_be_opened_is_a_transport_error(shm_peer):
+    pytest.importorskip("torch")
+    agent = unpack_descriptor(shm_peer.agent, "local", "agent", {})["agent"]
+    with LocalTransport() as t:
+        t.add_peer("p", shm_peer.agent)
+        # no CUDA here, or (on a GPU machine) a handle of zeros: either way it cannot open
+        with pytest.raises(TransportError, match="cannot open peer 'p'.s CUDA region by CUDA IPC"):
+            t.import_region("p", _cuda_region(agent))
