@@ -30,8 +30,8 @@ from sglang_kvxfer import envs
 from sglang_kvxfer.errors import PeerGoneError, TransportError
 from sglang_kvxfer.transports._common import UseTable, pack_descriptor, unpack_descriptor
 from sglang_kvxfer.transports._memory import view
-from sglang_kvxfer.transports._tcp_conn import (HEADER, T_WRITE, _Conn, _Inbound, _Job,
-                                                _shutdown)
+from sglang_kvxfer.transports._tcp_conn import (HEADER, MAX_ENTRIES, T_WRITE, _Conn, _Inbound,
+                                                _Job, _shutdown)
 from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
                                            Ticket, Transport, parse_device)
 
@@ -40,6 +40,7 @@ __all__ = ["TcpTransport"]
 log = logging.getLogger(__name__)
 
 _NAME = "tcp"
+_FRAME_ENTRIES = MAX_ENTRIES  # a share with more entries goes as several frames
 
 
 @dataclass
@@ -63,6 +64,11 @@ class _TcpRegion:
     mem: memoryview
 
 
+def _slice(entries: Entries, start: int, stop: int) -> Entries:
+    return Entries(entries.local_offsets[start:stop], entries.remote_offsets[start:stop],
+                   entries.sizes[start:stop])
+
+
 def _split(entries: Entries, shares: int) -> list[Entries]:
     """Cut a batch into ``shares`` runs of about equal bytes, cutting entries where needed."""
     if shares <= 1:
@@ -78,8 +84,7 @@ def _split(entries: Entries, shares: int) -> list[Entries]:
     share = np.searchsorted(cuts, starts, side="right")
     bounds = np.searchsorted(share, np.arange(shares + 1), side="left")
     pieces = Entries(lo[owner] + delta, ro[owner] + delta, stops - starts)
-    return [Entries(pieces.local_offsets[a:b], pieces.remote_offsets[a:b], pieces.sizes[a:b])
-            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return [_slice(pieces, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
 class TcpTransport(Transport):
@@ -256,23 +261,25 @@ class TcpTransport(Transport):
             return Ticket.completed(label)
         shares = _split(entries, min(self._num_conns,
                                      max(1, entries.total_bytes // self._split_min)))
-        ticket = Ticket(label, parts=len(shares))
+        frames = [(i, _slice(share, a, a + _FRAME_ENTRIES)) for i, share in enumerate(shares)
+                  for a in range(0, share.num_entries, _FRAME_ENTRIES)]
+        ticket = Ticket(label, parts=len(frames))
         with self._lock:
             first, peer.turn = peer.turn, peer.turn + len(shares)
             conns = [self._live_conn(remote.peer_id, peer, (first + i) % self._num_conns)
                      for i in range(len(shares))]
         mem = lease.value.mem
-        for i, (share, conn) in enumerate(zip(shares, conns)):
-            share_lease = lease if i == 0 else self._regions.acquire(local.region_id)
+        for n, (i, frame) in enumerate(frames):
+            frame_lease = lease if n == 0 else self._regions.acquire(local.region_id)
             xfer_id = next(self._xfer_ids)
-            table = np.empty((share.num_entries, 2), dtype="<u8")
-            table[:, 0], table[:, 1] = share.remote_offsets, share.sizes
-            bufs = [memoryview(HEADER.pack(T_WRITE, share.num_entries, xfer_id,
-                                           remote.region_id, share.total_bytes)),
+            table = np.empty((frame.num_entries, 2), dtype="<u8")
+            table[:, 0], table[:, 1] = frame.remote_offsets, frame.sizes
+            bufs = [memoryview(HEADER.pack(T_WRITE, frame.num_entries, xfer_id,
+                                           remote.region_id, frame.total_bytes)),
                     memoryview(table.tobytes())]
-            bufs += [mem[o:o + n] for o, n in zip(share.local_offsets.tolist(),
-                                                  share.sizes.tolist())]
-            conn.submit(_Job(xfer_id, ticket, share_lease, bufs))
+            bufs += [mem[o:o + size] for o, size in zip(frame.local_offsets.tolist(),
+                                                        frame.sizes.tolist())]
+            conns[i].submit(_Job(xfer_id, ticket, frame_lease, bufs))
         return ticket
 
     def _live_conn(self, peer_id: str, peer: _Peer, index: int) -> _Conn:

@@ -293,6 +293,25 @@ class _raw_connect_later:
             s.close()
 
 
+def test_share_with_more_entries_than_a_frame_holds_goes_as_several_frames(receiver, sender,
+                                                                          monkeypatch):
+    from sglang_kvxfer.transports import tcp
+
+    monkeypatch.setattr(tcp, "_FRAME_ENTRIES", 7)
+    rt, mem, rregion = receiver
+    st, src, sregion = sender
+    st.add_peer("r", rt.agent_descriptor())
+    remote = st.import_region("r", rregion.descriptor)
+    ro = np.arange(50, dtype=np.int64) * 100  # 50 entries that cannot be merged: 8 frames
+    lo = ro[::-1].copy()
+    before = next(st._xfer_ids)
+    ticket = st.write(sregion, remote, lo, ro, np.full(50, 64))
+    assert next(st._xfer_ids) - before - 1 == 8  # frames posted
+    ticket.wait(TIMEOUT_S)
+    for l, r in zip(lo, ro):
+        np.testing.assert_array_equal(mem[r:r + 64], src[l:l + 64])
+
+
 @pytest.mark.parametrize("shares", [2, 3, 7])
 def test_split_covers_the_batch_in_order_with_even_shares(shares):
     rng = np.random.default_rng(shares)
