@@ -121,6 +121,21 @@ KVXFER_WORKERS = _define(
     "Transfer worker threads per rank (requests are spread over them by room id).",
 )
 
+KVXFER_TCP_HOST = _define(
+    "KVXFER_TCP_HOST", "127.0.0.1", lambda s: s.strip(),
+    "`tcp` transport: the address it listens on and advertises to peers (must be reachable "
+    "by them; `0.0.0.0` is refused).",
+)
+KVXFER_TCP_CONNECTIONS = _define(
+    "KVXFER_TCP_CONNECTIONS", 1, int,
+    "`tcp` transport: connections per peer; a batch of at least 1 MiB per connection is "
+    "split over them.",
+)
+KVXFER_TCP_IO_TIMEOUT_S = _define(
+    "KVXFER_TCP_IO_TIMEOUT_S", 30.0, float,
+    "`tcp` transport: a connection with writes pending that makes no progress (bytes sent or "
+    "ACK received) for this many seconds is failed, and so are its tickets.",
+)
 
 def markdown_table() -> str:
     """The README's table of environment variables (kept in sync by a test)."""

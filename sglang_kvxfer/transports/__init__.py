@@ -1,0 +1,99 @@
+"""Transports: move bytes between registered memory regions of two processes.
+
+This package owns the registry that maps a transport name to the module that implements
+it, imported lazily: ``get_transport("tcp")`` imports ``transports.tcp`` only then, and a
+transport whose package is missing raises ``TransportUnavailableError`` naming it. Adding a
+backend is one ``register_transport`` line. The interface lives in ``transports.base``.
+This module must not import any transport module (or torch) at import time.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+
+from sglang_kvxfer.errors import TransportUnavailableError
+from sglang_kvxfer.transports.base import Caps, PeerFailure, Region, RemoteRegion, Transport
+from sglang_kvxfer.transports.ticket import Ticket, TicketState, wait_all
+
+__all__ = [
+    "get_transport",
+    "available_transports",
+    "registered_transports",
+    "register_transport",
+    "Transport",
+    "Caps",
+    "Region",
+    "RemoteRegion",
+    "PeerFailure",
+    "Ticket",
+    "TicketState",
+    "wait_all",
+]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    target: str                      # "package.module:ClassName"
+    requires: tuple[tuple[str, str], ...]  # (importable module, pip package that provides it)
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register_transport(name: str, target: str, requires: dict[str, str] | None = None) -> None:
+    """Declare transport ``name``, implemented by ``target`` ("package.module:ClassName").
+
+    ``requires`` maps each module the transport imports to the pip package that provides
+    it, e.g. ``{"nixl_cu12": "nixl-cu12"}``; a missing one makes ``get_transport`` raise
+    ``TransportUnavailableError`` naming the package.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"transport name must be a non-empty str, got {name!r}")
+    module, sep, attr = target.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"target must look like 'package.module:ClassName', got {target!r}")
+    _REGISTRY[name] = _Entry(target, tuple((requires or {}).items()))
+
+
+def registered_transports() -> list[str]:
+    """Every registered name, installed or not."""
+    return sorted(_REGISTRY)
+
+
+def _missing(entry: _Entry) -> list[tuple[str, str]]:
+    return [(mod, pkg) for mod, pkg in entry.requires if importlib.util.find_spec(mod) is None]
+
+
+def available_transports() -> list[str]:
+    """Registered names whose required packages are importable here (nothing is imported)."""
+    return [name for name in sorted(_REGISTRY) if not _missing(_REGISTRY[name])]
+
+
+def get_transport(name: str, **options) -> Transport:
+    """Create transport ``name`` with its keyword ``options`` (see each class's docstring).
+
+    Raises ``ValueError`` for an unknown name (listing the registered ones) and
+    ``TransportUnavailableError`` when a package it needs is not installed.
+    """
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        raise ValueError(f"unknown transport {name!r}; registered: "
+                         f"{', '.join(registered_transports())}")
+    missing = _missing(entry)
+    if missing:
+        needs = ", ".join(f"'{pkg}' (module '{mod}')" for mod, pkg in missing)
+        raise TransportUnavailableError(
+            f"transport {name!r} needs {needs}, which is not installed; "
+            f"pip install {' '.join(pkg for _, pkg in missing)}")
+    module_name, _, attr = entry.target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise TransportUnavailableError(
+            f"transport {name!r} could not be imported from {module_name}: {exc}") from exc
+    return getattr(module, attr)(**options)
+
+
+register_transport("local", "sglang_kvxfer.transports.local:LocalTransport")
+register_transport("tcp", "sglang_kvxfer.transports.tcp:TcpTransport")

@@ -1,0 +1,282 @@
+"""Raw host-memory helpers for the transports (Linux, ctypes, no torch).
+
+Owns: writable memoryviews over ``(ptr, nbytes)``, batched ``memmove``, cross-process
+memory writes (``process_vm_writev``/``readv``) with the checks of whether the OS permits
+them, and ``SharedBuffer``: memfd-backed shared memory that a peer on this host maps by
+``/proc/<pid>/fd/<fd>``. It must not know about peers, descriptors or tickets.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import threading
+import weakref
+
+import numpy as np
+
+from sglang_kvxfer.errors import TransportError
+
+__all__ = ["view", "copy_entries", "cma_write", "cma_probe", "cma_blocker",
+           "allow_ptrace_writes", "SharedBuffer", "alloc_shared", "find_shared"]
+
+IOV_MAX = 1024  # Linux UIO_MAXIOV: iovecs per process_vm_writev / sendmsg call
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_pvw = _libc.process_vm_writev
+_pvr = _libc.process_vm_readv
+for _fn in (_pvw, _pvr):
+    _fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
+                    ctypes.c_ulong, ctypes.c_ulong]
+    _fn.restype = ctypes.c_ssize_t
+_prctl = _libc.prctl
+_prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_prctl.restype = ctypes.c_int
+_PR_GET_DUMPABLE = 3
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+_YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+
+
+def view(ptr: int, nbytes: int) -> memoryview:
+    """A writable byte memoryview of ``nbytes`` at ``ptr`` (the caller keeps the memory alive)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
+
+
+def copy_entries(dst_base: int, src_base: int, dst_offsets: np.ndarray,
+                 src_offsets: np.ndarray, sizes: np.ndarray) -> None:
+    """``memmove`` entry i: ``sizes[i]`` bytes from ``src_base + src_offsets[i]`` to ``dst_base + ...``.
+
+    ctypes releases the GIL around each memmove, so threads copy concurrently.
+    """
+    move = ctypes.memmove
+    for d, s, n in zip((dst_offsets + dst_base).tolist(), (src_offsets + src_base).tolist(),
+                       sizes.tolist()):
+        move(d, s, n)
+
+
+# -- cross-process memory (CMA) ---------------------------------------------------------
+
+
+def _iovecs(bases: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    iov = np.empty((sizes.shape[0], 2), dtype=np.uint64)  # struct iovec {void *base; size_t len}
+    iov[:, 0] = bases
+    iov[:, 1] = sizes
+    return iov
+
+
+def cma_write(pid: int, local_addrs: np.ndarray, remote_addrs: np.ndarray,
+              sizes: np.ndarray) -> None:
+    """Copy ``sizes[i]`` bytes from our ``local_addrs[i]`` to ``remote_addrs[i]`` in ``pid``.
+
+    Up to ``IOV_MAX`` entries per ``process_vm_writev`` call; resumes after partial
+    transfers. Raises ``OSError`` with the errno (ESRCH: process gone, EPERM: not permitted,
+    EFAULT: an address is not mapped).
+    """
+    liov, riov, left = _iovecs(local_addrs, sizes), _iovecs(remote_addrs, sizes), sizes.copy()
+    i, n = 0, sizes.shape[0]
+    while i < n:
+        k = min(IOV_MAX, n - i)
+        got = _pvw(pid, liov[i:].ctypes.data, k, riov[i:].ctypes.data, k, 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"process_vm_writev into pid {pid}: {os.strerror(err)}")
+        if got == 0:
+            raise OSError(errno.EFAULT, f"process_vm_writev into pid {pid} made no progress")
+        done = np.cumsum(left[i:i + k])
+        full = int(np.searchsorted(done, got, side="right"))  # entries completely written
+        if full < k:  # partial: advance inside entry i + full and go again
+            part = got - (int(done[full - 1]) if full else 0)
+            j = i + full
+            liov[j, 0] += part
+            riov[j, 0] += part
+            liov[j, 1] = riov[j, 1] = left[j] = left[j] - part
+        i += full
+
+
+def cma_probe(pid: int, addr: int, nbytes: int) -> None:
+    """Read the first and last byte of ``[addr, addr + nbytes)`` in ``pid``; raise ``OSError``."""
+    buf = ctypes.create_string_buffer(1)
+    local = _iovecs(np.array([ctypes.addressof(buf)]), np.array([1]))
+    for at in {addr, addr + nbytes - 1}:
+        remote = _iovecs(np.array([at]), np.array([1]))
+        if _pvr(pid, local.ctypes.data, 1, remote.ctypes.data, 1, 0) != 1:
+            err = ctypes.get_errno()
+            raise OSError(err, f"process_vm_readv of pid {pid} at {at:#x}: {os.strerror(err)}")
+
+
+def _yama_scope() -> int | None:
+    try:
+        with open(_YAMA_SCOPE) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def cma_blocker() -> str | None:
+    """Why peers cannot ``process_vm_writev`` into this process, or None if nothing here forbids it."""
+    scope = _yama_scope()
+    if scope == 3:
+        return f"{_YAMA_SCOPE} is 3 (cross-process memory access disabled until reboot)"
+    if _prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 0:
+        return ("this process is not dumpable (prctl PR_SET_DUMPABLE=0 or a set-id binary), "
+                "so the kernel refuses other processes access to its memory")
+    return None
+
+
+_ptracer_lock = threading.Lock()
+_ptracer_set = False
+
+
+def allow_ptrace_writes() -> None:
+    """Under yama ``ptrace_scope=1``, let same-user processes (peers) write our memory.
+
+    ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` is needed for ``process_vm_writev`` from a
+    non-ancestor; it is done once, only when a private region is registered for CMA.
+    """
+    global _ptracer_set
+    with _ptracer_lock:
+        if not _ptracer_set and _yama_scope() == 1:
+            _prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
+        _ptracer_set = True
+
+
+# -- shared memory ----------------------------------------------------------------------
+
+_live_buffers: "weakref.WeakValueDictionary[int, SharedBuffer]" = weakref.WeakValueDictionary()
+
+
+class SharedBuffer:
+    """Host memory backed by a memfd, so a peer on this host can map the same pages.
+
+    ``ptr``/``nbytes`` give the address to register; ``path`` (``/proc/<pid>/fd/<fd>``) and
+    ``inode`` let a peer open and verify it. The memory disappears with the last mapping,
+    even if this process crashes (no ``/dev/shm`` leftovers). ``close()`` releases it;
+    views from ``as_numpy``/``as_tensor`` keep the mapping alive until they are dropped.
+    """
+
+    def __init__(self, nbytes: int):
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+            raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be > 0, got {nbytes}")
+        self.nbytes = int(nbytes)
+        self._fd = os.memfd_create("kvxfer-pool", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, self.nbytes)
+            self._mm = mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED,
+                                 mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(self._fd)
+            raise
+        anchor = ctypes.c_char.from_buffer(self._mm)  # an export only while we read the address
+        self.ptr = ctypes.addressof(anchor)
+        del anchor
+        self.pid = os.getpid()
+        self.fd = self._fd
+        self.path = f"/proc/{self.pid}/fd/{self._fd}"
+        self.inode = os.fstat(self._fd).st_ino
+        self.registrations = 0  # regions a transport holds in this buffer (close() refuses)
+        _live_buffers[id(self)] = self
+
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
+    def as_numpy(self) -> np.ndarray:
+        """The whole buffer as ``uint8[nbytes]`` (shares memory)."""
+        self._check_open()
+        return np.frombuffer(self._mm, dtype=np.uint8)
+
+    def as_tensor(self, dtype, shape):
+        """A CPU torch tensor of ``dtype`` and ``shape`` over the start of the buffer."""
+        import torch
+
+        self._check_open()
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if numel * itemsize > self.nbytes:
+            raise ValueError(f"shape {tuple(shape)} of {dtype} needs {numel * itemsize} bytes, "
+                             f"buffer has {self.nbytes}")
+        return torch.frombuffer(self._mm, dtype=dtype, count=numel).view(*shape)
+
+    def close(self) -> None:
+        """Release the buffer. Idempotent; peers that mapped it keep their pages.
+
+        Raises ``ValueError`` while a transport still has a region registered in it.
+        """
+        if self._mm is None:
+            return
+        if self.registrations:
+            raise ValueError(f"SharedBuffer still holds {self.registrations} registered "
+                             "region(s); deregister them before close()")
+        _live_buffers.pop(id(self), None)
+        mm, self._mm = self._mm, None
+        try:
+            mm.close()
+        except BufferError:
+            pass  # numpy/torch views still alive: the mapping goes when the last one does
+        os.close(self._fd)
+
+    def _check_open(self) -> None:
+        if self._mm is None:
+            raise ValueError("SharedBuffer is closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._mm is None else f"ptr={self.ptr:#x}"
+        return f"SharedBuffer(nbytes={self.nbytes}, {state})"
+
+
+def alloc_shared(nbytes: int) -> SharedBuffer:
+    """Allocate ``nbytes`` of shared host memory for a KV pool the ``local`` transport writes
+    into with one copy. Register it with ``register(buf.ptr, buf.nbytes)`` (or a tensor from
+    ``buf.as_tensor``); close it after deregistering."""
+    return SharedBuffer(nbytes)
+
+
+def find_shared(ptr: int, nbytes: int) -> SharedBuffer | None:
+    """The live SharedBuffer that contains ``[ptr, ptr + nbytes)``, or None."""
+    for buf in list(_live_buffers.values()):
+        if not buf.closed and buf.ptr <= ptr and ptr + nbytes <= buf.ptr + buf.nbytes:
+            return buf
+    return None
+
+
+def open_shared(path: str, inode: int, nbytes: int) -> mmap.mmap:
+    """Map a peer's SharedBuffer; raise ``TransportError`` saying why it cannot be mapped."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise TransportError(f"shared buffer {path} does not exist (the peer closed it or "
+                             "exited, or runs in another pid namespace)") from None
+    except PermissionError:
+        raise TransportError(f"no permission to open the peer's shared buffer {path} (peers "
+                             "must run as the same user); use the 'tcp' transport") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_ino != inode:
+            raise TransportError(f"{path} is no longer the peer's shared buffer (inode "
+                                 f"{st.st_ino}, descriptor says {inode})")
+        if st.st_size < nbytes:
+            raise TransportError(f"peer's shared buffer {path} has {st.st_size} bytes, "
+                                 f"descriptor says {nbytes}")
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def mapping_address(mm: mmap.mmap) -> int:
+    anchor = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor

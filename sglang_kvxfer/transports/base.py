@@ -1,0 +1,329 @@
+"""The transport interface: value types, the ``Transport`` base class, batch validation.
+
+This module owns the ``Transport`` contract every backend implements (register memory,
+exchange opaque descriptors, post a batch of one-sided writes given as offset/size arrays
+and get a ``Ticket``, report peer failures, close) and the checks that run before any
+byte moves: batch validation against both region sizes and the coalescing of contiguous
+entries. Tickets live in ``transports.ticket``. It must not open sockets, map memory or
+import torch: transports do that.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sglang_kvxfer.errors import TransportError
+from sglang_kvxfer.transports.ticket import Ticket, TicketState, wait_all
+
+__all__ = [
+    "Caps",
+    "Region",
+    "RemoteRegion",
+    "PeerFailure",
+    "Entries",
+    "Transport",
+    "Ticket",
+    "TicketState",
+    "wait_all",
+    "validate_batch",
+    "coalesce",
+    "parse_device",
+    "tensor_memory",
+]
+
+MEM_KINDS = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Caps:
+    """What a transport can do; optional features default to "not supported".
+
+    ``mem_kinds``: memory kinds it can register (``"cpu"``, ``"cuda"``).
+    ``same_host_only``: peers must run on this host (same kernel boot).
+    ``read_supported``: ``read()`` is implemented (one-sided pull).
+    ``one_sided``: bytes land without a thread of the target process taking part.
+    """
+
+    mem_kinds: frozenset
+    same_host_only: bool
+    read_supported: bool = False
+    one_sided: bool = False
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered local memory region; ``descriptor`` is what a peer needs to import it."""
+
+    region_id: int
+    ptr: int
+    nbytes: int
+    device: str
+    descriptor: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """A peer's region as imported by ``Transport.import_region``."""
+
+    peer_id: str
+    region_id: int
+    nbytes: int
+    device: str
+
+
+@dataclass(frozen=True)
+class PeerFailure:
+    """A peer observed to be gone (process exited, connection lost); ``reason`` says how."""
+
+    peer_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Entries:
+    """One validated batch: three int64 arrays of equal length ``[num_entries]``."""
+
+    local_offsets: np.ndarray
+    remote_offsets: np.ndarray
+    sizes: np.ndarray
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.sizes.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.sizes.sum())
+
+
+# -- batch validation and coalescing ----------------------------------------------------
+
+_ARRAY_NAMES = ("local_offsets", "remote_offsets", "sizes")
+
+
+def _as_index_array(name: str, values) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D array, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0 and arr.dtype.kind == "f":  # np.asarray([]) is float64: an empty list
+            return np.zeros(0, dtype=np.int64)
+        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        idx = int(np.argmax(arr > np.iinfo(np.int64).max))
+        raise ValueError(f"{name}[{idx}] = {int(arr[idx])} does not fit in int64")
+    out = np.ascontiguousarray(arr, dtype=np.int64)
+    if out.size and int(out.min()) < 0:
+        idx = int(np.argmax(out < 0))
+        raise ValueError(f"{name}[{idx}] = {int(out[idx])} is negative")
+    return out
+
+
+def validate_batch(local_nbytes: int, remote_nbytes: int, local_offsets, remote_offsets,
+                   sizes, *, local_name: str = "local region",
+                   remote_name: str = "remote region") -> Entries:
+    """Check a write batch against both region sizes; return it as int64 ``Entries``.
+
+    Parameters
+    ----------
+    local_nbytes, remote_nbytes : sizes of the source and destination regions in bytes.
+    local_offsets, remote_offsets, sizes : 1-D integer arrays ``[num_entries]``; entry i
+        copies ``sizes[i]`` bytes from ``local_offsets[i]`` to ``remote_offsets[i]``.
+
+    Raises ``TypeError`` (not integer) or ``ValueError`` (not 1-D, lengths differ, negative,
+    or ``offset + size`` past a region end: the message names the entry index, offset, size
+    and region size). Zero-size entries are allowed, also at ``offset == region size``.
+    """
+    arrays = [_as_index_array(n, v) for n, v in zip(_ARRAY_NAMES, (local_offsets,
+                                                                   remote_offsets, sizes))]
+    lengths = [a.shape[0] for a in arrays]
+    if len(set(lengths)) != 1:
+        raise ValueError(
+            "local_offsets, remote_offsets and sizes must have the same length, got "
+            f"{lengths[0]}, {lengths[1]} and {lengths[2]}"
+        )
+    lo, ro, sz = arrays
+    for offs, limit, name, what in ((lo, local_nbytes, local_name, "local"),
+                                    (ro, remote_nbytes, remote_name, "remote")):
+        # Written as two comparisons so that offset + size cannot overflow int64.
+        bad = (offs > limit) | (sz > limit - offs)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"entry {i}: {what} offset {int(offs[i])} + size {int(sz[i])} = "
+                f"{int(offs[i]) + int(sz[i])} exceeds {name} of {limit} bytes"
+            )
+    return Entries(lo, ro, sz)
+
+
+def coalesce(entries: Entries) -> Entries:
+    """Drop zero-size entries, sort by remote offset, merge runs contiguous on both sides.
+
+    The result moves the same bytes with fewer, larger entries. Where destination ranges of
+    one batch overlap, which write lands last is unspecified (as with RDMA).
+    """
+    keep = entries.sizes > 0
+    lo, ro, sz = entries.local_offsets[keep], entries.remote_offsets[keep], entries.sizes[keep]
+    if sz.size <= 1:
+        return Entries(lo, ro, sz)
+    order = np.argsort(ro, kind="stable")
+    lo, ro, sz = lo[order], ro[order], sz[order]
+    ends_l, ends_r = lo[:-1] + sz[:-1], ro[:-1] + sz[:-1]
+    starts = np.flatnonzero(np.concatenate(([True], (lo[1:] != ends_l) | (ro[1:] != ends_r))))
+    if starts.size == sz.size:
+        return Entries(lo, ro, sz)
+    return Entries(lo[starts], ro[starts], np.add.reduceat(sz, starts))
+
+
+def parse_device(device) -> tuple[str, int]:
+    """``"cpu"`` -> ("cpu", -1); ``"cuda"``/``"cuda:N"`` (or a torch.device) -> ("cuda", N)."""
+    text = str(device)
+    kind, _, index = text.partition(":")
+    if kind == "cpu" and not index:
+        return "cpu", -1
+    if kind == "cuda":
+        if not index:
+            return "cuda", 0
+        if index.isdigit():
+            return "cuda", int(index)
+    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def tensor_memory(tensor) -> tuple[int, int, str]:
+    """``(data_ptr, nbytes, device)`` of a contiguous torch tensor, without importing torch."""
+    if not hasattr(tensor, "data_ptr") or not hasattr(tensor, "is_contiguous"):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"the tensor must be contiguous, got shape {tuple(tensor.shape)} with "
+                         f"stride {tuple(tensor.stride())}")
+    return tensor.data_ptr(), tensor.numel() * tensor.element_size(), str(tensor.device)
+
+
+# -- the interface ----------------------------------------------------------------------
+
+
+class Transport(abc.ABC):
+    """Moves bytes from this process's registered memory into peers' registered memory.
+
+    One instance per process (or device). The engine's bootstrap carries the opaque
+    ``agent_descriptor()`` and ``Region.descriptor`` bytes to peers. Writes are one-sided
+    pushes posted as offset/size arrays in one call; completion is observed on the writer's
+    ``Ticket``, and telling the target "done" is the engine's own message. Close with
+    ``close()`` or a ``with`` block; nothing blocks in ``__del__``.
+    """
+
+    name: str = "?"
+    caps: Caps
+
+    def __init__(self) -> None:
+        self._closed = False
+
+    # -- required core ------------------------------------------------------------------
+    @abc.abstractmethod
+    def agent_descriptor(self) -> bytes:
+        """Opaque bytes a peer passes to ``add_peer`` to reach this transport."""
+
+    @abc.abstractmethod
+    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+        """Make the peer whose ``agent_descriptor()`` is ``descriptor`` known as ``peer_id``."""
+
+    @abc.abstractmethod
+    def remove_peer(self, peer_id: str) -> None:
+        """Forget a peer; its imported regions become invalid and its pending tickets fail."""
+
+    @abc.abstractmethod
+    def register(self, ptr: int, nbytes: int, device: str = "cpu") -> Region:
+        """Register ``nbytes`` of memory at address ``ptr`` on ``device``."""
+
+    @abc.abstractmethod
+    def deregister(self, region: Region) -> None:
+        """Stop using a region (waits, bounded, for writes that read or fill it)."""
+
+    @abc.abstractmethod
+    def import_region(self, peer_id: str, descriptor: bytes) -> RemoteRegion:
+        """Turn a peer's ``Region.descriptor`` into a ``RemoteRegion`` writes can target."""
+
+    @abc.abstractmethod
+    def _write(self, local: Region, remote: RemoteRegion, entries: Entries) -> Ticket:
+        """Post validated, coalesced ``entries``; an empty batch returns a DONE ticket.
+
+        Must check that ``local`` is live here and ``remote`` is imported from a known peer
+        before anything moves; transport failures go on the ticket, not raised.
+        """
+
+    @abc.abstractmethod
+    def peer_failures(self) -> list[PeerFailure]:
+        """Peer failures observed since the last call (drained)."""
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """Release everything; bounded in time."""
+
+    # -- provided -----------------------------------------------------------------------
+    def write(self, local: Region, remote: RemoteRegion, local_offsets, remote_offsets,
+              sizes) -> Ticket:
+        """Post one batch of one-sided writes from ``local`` into ``remote``.
+
+        Parameters
+        ----------
+        local : a Region registered on this transport (the source).
+        remote : a RemoteRegion imported from a peer (the destination).
+        local_offsets, remote_offsets, sizes : int64 arrays ``[num_entries]``; entry i
+            copies ``sizes[i]`` bytes from ``local.ptr + local_offsets[i]`` to the remote
+            region at ``remote_offsets[i]``.
+
+        The whole batch is validated before any byte moves: an out-of-range entry raises
+        ``ValueError`` naming it and nothing is written. Returns a ``Ticket``; peer and
+        transport failures are reported on it.
+        """
+        self._check_open()
+        if not isinstance(local, Region):
+            raise TypeError(f"local must be a Region, got {type(local).__name__}")
+        if not isinstance(remote, RemoteRegion):
+            raise TypeError(f"remote must be a RemoteRegion, got {type(remote).__name__}")
+        entries = validate_batch(
+            local.nbytes, remote.nbytes, local_offsets, remote_offsets, sizes,
+            local_name=f"local region {local.region_id}",
+            remote_name=f"remote region {remote.region_id} of peer {remote.peer_id!r}",
+        )
+        return self._write(local, remote, coalesce(entries))
+
+    def read(self, local: Region, remote: RemoteRegion, local_offsets, remote_offsets,
+             sizes) -> Ticket:
+        """One-sided pull; only where ``caps.read_supported``."""
+        raise TransportError(f"transport {self.name!r} does not support read "
+                             "(caps.read_supported is False)")
+
+    def register_tensor(self, tensor) -> Region:
+        """Register a contiguous torch tensor's bytes (``data_ptr``, ``nbytes``, ``device``)."""
+        ptr, nbytes, device = tensor_memory(tensor)
+        return self.register(ptr, nbytes, device)
+
+    def close(self) -> None:
+        """Release sockets, threads, mappings and regions. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"transport {self.name!r} is closed")
+
+    @staticmethod
+    def _check_register_args(ptr: int, nbytes: int) -> None:
+        for arg, value in (("ptr", ptr), ("nbytes", nbytes)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{arg} must be an int, got {type(value).__name__}")
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be > 0, got {nbytes}")
+        if ptr <= 0:
+            raise ValueError(f"ptr must be a non-null address, got {ptr:#x}")

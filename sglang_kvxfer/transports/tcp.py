@@ -1,0 +1,352 @@
+"""The ``tcp`` transport: writes into a peer's registered host memory over TCP, no RDMA.
+
+How bytes move: each transport listens on ``host:port``; a writer opens
+``num_connections`` connections per peer lazily. A batch is coalesced, split by bytes over
+the connections (large entries are cut), and each share goes as one WRITE frame sent
+straight from views of the registered memory (``sendmsg``, no joining). The receiver
+checks every entry against its registered regions before reading the payload straight
+into the region (``recvmsg_into``, no intermediate copy); a write outside them is refused
+and the ACK says why. One ACK per share completes that part of the ticket. A lost
+connection fails every outstanding ticket of the peer with ``PeerGoneError`` naming it and
+is reported by ``peer_failures``; the peer stays failed until ``remove_peer``/``add_peer``.
+
+This module owns peers, regions, splitting and lifetime; the connection ends and the wire
+format are in ``_tcp_conn``. It must not import torch.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sglang_kvxfer import envs
+from sglang_kvxfer.errors import PeerGoneError, TransportError
+from sglang_kvxfer.transports._common import UseTable, pack_descriptor, unpack_descriptor
+from sglang_kvxfer.transports._memory import view
+from sglang_kvxfer.transports._tcp_conn import (HEADER, MAX_ENTRIES, T_WRITE, _Conn, _Inbound,
+                                                _Job, _shutdown)
+from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
+                                           Ticket, Transport, parse_device)
+
+__all__ = ["TcpTransport"]
+
+log = logging.getLogger(__name__)
+
+_NAME = "tcp"
+_FRAME_ENTRIES = MAX_ENTRIES  # a share with more entries goes as several frames
+
+
+@dataclass
+class _Peer:
+    agent: str
+    host: str
+    port: int
+    conns: list = field(default_factory=list)
+    regions: dict = field(default_factory=dict)
+    failed: str | None = None
+    turn: int = 0
+
+
+
+# -- the transport ----------------------------------------------------------------------
+
+
+@dataclass
+class _TcpRegion:
+    region: Region
+    mem: memoryview
+
+
+def _slice(entries: Entries, start: int, stop: int) -> Entries:
+    return Entries(entries.local_offsets[start:stop], entries.remote_offsets[start:stop],
+                   entries.sizes[start:stop])
+
+
+def _split(entries: Entries, shares: int) -> list[Entries]:
+    """Cut a batch into ``shares`` runs of about equal bytes, cutting entries where needed."""
+    if shares <= 1:
+        return [entries]
+    lo, ro, sz = entries.local_offsets, entries.remote_offsets, entries.sizes
+    ends = np.cumsum(sz)
+    total = int(ends[-1])
+    cuts = total * np.arange(1, shares, dtype=np.int64) // shares
+    starts = np.union1d(ends - sz, cuts)            # byte positions where a piece begins
+    stops = np.append(starts[1:], total)
+    owner = np.searchsorted(ends, starts, side="right")  # entry each piece falls in
+    delta = starts - (ends - sz)[owner]
+    share = np.searchsorted(cuts, starts, side="right")
+    bounds = np.searchsorted(share, np.arange(shares + 1), side="left")
+    pieces = Entries(lo[owner] + delta, ro[owner] + delta, stops - starts)
+    return [_slice(pieces, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+class TcpTransport(Transport):
+    """Writes into peers' registered host memory over TCP (any hosts, no RDMA needed).
+
+    Parameters
+    ----------
+    host : address to listen on and advertise (default ``KVXFER_TCP_HOST``); must be
+        reachable by peers, so ``0.0.0.0``/``::`` are refused.
+    port : listening port (0: any free port).
+    num_connections : connections per peer that share each large batch
+        (default ``KVXFER_TCP_CONNECTIONS``).
+    io_timeout_s : a connection with transfers pending and no progress (bytes sent or ACK
+        received) for this long is failed (default ``KVXFER_TCP_IO_TIMEOUT_S``).
+    split_min_bytes : a batch is split over connections only into shares of at least this.
+    agent_id : name in descriptors (default: host, pid and a random tag).
+    """
+
+    name = _NAME
+    caps = Caps(mem_kinds=frozenset({"cpu"}), same_host_only=False, read_supported=False,
+                one_sided=False)
+
+    def __init__(self, *, host: str | None = None, port: int = 0,
+                 num_connections: int | None = None, io_timeout_s: float | None = None,
+                 split_min_bytes: int = 1 << 20, agent_id: str | None = None,
+                 close_timeout_s: float = 5.0):
+        super().__init__()
+        host = envs.KVXFER_TCP_HOST.get() if host is None else host
+        if host in ("", "0.0.0.0", "::"):
+            raise ValueError(f"host={host!r} cannot be advertised to peers; give the address "
+                             "peers should connect to (KVXFER_TCP_HOST)")
+        conns = envs.KVXFER_TCP_CONNECTIONS.get() if num_connections is None else num_connections
+        if isinstance(conns, bool) or not isinstance(conns, int) or not 1 <= conns <= 64:
+            raise ValueError(f"num_connections must be an int in [1, 64], got {conns!r}")
+        timeout = envs.KVXFER_TCP_IO_TIMEOUT_S.get() if io_timeout_s is None else io_timeout_s
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"io_timeout_s must be > 0, got {timeout!r}")
+        if not isinstance(split_min_bytes, int) or split_min_bytes < 1:
+            raise ValueError(f"split_min_bytes must be an int >= 1, got {split_min_bytes!r}")
+        self._agent = agent_id or f"tcp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._num_conns, self._io_timeout_s = conns, float(timeout)
+        self._split_min, self._close_timeout_s = split_min_bytes, close_timeout_s
+        self._lock = threading.Lock()
+        self._ids, self._xfer_ids = itertools.count(1), itertools.count(1)
+        self._regions = UseTable()  # region_id -> _TcpRegion
+        self._peers: dict[str, _Peer] = {}
+        self._agent_peers: dict[str, str] = {}
+        self._inbound: set[_Inbound] = set()
+        self._failures: list[PeerFailure] = []
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=128)
+        self._listener.settimeout(0.5)  # so the accept loop also notices close() by itself
+        self._host, self._port = host, self._listener.getsockname()[1]
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
+                                          name=f"kvxfer-tcp-accept-{self._port}")
+        self._acceptor.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where peers connect: ``(host, port)``."""
+        return self._host, self._port
+
+    # -- descriptors and peers ----------------------------------------------------------
+    def agent_descriptor(self) -> bytes:
+        return pack_descriptor(_NAME, "agent", agent=self._agent, host=self._host, port=self._port)
+
+    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+        self._check_open()
+        if not isinstance(peer_id, str) or not peer_id:
+            raise ValueError(f"peer_id must be a non-empty str, got {peer_id!r}")
+        desc = unpack_descriptor(descriptor, _NAME, "agent", {"agent": str, "host": str,
+                                                              "port": int})
+        peer = _Peer(desc["agent"], desc["host"], desc["port"])
+        peer.conns = [_Conn(self, peer_id, peer, i) for i in range(self._num_conns)]
+        with self._lock:
+            if peer_id in self._peers:
+                raise ValueError(f"peer {peer_id!r} is already added; remove_peer it first")
+            self._peers[peer_id] = peer
+            self._agent_peers[peer.agent] = peer_id
+
+    def remove_peer(self, peer_id: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(peer_id, None)
+            if peer is None:
+                raise ValueError(f"unknown peer {peer_id!r}")
+            self._agent_peers.pop(peer.agent, None)
+        deadline = time.monotonic() + self._close_timeout_s
+        for conn in peer.conns:
+            conn.stop(f"peer {peer_id!r} was removed with the write pending", deadline)
+
+    # -- regions ------------------------------------------------------------------------
+    def register(self, ptr: int, nbytes: int, device: str = "cpu") -> Region:
+        self._check_open()
+        self._check_register_args(ptr, nbytes)
+        if parse_device(device)[0] != "cpu":
+            raise TransportError(f"tcp moves host memory only, got device {device!r}; stage "
+                                 "device data in a host region or use 'local'/'nixl'/'mori'")
+        region_id = next(self._ids)
+        descriptor = pack_descriptor(_NAME, "region", agent=self._agent, region=region_id,
+                                     nbytes=nbytes, device="cpu")
+        region = Region(region_id, ptr, nbytes, "cpu", descriptor)
+        self._regions.add(region_id, _TcpRegion(region, view(ptr, nbytes)))
+        return region
+
+    def deregister(self, region: Region) -> None:
+        rid = region.region_id
+
+        def stop_users() -> None:  # a misuse: writes in flight; protect the memory first
+            with self._lock:
+                inbound = [c for c in self._inbound if c.region_id == rid]
+                outbound = [c for p in self._peers.values() for c in p.conns if c.uses_region(rid)]
+            for c in inbound:
+                _shutdown(c.sock)
+            for c in outbound:
+                c.fail(f"local region {rid} was deregistered while being sent",
+                       peer_failure=False, error_cls=TransportError)
+
+        if self._regions.remove(rid, self._close_timeout_s, stop_users) is None:
+            raise ValueError(f"region {rid} is not registered here")
+
+    def import_region(self, peer_id: str, descriptor: bytes) -> RemoteRegion:
+        self._check_open()
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            raise ValueError(f"unknown peer {peer_id!r} (add_peer it first)")
+        desc = unpack_descriptor(descriptor, _NAME, "region", {"agent": str, "region": int,
+                                                               "nbytes": int, "device": str})
+        if desc["agent"] != peer.agent:
+            raise ValueError(f"region descriptor belongs to agent {desc['agent']!r}, but peer "
+                             f"{peer_id!r} is agent {peer.agent!r}")
+        if desc["nbytes"] <= 0:
+            raise ValueError(f"tcp region descriptor: nbytes must be > 0, got {desc['nbytes']}")
+        remote = RemoteRegion(peer_id, desc["region"], desc["nbytes"], desc["device"])
+        with self._lock:
+            if remote.region_id in peer.regions:
+                raise ValueError(f"region {remote.region_id} of peer {peer_id!r} is already "
+                                 "imported")
+            peer.regions[remote.region_id] = remote
+        return remote
+
+    def _admit(self, region_id: int, offsets: np.ndarray, sizes: np.ndarray):
+        """Receiver check of one frame: ``(lease, None)`` or ``(None, why it is refused)``."""
+        lease = self._regions.acquire(region_id)
+        if lease is None:
+            return None, (f"unknown region {region_id} (not registered with agent "
+                          f"{self._agent!r}, or deregistered)")
+        nbytes = lease.value.region.nbytes
+        limit = np.uint64(nbytes)
+        bad = (offsets > limit) | (sizes > limit - np.minimum(offsets, limit))
+        if bad.any():
+            self._regions.release(lease)
+            i = int(np.argmax(bad))
+            off, size = int(offsets[i]), int(sizes[i])
+            return None, (f"entry {i}: offset {off} + size {size} = {off + size} exceeds "
+                          f"region {region_id} of {nbytes} bytes")
+        return lease, None
+
+    # -- writes -------------------------------------------------------------------------
+    def _write(self, local: Region, remote: RemoteRegion, entries: Entries) -> Ticket:
+        label = f"tcp write {local.region_id}->{remote.peer_id}:{remote.region_id}"
+        peer = self._peers.get(remote.peer_id)
+        if peer is None:
+            raise ValueError(f"unknown peer {remote.peer_id!r} (add_peer it first)")
+        if peer.regions.get(remote.region_id) != remote:
+            raise ValueError(f"remote region {remote.region_id} of peer {remote.peer_id!r} is "
+                             "not imported (import_region it first)")
+        lease = self._regions.acquire(local.region_id)
+        if lease is None:
+            raise ValueError(f"local region {local.region_id} is not registered here")
+        if peer.failed is not None or entries.num_entries == 0:
+            self._regions.release(lease)
+            if peer.failed is not None:
+                return Ticket.failed(label, PeerGoneError(peer.failed))
+            return Ticket.completed(label)
+        shares = _split(entries, min(self._num_conns,
+                                     max(1, entries.total_bytes // self._split_min)))
+        frames = [(i, _slice(share, a, a + _FRAME_ENTRIES)) for i, share in enumerate(shares)
+                  for a in range(0, share.num_entries, _FRAME_ENTRIES)]
+        ticket = Ticket(label, parts=len(frames))
+        with self._lock:
+            first, peer.turn = peer.turn, peer.turn + len(shares)
+            conns = [self._live_conn(remote.peer_id, peer, (first + i) % self._num_conns)
+                     for i in range(len(shares))]
+        mem = lease.value.mem
+        for n, (i, frame) in enumerate(frames):
+            frame_lease = lease if n == 0 else self._regions.acquire(local.region_id)
+            xfer_id = next(self._xfer_ids)
+            table = np.empty((frame.num_entries, 2), dtype="<u8")
+            table[:, 0], table[:, 1] = frame.remote_offsets, frame.sizes
+            bufs = [memoryview(HEADER.pack(T_WRITE, frame.num_entries, xfer_id,
+                                           remote.region_id, frame.total_bytes)),
+                    memoryview(table.tobytes())]
+            bufs += [mem[o:o + size] for o, size in zip(frame.local_offsets.tolist(),
+                                                        frame.sizes.tolist())]
+            conns[i].submit(_Job(xfer_id, ticket, frame_lease, bufs))
+        return ticket
+
+    def _live_conn(self, peer_id: str, peer: _Peer, index: int) -> _Conn:
+        conn = peer.conns[index]
+        if conn.dead is not None and peer.failed is None:  # closed locally, not a peer failure
+            conn = peer.conns[index] = _Conn(self, peer_id, peer, index)
+        return conn
+
+    # -- failures and lifetime ----------------------------------------------------------
+    def _peer_failed(self, peer_id: str, peer: _Peer, reason: str) -> None:
+        with self._lock:
+            if peer.failed is not None or self._closed:
+                return
+            peer.failed = reason
+            self._failures.append(PeerFailure(peer_id, reason))
+        log.warning("tcp: %s", reason)
+        for conn in peer.conns:
+            conn.fail(reason)
+
+    def _inbound_closed(self, inbound: _Inbound, reason: str | None) -> None:
+        with self._lock:
+            self._inbound.discard(inbound)
+            if reason is None or self._closed:
+                return
+            name = self._agent_peers.get(inbound.agent) or inbound.agent or str(inbound.addr)
+            text = f"inbound connection from agent {inbound.agent!r} {inbound.addr}: {reason}"
+            self._failures.append(PeerFailure(name, text))
+        log.warning("tcp: %s", text)
+
+    def peer_failures(self) -> list[PeerFailure]:
+        with self._lock:
+            out, self._failures = self._failures, []
+        return out
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if self._closed:
+                    return
+                log.warning("tcp: accept failed: %s", exc)
+                time.sleep(0.1)
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            inbound = _Inbound(self, sock, addr)
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._inbound.add(inbound)
+            inbound.thread.start()
+
+    def _close(self) -> None:
+        deadline = time.monotonic() + self._close_timeout_s
+        _shutdown(self._listener)
+        self._listener.close()
+        for peer_id in list(self._peers):
+            peer = self._peers.pop(peer_id)
+            for conn in peer.conns:
+                conn.stop("the tcp transport was closed with the write pending", deadline)
+        with self._lock:
+            inbound = list(self._inbound)
+        for conn in inbound:
+            _shutdown(conn.sock)
+        for conn in inbound:
+            conn.thread.join(max(0.0, deadline - time.monotonic()))
+        self._acceptor.join(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,266 @@
+"""The ``local`` transport beyond the shared contract: shared buffers, CMA permission
+errors, same-host checks, forged descriptors."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from sglang_kvxfer.errors import PeerGoneError, TransportError
+from sglang_kvxfer.transports import _memory
+from sglang_kvxfer.transports._common import pack_descriptor, unpack_descriptor
+from sglang_kvxfer.transports.local import LocalTransport, alloc_shared
+from transport_peer import PeerProcess
+
+TIMEOUT_S = 10.0
+
+
+def test_shared_buffer_views_share_memory_and_close_releases_it():
+    torch = pytest.importorskip("torch")
+    buf = alloc_shared(1 << 16)
+    arr = buf.as_numpy()
+    t = buf.as_tensor(torch.float32, (16, 1024))
+    t[0, 0] = 1.5
+    assert np.frombuffer(arr[:4].tobytes(), np.float32)[0] == 1.5
+    assert t.data_ptr() == buf.ptr == arr.ctypes.data
+    assert os.path.exists(buf.path)
+    assert _memory.find_shared(buf.ptr + 100, 10) is buf
+    buf.close()
+    buf.close()  # idempotent
+    assert _memory.find_shared(buf.ptr + 100, 10) is None
+    arr[0] = 7  # a live view keeps its pages mapped after close()
+    assert arr[0] == 7
+    with pytest.raises(ValueError, match="SharedBuffer is closed"):
+        buf.as_numpy()
+
+
+def test_shared_buffer_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="nbytes must be > 0, got 0"):
+        alloc_shared(0)
+    with pytest.raises(TypeError, match="nbytes must be an int, got float"):
+        alloc_shared(1.5)
+    torch = pytest.importorskip("torch")
+    with alloc_shared(64) as buf:
+        with pytest.raises(ValueError, match=r"shape \(4, 4\) of torch.float64 needs 128 bytes, "
+                                             r"buffer has 64"):
+            buf.as_tensor(torch.float64, (4, 4))
+
+
+def test_region_inside_a_shared_buffer_is_shm_kind():
+    with alloc_shared(1 << 20) as buf, LocalTransport() as t:
+        region = t.register(buf.ptr + 4096, 8192)
+        desc = unpack_descriptor(region.descriptor, "local", "region", {})
+        assert desc["kind"] == "shm" and desc["offset"] == 4096 and desc["path"] == buf.path
+        with pytest.raises(ValueError, match="still holds 1 registered region\\(s\\); "
+                                             "deregister them before close"):
+            buf.close()
+        t.deregister(region)
+        buf.close()
+        assert buf.closed
+        private = np.zeros(100, np.uint8)
+        assert unpack_descriptor(t.register(private.ctypes.data, 100).descriptor, "local",
+                                 "region", {})["kind"] == "cma"
+
+
+def test_register_tensor_of_a_shared_buffer_is_shm_kind():
+    torch = pytest.importorskip("torch")
+    with alloc_shared(1 << 16) as buf, LocalTransport() as t:
+        pool = buf.as_tensor(torch.bfloat16, (2, 8, 4, 64))[1]  # [page, head, dim] of layer 1
+        region = t.register_tensor(pool)
+        assert (region.ptr, region.nbytes, region.device) == (buf.ptr + 4096, 4096, "cpu")
+        desc = unpack_descriptor(region.descriptor, "local", "region", {})
+        assert (desc["kind"], desc["offset"]) == ("shm", 4096)
+
+
+def test_private_memory_with_cma_disabled_fails_at_registration():
+    private = np.zeros(100, np.uint8)
+    with LocalTransport(allow_cma=False) as t:
+        with pytest.raises(TransportError, match="private memory and allow_cma=False; allocate it "
+                                                 "with alloc_shared\\(\\) or use the 'tcp'"):
+            t.register(private.ctypes.data, 100)
+
+
+def test_register_rejects_cuda_pointer_and_bad_args():
+    with LocalTransport() as t:
+        with pytest.raises(TypeError, match="register CUDA memory with register_tensor"):
+            t.register(0x1000, 64, "cuda:0")
+        with pytest.raises(ValueError, match="nbytes must be > 0, got 0"):
+            t.register(0x1000, 0)
+        with pytest.raises(TypeError, match="ptr must be an int, got str"):
+            t.register("0x1000", 10)
+
+
+def _non_dumpable_peer(conn):
+    import ctypes
+
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0
+    private = np.zeros(4096, np.uint8)
+    try:
+        LocalTransport().register(private.ctypes.data, 4096)
+        conn.send("registered")
+    except TransportError as exc:
+        conn.send(str(exc))
+
+
+def test_non_dumpable_process_cannot_register_private_memory():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_non_dumpable_peer, args=(child,))
+    proc.start()
+    assert parent.poll(TIMEOUT_S)
+    msg = parent.recv()
+    proc.join(TIMEOUT_S)
+    assert "not dumpable" in msg and "alloc_shared()" in msg and "'tcp'" in msg
+
+
+def _unprivileged_writer(conn, agent, region):
+    import msgpack  # noqa: F401  (imported while its files are still readable)
+
+    t = LocalTransport()
+    os.setgid(65534)
+    os.setuid(65534)  # another user: the kernel must refuse process_vm_writev into the peer
+    try:
+        t.add_peer("peer", agent)
+        t.import_region("peer", region)
+        conn.send("imported")
+    except Exception as exc:
+        conn.send(f"{type(exc).__name__}: {exc}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another user")
+def test_cma_refused_by_the_kernel_says_why_and_suggests_tcp():
+    peer = PeerProcess("local", {}, "private", 4096)
+    try:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_unprivileged_writer, args=(child, peer.agent, peer.region))
+        proc.start()
+        assert parent.poll(TIMEOUT_S)
+        msg = parent.recv()
+        proc.join(TIMEOUT_S)
+        assert msg.startswith("TransportError: the kernel does not permit process_vm_writev "
+                              "into peer 'peer'"), msg
+        assert "Operation not permitted" in msg and "'tcp' transport" in msg
+    finally:
+        peer.close()
+
+
+def test_peer_on_another_host_is_refused():
+    with LocalTransport() as t:
+        desc = unpack_descriptor(t.agent_descriptor(), "local", "agent", {})
+        desc.update(boot_id="00000000-other-host")
+        forged = pack_descriptor("local", "agent", **{k: v for k, v in desc.items()
+                                                      if k not in ("transport", "what", "version")})
+        with pytest.raises(TransportError, match="runs on another host .*use the 'tcp' transport"):
+            t.add_peer("far", forged)
+
+
+def test_peer_already_exited_at_add_peer():
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=os.getpid)
+    proc.start()
+    proc.join(TIMEOUT_S)
+    with LocalTransport() as t:
+        desc = unpack_descriptor(t.agent_descriptor(), "local", "agent", {})
+        fields = {k: v for k, v in desc.items() if k not in ("transport", "what", "version")}
+        fields["pid"] = proc.pid
+        with pytest.raises(PeerGoneError, match=f"pid {proc.pid}\\) has exited"):
+            t.add_peer("gone", pack_descriptor("local", "agent", **fields))
+
+
+def test_tcp_descriptor_is_refused_by_local():
+    from sglang_kvxfer.transports.tcp import TcpTransport
+
+    with LocalTransport() as t, TcpTransport() as other:
+        with pytest.raises(ValueError, match="descriptor is for transport 'tcp'; transport "
+                                             "'local' cannot use it"):
+            t.add_peer("p", other.agent_descriptor())
+
+
+def _forge_region(descriptor: bytes, **changes) -> bytes:
+    desc = unpack_descriptor(descriptor, "local", "region", {})
+    desc.update(changes)
+    return pack_descriptor("local", "region", **{k: v for k, v in desc.items()
+                                                 if k not in ("transport", "what", "version")})
+
+
+@pytest.fixture(scope="module")
+def shm_peer():
+    peer = PeerProcess("local", {}, "shm", 1 << 20)
+    yield peer
+    peer.close()
+
+
+def test_forged_shm_descriptor_larger_than_the_buffer_is_refused(shm_peer):
+    with LocalTransport() as t:
+        t.add_peer("p", shm_peer.agent)
+        with pytest.raises(ValueError, match=r"offset 0 \+ nbytes 2097152 exceeds the shared "
+                                             r"buffer's 1048576 bytes"):
+            t.import_region("p", _forge_region(shm_peer.region, nbytes=2 << 20))
+        with pytest.raises(TransportError, match="has 1048576 bytes, descriptor says 2097152"):
+            t.import_region("p", _forge_region(shm_peer.region, nbytes=2 << 20,
+                                               map_bytes=2 << 20))
+        with pytest.raises(TransportError, match="is no longer the peer's shared buffer"):
+            t.import_region("p", _forge_region(shm_peer.region, inode=1))
+
+
+def test_region_of_another_agent_is_refused(shm_peer):
+    with LocalTransport() as t, LocalTransport() as other:
+        t.add_peer("p", other.agent_descriptor())
+        with pytest.raises(ValueError, match="belongs to agent .* but peer 'p' is agent"):
+            t.import_region("p", shm_peer.region)
+
+
+def test_duplicate_peer_is_refused(shm_peer):
+    with LocalTransport() as t:
+        t.add_peer("p", shm_peer.agent)
+        with pytest.raises(ValueError, match="peer 'p' is already added; remove_peer it first"):
+            t.add_peer("p", shm_peer.agent)
+        with pytest.raises(ValueError, match="unknown peer 'q'"):
+            t.remove_peer("q")
+
+
+def test_cpu_and_cuda_regions_cannot_be_mixed(shm_peer):
+    # A remote region that claims to be CUDA is refused at write time before anything moves.
+    from sglang_kvxfer.transports.local import _Target
+    from sglang_kvxfer.transports.base import RemoteRegion
+
+    src = np.zeros(64, np.uint8)
+    with LocalTransport() as t:
+        t.add_peer("p", shm_peer.agent)
+        region = t.register(src.ctypes.data, 64)
+        t._targets.add(("p", 77), _Target("cuda", 64, "cuda:0"))
+        remote = RemoteRegion("p", 77, 64, "cuda:0")
+        with pytest.raises(ValueError, match="same kind of memory: local region 1 is cpu, the "
+                                             "remote region is cuda:0"):
+            t.write(region, remote, np.array([0]), np.array([0]), np.array([8]))
+
+
+def _cuda_region(agent: str, **ipc_changes) -> bytes:
+    ipc = {"device": 0, "handle": b"\0" * 64, "storage_bytes": 4096, "storage_offset": 0,
+           "ref_handle": b"x", "ref_offset": 0, "event_handle": b"\0" * 64, "event_sync": False,
+           "byte_offset": 0, "nbytes": 4096}
+    ipc.update(ipc_changes)
+    return pack_descriptor("local", "region", agent=agent, region=1, nbytes=4096,
+                           device="cuda:0", kind="cuda", ipc=ipc)
+
+
+def test_malformed_cuda_descriptor_names_the_field(shm_peer):
+    pytest.importorskip("torch")
+    agent = unpack_descriptor(shm_peer.agent, "local", "agent", {})["agent"]
+    with LocalTransport() as t:
+        t.add_peer("p", shm_peer.agent)
+        with pytest.raises(ValueError, match="ipc field 'handle' is 'abc', expected bytes"):
+            t.import_region("p", _cuda_region(agent, handle="abc"))
+
+
+def test_cuda_region_that_cannot_be_opened_is_a_transport_error(shm_peer):
+    pytest.importorskip("torch")
+    agent = unpack_descriptor(shm_peer.agent, "local", "agent", {})["agent"]
+    with LocalTransport() as t:
+        t.add_peer("p", shm_peer.agent)
+        # no CUDA here, or (on a GPU machine) a handle of zeros: either way it cannot open
+        with pytest.raises(TransportError, match="cannot open peer 'p'.s CUDA region by CUDA IPC"):
+            t.import_region("p", _cuda_region(agent))
