@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -310,7 +311,12 @@ int run(const kvxfer_pool_t* pool, void* const* layer_ptrs, const int64_t* page_
 void emulate_cuda(bool gather, const kvxfer_pool_t& p, const kvxfer_slice_t& s,
                   const uint64_t* table, const int64_t* page_ids, char* staging,
                   const kvxfer::LaunchShape& shape) {
-  std::vector<int64_t> token_offsets(static_cast<size_t>(shape.tile_tokens));
+  // Sized like the kernel's shared-memory array, so a tile too large for it fails here.
+  std::vector<int64_t> token_offsets(static_cast<size_t>(kvxfer::kCudaMaxTileTokens));
+  if (shape.tile_tokens > kvxfer::kCudaMaxTileTokens || shape.tile_tokens < 1) {
+    throw std::logic_error("tile_tokens=" + std::to_string(shape.tile_tokens) +
+                           " does not fit the kernel's shared memory");
+  }
   const int64_t w = shape.width;
   for (int64_t y = 0; y < p.num_layers * p.num_kv; ++y) {
     const int64_t layer = y / p.num_kv, kv = y - layer * p.num_kv;
