@@ -105,6 +105,9 @@ def bench_config(device, dtype, layout, head_dim, page_size, num_heads, args, st
         for name, fn in runs.items():
             times[name].append(timer(fn))
     med = {name: statistics.median(ts) for name, ts in times.items()}
+    del k, v, staging, src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # pools of the next config differ in size
     gbps = {name: 2 * nbytes / t / 1e9 for name, t in med.items()}
     return {
         "layout": layout, "head_dim": head_dim, "page_size": page_size, "num_heads": num_heads,

@@ -157,8 +157,8 @@ constexpr int64_t kStreamingMinBytes = 4 << 20;
 
 /* Walks request tokens as (page index, slot) without a division per token. */
 struct Cursor {
-  Cursor(int64_t token, int64_t page_size)
-      : pos(kvxfer::token_position(token, page_size)), page_size(page_size) {}
+  Cursor(int64_t token, int64_t tokens_per_page)
+      : pos(kvxfer::token_position(token, tokens_per_page)), page_size(tokens_per_page) {}
   void next() {
     if (++pos.slot == page_size) {
       pos.slot = 0;
