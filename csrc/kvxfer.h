@@ -74,16 +74,21 @@ typedef struct kvxfer_slice {
 /* ---- CPU library (libkvxfer_cpu.so) ------------------------------------------------
  * layer_ptrs: num_kv * L host pointers, K of layers 0..L-1 then V of layers 0..L-1.
  * page_ids: host array of num_page_ids int64. num_threads <= 0 means one thread.
+ * streaming_min_bytes: calls moving at least this many bytes use non-temporal stores
+ *   (bypassing the cache: right for big transfers read next by a NIC); < 0 selects the
+ *   library default, KVXFER_CPU_STREAMING_MIN_BYTES_DEFAULT.
  * Every page id the slice uses is range-checked before any byte moves. */
+#define KVXFER_CPU_STREAMING_MIN_BYTES_DEFAULT (16LL << 20)
 KVXFER_API int kvxfer_cpu_abi_version(void);
 KVXFER_API const char* kvxfer_cpu_last_error(void);
 KVXFER_API int kvxfer_gather_cpu(const kvxfer_pool_t* pool, void* const* layer_ptrs,
                                  const int64_t* page_ids, const kvxfer_slice_t* slice,
-                                 void* staging, int64_t staging_bytes, int32_t num_threads);
+                                 void* staging, int64_t staging_bytes, int32_t num_threads,
+                                 int64_t streaming_min_bytes);
 KVXFER_API int kvxfer_scatter_cpu(const kvxfer_pool_t* pool, void* const* layer_ptrs,
                                   const int64_t* page_ids, const kvxfer_slice_t* slice,
                                   const void* staging, int64_t staging_bytes,
-                                  int32_t num_threads);
+                                  int32_t num_threads, int64_t streaming_min_bytes);
 
 /* Test hook: runs the CUDA kernel's exact work decomposition (launch_shape, tiles, per-token
  * offsets, width-byte vectors; kvxfer_index.h) serially on the host, with host pointers in

@@ -151,9 +151,6 @@ struct Job {
   bool streaming;  // non-temporal stores (large calls)
 };
 
-// Calls moving at least this many bytes use non-temporal stores: past the size of a
-// last-level cache slice, the destination would not stay cached anyway.
-constexpr int64_t kStreamingMinBytes = 4 << 20;
 
 /* Walks request tokens as (page index, slot) without a division per token. */
 struct Cursor {
@@ -280,7 +277,7 @@ int run_job(const Job& job, int32_t num_threads) {
 
 int run(const kvxfer_pool_t* pool, void* const* layer_ptrs, const int64_t* page_ids,
         const kvxfer_slice_t* slice, void* staging, int64_t staging_bytes, int32_t num_threads,
-        bool gather) {
+        int64_t streaming_min_bytes, bool gather) {
   try {
     char msg[512];
     int status = kvxfer::check_args(pool, slice, layer_ptrs, page_ids, staging, staging_bytes,
@@ -294,7 +291,9 @@ int run(const kvxfer_pool_t* pool, void* const* layer_ptrs, const int64_t* page_
     }
     status = check_page_ids(*pool, *slice, page_ids);
     if (status != KVXFER_OK) return status;
-    const bool streaming = kvxfer::staging_nbytes(*pool, *slice) >= kStreamingMinBytes;
+    // Past a few tens of MiB the destination would not stay cached anyway.
+    if (streaming_min_bytes < 0) streaming_min_bytes = KVXFER_CPU_STREAMING_MIN_BYTES_DEFAULT;
+    const bool streaming = kvxfer::staging_nbytes(*pool, *slice) >= streaming_min_bytes;
     Job job{*pool, *slice, reinterpret_cast<char* const*>(layer_ptrs), page_ids,
             static_cast<char*>(staging), gather, streaming};
     return run_job(job, num_threads);
@@ -388,17 +387,19 @@ KVXFER_API const char* kvxfer_cpu_last_error(void) { return g_last_error.c_str()
 
 KVXFER_API int kvxfer_gather_cpu(const kvxfer_pool_t* pool, void* const* layer_ptrs,
                                  const int64_t* page_ids, const kvxfer_slice_t* slice,
-                                 void* staging, int64_t staging_bytes, int32_t num_threads) {
-  return run(pool, layer_ptrs, page_ids, slice, staging, staging_bytes, num_threads, true);
+                                 void* staging, int64_t staging_bytes, int32_t num_threads,
+                                 int64_t streaming_min_bytes) {
+  return run(pool, layer_ptrs, page_ids, slice, staging, staging_bytes, num_threads,
+             streaming_min_bytes, true);
 }
 
 KVXFER_API int kvxfer_scatter_cpu(const kvxfer_pool_t* pool, void* const* layer_ptrs,
                                   const int64_t* page_ids, const kvxfer_slice_t* slice,
                                   const void* staging, int64_t staging_bytes,
-                                  int32_t num_threads) {
+                                  int32_t num_threads, int64_t streaming_min_bytes) {
   // Scatter only reads staging; the Job is shared with gather, hence the const_cast.
   return run(pool, layer_ptrs, page_ids, slice, const_cast<void*>(staging), staging_bytes,
-             num_threads, false);
+             num_threads, streaming_min_bytes, false);
 }
 
 }  // extern "C"

@@ -217,13 +217,14 @@ def _cpu_threads(nbytes: int) -> int:
     return max(1, min(cores or 1, nbytes // _MIN_BYTES_PER_THREAD, _MAX_THREADS))
 
 
-def _run_cpu(lib: _native.Library, call: KVCall, staging: torch.Tensor, gather: bool) -> None:
+def _run_cpu(lib: _native.Library, call: KVCall, staging: torch.Tensor, gather: bool,
+             streaming_min_bytes: int = -1) -> None:
     pool, sl = _descs(call)
     ptrs = np.array([t.data_ptr() for t in call.layers], dtype=np.uint64)
     name = "kvxfer_gather_cpu" if gather else "kvxfer_scatter_cpu"
     code = getattr(lib.handle, name)(pool, ptrs.ctypes.data, call.page_ids.ctypes.data, sl,
                                      staging.data_ptr(), staging.numel(),
-                                     _cpu_threads(call.staging_nbytes))
+                                     _cpu_threads(call.staging_nbytes), streaming_min_bytes)
     _native.check_status(lib, code, name)
 
 

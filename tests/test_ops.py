@@ -3,6 +3,7 @@ several writers into one pool; the CUDA kernel's work decomposition run on the h
 reference fallback. Argument rejections are in test_ops_errors.py."""
 from __future__ import annotations
 
+import functools
 import os
 from unittest import mock
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ops_cases import (
     as_bytes, cases, clone_all, emulate_cuda, gather_kwargs, loop_oracle_scatter, random_pool,
@@ -43,9 +45,15 @@ def _gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
+def _streaming(on: bool):
+    """Forces the CPU library's non-temporal store path on (or leaves the size rule)."""
+    return mock.patch.object(ops, "_run_cpu", functools.partial(
+        ops._run_cpu, streaming_min_bytes=0 if on else -1))
+
+
 @HYP
-@given(case=cases())
-def test_gather_native_equals_reference_and_writes_every_byte(case):
+@given(case=cases(), streaming=st.booleans())
+def test_gather_native_equals_reference_and_writes_every_byte(case, streaming):
     gen = _gen()
     k, v = case.make_pools(case.src, gen)
     kw = gather_kwargs(case)
@@ -54,7 +62,8 @@ def test_gather_native_equals_reference_and_writes_every_byte(case):
     assert expect.numel() == staging_size(case)
     for sentinel in (0xA5, 0x5A):  # two poisons: a byte left unwritten shows in one of them
         out = torch.full((expect.numel() + 37,), sentinel, dtype=torch.uint8)
-        got = ops.gather_kv_heads(k, v, page_ids, out=out, **kw)
+        with _streaming(streaming):
+            got = ops.gather_kv_heads(k, v, page_ids, out=out, **kw)
         assert got.numel() == expect.numel()
         assert got.numel() == 0 or got.data_ptr() == out.data_ptr()  # a view of out
         assert same_bytes(got, expect)
@@ -62,8 +71,8 @@ def test_gather_native_equals_reference_and_writes_every_byte(case):
 
 
 @HYP
-@given(case=cases())
-def test_scatter_native_equals_reference_and_loop_oracle(case):
+@given(case=cases(), streaming=st.booleans())
+def test_scatter_native_equals_reference_and_loop_oracle(case, streaming):
     gen = _gen(1)
     k, v = case.make_pools(case.src, gen)
     staging = ops.gather_kv_heads_reference(k, v, **gather_kwargs(case))
@@ -71,7 +80,8 @@ def test_scatter_native_equals_reference_and_loop_oracle(case):
     kw = case.kwargs(case.dst)
     page_ids = kw.pop("page_ids")
     native_k, native_v = clone_all(dk), clone_all(dv)
-    ops.scatter_kv_heads(staging, native_k, native_v, page_ids, **kw)
+    with _streaming(streaming):
+        ops.scatter_kv_heads(staging, native_k, native_v, page_ids, **kw)
     ref_k, ref_v = clone_all(dk), clone_all(dv)
     ops.scatter_kv_heads_reference(staging, ref_k, ref_v, page_ids, **kw)
     oracle_k, oracle_v = clone_all(dk), clone_all(dv)
@@ -201,24 +211,25 @@ def test_request_sent_in_chunks_equals_one_shot():
     assert same_bytes(joined, whole)
 
 
+@pytest.mark.parametrize("streaming", [True, False])
 @pytest.mark.parametrize("threads", ["1", "2", "3", "7"])
-def test_large_call_streaming_stores_and_threads(threads):
-    """>= 4 MiB takes the non-temporal store path; odd row sizes exercise its unaligned
-    head and tail, and an odd staging offset its alignment handling."""
+def test_streaming_stores_and_threads(threads, streaming):
+    """Non-temporal stores (forced on, or off) with odd row sizes exercise their unaligned
+    head and tail, an odd staging offset their alignment handling, and several threads the
+    work split."""
     gen = _gen(7)
-    k = random_pool("NHD", 96, 16, 5, 100, torch.float16, 4, gen)
-    v = random_pool("NHD", 96, 16, 5, 36, torch.float16, 4, gen)
-    pages = torch.randperm(96, generator=gen)
+    k = random_pool("NHD", 24, 16, 5, 100, torch.float16, 3, gen)
+    v = random_pool("NHD", 24, 16, 5, 36, torch.float16, 3, gen)
+    pages = torch.randperm(24, generator=gen)
     kw = dict(page_size=16, head_start=1, num_heads=3)
     expect = ops.gather_kv_heads_reference(k, v, pages, **kw)
-    assert expect.numel() >= 4 << 20  # kStreamingMinBytes in kvxfer_cpu.cpp
     buf = torch.full((expect.numel() + 1,), 0xA5, dtype=torch.uint8)
-    with mock.patch.dict(os.environ, {"KVXFER_CPU_THREADS": threads}):
+    run_cpu = functools.partial(ops._run_cpu, streaming_min_bytes=0 if streaming else 1 << 62)
+    with mock.patch.dict(os.environ, {"KVXFER_CPU_THREADS": threads}), \
+            mock.patch.object(ops, "_run_cpu", run_cpu):
         got = ops.gather_kv_heads(k, v, pages, out=buf[1:], **kw)
         assert same_bytes(got, expect) and buf[0] == 0xA5
-        dk, dv = clone_all(k), clone_all(v)
-        for t in dk + dv:
-            t.zero_()
+        dk, dv = [torch.zeros_like(t) for t in k], [torch.zeros_like(t) for t in v]
         ops.scatter_kv_heads(buf[1:], dk, dv, pages, **kw)
     rk, rv = [torch.zeros_like(t) for t in k], [torch.zeros_like(t) for t in v]
     ops.scatter_kv_heads_reference(expect, rk, rv, pages, **kw)

@@ -148,7 +148,7 @@ def _native_call(**overrides):
     ptrs = np.array([t.data_ptr() for t in call.layers], dtype=np.uint64)
     staging = torch.empty(max(nbytes, 1), dtype=torch.uint8)
     code = lib.handle.kvxfer_gather_cpu(pool, ptrs.ctypes.data, ids.ctypes.data, sl,
-                                        staging.data_ptr(), nbytes, 1)
+                                        staging.data_ptr(), nbytes, 1, -1)
     _native.check_status(lib, code, "kvxfer_gather_cpu")
 
 

@@ -79,9 +79,9 @@ _SIGNATURES = {
     "cpu": {
         "kvxfer_cpu_abi_version": ([], ctypes.c_int),
         "kvxfer_cpu_last_error": ([], ctypes.c_char_p),
-        "kvxfer_gather_cpu": ([_P(PoolDesc), _VP, _VP, _P(SliceDesc), _VP, _I64, _I32],
+        "kvxfer_gather_cpu": ([_P(PoolDesc), _VP, _VP, _P(SliceDesc), _VP, _I64, _I32, _I64],
                               ctypes.c_int),
-        "kvxfer_scatter_cpu": ([_P(PoolDesc), _VP, _VP, _P(SliceDesc), _VP, _I64, _I32],
+        "kvxfer_scatter_cpu": ([_P(PoolDesc), _VP, _VP, _P(SliceDesc), _VP, _I64, _I32, _I64],
                                ctypes.c_int),
         "kvxfer_emulate_cuda_cpu": ([_I32, _P(PoolDesc), _VP, _I64, _VP, _P(SliceDesc), _VP,
                                      _I64], ctypes.c_int),
