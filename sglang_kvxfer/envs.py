@@ -137,6 +137,51 @@ KVXFER_TCP_IO_TIMEOUT_S = _define(
     "ACK received) for this many seconds is failed, and so are its tickets.",
 )
 
+def _tristate(raw: str) -> str:
+    low = raw.strip().lower()
+    if low == "auto":
+        return "auto"
+    return "1" if _bool(low) else "0"
+
+
+def _non_negative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+def _archs(raw: str) -> str:
+    from sglang_kvxfer._native.build import parse_archs
+
+    return ",".join(parse_archs(raw))
+
+
+KVXFER_DISABLE_NATIVE = _define(
+    "KVXFER_DISABLE_NATIVE", False, _bool,
+    "`1`: never load the compiled gather/scatter libraries; `sglang_kvxfer.ops` uses its "
+    "pure-torch reference on every device.",
+)
+KVXFER_BUILD_CUDA = _define(
+    "KVXFER_BUILD_CUDA", "auto", _tristate,
+    "Install time: `auto` builds `libkvxfer_cuda.so` when `nvcc` is found (a failure is a "
+    "warning), `1` requires it (a failure fails the install), `0` skips it.",
+)
+KVXFER_CUDA_ARCHS = _define(
+    "KVXFER_CUDA_ARCHS", "80,90", _archs,
+    "Compute capabilities the CUDA library is built for (SASS for each, plus PTX of the "
+    "newest for later GPUs), e.g. `80,90,100`.",
+)
+KVXFER_CPU_THREADS = _define(
+    "KVXFER_CPU_THREADS", 0, _non_negative_int,
+    "Threads of one CPU gather/scatter call; `0` picks min(usable cores, 1 per MiB moved).",
+)
+KVXFER_CACHE_DIR = _define(
+    "KVXFER_CACHE_DIR", "", str,
+    "Where native libraries built on first use are cached (default "
+    "`$XDG_CACHE_HOME/sglang_kvxfer`, else `~/.cache/sglang_kvxfer`).",
+)
+
 def markdown_table() -> str:
     """The README's table of environment variables (kept in sync by a test)."""
     rows = ["| variable | default | effect |", "|---|---|---|"]

@@ -1,0 +1,181 @@
+"""Gather/scatter kernel bandwidth against a plain copy of the same bytes, in the same run.
+
+Prints one JSON document on stdout. For each (layout, head_dim, page_size, num_heads) it
+times ``gather_kv_heads`` (pool pages -> staging), ``scatter_kv_heads`` (staging -> pool
+pages) and the baseline: ``torch`` ``copy_`` of a staging-sized buffer on CPU, a
+device-to-device ``copy_`` on GPU. Bandwidth counts bytes read + bytes written
+(2 x staging bytes for all three), so ``ratio = kernel GB/s / copy GB/s`` compares equal
+work. Each figure is the median of ``--repeats`` runs, and the three are interleaved per
+repeat so machine noise hits them alike.
+
+Pools hold ``--pool-heads`` heads; a config moves heads ``[0, num_heads)`` of every token
+of a request whose pages are a random permutation of the pool (as after a busy scheduler).
+
+    python benchmarks/bench_kernels.py --quick               # CPU, a few configs
+    python benchmarks/bench_kernels.py --device cuda         # full sweep on the GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from sglang_kvxfer import ops
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "fp8": torch.uint8}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--quick", action="store_true", help="few configs, small buffers")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--layouts", default="NHD,HND")
+    p.add_argument("--head-dims", default="64,128,576")
+    p.add_argument("--page-sizes", default="1,16,64")
+    p.add_argument("--heads", default="1,2,4,8", help="num_heads moved per config")
+    p.add_argument("--pool-heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--staging-mib", type=float, default=None,
+                   help="staging bytes per call (default 128 on CPU, 512 on GPU; quick: 64/128); "
+                        "keep it well above the last-level cache so both sides hit DRAM")
+    p.add_argument("--repeats", type=int, default=None, help="default 7 (quick: 5)")
+    return p.parse_args(argv)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+class Timer:
+    """Wall time on CPU; CUDA events on GPU (the ops are asynchronous there)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def bench_config(device, dtype, layout, head_dim, page_size, num_heads, args, staging_bytes,
+                 repeats, timer) -> dict:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    per_token = args.layers * 2 * num_heads * head_dim * itemsize
+    num_pages = max(1, staging_bytes // (per_token * page_size))
+    num_tokens = num_pages * page_size
+    shape = ((num_pages * page_size, args.pool_heads, head_dim) if layout == "NHD"
+             else (num_pages, args.pool_heads, page_size, head_dim))
+    gen = torch.Generator().manual_seed(0)
+
+    def pool():
+        # Contents do not matter for bandwidth; ones() touches every page up front.
+        return [torch.ones(shape, dtype=dtype, device=device) for _ in range(args.layers)]
+
+    k, v = pool(), pool()
+    page_ids = torch.randperm(num_pages, generator=gen)
+    kw = dict(page_size=page_size, head_start=0, num_heads=num_heads, layout=layout)
+    nbytes = ops.staging_nbytes(args.layers, num_tokens, num_heads, head_dim, head_dim, itemsize)
+    staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    runs = {
+        "copy": lambda: dst.copy_(src),
+        "gather": lambda: ops.gather_kv_heads(k, v, page_ids, out=staging, **kw),
+        "scatter": lambda: ops.scatter_kv_heads(staging, k, v, page_ids, **kw),
+    }
+    for fn in runs.values():  # warm-up: page faults, library load, caches
+        fn()
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            times[name].append(timer(fn))
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    del k, v, staging, src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # pools of the next config differ in size
+    gbps = {name: 2 * nbytes / t / 1e9 for name, t in med.items()}
+    return {
+        "layout": layout, "head_dim": head_dim, "page_size": page_size, "num_heads": num_heads,
+        "pool_heads": args.pool_heads, "layers": args.layers, "num_tokens": num_tokens,
+        "staging_bytes": nbytes,
+        "gather_gbps": round(gbps["gather"], 2), "scatter_gbps": round(gbps["scatter"], 2),
+        "copy_gbps": round(gbps["copy"], 2),
+        "gather_ratio": round(gbps["gather"] / gbps["copy"], 3),
+        "scatter_ratio": round(gbps["scatter"] / gbps["copy"], 3),
+        "median_s": {name: round(t, 6) for name, t in med.items()},
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"error": "--device cuda but torch sees no CUDA device"}))
+        return 2
+    gpu = device.type == "cuda"
+    if args.quick:
+        layouts, dims, pages, heads = ["NHD"], [128], [16], [1, 8]
+        if args.layouts != "NHD,HND":
+            layouts = args.layouts.split(",")
+    else:
+        layouts, dims = args.layouts.split(","), ints(args.head_dims)
+        pages, heads = ints(args.page_sizes), ints(args.heads)
+    mib = args.staging_mib or ((128 if gpu else 64) if args.quick else (512 if gpu else 128))
+    repeats = args.repeats or (5 if args.quick else 7)
+    timer = Timer(device)
+    results = []
+    for layout in layouts:
+        for head_dim in dims:
+            for page_size in pages:
+                for num_heads in heads:
+                    if num_heads > args.pool_heads:
+                        continue
+                    results.append(bench_config(device, DTYPES[args.dtype], layout, head_dim,
+                                                page_size, num_heads, args,
+                                                int(mib * 2**20), repeats, timer))
+                    print(f"# {results[-1]['layout']} d={head_dim} ps={page_size} "
+                          f"n={num_heads}: gather x{results[-1]['gather_ratio']} scatter "
+                          f"x{results[-1]['scatter_ratio']}", file=sys.stderr, flush=True)
+    target = [r for r in results if r["page_size"] == 16 and r["head_dim"] == 128]
+    doc = {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if gpu else os.uname().machine,
+        "backend": ops.backend_for(device),
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "bytes_counted": "read + written (2 x staging bytes) for gather, scatter and copy",
+        "baseline": "torch copy_ device-to-device" if gpu else "torch copy_ host memory",
+        "results": results,
+        "summary_page16_dim128": {
+            "min_gather_ratio": min((r["gather_ratio"] for r in target), default=None),
+            "min_scatter_ratio": min((r["scatter_ratio"] for r in target), default=None),
+            "target_ratio": 0.9 if gpu else 0.7,
+        },
+    }
+    print(json.dumps(doc, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

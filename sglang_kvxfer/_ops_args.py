@@ -1,0 +1,250 @@
+"""Argument checks of ``sglang_kvxfer.ops``: everything is validated here, before any copy.
+
+Owns: turning the public arguments of ``gather_kv_heads`` / ``scatter_kv_heads`` into one
+frozen ``KVCall`` (the layer list, geometry, slice, page ids and staging size), and
+checking a staging tensor against it. Every rejection is a ``ValueError`` whose message
+names the argument and the offending value(s); nothing is copied before all checks pass.
+Must not: copy KV bytes, call native code, or synchronize a GPU except to range-check page
+ids that already live on it.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from sglang_kvxfer.geometry import Layout
+
+__all__ = ["KVCall", "parse_call", "staging_bytes_view", "staging_nbytes"]
+
+_ITEMSIZES = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class KVCall:
+    """One validated gather or scatter. ``layers`` is K of every layer, then V of every layer."""
+
+    layers: tuple[torch.Tensor, ...]
+    num_layers: int
+    num_kv: int  # 2 (K and V) or 1 (MLA)
+    layout: str  # "NHD" or "HND"
+    device: torch.device
+    itemsize: int
+    num_pages: int
+    page_size: int
+    pool_heads: int
+    k_dim: int
+    v_dim: int  # 0 when num_kv == 1
+    head_start: int
+    num_heads: int
+    token_offset: int
+    num_tokens: int
+    page_ids: Any  # np.ndarray[int64] on the host, or an int64 tensor on the pool's GPU
+    staging_nbytes: int
+
+
+def staging_nbytes(num_layers: int, num_tokens: int, num_heads: int, k_dim: int,
+                   v_dim: int | None, itemsize: int) -> int:
+    """Bytes of a staging buffer: ``num_layers * num_tokens * num_heads * (k_dim + v_dim) * itemsize``.
+
+    ``v_dim`` is 0 or None for MLA (one buffer per layer, no V block).
+    """
+    _int("num_layers", num_layers, 1)
+    _int("num_tokens", num_tokens, 0)
+    _int("num_heads", num_heads, 1)
+    _int("k_dim", k_dim, 1)
+    v = 0 if v_dim is None else _int("v_dim", v_dim, 0)
+    if itemsize not in _ITEMSIZES or isinstance(itemsize, bool):
+        raise ValueError(f"itemsize={itemsize!r} must be 1, 2 or 4")
+    return num_layers * num_tokens * num_heads * (k_dim + v) * itemsize
+
+
+def parse_call(k_buffers, v_buffers, page_ids, *, page_size, head_start, num_heads, layout,
+               token_offset, num_tokens, unique_pages: bool) -> KVCall:
+    """Validates every argument of a gather/scatter and returns the resolved ``KVCall``."""
+    lay = str(Layout.parse(layout))
+    page_size = _int("page_size", page_size, 1)
+    k_layers = _layer_list(k_buffers, "k_buffers")
+    ref = k_layers[0]
+    _check_layers(k_layers, "k_buffers", ref, lay)
+    num_pages, pool_heads, k_dim = _pool_shape(ref, "k_buffers[0]", lay, page_size)
+    layers, v_dim = list(k_layers), 0
+    if v_buffers is not None:
+        v_layers = _layer_list(v_buffers, "v_buffers")
+        if len(v_layers) != len(k_layers):
+            raise ValueError(f"v_buffers has {len(v_layers)} layers but k_buffers has "
+                             f"{len(k_layers)}")
+        _check_layers(v_layers, "v_buffers", v_layers[0], lay)
+        v0 = v_layers[0]
+        if v0.dtype != ref.dtype or v0.device != ref.device:
+            raise ValueError(f"v_buffers are {v0.dtype} on {v0.device} but k_buffers are "
+                             f"{ref.dtype} on {ref.device}")
+        if tuple(v0.shape[:-1]) != tuple(ref.shape[:-1]):
+            raise ValueError(f"v_buffers[0] has shape {tuple(v0.shape)}, which must match "
+                             f"k_buffers[0] {tuple(ref.shape)} in all but the last (head_dim) "
+                             "dimension")
+        v_dim = int(v0.shape[-1])
+        if v_dim < 1:
+            raise ValueError(f"v_buffers[0] has head_dim {v_dim}; it must be >= 1")
+        layers += v_layers
+    head_start = _int("head_start", head_start, 0)
+    num_heads = _int("num_heads", num_heads, 1)
+    if head_start + num_heads > pool_heads:
+        raise ValueError(f"heads [head_start={head_start}, head_start + num_heads="
+                         f"{head_start + num_heads}) are outside the pool's {pool_heads} heads")
+    ids = _page_ids(page_ids, ref.device, num_pages, unique_pages)
+    capacity = int(ids.shape[0]) * page_size
+    token_offset = _int("token_offset", token_offset, 0)
+    if token_offset > capacity:
+        raise ValueError(f"token_offset={token_offset} is beyond the {capacity} tokens of "
+                         f"{ids.shape[0]} page ids x page_size {page_size}")
+    if num_tokens is None:
+        num_tokens = capacity - token_offset
+    num_tokens = _int("num_tokens", num_tokens, 0)
+    if token_offset + num_tokens > capacity:
+        raise ValueError(f"token_offset={token_offset} + num_tokens={num_tokens} exceeds the "
+                         f"{capacity} tokens of {ids.shape[0]} page ids x page_size {page_size}")
+    num_layers = len(k_layers)
+    return KVCall(
+        layers=tuple(layers), num_layers=num_layers, num_kv=2 if v_dim else 1, layout=lay,
+        device=ref.device, itemsize=ref.element_size(), num_pages=num_pages,
+        page_size=page_size, pool_heads=pool_heads, k_dim=k_dim, v_dim=v_dim,
+        head_start=head_start, num_heads=num_heads, token_offset=token_offset,
+        num_tokens=num_tokens, page_ids=ids,
+        staging_nbytes=staging_nbytes(num_layers, num_tokens, num_heads, k_dim, v_dim,
+                                      ref.element_size()),
+    )
+
+
+def staging_bytes_view(staging, name: str, call: KVCall) -> torch.Tensor:
+    """The first ``call.staging_nbytes`` bytes of ``staging`` as a 1-D uint8 view."""
+    if not isinstance(staging, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(staging).__name__}")
+    if staging.device != call.device:
+        raise ValueError(f"{name} is on {staging.device} but the KV buffers are on {call.device}")
+    if not staging.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (shape {tuple(staging.shape)}, strides "
+                         f"{staging.stride()})")
+    nbytes = staging.numel() * staging.element_size()
+    if nbytes < call.staging_nbytes:
+        raise ValueError(f"{name} holds {nbytes} bytes but the slice needs {call.staging_nbytes} "
+                         "(see staging_nbytes)")
+    return staging.reshape(-1).view(torch.uint8)[: call.staging_nbytes]
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}={value!r} must be an integer")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return int(value)
+
+
+def _layer_list(buffers, name: str) -> list[torch.Tensor]:
+    if isinstance(buffers, torch.Tensor):
+        if buffers.dim() < 1:
+            raise ValueError(f"{name} is a 0-d tensor; pass one tensor per layer")
+        return list(buffers.unbind(0))  # a [num_layers, ...] stack
+    if not isinstance(buffers, (list, tuple)):
+        raise ValueError(f"{name} must be a list of per-layer tensors, got "
+                         f"{type(buffers).__name__}")
+    if not buffers:
+        raise ValueError(f"{name} is empty; pass one tensor per layer")
+    for i, t in enumerate(buffers):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}[{i}] is a {type(t).__name__}, not a torch.Tensor")
+    return list(buffers)
+
+
+def _check_layers(layers: list[torch.Tensor], name: str, ref: torch.Tensor, layout: str) -> None:
+    if ref.element_size() not in _ITEMSIZES or ref.is_complex():
+        raise ValueError(f"{name}[0] has dtype {ref.dtype} ({ref.element_size()} bytes); "
+                         "use a 1-, 2- or 4-byte dtype (fp8/uint8, fp16/bf16, fp32)")
+    want_dim = 3 if layout == "NHD" else 4
+    if ref.dim() != want_dim:
+        form = ("[num_pages * page_size, heads, head_dim]" if layout == "NHD"
+                else "[num_pages, heads, page_size, head_dim]")
+        raise ValueError(f"{name}[0] has shape {tuple(ref.shape)}; layout {layout} needs {form}")
+    for i, t in enumerate(layers):
+        if t.dtype != ref.dtype or t.device != ref.device or t.shape != ref.shape:
+            raise ValueError(f"{name}[{i}] is {t.dtype} {tuple(t.shape)} on {t.device} but "
+                             f"{name}[0] is {ref.dtype} {tuple(ref.shape)} on {ref.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}[{i}] must be contiguous (strides {t.stride()})")
+
+
+def _pool_shape(t: torch.Tensor, name: str, layout: str, page_size: int) -> tuple[int, int, int]:
+    """(num_pages, pool_heads, head_dim) of one layer buffer."""
+    if layout == "NHD":
+        rows, heads, dim = (int(x) for x in t.shape)
+        if rows < page_size or rows % page_size:
+            raise ValueError(f"{name} has {rows} token rows, not a positive multiple of "
+                             f"page_size={page_size}")
+        num_pages = rows // page_size
+    else:
+        num_pages, heads, in_page, dim = (int(x) for x in t.shape)
+        if in_page != page_size:
+            raise ValueError(f"{name} holds {in_page} tokens per page (dim 2) but "
+                             f"page_size={page_size}")
+    if num_pages < 1 or heads < 1 or dim < 1:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}: pages, heads and head_dim must "
+                         "all be >= 1")
+    return num_pages, heads, dim
+
+
+def _page_ids(page_ids, device: torch.device, num_pages: int, unique: bool):
+    """Host int64 array (or the same ids as an int64 tensor when they live on the GPU)."""
+    if isinstance(page_ids, torch.Tensor):
+        if page_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"page_ids has dtype {page_ids.dtype}; use torch.int32 or "
+                             "torch.int64")
+        if page_ids.dim() != 1:
+            raise ValueError(f"page_ids must be 1-D, got shape {tuple(page_ids.shape)}")
+        if page_ids.device.type != "cpu":
+            if page_ids.device != device:
+                raise ValueError(f"page_ids is on {page_ids.device} but the KV buffers are on "
+                                 f"{device}")
+            return _device_page_ids(page_ids.to(torch.int64).contiguous(), num_pages, unique)
+        arr = page_ids.numpy()
+    else:
+        try:
+            arr = np.asarray(page_ids)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"page_ids cannot be read as integers: {exc}") from None
+        if arr.size == 0 and arr.ndim == 1:
+            arr = arr.astype(np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"page_ids must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"page_ids has dtype {arr.dtype}; page ids must be integers")
+    bad = np.flatnonzero((arr < 0) | (arr >= num_pages))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"page_ids[{i}]={arr[i]} is outside [0, {num_pages}) (the pool has "
+                         f"{num_pages} pages)")
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    if unique and arr.size > 1:
+        ordered = np.sort(arr)
+        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+        if repeated.size:
+            raise ValueError(f"page_ids repeats page {int(repeated[0])}; a scatter would write "
+                             "it twice")
+    return arr
+
+
+def _device_page_ids(ids: torch.Tensor, num_pages: int, unique: bool) -> torch.Tensor:
+    # One host sync: the kernel must never index outside the pool.
+    if ids.numel():
+        lo, hi = (int(x) for x in torch.aminmax(ids))
+        if lo < 0 or hi >= num_pages:
+            i = int(torch.nonzero((ids < 0) | (ids >= num_pages))[0])
+            raise ValueError(f"page_ids[{i}]={int(ids[i])} is outside [0, {num_pages}) (the "
+                             f"pool has {num_pages} pages)")
+        if unique and torch.unique(ids).numel() != ids.numel():
+            ordered = torch.sort(ids).values
+            page = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
+            raise ValueError(f"page_ids repeats page {page}; a scatter would write it twice")
+    return ids

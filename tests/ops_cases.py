@@ -1,0 +1,166 @@
+"""Shared helpers of the ops tests: random pools, byte comparison, a loop oracle, the
+CUDA-kernel emulator call, and the hypothesis strategy of gather/scatter cases.
+
+Pools are filled with random *bits* (NaN payloads included for float dtypes), and every
+comparison is of bytes, so "bit for bit" is what is checked.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+from sglang_kvxfer import _native, ops
+from sglang_kvxfer._ops_args import parse_call
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn]
+
+
+def random_pool(layout, num_pages, page_size, heads, dim, dtype, layers, gen, device="cpu"):
+    """``layers`` tensors of random bits, NHD ``[pages*page_size, heads, dim]`` or HND."""
+    shape = ((num_pages * page_size, heads, dim) if layout == "NHD"
+             else (num_pages, heads, page_size, dim))
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    out = []
+    for _ in range(layers):
+        raw = torch.randint(0, 256, (*shape[:-1], dim * itemsize), dtype=torch.uint8,
+                            generator=gen)
+        out.append(raw.view(dtype).to(device))
+    return out
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8).cpu()
+
+
+def same_bytes(a, b) -> bool:
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_bytes(x, y) for x, y in zip(a, b))
+    return torch.equal(as_bytes(a), as_bytes(b))
+
+
+def clone_all(buffers):
+    return None if buffers is None else [t.clone() for t in buffers]
+
+
+def loop_oracle_scatter(staging: torch.Tensor, k, v, page_ids, *, page_size, head_start,
+                        num_heads, layout, token_offset, num_tokens):
+    """Scatter written as plain loops over (layer, K|V, token, head): independent of both
+    the vectorized reference and the kernels. Writes into k/v in place."""
+    data = as_bytes(staging)
+    itemsize = k[0].element_size()
+    parts = [k] if v is None else [k, v]
+    off = 0
+    for layer in range(len(k)):
+        for part in parts:
+            buf = part[layer]
+            row = buf.shape[-1] * itemsize
+            flat = buf.view(torch.uint8).reshape(-1)
+            heads = buf.shape[1]
+            for i in range(num_tokens):
+                t = token_offset + i
+                page, slot = int(page_ids[t // page_size]), t % page_size
+                for h in range(num_heads):
+                    hh = head_start + h
+                    if layout == "NHD":
+                        at = ((page * page_size + slot) * heads + hh) * row
+                    else:
+                        at = ((page * heads + hh) * page_size + slot) * row
+                    flat[at:at + row] = data[off:off + row]
+                    off += row
+
+
+def emulate_cuda(call_kwargs: dict, k, v, staging: torch.Tensor, gather: bool,
+                 ptr_align: int | None = None) -> None:
+    """Runs the CUDA kernel's work decomposition on the host (kvxfer_emulate_cuda_cpu)."""
+    lib = _native.cpu_library()
+    call = parse_call(k, v, call_kwargs["page_ids"], page_size=call_kwargs["page_size"],
+                      head_start=call_kwargs["head_start"], num_heads=call_kwargs["num_heads"],
+                      layout=call_kwargs.get("layout", "NHD"),
+                      token_offset=call_kwargs.get("token_offset", 0),
+                      num_tokens=call_kwargs.get("num_tokens"), unique_pages=not gather)
+    pool, sl = ops._descs(call)
+    ptrs = [t.data_ptr() for t in call.layers]
+    align = 16
+    for p in ptrs:
+        align = math.gcd(align, p)
+    table = np.array(ptrs, dtype=np.uint64)
+    code = lib.handle.kvxfer_emulate_cuda_cpu(
+        1 if gather else 0, pool, table.ctypes.data, ptr_align or align,
+        call.page_ids.ctypes.data, sl, staging.data_ptr(), staging.numel() * staging.element_size())
+    _native.check_status(lib, code, "kvxfer_emulate_cuda_cpu")
+
+
+@dataclass
+class Case:
+    dtype: torch.dtype
+    num_layers: int
+    mla: bool
+    k_dim: int
+    v_dim: int
+    num_heads: int
+    num_tokens: int
+    default_num_tokens: bool
+    # per side: layout, page_size, pool_heads, head_start, token_offset, num_pages, page_ids
+    src: dict
+    dst: dict
+
+    def kwargs(self, side: dict) -> dict:
+        return dict(page_size=side["page_size"], head_start=side["head_start"],
+                    num_heads=self.num_heads, layout=side["layout"],
+                    token_offset=side["token_offset"], num_tokens=self.num_tokens,
+                    page_ids=side["page_ids"])
+
+    def make_pools(self, side: dict, gen, device="cpu"):
+        args = (side["layout"], side["num_pages"], side["page_size"], side["pool_heads"])
+        k = random_pool(*args, self.k_dim, self.dtype, self.num_layers, gen, device)
+        v = None if self.mla else random_pool(*args, self.v_dim, self.dtype, self.num_layers,
+                                             gen, device)
+        return k, v
+
+
+@st.composite
+def sides(draw, num_heads: int, num_tokens: int, mla: bool) -> dict:
+    layout = draw(st.sampled_from(["NHD", "HND"]))
+    page_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    pool_heads = 1 if mla else draw(st.integers(num_heads, num_heads + 3))
+    head_start = draw(st.integers(0, pool_heads - num_heads))
+    token_offset = draw(st.integers(0, 2 * page_size))
+    needed = max(1, math.ceil((token_offset + num_tokens) / page_size))
+    num_pages = needed + draw(st.integers(0, 3))
+    perm = draw(st.permutations(range(num_pages)))
+    return dict(layout=layout, page_size=page_size, pool_heads=pool_heads,
+                head_start=head_start, token_offset=token_offset, num_pages=num_pages,
+                page_ids=list(perm[:needed]))
+
+
+@st.composite
+def cases(draw, max_tokens: int = 40) -> Case:
+    mla = draw(st.booleans())
+    num_heads = 1 if mla else draw(st.integers(1, 4))
+    num_tokens = draw(st.integers(0, max_tokens))
+    k_dim = draw(st.sampled_from([1, 3, 8, 16, 24, 64, 72]))
+    v_dim = 0 if mla else draw(st.sampled_from([k_dim, 1, 5, 8, 32]))
+    src = draw(sides(num_heads, num_tokens, mla))
+    dst = draw(sides(num_heads, num_tokens, mla))
+    # num_tokens=None means "to the end of the page list": only when that is num_tokens.
+    default_ok = (len(src["page_ids"]) * src["page_size"] - src["token_offset"] == num_tokens)
+    return Case(dtype=draw(st.sampled_from(DTYPES)), num_layers=draw(st.integers(1, 3)), mla=mla,
+                k_dim=k_dim, v_dim=v_dim, num_heads=num_heads, num_tokens=num_tokens,
+                default_num_tokens=default_ok and draw(st.booleans()), src=src, dst=dst)
+
+
+def gather_kwargs(case: Case) -> dict:
+    kw = case.kwargs(case.src)
+    if case.default_num_tokens:
+        kw["num_tokens"] = None
+    return kw
+
+
+def staging_size(case: Case) -> int:
+    itemsize = torch.empty(0, dtype=case.dtype).element_size()
+    return ops.staging_nbytes(case.num_layers, case.num_tokens, case.num_heads, case.k_dim,
+                              None if case.mla else case.v_dim, itemsize)
