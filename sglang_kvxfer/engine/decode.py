@@ -88,8 +88,8 @@ class DecodeManager(RankBase):
     side = Side.DECODE
 
     def __init__(self, config, pool=None):
+        self._groups: dict[str, PrefillGroup] = {}  # before the I/O thread starts
         super().__init__(config, pool)
-        self._groups: dict[str, PrefillGroup] = {}
 
     # -- bootstrap and registration --------------------------------------------------------------
     def _group(self, address: str) -> PrefillGroup:

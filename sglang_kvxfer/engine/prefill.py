@@ -85,6 +85,8 @@ class PrefillRoom:
         self.cond = threading.Condition()
         self.bytes = 0
         self.ops = 0
+        self.reader_bytes: dict[int, int] = collections.defaultdict(int)
+        self.reader_ops: dict[int, int] = collections.defaultdict(int)
         self.timings: dict[str, float] = collections.defaultdict(float)
         self.sender_attached = False
         self.finished_at: float | None = None
@@ -97,8 +99,8 @@ class PrefillManager(RankBase):
     side = Side.PREFILL
 
     def __init__(self, config, pool=None):
+        self._decode_peers: dict[str, DecodePeer] = {}  # before the I/O thread starts
         super().__init__(config, pool)
-        self._decode_peers: dict[str, DecodePeer] = {}
         self._registered = threading.Event()
         self.registration_error: str | None = None
         threading.Thread(target=self._register_with_bootstrap, name=f"kvxfer-prefill{self.tp_rank}-boot",
@@ -351,7 +353,9 @@ class PrefillManager(RankBase):
             tickets.append(self.transport.write(self.pool.regions[lr], peer.regions[rr],
                                                 ops[:, 0], ops[:, 1], ops[:, 2]))
             rec.ops += len(ops)
+            rec.reader_ops[t.decode_rank] += len(ops)
         rec.bytes += pair.nbytes
+        rec.reader_bytes[t.decode_rank] += pair.nbytes
         return tickets
 
     def _write_staged(self, rec, t, peer: DecodePeer, meta: RequestMeta, start: int, stop: int) -> None:
@@ -401,6 +405,8 @@ class PrefillManager(RankBase):
             rec.timings["notify"] += time.perf_counter() - t3
             rec.bytes += pair.nbytes
             rec.ops += pair.staged_op_count
+            rec.reader_bytes[t.decode_rank] += pair.nbytes
+            rec.reader_ops[t.decode_rank] += pair.staged_op_count
             a = b
 
     def _acquire_slot(self, rec: PrefillRoom, reader: int, meta: RequestMeta, slot_bytes: int) -> int:
@@ -445,7 +451,8 @@ class PrefillManager(RankBase):
         for t in readers:
             meta = rec.metas[t.decode_rank]
             self.control.send(self._peer_of(meta).endpoint, TransferDone(
-                room=rec.room, tp_rank=self.tp_rank, total_bytes=rec.bytes, num_ops=rec.ops,
+                room=rec.room, tp_rank=self.tp_rank, total_bytes=rec.reader_bytes[t.decode_rank],
+                num_ops=rec.reader_ops[t.decode_rank],
                 aux_payload=aux, timings=timings))
         with self._lock:
             if not rec.state.is_terminal:

@@ -173,8 +173,9 @@ def plan_pair(
     Args:
         transfer: the pair and head ranges, from ``TPPlan``.
         src, dst: the writer's and reader's placements.
-        src_pages, dst_pages: the request's page ids on each side, covering tokens
-            ``[0, num_tokens)`` (``ceil(num_tokens / page_size)`` pages each).
+        src_pages, dst_pages: the request's page ids on each side from token 0: at most
+            ``ceil(num_tokens / page_size)`` pages, and at least enough to reach
+            ``token_stop`` (a chunked sender's list grows chunk by chunk).
         num_tokens: tokens in the request. Defaults to ``len(src_pages) * page_size`` when
             both sides use the same page size; required otherwise.
         token_start, token_stop: the chunk of tokens to plan (default: all of them).
@@ -193,6 +194,7 @@ def plan_pair(
     dst_arr = _as_pages("dst_pages", dst_pages, gd.num_pages, unique=True)
     total = _resolve_num_tokens(num_tokens, src_arr, dst_arr, gs.page_size, gd.page_size)
     start, stop = _resolve_range(token_start, token_stop, total)
+    _check_coverage(src_arr, dst_arr, gs.page_size, gd.page_size, stop)
     count = stop - start
     n = transfer.num_heads
     itemsize = gs.itemsize
@@ -284,12 +286,23 @@ def _resolve_num_tokens(num_tokens, src: np.ndarray, dst: np.ndarray, ps: int, p
     num_tokens = int(num_tokens)
     for side, pages, size in (("prefill", src, ps), ("decode", dst, pd)):
         need = _pages_needed(num_tokens, size)
-        if len(pages) != need:
+        if len(pages) > need:
             raise PlanError(
                 f"{side} page list has {len(pages)} page(s) but {num_tokens} tokens at "
-                f"page_size {size} need exactly {need}"
+                f"page_size {size} need at most {need}"
             )
     return num_tokens
+
+
+def _check_coverage(src: np.ndarray, dst: np.ndarray, ps: int, pd: int, stop: int) -> None:
+    """Both lists must reach the last planned token (a chunked sender's list grows)."""
+    for side, pages, size in (("prefill", src, ps), ("decode", dst, pd)):
+        need = _pages_needed(stop, size)
+        if len(pages) < need:
+            raise PlanError(
+                f"{side} page list has {len(pages)} page(s) but tokens [0, {stop}) at "
+                f"page_size {size} need {need}"
+            )
 
 
 def _resolve_range(start, stop, total: int) -> tuple[int, int]:
