@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default="256,2048,512,1024", help="request lengths, cycled (default 256,2048,512,1024)")
     p.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk size in tokens (default 512; 0: one chunk)")
     p.add_argument("--concurrency", type=int, default=2, help="requests in flight (default 2)")
+    p.add_argument("--chunk-delay-ms", type=float, default=0.0,
+                   help="pause before each chunk after the first, standing in for prefill compute (default 0)")
     p.add_argument("--no-verify", action="store_true", help="skip filling and checking the bytes (speed runs)")
     p.add_argument("--seed", type=int, default=0, help="seed of room ids and page allocation")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -53,7 +55,8 @@ def run_demo(args: argparse.Namespace) -> dict:
     check_compatible(gp, gd)
     gp.placement(args.prefill_tp, 0)
     gd.placement(args.decode_tp, 0)
-    jobs = make_requests(args.requests, tokens, args.chunk_tokens, gp.page_size, args.seed, not args.no_verify)
+    jobs = make_requests(args.requests, tokens, args.chunk_tokens, gp.page_size, args.seed, not args.no_verify,
+                         args.chunk_delay_ms / 1e3)
     opts = engine_options(args)
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     with BootstrapServer() as boot:

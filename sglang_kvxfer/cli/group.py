@@ -30,9 +30,11 @@ def make_spec(role: str, geometry, tp_size: int, bootstrap: str, transport: str,
 
 
 class RankGroup:
-    """``tp_size`` rank processes of one role."""
+    """``tp_size`` ranks of one role, one process each; with ``one_process=True`` all ranks
+    of the group share one process (quick runs and tests: every rank still has its own
+    manager, transport, pool and sockets)."""
 
-    def __init__(self, spec: dict, ready_timeout_s: float = 120.0):
+    def __init__(self, spec: dict, ready_timeout_s: float = 120.0, one_process: bool = False):
         from sglang_kvxfer.cli.rank import rank_main
 
         self.role, self.tp_size = spec["role"], spec["tp_size"]
@@ -46,15 +48,16 @@ class RankGroup:
         self._next_id = 0
         self._closed = False
         self.sessions: list[str] = []
-        for rank in range(self.tp_size):
+        specs = [dict(spec, tp_rank=rank, device=devices[rank]) for rank in range(self.tp_size)]
+        for part in ([specs] if one_process else [[s] for s in specs]):
             parent, child = ctx.Pipe()
-            rank_spec = dict(spec, tp_rank=rank, device=devices[rank])
-            proc = ctx.Process(target=rank_main, args=(msgpack.packb(rank_spec), child),
-                               name=f"kvxfer-{self.role}{rank}", daemon=True)
+            proc = ctx.Process(target=rank_main, args=(msgpack.packb(part), child),
+                               name=f"kvxfer-{self.role}{part[0]['tp_rank']}", daemon=True)
             proc.start()
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
+        self._ranks_per_conn = [len(specs)] if one_process else [1] * len(specs)
         try:
             self._await_ready(ready_timeout_s)
         except BaseException:
@@ -65,17 +68,18 @@ class RankGroup:
 
     def _await_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        for rank, conn in enumerate(self._conns):
-            while not conn.poll(0.1):
-                if not self._procs[rank].is_alive():
-                    raise KVXferError(f"{self.role} rank {rank} exited during start-up "
-                                      f"(exit code {self._procs[rank].exitcode})")
-                if time.monotonic() > deadline:
-                    raise TransferTimeoutError(f"{self.role} rank {rank} not ready after {timeout_s:.0f} s")
-            msg = msgpack.unpackb(conn.recv_bytes(), raw=False)
-            if not msg.get("ok"):
-                raise KVXferError(f"{self.role} rank {rank} failed to start: {msg.get('reason')}")
-            self.sessions.append(msg["session"])
+        for i, conn in enumerate(self._conns):
+            for _ in range(self._ranks_per_conn[i]):
+                while not conn.poll(0.1):
+                    if not self._procs[i].is_alive():
+                        raise KVXferError(f"{self.role} rank process {self._procs[i].name} exited during "
+                                          f"start-up (exit code {self._procs[i].exitcode})")
+                    if time.monotonic() > deadline:
+                        raise TransferTimeoutError(f"{self.role} ranks not ready after {timeout_s:.0f} s")
+                msg = msgpack.unpackb(conn.recv_bytes(), raw=False)
+                if not msg.get("ok"):
+                    raise KVXferError(f"{self.role} rank {msg.get('rank')} failed to start: {msg.get('reason')}")
+                self.sessions.append(msg["session"])
 
     def _read(self) -> None:
         from multiprocessing.connection import wait
@@ -125,8 +129,9 @@ class RankGroup:
         return fut
 
     def kill_rank(self, rank: int) -> None:
-        """Terminate one rank process (fault-injection tests)."""
-        self._procs[rank].kill()
+        """Kill the process of ``rank`` (fault-injection tests; with ``one_process`` that is
+        the whole group)."""
+        self._procs[0 if len(self._procs) == 1 else rank].kill()
 
     def close(self, timeout_s: float = 10.0) -> None:
         if self._closed:

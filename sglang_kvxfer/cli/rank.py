@@ -103,6 +103,8 @@ class RankServer:
                 if job["verify"]:
                     fill_request(self.mgr.placement, self.mgr.pool.buffers, job["room"], pages, a, b - a)
                 last = b == tokens
+                if a and job.get("chunk_delay_s"):
+                    time.sleep(job["chunk_delay_s"])  # stands in for the prefill forward of this chunk
                 sender.send(pages[a // g.page_size: -(-b // g.page_size)], last_chunk=last,
                             aux=job["aux"] if last else b"")
             poll = _wait_terminal(sender, self.job_timeout_s)
@@ -149,21 +151,39 @@ class RankServer:
         self.mgr.close()
 
 
-def rank_main(spec_bytes: bytes, conn) -> None:
-    """Entry point of a rank process (``multiprocessing`` spawn target)."""
-    spec = msgpack.unpackb(spec_bytes, raw=False)
-    logging.basicConfig(level=spec.get("log_level", "WARNING"),
-                        format=f"%(asctime)s {spec['role']}{spec['tp_rank']} %(levelname)s %(name)s: %(message)s")
+def rank_main(specs_bytes: bytes, conn) -> None:
+    """Entry point of a rank process (``multiprocessing`` spawn target).
+
+    ``specs_bytes`` is a msgpack list of rank specs: normally one; several when a
+    ``RankGroup`` hosts a whole TP group in one process (each rank still has its own
+    manager, transport, pool and sockets).
+    """
+    specs = msgpack.unpackb(specs_bytes, raw=False)
+    first = specs[0]
+    logging.basicConfig(level=first.get("log_level", "WARNING"),
+                        format=f"%(asctime)s {first['role']} %(levelname)s %(name)s: %(message)s")
     lock = threading.Lock()
     parent = os.getppid()
+    servers = []
     try:
-        server = RankServer(spec)
-    except Exception as exc:
-        _send(conn, lock, {"op": "ready", "ok": False, "reason": f"{type(exc).__name__}: {exc}"})
-        return
-    _send(conn, lock, {"op": "ready", "ok": True, "reason": "", "session": server.mgr.session,
-                       "endpoint": server.mgr.control.endpoint})
-    pool = ThreadPoolExecutor(max_workers=spec.get("concurrency", 4), thread_name_prefix="job")
+        for spec in specs:
+            try:
+                servers.append(RankServer(spec))
+            except Exception as exc:
+                _send(conn, lock, {"op": "ready", "ok": False, "rank": spec["tp_rank"],
+                                   "reason": f"{type(exc).__name__}: {exc}"})
+                return
+            _send(conn, lock, {"op": "ready", "ok": True, "reason": "", "rank": spec["tp_rank"],
+                               "session": servers[-1].mgr.session,
+                               "endpoint": servers[-1].mgr.control.endpoint})
+        _serve(servers, conn, lock, parent, first.get("concurrency", 4))
+    finally:
+        for server in servers:
+            server.close()
+
+
+def _serve(servers: list, conn, lock: threading.Lock, parent: int, concurrency: int) -> None:
+    pool = ThreadPoolExecutor(max_workers=concurrency * len(servers), thread_name_prefix="job")
     try:
         while True:
             if os.getppid() != parent:
@@ -177,7 +197,7 @@ def rank_main(spec_bytes: bytes, conn) -> None:
             if cmd.get("op") == "stop":
                 break
             if cmd.get("op") == "transfer":
-                pool.submit(lambda c=cmd: _send(conn, lock, server.run(c)))
+                for server in servers:
+                    pool.submit(lambda c=cmd, s=server: _send(conn, lock, s.run(c)))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-        server.close()

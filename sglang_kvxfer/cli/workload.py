@@ -31,7 +31,7 @@ def parse_tokens(text: str) -> list[int]:
 
 
 def make_requests(n: int, tokens: list[int], chunk_tokens: int, page_size: int, seed: int = 0,
-                  verify: bool = True) -> list[dict]:
+                  verify: bool = True, chunk_delay_s: float = 0.0) -> list[dict]:
     """``n`` jobs cycling through ``tokens``; chunks rounded down to whole prefill pages."""
     if n < 1:
         raise ValueError(f"--requests={n} must be >= 1")
@@ -39,7 +39,8 @@ def make_requests(n: int, tokens: list[int], chunk_tokens: int, page_size: int, 
     rng = np.random.default_rng(seed)
     rooms = rng.choice(2**62, size=n, replace=False) + 1
     return [{"room": int(rooms[i]), "tokens": tokens[i % len(tokens)], "chunk_tokens": chunk,
-             "aux": int(rooms[i] % 50000).to_bytes(4, "little"), "verify": verify} for i in range(n)]
+             "aux": int(rooms[i] % 50000).to_bytes(4, "little"), "verify": verify,
+             "chunk_delay_s": chunk_delay_s} for i in range(n)]
 
 
 @dataclass

@@ -80,6 +80,7 @@ class DecodeRoom:
         self.last_notice: float | None = None
         self.finished_at: float | None = None
         self.waiting_for = ""
+        self.untold: tuple[type, str] | None = None  # failure the prefill ranks have not heard yet
 
 
 class DecodeManager(RankBase):
@@ -175,6 +176,13 @@ class DecodeManager(RankBase):
             for rec in rooms:
                 if rec.state.poll is KVPoll.Bootstrapping:
                     rec.state.handle(Event.BOOTSTRAPPED, time.monotonic())
+            untold = [(r.room, r.untold) for r in rooms if r.untold is not None]
+            for r in rooms:
+                r.untold = None
+        for room, (kind, reason) in untold:
+            for peer in group.peers.values():
+                self.control.send(peer.endpoint, kind(room=room, side=Side.DECODE, tp_rank=self.tp_rank,
+                                                      reason=reason))
         for rec in rooms:
             if rec.meta_pending:
                 self._dispatch_meta(rec)
@@ -393,7 +401,12 @@ class DecodeManager(RankBase):
                 rec.state.fail(reason, time.monotonic())
             rec.finished_at = time.monotonic()
             group = self._groups.get(rec.group)
-            peers = [group.peers[p] for p in rec.candidates if group and p in group.peers] if notify else []
+            # Tell the candidate prefill ranks (all known ranks of the group before metadata
+            # went out), so their side of the request fails now too, with this reason.
+            ranks = rec.candidates or (tuple(group.peers) if group else ())
+            peers = [group.peers[p] for p in ranks if group and p in group.peers] if notify else []
+            if notify and not peers:
+                rec.untold = (TransferFailed, reason)  # sent once the group is known
         log.warning("decode rank %d room %d failed: %s", self.tp_rank, rec.room, reason)
         # Free the windows after any scatter already queued for this room has run.
         self.worker_for(rec.room).submit(lambda: self._free_windows(rec))
@@ -409,6 +422,8 @@ class DecodeManager(RankBase):
             rec.finished_at = time.monotonic()
             group = self._groups.get(rec.group)
             peers = list(group.peers.values()) if group else []
+            if not peers:
+                rec.untold = (Abort, reason)  # sent once the group is known
         self.worker_for(rec.room).submit(lambda: self._free_windows(rec))
         for peer in peers:
             self.control.send(peer.endpoint, Abort(room=rec.room, side=Side.DECODE,

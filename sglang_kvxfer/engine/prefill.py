@@ -151,10 +151,11 @@ class PrefillManager(RankBase):
         elif isinstance(msg, ChunkAck):
             self._on_ack(msg)
         elif isinstance(msg, (Abort, TransferFailed)):
-            rec = self.room(msg.room)
-            if rec is not None:
-                what = "aborted" if isinstance(msg, Abort) else "failed"
-                self._fail_room(rec, f"decode rank {msg.tp_rank} {what} the request: {msg.reason}", notify=False)
+            # An unknown room gets a failed record, so a sender created later fails at once.
+            with self._lock:
+                rec = self._get_or_create(msg.room)
+            what = "aborted" if isinstance(msg, Abort) else "failed"
+            self._fail_room(rec, f"decode rank {msg.tp_rank} {what} the request: {msg.reason}", notify=False)
         else:
             log.warning("prefill rank %d ignored unexpected %s", self.tp_rank, type(msg).__name__)
 
