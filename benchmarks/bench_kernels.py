@@ -23,9 +23,15 @@ import statistics
 import sys
 import time
 
-import torch
+# torch's OpenMP workers spin for a while after each parallel op (libgomp's ACTIVE wait);
+# right after the copy_ baseline they would hold the second core while the kernel under
+# test starts its threads. PASSIVE makes them sleep at once, which costs the baseline
+# nothing measurable on multi-MiB copies. Must be set before torch loads libgomp.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from sglang_kvxfer import ops
+import torch  # noqa: E402
+
+from sglang_kvxfer import ops  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "fp8": torch.uint8}
@@ -163,6 +169,8 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "kvxfer_cpu_threads": os.environ.get("KVXFER_CPU_THREADS", "0 (auto)"),
         "repeats": repeats,
         "bytes_counted": "read + written (2 x staging bytes) for gather, scatter and copy",
         "baseline": "torch copy_ device-to-device" if gpu else "torch copy_ host memory",

@@ -77,7 +77,8 @@ typedef struct kvxfer_slice {
  * streaming_min_bytes: calls moving at least this many bytes use non-temporal stores
  *   (bypassing the cache: right for big transfers read next by a NIC); < 0 selects the
  *   library default, KVXFER_CPU_STREAMING_MIN_BYTES_DEFAULT.
- * Every page id the slice uses is range-checked before any byte moves. */
+ * Every page id the slice uses is range-checked before any byte moves. A scatter's page ids
+ * must not repeat (two tokens would race for one slot): the caller checks that. */
 #define KVXFER_CPU_STREAMING_MIN_BYTES_DEFAULT (16LL << 20)
 KVXFER_API int kvxfer_cpu_abi_version(void);
 KVXFER_API const char* kvxfer_cpu_last_error(void);

@@ -7,9 +7,10 @@
  * Must not: throw across the C boundary, touch memory before every argument and every page
  * id it will use has been checked, or keep threads alive between calls.
  *
- * Speed: the copy is memory bound, so the work is a stream of memcpy calls of whole rows.
+ * Speed: the copy is memory bound, so the work is a stream of copies of whole rows.
  * Consecutive rows that continue each other on both sides (a page's tokens when the slice
- * covers all heads, runs of consecutive page ids) are merged into one memcpy. Work is split
+ * covers all heads, runs of consecutive page ids) are merged into one copy. A gather
+ * prefetches the rows of the tokens ahead; big calls use non-temporal stores. Work is split
  * into equal contiguous ranges of (layer, K|V, token) items over std::thread workers;
  * threads are created per call because a call moves megabytes (tens of microseconds of
  * thread start-up against milliseconds of copying) and a persistent pool would need a
@@ -150,7 +151,6 @@ struct Job {
   bool gather;     // true: pool -> staging; false: staging -> pool
   bool streaming;  // non-temporal stores (large calls)
 };
-
 
 /* Walks request tokens as (page index, slot) without a division per token. */
 struct Cursor {
