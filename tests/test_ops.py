@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ops_cases import (
+from .ops_cases import (
     as_bytes, cases, clone_all, emulate_cuda, gather_kwargs, loop_oracle_scatter, random_pool,
     same_bytes, staging_size,
 )

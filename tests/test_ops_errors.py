@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ops_cases import random_pool, same_bytes
+from .ops_cases import random_pool, same_bytes
 from sglang_kvxfer import _native, ops
 from sglang_kvxfer._ops_args import parse_call
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from ops_cases import cases, clone_all, emulate_cuda, random_pool, same_bytes
+from .ops_cases import cases, clone_all, emulate_cuda, random_pool, same_bytes
 from sglang_kvxfer import _native, ops
 from sglang_kvxfer._native import build
 
