@@ -40,7 +40,7 @@ from sglang_kvxfer.protocol.messages import (
     TransferFailed,
 )
 from sglang_kvxfer.protocol.state import Event, KVPoll
-from sglang_kvxfer.transports.base import wait_all
+from sglang_kvxfer.transports.base import TicketState, wait_all
 
 __all__ = ["PrefillManager", "KVSender"]
 
@@ -360,8 +360,8 @@ class PrefillManager(RankBase):
         return tickets
 
     def _write_staged(self, rec, t, peer: DecodePeer, meta: RequestMeta, start: int, stop: int) -> None:
-        from sglang_kvxfer import ops
-
+        """Stream tokens [start, stop) through the reader's two staging slots: gather slot
+        k+1 while slot k is on the wire; announce each slot once its write completed."""
         g = self.config.geometry
         if peer.staging is None:
             raise TransferFailedError(f"decode rank {t.decode_rank} registered no staging region", rec.room)
@@ -371,44 +371,80 @@ class PrefillManager(RankBase):
         if step < 1:
             raise TransferFailedError(f"decode staging slot of {slot_bytes} B cannot hold one token "
                                       f"({per_token} B)", rec.room)
-        k_bufs = self.pool.buffers[: g.num_layers]
-        v_bufs = self.pool.buffers[g.num_layers:] if g.has_v else None
+        inflight: collections.deque = collections.deque()
         a = start
-        while a < stop:
-            b = min(stop, a + step)
-            t0 = time.perf_counter()
-            pair = plan_pair(t, self.placement, peer.placement, rec.src_pages, meta.dst_page_ids,
-                             num_tokens=rec.num_tokens, token_start=a, token_stop=b, path="staged")
-            remote_off = self._acquire_slot(rec, t.decode_rank, meta, slot_bytes)
-            local_off = self._alloc_local(rec, pair.staging_nbytes)
-            t1 = time.perf_counter()
-            try:
-                ops.gather_kv_heads(k_bufs, v_bufs, out=self.staging.view(local_off, pair.staging_nbytes),
-                                    **pair.gather_kwargs())
-                self._sync_device()
-                t2 = time.perf_counter()
-                ticket = self.transport.write(self.staging.region, peer.staging, [local_off], [remote_off],
-                                              [pair.staging_nbytes])
-                ticket.wait(self.config.transfer_timeout_s)
-            except BaseException:
+        try:
+            while a < stop or inflight:
+                if a < stop and len(inflight) < _SLOTS:
+                    b = min(stop, a + step)
+                    inflight.append(self._post_slot(rec, t, peer, meta, a, b, slot_bytes))
+                    a = b
+                    continue
+                self._complete_slot(rec, t, peer, inflight.popleft())
+        except BaseException:
+            for ticket, local_off, remote_off, *_ in inflight:
+                if ticket.poll() is TicketState.PENDING:
+                    try:  # the bytes may still be read from local staging: let the write end
+                        ticket.wait(self.config.transfer_timeout_s)
+                    except KVXferError:
+                        pass
+                self.staging.free(local_off)
                 with rec.cond:
                     rec.inflight[t.decode_rank].discard(remote_off)
-                raise
-            finally:
-                self.staging.free(local_off)
-            t3 = time.perf_counter()
-            self.control.send(peer.endpoint, ChunkReady(
-                room=rec.room, tp_rank=self.tp_rank, token_start=a, num_tokens=b - a,
-                staging_offset=remote_off, chunk_bytes=pair.staging_nbytes))
-            rec.timings["plan"] += t1 - t0
-            rec.timings["gather"] += t2 - t1
-            rec.timings["wire"] += t3 - t2
-            rec.timings["notify"] += time.perf_counter() - t3
-            rec.bytes += pair.nbytes
-            rec.ops += pair.staged_op_count
-            rec.reader_bytes[t.decode_rank] += pair.nbytes
-            rec.reader_ops[t.decode_rank] += pair.staged_op_count
-            a = b
+            raise
+
+    def _post_slot(self, rec, t, peer: DecodePeer, meta: RequestMeta, a: int, b: int, slot_bytes: int):
+        from sglang_kvxfer import ops
+
+        g = self.config.geometry
+        t0 = time.perf_counter()
+        pair = plan_pair(t, self.placement, peer.placement, rec.src_pages, meta.dst_page_ids,
+                         num_tokens=rec.num_tokens, token_start=a, token_stop=b, path="staged")
+        remote_off = self._acquire_slot(rec, t.decode_rank, meta, slot_bytes)
+        try:
+            local_off = self._alloc_local(rec, pair.staging_nbytes)
+        except BaseException:
+            with rec.cond:
+                rec.inflight[t.decode_rank].discard(remote_off)
+            raise
+        t1 = time.perf_counter()
+        try:
+            ops.gather_kv_heads(self.pool.buffers[: g.num_layers],
+                                self.pool.buffers[g.num_layers:] if g.has_v else None,
+                                out=self.staging.view(local_off, pair.staging_nbytes), **pair.gather_kwargs())
+            self._sync_device()
+            ticket = self.transport.write(self.staging.region, peer.staging, [local_off], [remote_off],
+                                          [pair.staging_nbytes])
+        except BaseException:
+            self.staging.free(local_off)
+            with rec.cond:
+                rec.inflight[t.decode_rank].discard(remote_off)
+            raise
+        t2 = time.perf_counter()
+        rec.timings["plan"] += t1 - t0
+        rec.timings["gather"] += t2 - t1
+        return ticket, local_off, remote_off, pair, a, b, t2
+
+    def _complete_slot(self, rec, t, peer: DecodePeer, entry) -> None:
+        ticket, local_off, remote_off, pair, a, b, posted = entry
+        try:
+            ticket.wait(self.config.transfer_timeout_s)
+        except BaseException:
+            self.staging.free(local_off)
+            with rec.cond:
+                rec.inflight[t.decode_rank].discard(remote_off)
+            raise
+        self.staging.free(local_off)
+        t3 = time.perf_counter()
+        self.control.send(peer.endpoint, ChunkReady(
+            room=rec.room, tp_rank=self.tp_rank, token_start=a, num_tokens=b - a,
+            staging_offset=remote_off, chunk_bytes=pair.staging_nbytes))
+        rec.timings["wire"] += t3 - posted
+        rec.timings["notify"] += time.perf_counter() - t3
+        rec.bytes += pair.nbytes
+        rec.ops += pair.staged_op_count
+        rec.reader_bytes[t.decode_rank] += pair.nbytes
+        rec.reader_ops[t.decode_rank] += pair.staged_op_count
 
     def _acquire_slot(self, rec: PrefillRoom, reader: int, meta: RequestMeta, slot_bytes: int) -> int:
         """Wait (bounded) until one of the reader's staging slots has been scattered."""
