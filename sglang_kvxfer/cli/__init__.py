@@ -1,7 +1,8 @@
 """The ``kvxfer`` command line: one sub-command per module, imported only when used.
 
-Each sub-command module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Bad
-input exits with status 2 and a one-line message on stderr, never a traceback.
+Each sub-command is a module (or ``module:object``) exposing ``add_arguments(parser)`` and
+``run(args) -> int``. Bad input exits with status 2 and a one-line message on stderr, never
+a traceback.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from sglang_kvxfer.errors import KVXferError
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sglang_kvxfer.cli.demo", "run a prefill group and a decode group here and move verified KV"),
     "plan": ("sglang_kvxfer.cli.plan", "show who sends which KV heads to whom for a TP pair"),
+    "prefill": ("sglang_kvxfer.cli.servers:PrefillCommand", "run a prefill TP group (and its bootstrap) serving clients"),
+    "decode": ("sglang_kvxfer.cli.servers:DecodeCommand", "run a decode TP group serving clients"),
+    "client": ("sglang_kvxfer.cli.client", "send verified requests to a prefill and a decode server"),
 }
 
 
@@ -31,19 +35,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (target, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_target=target)
+        _load(target).add_arguments(p)
     return parser
+
+
+def _load(target: str):
+    module, _, attr = target.partition(":")
+    mod = importlib.import_module(module)
+    return getattr(mod, attr) if attr else mod
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    module = importlib.import_module(args._module)
+    command = _load(args._target)
     try:
-        return int(module.run(args) or 0)
+        return int(command.run(args) or 0)
     except (KVXferError, ValueError) as exc:
         print(f"kvxfer {args.command}: error: {exc}", file=sys.stderr)
         return 2

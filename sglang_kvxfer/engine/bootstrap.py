@@ -14,7 +14,7 @@ import time
 
 import zmq
 
-from sglang_kvxfer.errors import ProtocolError, TransferTimeoutError
+from sglang_kvxfer.errors import KVXferError, RemoteProtocolError, TransferTimeoutError
 from sglang_kvxfer.engine.config import parse_host_port
 from sglang_kvxfer.protocol import codec
 from sglang_kvxfer.protocol.fields import MAX_FRAME_BYTES
@@ -38,10 +38,15 @@ class BootstrapServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            self._sock.close(0)
+            self._ctx.term()
+            raise KVXferError(f"bootstrap service cannot listen on {host}:{port}: {exc}") from None
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
         self._ranks: dict[int, PrefillRegister] = {}
@@ -65,7 +70,7 @@ class BootstrapServer:
                 continue
             try:
                 reply = self._handle(codec.decode(frame))
-            except ProtocolError as exc:
+            except KVXferError as exc:
                 log.warning("bootstrap dropped a malformed frame: %s", exc)
                 continue
             self._sock.send_multipart([ident, b"", codec.encode(reply)])
@@ -145,7 +150,7 @@ def request(address: str, message, timeout_s: float) -> BootstrapReply:
                 parts = sock.recv_multipart()
                 reply = codec.decode(parts[-1])
                 if not isinstance(reply, BootstrapReply):
-                    raise ProtocolError(f"bootstrap {address} answered with {type(reply).__name__}")
+                    raise RemoteProtocolError(f"bootstrap {address} answered with {type(reply).__name__}")
                 return reply
     finally:
         sock.close(0)

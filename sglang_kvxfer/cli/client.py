@@ -1,0 +1,128 @@
+"""``kvxfer client``: drive a running prefill server and decode server with requests.
+
+Acts as the router: every request goes to both servers at once (same room), each runs it on
+all of its ranks, and the client combines the per-rank results, checks that the decode ranks
+verified every byte, and prints the same summary as ``kvxfer demo``.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import threading
+from concurrent.futures import Future
+
+import msgpack
+import zmq
+
+from sglang_kvxfer.cli.demo import render
+from sglang_kvxfer.cli.workload import make_requests, parse_tokens, run_workload, summarize
+from sglang_kvxfer.engine.config import parse_host_port
+from sglang_kvxfer.errors import TransferTimeoutError
+from sglang_kvxfer.geometry import KVGeometry
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", required=True, help="prefill server host:port")
+    p.add_argument("--decode", required=True, help="decode server host:port")
+    p.add_argument("--requests", type=int, default=16, help="requests to run (default 16)")
+    p.add_argument("--tokens", default="256,2048,512,1024", help="request lengths, cycled")
+    p.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk size in tokens (0: one chunk)")
+    p.add_argument("--chunk-delay-ms", type=float, default=0.0, help="pause before each later chunk")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
+    p.add_argument("--no-verify", action="store_true", help="skip filling and checking the bytes")
+    p.add_argument("--seed", type=int, default=0, help="seed of room ids")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one request (default 600)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+class RemoteGroup:
+    """A server's client port: ``submit(job) -> Future[list of per-rank results]``."""
+
+    def __init__(self, address: str):
+        host, port = parse_host_port(address, "server")
+        self.address = address
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(f"tcp://{host}:{port}")
+        self._ids = itertools.count()
+        self._pending: dict[int, Future] = {}
+        self._outbox: list[bytes] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"kvxfer-client-{address}", daemon=True)
+        self._thread.start()
+
+    def _request(self, obj: dict) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            rid = next(self._ids)
+            self._pending[rid] = fut
+            self._outbox.append(msgpack.packb(dict(obj, id=rid), use_bin_type=True))
+        return fut
+
+    def info(self, timeout_s: float) -> dict:
+        try:
+            return self._request({"op": "info"}).result(timeout_s)
+        except TimeoutError:
+            raise TransferTimeoutError(f"server {self.address} did not answer within {timeout_s:.0f} s") from None
+
+    def submit(self, job: dict) -> Future:
+        outer: Future = Future()
+
+        def done(f: Future) -> None:
+            reply = f.result()
+            if reply.get("op") == "result":
+                outer.set_result(reply["ranks"])
+            else:
+                outer.set_result([{"ok": False, "rank": -1, "reason": f"{self.address}: {reply.get('reason')}"}])
+
+        self._request(dict(job, op="transfer")).add_done_callback(done)
+        return outer
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                out, self._outbox = self._outbox, []
+            for data in out:
+                self._sock.send_multipart([b"", data])
+            if self._sock.poll(20):
+                reply = msgpack.unpackb(self._sock.recv_multipart()[-1], raw=False)
+                with self._lock:
+                    fut = self._pending.pop(reply.get("id"), None)
+                if fut is not None:
+                    fut.set_result(reply)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def run(args: argparse.Namespace) -> int:
+    tokens = parse_tokens(args.tokens)
+    pre, dec = RemoteGroup(args.prefill), RemoteGroup(args.decode)
+    try:
+        ip, idc = pre.info(30), dec.info(30)
+        for got, want, addr in ((ip, "prefill", args.prefill), (idc, "decode", args.decode)):
+            if got.get("role") != want:
+                raise ValueError(f"{addr} is a {got.get('role')} server, expected {want}")
+        gp, gd = KVGeometry.from_dict(ip["geometry"]), KVGeometry.from_dict(idc["geometry"])
+        jobs = make_requests(args.requests, tokens, args.chunk_tokens, gp.page_size, args.seed,
+                             not args.no_verify, args.chunk_delay_ms / 1e3)
+        results, wall = run_workload(pre, dec, jobs, args.concurrency, args.timeout, progress=not args.quiet)
+    finally:
+        pre.close()
+        dec.close()
+    summary = summarize(results, wall, prefill_tp=ip["tp_size"], decode_tp=idc["tp_size"],
+                        transport=ip["transport"], total_kv_heads=gp.total_kv_heads, mla=gp.mla,
+                        layers=gp.num_layers, head_dim=gp.head_dim, dtype=gp.dtype,
+                        prefill_page_size=gp.page_size, decode_page_size=gd.page_size,
+                        prefill_layout=gp.layout.value, decode_layout=gd.layout.value,
+                        verify=not args.no_verify)
+    print(json.dumps(summary) if args.json else render(summary))
+    ok = summary["succeeded_requests"] == summary["requests"]
+    return 0 if ok and (args.no_verify or summary["verified_requests"] == summary["requests"]) else 1

@@ -1,0 +1,229 @@
+"""``kvxfer prefill`` and ``kvxfer decode``: a TP group of rank servers behind one port.
+
+The launcher spawns one process per TP rank (``RankGroup``), optionally hosts the bootstrap
+service (prefill), and serves clients on ``--port`` (ZMQ ROUTER, msgpack): ``info`` returns
+the group's role, TP size, geometry and transport; ``transfer`` runs one synthetic request on
+every rank and returns the per-rank results. ``kvxfer client`` drives a prefill and a decode
+server this way. Ctrl-C stops the group cleanly.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import queue
+import signal
+import socket
+import sys
+import threading
+
+import msgpack
+import zmq
+
+from sglang_kvxfer.cli.common import add_deadline_args, add_model_args, add_side_args, engine_options, side_geometry
+from sglang_kvxfer.engine.config import parse_host_port
+from sglang_kvxfer.errors import KVXferError
+
+log = logging.getLogger("sglang_kvxfer.server")
+
+MAX_REQUEST_BYTES = 1 << 20
+
+
+def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--tp", type=int, default=1, help="TP size of this group: one process per rank (default 1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000 if role == "prefill" else 30001,
+                   help="client port of this group")
+    if role == "prefill":
+        p.add_argument("--bootstrap-port", type=int, default=8998,
+                       help="host the bootstrap service on this port (default 8998)")
+        p.add_argument("--bootstrap", default=None,
+                       help="use an existing bootstrap service at host:port instead of hosting one")
+    else:
+        p.add_argument("--bootstrap", required=True, help="the prefill group's bootstrap service, host:port")
+    p.add_argument("--transport", default="auto",
+                   help="local, tcp, nixl, mori or auto (default: prefill picks local on a loopback "
+                        "address and tcp otherwise; decode follows the prefill group)")
+    p.add_argument("--devices", default="cpu",
+                   help="pool device per rank: cpu, or a comma list like cuda:0,cuda:1 (default cpu)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests each rank runs at once (default 8)")
+    p.add_argument("--log-level", default="INFO", help="log level (default INFO)")
+    add_model_args(p)
+    add_side_args(p, both=False)
+    add_deadline_args(p)
+
+
+def resolve_transport(args: argparse.Namespace, role: str, bootstrap: str) -> str:
+    if args.transport != "auto":
+        return args.transport
+    if role == "prefill":
+        host = args.host
+        try:
+            loop = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except (OSError, ValueError):
+            loop = False
+        return "local" if loop else "tcp"
+    from sglang_kvxfer.engine import bootstrap as boot
+    from sglang_kvxfer.protocol.messages import BootstrapQuery
+
+    reply = boot.request(bootstrap, BootstrapQuery(session="kvxfer-decode-launcher", tp_rank=0),
+                         timeout_s=args.bootstrap_timeout)
+    if not reply.transport:
+        raise ValueError(f"bootstrap {bootstrap} knows no prefill group yet ({reply.reason}); "
+                         f"start the prefill group first or pass --transport")
+    return reply.transport
+
+
+def _devices(text: str, tp: int) -> list[str]:
+    devs = [d.strip() for d in text.split(",") if d.strip()]
+    if len(devs) == 1:
+        devs = devs * tp
+    if len(devs) != tp:
+        raise ValueError(f"--devices lists {len(devs)} device(s) for --tp {tp}")
+    return devs
+
+
+class _ClientPort:
+    """The launcher's client socket: one thread owns it; replies come back through a queue."""
+
+    def __init__(self, host: str, port: int):
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        try:
+            self._sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:
+            self._sock.close(0)
+            self._ctx.term()
+            raise KVXferError(f"cannot listen for clients on {host}:{port}: {exc}") from None
+        self.handler = None
+        self._replies: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+
+    def reply(self, ident: bytes, obj: dict) -> None:
+        self._replies.put((ident, msgpack.packb(obj, use_bin_type=True)))
+
+    def serve(self) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(50):
+                try:
+                    ident, _, data = self._sock.recv_multipart(zmq.NOBLOCK)
+                    req = msgpack.unpackb(data, raw=False)
+                    if not isinstance(req, dict):
+                        raise ValueError("a request must be a map")
+                except (ValueError, zmq.ZMQError, msgpack.UnpackException) as exc:
+                    log.warning("dropped a malformed client request: %s", exc)
+                else:
+                    self.handler(ident, req)
+            while True:
+                try:
+                    ident, data = self._replies.get_nowait()
+                except queue.Empty:
+                    break
+                self._sock.send_multipart([ident, b"", data])
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def serve(args: argparse.Namespace, role: str) -> int:
+    from sglang_kvxfer.cli.group import RankGroup, make_spec
+    from sglang_kvxfer.engine import BootstrapServer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tp < 1:
+        raise ValueError(f"--tp={args.tp} must be >= 1")
+    geometry = side_geometry(args, None, args.num_pages or 512)
+    geometry.placement(args.tp, 0)
+    boot = None
+    if role == "prefill" and not args.bootstrap:
+        boot = BootstrapServer(args.host, args.bootstrap_port)
+        bootstrap = boot.address
+        log.info("bootstrap service on %s", bootstrap)
+    else:
+        parse_host_port(args.bootstrap)
+        bootstrap = args.bootstrap
+    try:
+        transport = resolve_transport(args, role, bootstrap)
+        spec = make_spec(role, geometry, args.tp, bootstrap, transport, host=args.host,
+                         devices=_devices(args.devices, args.tp), options=engine_options(args),
+                         concurrency=args.concurrency, log_level=args.log_level.upper())
+        log.info("starting %d %s rank(s), transport %s", args.tp, role, transport)
+        info = {"op": "info", "role": role, "tp_size": args.tp, "geometry": geometry.to_dict(),
+                "transport": transport, "bootstrap": bootstrap}
+        port = _ClientPort(args.host, args.port)  # bind first: a busy port fails before any spawn
+        try:
+            with RankGroup(spec) as group:
+
+                def handle(ident: bytes, req: dict) -> None:
+                    op = req.get("op")
+                    if op == "info":
+                        port.reply(ident, dict(info, id=req.get("id")))
+                    elif op == "transfer":
+                        try:
+                            job = _job(req)
+                        except ValueError as exc:
+                            port.reply(ident, {"op": "error", "id": req.get("id"), "reason": str(exc)})
+                            return
+                        group.submit(job).add_done_callback(
+                            lambda f: port.reply(ident, {"op": "result", "id": req.get("id"), "ranks": f.result()}))
+                    else:
+                        port.reply(ident, {"op": "error", "id": req.get("id"), "reason": f"unknown op {op!r}"})
+
+                port.handler = handle
+                stop = lambda *_: port.stop()  # noqa: E731
+                signal.signal(signal.SIGINT, stop)
+                signal.signal(signal.SIGTERM, stop)
+                print(f"kvxfer {role}: TP {args.tp} ready on tcp://{args.host}:{args.port} "
+                      f"(bootstrap {bootstrap}, transport {transport}); Ctrl-C stops", file=sys.stderr, flush=True)
+                port.serve()
+        finally:
+            port.close()
+    finally:
+        if boot is not None:
+            boot.close()
+    return 0
+
+
+_JOB_FIELDS = {"room": int, "tokens": int, "chunk_tokens": int, "aux": bytes, "verify": bool,
+               "chunk_delay_s": (int, float)}
+
+
+def _job(req: dict) -> dict:
+    job = {}
+    for name, kind in _JOB_FIELDS.items():
+        if name not in req:
+            raise ValueError(f"transfer request is missing {name!r}")
+        value = req[name]
+        if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+            raise ValueError(f"transfer request field {name}={value!r} has the wrong type")
+        job[name] = value
+    if not 0 <= job["room"] < 2**64 or job["tokens"] < 1 or job["chunk_tokens"] < 0:
+        raise ValueError(f"transfer request out of range: room={job['room']} tokens={job['tokens']} "
+                         f"chunk_tokens={job['chunk_tokens']}")
+    return job
+
+
+class PrefillCommand:
+    @staticmethod
+    def add_arguments(p):
+        add_arguments(p, "prefill")
+
+    @staticmethod
+    def run(args):
+        return serve(args, "prefill")
+
+
+class DecodeCommand:
+    @staticmethod
+    def add_arguments(p):
+        add_arguments(p, "decode")
+
+    @staticmethod
+    def run(args):
+        return serve(args, "decode")
