@@ -75,10 +75,11 @@ KVXFER_LOG_LEVEL = _define(
     "Log level of the `sglang_kvxfer` logger (DEBUG, INFO, WARNING, ERROR).",
 )
 KVXFER_DATA_PATH = _define(
-    "KVXFER_DATA_PATH", "auto", _choice("auto", "direct", "staged"),
+    "KVXFER_DATA_PATH", "auto", _choice("auto", "direct", "staged", "per_token"),
     "Force the data path of every (writer, reader) pair: `direct` page runs (only where the "
-    "bytes are contiguous on both sides), `staged` gather -> one write -> scatter, or `auto` "
-    "(the planner's cost rule).",
+    "bytes are contiguous on both sides), `staged` gather -> one write -> scatter, `auto` "
+    "(the planner's cost rule), or `per_token` (SGLang's one-write-per-token pattern, a "
+    "benchmark baseline only).",
 )
 KVXFER_DIRECT_MIN_OP_BYTES = _define(
     "KVXFER_DIRECT_MIN_OP_BYTES", 64 * 1024, int,
@@ -108,11 +109,11 @@ KVXFER_HEARTBEAT_TIMEOUT_S = _define(
     "registration is dropped (a restarted peer registers again).",
 )
 KVXFER_STAGING_BYTES = _define(
-    "KVXFER_STAGING_BYTES", 256 << 20, int,
+    "KVXFER_STAGING_BYTES", 512 << 20, int,
     "Size of each rank's staging arena (prefill: gather buffers; decode: windows lent to writers).",
 )
 KVXFER_STAGING_SLOT_BYTES = _define(
-    "KVXFER_STAGING_SLOT_BYTES", 8 << 20, int,
+    "KVXFER_STAGING_SLOT_BYTES", 32 << 20, int,
     "Size of one staging slot; a decode rank lends each staged writer two slots per request, "
     "so gather, wire and scatter of consecutive slots overlap.",
 )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sglang_kvxfer import envs
 from sglang_kvxfer.engine import bootstrap
 from sglang_kvxfer.engine.config import ENGINE_VERSION
 from sglang_kvxfer.engine.manager import Peer, RankBase
@@ -46,7 +47,7 @@ __all__ = ["PrefillManager", "KVSender"]
 
 log = logging.getLogger("sglang_kvxfer.prefill")
 
-_SLOTS = 2  # staging slots per (room, reader): gather/wire of one overlaps scatter of the other
+_SLOTS = 2
 
 
 class DecodePeer(Peer):
@@ -335,8 +336,9 @@ class PrefillManager(RankBase):
 
     def _write_direct(self, rec, t, peer: DecodePeer, meta: RequestMeta, start: int, stop: int):
         t0 = time.perf_counter()
+        path = "per_token" if envs.KVXFER_DATA_PATH.get() == "per_token" else "direct"
         pair = plan_pair(t, self.placement, peer.placement, rec.src_pages, meta.dst_page_ids,
-                         num_tokens=rec.num_tokens, token_start=start, token_stop=stop, path="direct")
+                         num_tokens=rec.num_tokens, token_start=start, token_stop=stop, path=path)
         if pair.path != "direct":
             raise TransferFailedError(f"decode rank {t.decode_rank} asked for direct writes but the bytes "
                                       f"are not contiguous ({pair.reason})", rec.room)

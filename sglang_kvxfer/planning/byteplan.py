@@ -179,8 +179,10 @@ def plan_pair(
         num_tokens: tokens in the request. Defaults to ``len(src_pages) * page_size`` when
             both sides use the same page size; required otherwise.
         token_start, token_stop: the chunk of tokens to plan (default: all of them).
-        path: ``"auto"``, ``"direct"`` or ``"staged"``; default from ``KVXFER_DATA_PATH``.
-            ``direct`` falls back to staged where the bytes are not contiguous.
+        path: ``"auto"``, ``"direct"``, ``"staged"`` or ``"per_token"``; default from
+            ``KVXFER_DATA_PATH``. ``direct`` falls back to staged where the bytes are not
+            contiguous. ``per_token`` is SGLang's pattern (one op per token, per head run, per
+            buffer), kept only as a baseline for benchmarks.
 
     Raises:
         PlanError: page lists that do not cover the tokens, out-of-range or repeated page
@@ -208,10 +210,15 @@ def plan_pair(
         direct_count = gs.num_layers * (len(k_ops) + (len(v_ops) if v_ops is not None else 0))
 
     choice = (path or envs.KVXFER_DATA_PATH.get()).lower()
-    if choice not in ("auto", "direct", "staged"):
-        raise PlanError(f"path={path!r} must be one of auto, direct, staged")
+    if choice not in ("auto", "direct", "staged", "per_token"):
+        raise PlanError(f"path={path!r} must be one of auto, direct, staged, per_token")
     common = dict(transfer=transfer, src=src, dst=dst, token_start=start, num_tokens=count,
                   nbytes=nbytes, direct_op_count=direct_count, staged_op_count=staged_ops)
+    if choice == "per_token":
+        k_ops, v_ops = _per_token_ops(transfer, src, dst, src_arr, dst_arr, start, stop)
+        common["direct_op_count"] = gs.num_layers * (len(k_ops) + (len(v_ops) if v_ops is not None else 0))
+        return DirectPlan(**common, reason="one op per token (SGLang's pattern; benchmark baseline)",
+                          k_ops=k_ops, v_ops=v_ops)
     if direct is not None and choice != "staged":
         use_direct, why = True, "contiguous on both sides"
         if choice == "auto":
@@ -336,6 +343,37 @@ def _direct_ops(t: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_pag
     else:
         return None
     return ops[0], (ops[1] if len(ops) > 1 else None)
+
+
+def _per_token_ops(t: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_pages, dst_pages,
+                   start: int, stop: int):
+    """One op per token and head run (NHD: the token's head slice; HND: each head's slot)."""
+    g, gd = src.geometry, dst.geometry
+    tok = np.arange(start, stop, dtype=np.int64)
+    sp, ss = src_pages[tok // g.page_size], tok % g.page_size
+    dp, ds = dst_pages[tok // gd.page_size], tok % gd.page_size
+    out = []
+    for dim in [g.head_dim] + ([g.v_head_dim] if g.has_v else []):
+        item = dim * g.itemsize
+        if g.layout is Layout.NHD and gd.layout is Layout.NHD:
+            so = ((sp * g.page_size + ss) * src.num_local_heads + t.src_head_start) * item
+            do = ((dp * gd.page_size + ds) * dst.num_local_heads + t.dst_head_start) * item
+            sizes = np.full(tok.size, t.num_heads * item, dtype=np.int64)
+        else:
+            h = np.arange(t.num_heads, dtype=np.int64)[None, :]
+
+            def off(place, layout, pages, slots, size, head0):
+                if layout is Layout.NHD:
+                    return ((pages * size + slots)[:, None] * place.num_local_heads + head0 + h) * item
+                return ((pages[:, None] * place.num_local_heads + head0 + h) * size + slots[:, None]) * item
+
+            so = off(src, g.layout, sp, ss, g.page_size, t.src_head_start).reshape(-1)
+            do = off(dst, gd.layout, dp, ds, gd.page_size, t.dst_head_start).reshape(-1)
+            sizes = np.full(so.size, item, dtype=np.int64)
+        ops = np.stack([so, do, sizes], axis=1)
+        ops.setflags(write=False)
+        out.append(ops)
+    return out[0], (out[1] if len(out) > 1 else None)
 
 
 def _token_runs(src_pages, dst_pages, ps: int, pd: int, start: int, stop: int) -> np.ndarray:

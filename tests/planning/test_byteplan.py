@@ -30,7 +30,7 @@ def scenarios(draw):
     cuts = sorted(draw(st.lists(st.integers(0, num_tokens), max_size=3)))
     head_dim = draw(st.integers(1, 4))
     v_head_dim = None if mla else draw(st.integers(1, 4))
-    path = draw(st.sampled_from(["auto", "direct", "staged"]))
+    path = draw(st.sampled_from(["auto", "direct", "staged", "per_token"]))
     seed = draw(st.integers(0, 2**16))
     return mla, h, p, d, ps, pd, lp, ld, num_tokens, cuts, head_dim, v_head_dim, path, seed
 
@@ -96,6 +96,7 @@ def test_strided_nhd_slice_is_staged_with_one_write():
     assert plan.gather_kwargs()["head_start"] == t.src_head_start
     assert plan.scatter_kwargs()["head_start"] == t.dst_head_start
     assert per_token_op_count(3, 32) == 192
+    assert plan_pair(t, src, dst, list(range(8)), list(range(8)), path="per_token").direct_op_count == 192
 
 
 def test_hnd_slices_are_direct_per_page_when_pages_are_large():
@@ -143,7 +144,7 @@ def test_coalesce_merges_only_runs_contiguous_on_both_sides():
     ([0, 1], [0, 1], {"token_start": 3, "token_stop": 2}, ["token range [3, 2)", "8 token(s)"]),
     ([0, 1], [0, 1], {"token_stop": 9}, ["token range [0, 9)"]),
     ([0, 1], [0, 1], {"token_start": 1.5}, ["token_start=1.5"]),
-    ([0, 1], [0, 1], {"path": "sideways"}, ["path='sideways'"]),
+    ([0, 1], [0, 1], {"path": "sideways"}, ["path='sideways'", "auto, direct, staged, per_token"]),
 ])
 def test_bad_page_lists_and_ranges_are_rejected(src_pages, dst_pages, kw, words):
     t, src, dst = _pair(p=2, d=2)

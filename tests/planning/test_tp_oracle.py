@@ -119,7 +119,7 @@ def test_h2_p1_d8_gives_each_decode_rank_its_own_head():
     assert [t.src_head_start for t in plan.transfers] == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
-@pytest.mark.parametrize("path", ["direct", "staged"])
+@pytest.mark.parametrize("path", ["direct", "staged", "per_token"])
 def test_forced_paths_agree_with_the_oracle(path):
     for i, (h, p, d) in enumerate([(8, 1, 1), (8, 2, 1), (8, 1, 2), (8, 4, 2), (8, 2, 4), (2, 1, 8),
                                    (2, 8, 2), (4, 2, 8), (6, 3, 2), (12, 4, 6)]):
