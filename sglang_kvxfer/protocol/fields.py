@@ -18,6 +18,8 @@ Rules:
 """
 from __future__ import annotations
 
+import abc
+
 import enum
 import functools
 import math
@@ -90,7 +92,7 @@ def _too_long(where: str, size: int, unit: str, limit: int) -> typing.NoReturn:
 
 
 # -- kinds ---------------------------------------------------------------------------------
-class Kind:
+class Kind(abc.ABC):
     """How one field is validated locally (``check``) and carried on the wire.
 
     ``check`` returns the stored (normalised) value; ``from_wire`` is the strict decoder
@@ -98,8 +100,9 @@ class Kind:
     msgpack-able.
     """
 
+    @abc.abstractmethod
     def check(self, value: Any, where: str) -> Any:
-        raise NotImplementedError
+        """Validate a local value; return what the message stores."""
 
     def from_wire(self, value: Any, where: str) -> Any:
         return self.check(value, where)
