@@ -54,6 +54,7 @@ _API_MODULES = ("nixl_cu12._api", "nixl._api")
 # them, so the backend must run with ucx_error_handling_mode=none (research/peers.md).
 _HOST_ONLY_TLS = {"sm", "shm", "cma", "posix", "sysv", "xpmem", "knem", "self"}
 _MAX_BLOCK_SIZES = 4  # prepared descriptor lists kept per region (one per block size)
+_MAX_BLOCKS_PER_ENTRY = 8  # prepared lists are used while entries span at most this on average
 _AGENT_FIELDS = {"agent": str, "md": bytes}
 _REGION_FIELDS = {"agent": str, "region": int, "addr": int, "nbytes": int, "device": str,
                   "mem": str, "dev_id": int, "md": bytes}
@@ -88,9 +89,13 @@ def _import_api():
     errors = []
     for name in _API_MODULES:
         try:
-            return importlib.import_module(name)
+            api = importlib.import_module(name)
         except ImportError as exc:
             errors.append(f"{name}: {exc}")
+            continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs INFO lines to stdout by default
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return api
     raise TransportUnavailableError("transport 'nixl' needs 'nixl-cu12' (pip install --no-deps "
                                     "nixl-cu12): " + "; ".join(errors))
 
@@ -156,7 +161,11 @@ class NixlTransport(Transport):
     ucx_error_handling_mode : ``"peer"`` or ``"none"``; default ``"none"`` when every UCX
         transport is host-only (``sm``, ``cma``...), which UCX requires, else NIXL's ``peer``.
     num_workers : UCX workers of the backend (default: NIXL's, 1).
-    progress_thread : run NIXL's progress thread (default True).
+    progress_thread : run NIXL's own progress thread. It busy-polls a core (NIXL's Python
+        API fixes its delay at 0), so by default (False) a thread of this transport
+        progresses UCX every ``progress_interval_s`` instead; polls progress it too. The
+        target of writes needs one or the other (UCX connection setup, tcp puts).
+    progress_interval_s : period of that thread (ignored with ``progress_thread=True``).
     max_prepped_descs : largest descriptor list prepared once per region and block size; a
         batch whose block size would need more is posted with lists of its own.
     close_timeout_s : how long ``deregister``/``remove_peer``/``close`` drive writes in flight.
@@ -166,8 +175,9 @@ class NixlTransport(Transport):
 
     def __init__(self, *, agent_id: str | None = None, ucx_tls: str | None = None,
                  ucx_net_devices: str | None = None, ucx_error_handling_mode: str | None = None,
-                 num_workers: int | None = None, progress_thread: bool = True,
-                 max_prepped_descs: int = 1 << 18, close_timeout_s: float = 5.0):
+                 num_workers: int | None = None, progress_thread: bool = False,
+                 progress_interval_s: float = 0.001, max_prepped_descs: int = 1 << 18,
+                 close_timeout_s: float = 5.0):
         super().__init__()
         tls = _tls_list(envs.KVXFER_NIXL_UCX_TLS.get() if ucx_tls is None else ucx_tls,
                         "ucx_tls")
@@ -206,6 +216,27 @@ class NixlTransport(Transport):
         self._inflight: set[_Xfer] = set()
         self._failures: list[PeerFailure] = []
         self.path_counts = {"prepped": 0, "per_batch": 0}  # how batches were posted
+        self._stop = threading.Event()
+        self._pump = None
+        if not progress_thread:
+            if not isinstance(progress_interval_s, (int, float)) or not 0 < progress_interval_s <= 1:
+                raise ValueError(f"progress_interval_s must be in (0, 1] seconds, got "
+                                 f"{progress_interval_s!r}")
+            self._pump = threading.Thread(target=self._progress_loop, args=(progress_interval_s,),
+                                          daemon=True, name=f"kvxfer-nixl-progress-{self._name}")
+            self._pump.start()
+
+    def _progress_loop(self, interval_s: float) -> None:
+        """Progress UCX now and then: NIXL progresses its workers when asked for
+        notifications (we use none, so nothing is lost by taking them)."""
+        while not self._stop.wait(interval_s):
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    self._agent.get_new_notifs()
+                except Exception as exc:  # progress errors also show on the transfers
+                    log.debug("nixl: progress: %s", exc)
 
     def _create_agent(self, tls, devices, mode, num_workers, progress_thread):
         global _backend_created
@@ -380,7 +411,10 @@ class NixlTransport(Transport):
         block = int(np.gcd.reduce(np.concatenate((lo, ro, sz))))
         local_key, remote_key = ("local", src.region.region_id), (target.remote.peer_id,
                                                                    target.remote.region_id)
-        if max(src.region.nbytes, target.remote.nbytes) // block <= self._max_descs:
+        # Prepared lists pay off for page-sized entries; entries of many blocks each would
+        # make NIXL walk (and merge) many descriptors, so those get lists of their own.
+        if (max(src.region.nbytes, target.remote.nbytes) // block <= self._max_descs
+                and entries.total_bytes // block <= _MAX_BLOCKS_PER_ENTRY * sz.shape[0]):
             lh = self._prepped(local_key, block, "NIXL_INIT_AGENT", src.region.ptr,
                                src.region.nbytes, src.mem, src.dev_id)
             rh = self._prepped(remote_key, block, peer.agent, target.addr,
@@ -498,6 +532,9 @@ class NixlTransport(Transport):
 
     def _close(self) -> None:
         self._settle(lambda x: True, "the nixl transport was closed with the write pending")
+        self._stop.set()
+        if self._pump is not None:
+            self._pump.join(self._close_timeout_s)
         with self._lock:
             for key in list(self._dlists):
                 self._release_dlists(key)
