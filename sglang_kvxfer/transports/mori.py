@@ -335,6 +335,7 @@ class MoriTransport(Transport):
         with self._lock:
             self._check_open()
             self._drain_events()
+            self._reap()
             peer = self._peers.get(remote.peer_id)
             if peer is None:
                 raise ValueError(f"unknown peer {remote.peer_id!r} (add_peer it first)")
@@ -406,10 +407,12 @@ class MoriTransport(Transport):
             self._regions.release(xfer.lease)
 
     def _reap(self) -> None:
-        """Drop writes whose ticket failed early and whose status has since ended."""
+        """Drop writes whose status has ended, also where nobody polls the ticket any more
+        (dropped, or failed early by a peer failure); under ``_lock``."""
         in_progress = self._io.StatusCode.IN_PROGRESS
-        for xfer in [x for x in self._inflight if x.ticket.poll() is not TicketState.PENDING]:
+        for xfer in list(self._inflight):
             if xfer.status.Code() != in_progress:
+                xfer.ticket.poll()
                 self._finish(xfer)
 
     def wait_all(self, tickets, timeout_s: float) -> None:

@@ -194,6 +194,10 @@ class NixlTransport(Transport):
         if num_workers is not None and (isinstance(num_workers, bool) or
                                         not isinstance(num_workers, int) or num_workers < 1):
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        if not progress_thread and (isinstance(progress_interval_s, bool) or not isinstance(
+                progress_interval_s, (int, float)) or not 0 < progress_interval_s <= 1):
+            raise ValueError(f"progress_interval_s must be in (0, 1] seconds, got "
+                             f"{progress_interval_s!r}")
         if (isinstance(max_prepped_descs, bool) or not isinstance(max_prepped_descs, int)
                 or not 1 <= max_prepped_descs < 2**31):
             raise ValueError(f"max_prepped_descs must be an int in [1, 2**31), got "
@@ -219,9 +223,6 @@ class NixlTransport(Transport):
         self._stop = threading.Event()
         self._pump = None
         if not progress_thread:
-            if not isinstance(progress_interval_s, (int, float)) or not 0 < progress_interval_s <= 1:
-                raise ValueError(f"progress_interval_s must be in (0, 1] seconds, got "
-                                 f"{progress_interval_s!r}")
             self._pump = threading.Thread(target=self._progress_loop, args=(progress_interval_s,),
                                           daemon=True, name=f"kvxfer-nixl-progress-{self._name}")
             self._pump.start()

@@ -242,8 +242,9 @@ class _Knobs:
         self.raise_on_submit: str | None = None
         self.fail_next: tuple | None = None
         self.events: deque = deque()
-        self.submits = 0          # batch_write calls that reached the engine
+        self.submits: list = []   # (local offsets, remote offsets, sizes) per batch_write call
         self.sessions_created = 0
+        self.rdma_devices = None  # MORI_RDMA_DEVICES as the RDMA backend saw it
 
 
 def _frame_send(sock, obj):
@@ -290,6 +291,7 @@ class _Engine:
         if type == BackendType.TCP:
             raise NotImplementedError("backend not implemented yet")
         if type == BackendType.RDMA:
+            self.fake.rdma_devices = os.environ.get("MORI_RDMA_DEVICES")
             self._server = socket.create_server((self._desc[3], self._desc[4]))
             self._desc[4] = self._server.getsockname()[1]
             threading.Thread(target=self._serve_control, daemon=True).start()
@@ -368,7 +370,7 @@ class _Engine:
 
     # -- the fake's machinery -----------------------------------------------------------
     def _submit(self, session, lo, ro, sz, status: TransferStatus) -> None:
-        self.fake.submits += 1
+        self.fake.submits.append((list(lo), list(ro), list(sz)))
         if self.fake.raise_on_submit is not None:
             text, self.fake.raise_on_submit = self.fake.raise_on_submit, None
             raise RuntimeError(text)
@@ -394,6 +396,7 @@ class _Engine:
             if self.fake.fail_next is not None:
                 (code, message), self.fake.fail_next = self.fake.fail_next, None
                 status.Update(code, message)
+                del session, status
                 continue
             try:
                 cma_write(session.remote_pid, session.local.data + lo, session.remote.data + ro,
@@ -406,6 +409,7 @@ class _Engine:
                 status.Update(StatusCode.ERR_RDMA_OP, f"ibv_post_send/CQE error: {exc}")
             else:
                 status.Update(StatusCode.SUCCESS, "")
+            del session, status  # like MORI's completion path, keep no reference once done
 
     def _serve_control(self) -> None:
         while True:
