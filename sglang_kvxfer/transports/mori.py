@@ -16,13 +16,13 @@ completion thread holds a raw pointer to it. ``wait_all`` blocks in ``engine.wai
 short slices so our deadline rules. Peer failures come from ``pop_peer_failure`` where the
 installed MORI has it, and from ERR_RDMA_OP completions.
 
-MORI ends the process (``exit``/``abort``) when ROCm, an AMD GPU or an active RDMA port is
-missing, so construction first runs ``_mori_probe.check`` in a child process.
-This module owns the engine, sessions and statuses; it must not import mori at import time.
+``_mori_engine`` checks the options and creates the engine, after ``_mori_probe`` has
+checked in a child process that MORI can run (MORI ends the process with ``exit``/``abort``
+when ROCm, an AMD GPU or an active RDMA port is missing). This module owns peers, regions,
+sessions, statuses and their tickets; it must not import mori at import time.
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 import logging
 import os
@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sglang_kvxfer import envs
-from sglang_kvxfer.errors import (PeerGoneError, TransferTimeoutError, TransportError,
-                                  TransportUnavailableError)
-from sglang_kvxfer.transports import _mori_probe
+from sglang_kvxfer.errors import PeerGoneError, TransferTimeoutError, TransportError
 from sglang_kvxfer.transports._common import UseTable, pack_descriptor, unpack_descriptor
+from sglang_kvxfer.transports._mori_engine import (UINT32_MAX, EngineSettings, int_option,
+                                                   create_engine)
 from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
                                            Ticket, TicketState, Transport, parse_device)
 from sglang_kvxfer.transports.ticket import _check_timeout
@@ -48,27 +47,9 @@ __all__ = ["MoriTransport"]
 log = logging.getLogger(__name__)
 
 _NAME = "mori"
-UINT32_MAX = 2**32 - 1           # MORI refuses a single entry above this (ERR_INVALID_ARGS)
 _WAIT_SLICE_MS = 50              # longest single block inside engine.wait_all
 _EVENT_POLL_S = 0.005            # how often a pending ticket drains pop_peer_failure
 _abandoned: list = []            # statuses never terminal at close: MORI may still write them
-
-
-def _int_option(name, value, low, allow=()):
-    if isinstance(value, bool) or not isinstance(value, int) or (value < low and value not in allow):
-        extra = f" or {allow[0]}" if allow else ""
-        raise ValueError(f"{name} must be an int >= {low}{extra}, got {value!r}")
-    return value
-
-
-def _nic_list(nics) -> tuple[str, ...]:
-    if isinstance(nics, str):
-        nics = [n.strip() for n in nics.split(",") if n.strip()]
-    if not isinstance(nics, (list, tuple)) or not all(isinstance(n, str) and n and "," not in n
-                                                      for n in nics):
-        raise ValueError(f"nics must be RDMA device names like ['mlx5_0', 'mlx5_1'] or "
-                         f"'mlx5_0,mlx5_1', got {nics!r}")
-    return tuple(nics)
 
 
 @dataclass
@@ -132,39 +113,16 @@ class MoriTransport(Transport):
                  probe: bool = True, warmup: bool = True, max_entry_bytes: int = UINT32_MAX,
                  close_timeout_s: float = 5.0):
         super().__init__()
-        host = envs.KVXFER_MORI_HOST.get() if host is None else host
-        if host == "":
-            host = socket.gethostbyname(socket.gethostname())
-        if not isinstance(host, str) or host in ("0.0.0.0", "::"):
-            raise ValueError(f"host={host!r} cannot be advertised to peers; give the address "
-                             "peers should connect to (KVXFER_MORI_HOST)")
-        _int_option("port", port, 0)
-        nics = _nic_list(envs.KVXFER_MORI_NICS.get() if nics is None else nics)
-        qp = _int_option("qp_per_transfer", envs.KVXFER_MORI_QP_PER_TRANSFER.get()
-                         if qp_per_transfer is None else qp_per_transfer, 1)
-        workers = _int_option("num_worker_threads", envs.KVXFER_MORI_WORKERS.get()
-                              if num_worker_threads is None else num_worker_threads, 1, (-1,))
-        batch = _int_option("post_batch_size", envs.KVXFER_MORI_POST_BATCH_SIZE.get()
-                            if post_batch_size is None else post_batch_size, 1, (-1,))
-        self._max_entry = _int_option("max_entry_bytes", max_entry_bytes, 1)
+        settings = EngineSettings.resolve(host, port, nics, qp_per_transfer,
+                                          num_worker_threads, post_batch_size)
+        self._max_entry = int_option("max_entry_bytes", max_entry_bytes, 1)
         if self._max_entry > UINT32_MAX:
             raise ValueError(f"max_entry_bytes must be <= {UINT32_MAX} (MORI's limit), got "
                              f"{max_entry_bytes}")
         self._warmup, self._close_timeout_s = warmup, close_timeout_s
         self._key = engine_key or f"kvxfer-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.settings = {"host": host, "port": port, "MORI_RDMA_DEVICES": ",".join(nics) or
-                         os.environ.get("MORI_RDMA_DEVICES", "") or "(all)",
-                         "qp_per_transfer": qp, "num_worker_threads": workers,
-                         "post_batch_size": batch, "poll_cq_mode": "POLLING",
-                         "enable_notification": False}
-        if probe:
-            _mori_probe.check(nics)
-        try:
-            self._io = importlib.import_module("mori.io")
-        except ImportError as exc:
-            raise TransportUnavailableError(f"transport 'mori' needs 'amd-mori' (module "
-                                            f"'mori.io'): {exc}") from exc
-        self._engine = self._create_engine(host, port, nics, qp, batch, workers)
+        self.settings = settings.describe()
+        self._io, self._engine = create_engine(self._key, settings, probe)
         self._lock = threading.RLock()  # MORI's engine tables are not thread-safe
         self._ids = itertools.count(1)
         self._regions = UseTable()      # region_id -> _MoriRegion
@@ -173,30 +131,6 @@ class MoriTransport(Transport):
         self._inflight: set[_Xfer] = set()
         self._failures: list[PeerFailure] = []
         self._next_event_poll = 0.0
-
-    def _create_engine(self, host, port, nics, qp, batch, workers):
-        io = self._io
-        engine = io.IOEngine(self._key, io.IOEngineConfig(host, port))
-        saved = os.environ.get("MORI_RDMA_DEVICES")
-        if nics:  # MORI reads it when the RDMA backend discovers devices
-            os.environ["MORI_RDMA_DEVICES"] = ",".join(nics)
-        try:
-            engine.create_backend(io.BackendType.RDMA, io.RdmaBackendConfig(
-                qp, batch, workers, io.PollCqMode.POLLING, False))
-        except Exception as exc:
-            raise TransportError(f"mori: creating the RDMA backend failed ({type(exc).__name__}: "
-                                 f"{exc}) with {self.settings}") from exc
-        finally:
-            if nics:
-                if saved is None:
-                    os.environ.pop("MORI_RDMA_DEVICES", None)
-                else:
-                    os.environ["MORI_RDMA_DEVICES"] = saved
-        desc = engine.get_engine_desc()
-        if desc.port <= 0:
-            raise TransportError(f"mori: the engine has no control-plane port ({desc.port}) "
-                                 "after creating the RDMA backend")
-        return engine
 
     # -- descriptors and peers ----------------------------------------------------------
     def agent_descriptor(self) -> bytes:

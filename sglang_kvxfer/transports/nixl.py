@@ -15,32 +15,32 @@ by every later batch, which then only passes index arrays. Otherwise the batch's
 are prepared from Nx3 arrays and released with it (both cost about the same per
 descriptor here, see the README).
 
-UCX settings: ``ucx_tls`` is applied as ``UCX_TLS`` only while the backend is created;
-``UCX_TLS``/``UCX_NET_DEVICES`` from the environment are respected when no option is given.
-A process that created a UCX backend may crash at exit on hosts with rdma-core's ibverbs
-providers (a libnl destructor): leave such processes with ``exit_process``.
+Progress: NIXL's own progress thread busy-polls a core, so by default a thread of this
+transport progresses UCX every millisecond instead (and every poll progresses too).
 
-This module owns the agent, its regions, peers and prepared lists; the NIXL module is
-imported when the first transport is created. It must not import torch.
+``_nixl_agent`` creates the agent (UCX settings from options and environment, ``UCX_TLS``
+applied only while the backend is created) and has ``exit_process``, which processes that
+created a UCX backend leave through (a libnl destructor can crash them at exit).
+This module owns regions, peers, prepared lists and writes; NIXL is imported when the
+first transport is created. It must not import torch.
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 import logging
 import os
 import secrets
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from sglang_kvxfer import envs
-from sglang_kvxfer.errors import PeerGoneError, TransportError, TransportUnavailableError
+from sglang_kvxfer.errors import PeerGoneError, TransportError
 from sglang_kvxfer.transports._common import UseTable, pack_descriptor, unpack_descriptor
+from sglang_kvxfer.transports._nixl_agent import (UcxSettings, create_agent, exit_process,
+                                                  import_api, ucx_backend_created)
 from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
                                            Ticket, Transport, parse_device)
 
@@ -49,65 +49,11 @@ __all__ = ["NixlTransport", "exit_process", "ucx_backend_created"]
 log = logging.getLogger(__name__)
 
 _NAME = "nixl"
-_API_MODULES = ("nixl_cu12._api", "nixl._api")
-# UCX transports that only reach peers on this host; UCX has no peer-failure handler for
-# them, so the backend must run with ucx_error_handling_mode=none (research/peers.md).
-_HOST_ONLY_TLS = {"sm", "shm", "cma", "posix", "sysv", "xpmem", "knem", "self"}
 _MAX_BLOCK_SIZES = 4  # prepared descriptor lists kept per region (one per block size)
 _MAX_BLOCKS_PER_ENTRY = 8  # prepared lists are used while entries span at most this on average
 _AGENT_FIELDS = {"agent": str, "md": bytes}
 _REGION_FIELDS = {"agent": str, "region": int, "addr": int, "nbytes": int, "device": str,
                   "mem": str, "dev_id": int, "md": bytes}
-
-_backend_created = False  # set once this process has created a UCX backend
-
-
-def ucx_backend_created() -> bool:
-    """True once this process has created a NIXL UCX backend (see ``exit_process``)."""
-    return _backend_created
-
-
-def exit_process(code: int = 0):
-    """End this process now with exit status ``code``, after flushing logs and stdio.
-
-    Where rdma-core's ibverbs providers are installed, a process that created a UCX backend
-    crashes with SIGSEGV in libnl-route's destructor during normal exit, after all its work
-    (research/peers.md). Rank processes, test peers and benchmarks that used ``nixl`` call
-    this instead of returning from ``main``; it skips interpreter teardown (atexit handlers,
-    library destructors), so call it only when everything worth keeping is written.
-    """
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
-    os._exit(code)
-
-
-def _import_api():
-    errors = []
-    for name in _API_MODULES:
-        try:
-            api = importlib.import_module(name)
-        except ImportError as exc:
-            errors.append(f"{name}: {exc}")
-            continue
-        if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs INFO lines to stdout by default
-            logging.getLogger("nixl").setLevel(logging.WARNING)
-        return api
-    raise TransportUnavailableError("transport 'nixl' needs 'nixl-cu12' (pip install --no-deps "
-                                    "nixl-cu12): " + "; ".join(errors))
-
-
-def _tls_list(value, what: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{what} must be a str like 'tcp' or 'sm', got {type(value).__name__}")
-    parts = [p.strip() for p in value.split(",")]
-    if value.strip() and not all(parts):
-        raise ValueError(f"{what}={value!r} has an empty item; give names separated by commas")
-    return ",".join(parts) if value.strip() else ""
-
 
 @dataclass
 class _NixlRegion:
@@ -172,6 +118,10 @@ class NixlTransport(Transport):
     """
 
     name = _NAME
+    # The default UCX choice; an instance refines it from its UCX settings (tcp only: not
+    # one-sided; host-only transports: same host only).
+    caps = Caps(mem_kinds=frozenset({"cpu", "cuda"}), same_host_only=False,
+                read_supported=False, one_sided=True)
 
     def __init__(self, *, agent_id: str | None = None, ucx_tls: str | None = None,
                  ucx_net_devices: str | None = None, ucx_error_handling_mode: str | None = None,
@@ -179,18 +129,7 @@ class NixlTransport(Transport):
                  progress_interval_s: float = 0.001, max_prepped_descs: int = 1 << 18,
                  close_timeout_s: float = 5.0):
         super().__init__()
-        tls = _tls_list(envs.KVXFER_NIXL_UCX_TLS.get() if ucx_tls is None else ucx_tls,
-                        "ucx_tls")
-        devices = _tls_list(envs.KVXFER_NIXL_UCX_NET_DEVICES.get() if ucx_net_devices is None
-                            else ucx_net_devices, "ucx_net_devices")
-        effective_tls = tls or os.environ.get("UCX_TLS", "").strip()
-        names = {t.strip().lstrip("^") for t in effective_tls.split(",") if t.strip()}
-        host_only = bool(names) and not effective_tls.startswith("^") and names <= _HOST_ONLY_TLS
-        mode = ucx_error_handling_mode
-        if mode is None:
-            mode = "none" if host_only else None
-        elif mode not in ("none", "peer"):
-            raise ValueError(f"ucx_error_handling_mode must be 'none' or 'peer', got {mode!r}")
+        ucx = UcxSettings.resolve(ucx_tls, ucx_net_devices, ucx_error_handling_mode)
         if num_workers is not None and (isinstance(num_workers, bool) or
                                         not isinstance(num_workers, int) or num_workers < 1):
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
@@ -202,16 +141,12 @@ class NixlTransport(Transport):
                 or not 1 <= max_prepped_descs < 2**31):
             raise ValueError(f"max_prepped_descs must be an int in [1, 2**31), got "
                              f"{max_prepped_descs!r}")
-        # Over a tcp-only UCX the target's progress thread emulates each put: not one-sided.
-        self.caps = Caps(mem_kinds=frozenset({"cpu", "cuda"}), same_host_only=host_only,
-                         read_supported=False, one_sided=names != {"tcp"})
-        self.ucx_settings = {"UCX_TLS": effective_tls or "(UCX default)",
-                             "ucx_devices": devices or os.environ.get("UCX_NET_DEVICES", "")
-                             or "(all)", "ucx_error_handling_mode": mode or "(NIXL default)"}
+        self.caps = Caps(mem_kinds=frozenset({"cpu", "cuda"}), same_host_only=ucx.host_only,
+                         read_supported=False, one_sided=ucx.one_sided)
+        self.ucx_settings = ucx.describe()
         self._max_descs, self._close_timeout_s = max_prepped_descs, close_timeout_s
         self._name = agent_id or f"nixl-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        self._api = _import_api()
-        self._agent = self._create_agent(tls, devices, mode, num_workers, progress_thread)
+        self._agent = create_agent(import_api(), self._name, ucx, num_workers, progress_thread)
         self._lock = threading.RLock()  # every agent call and table change happens under it
         self._ids = itertools.count(1)
         self._regions = UseTable()      # region_id -> _NixlRegion
@@ -238,35 +173,6 @@ class NixlTransport(Transport):
                     self._agent.get_new_notifs()
                 except Exception as exc:  # progress errors also show on the transfers
                     log.debug("nixl: progress: %s", exc)
-
-    def _create_agent(self, tls, devices, mode, num_workers, progress_thread):
-        global _backend_created
-        api = self._api
-        agent = api.nixl_agent(self._name, api.nixl_agent_config(
-            enable_prog_thread=progress_thread, backends=[]))
-        params = {}
-        if mode is not None:
-            params["ucx_error_handling_mode"] = mode
-        if devices:
-            params["ucx_devices"] = devices
-        if num_workers is not None:
-            params["num_workers"] = str(num_workers)
-        saved = os.environ.get("UCX_TLS")
-        if tls:  # UCX reads UCX_TLS when the backend creates its context, and only then
-            os.environ["UCX_TLS"] = tls
-        try:
-            agent.create_backend("UCX", params)
-        except Exception as exc:
-            raise TransportError(f"nixl: creating the UCX backend failed ({type(exc).__name__}: "
-                                 f"{exc}) with {self.ucx_settings}") from exc
-        finally:
-            if tls:
-                if saved is None:
-                    os.environ.pop("UCX_TLS", None)
-                else:
-                    os.environ["UCX_TLS"] = saved
-            _backend_created = True
-        return agent
 
     # -- descriptors and peers ----------------------------------------------------------
     def agent_descriptor(self) -> bytes:

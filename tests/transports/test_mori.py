@@ -440,3 +440,11 @@ def test_probe_runs_as_a_module(tmp_path):
                          text=True, timeout=60)
     assert out.returncode == 0
     assert '"stage": "done", "ok": false' in out.stdout.splitlines()[-1]
+
+
+def test_importing_the_module_loads_no_mori_and_no_torch():
+    code = ("import sys, sglang_kvxfer.transports.mori;"
+            "print([m for m in ('mori', 'mori.io', 'torch') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"

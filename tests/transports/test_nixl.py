@@ -182,3 +182,11 @@ def test_exit_process_flushes_and_keeps_the_status():
                          timeout=60)
     assert out.returncode == 3
     assert out.stdout == "written\n" and out.stderr == "also"
+
+
+def test_importing_the_module_loads_no_nixl_and_no_torch():
+    code = ("import sys, sglang_kvxfer.transports.nixl;"
+            "print([m for m in ('nixl_cu12', 'nixl', 'torch') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
