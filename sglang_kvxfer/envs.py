@@ -183,6 +183,46 @@ KVXFER_CACHE_DIR = _define(
     "`$XDG_CACHE_HOME/sglang_kvxfer`, else `~/.cache/sglang_kvxfer`).",
 )
 
+KVXFER_NIXL_UCX_TLS = _define(
+    "KVXFER_NIXL_UCX_TLS", "", lambda s: s.strip(),
+    "`nixl` transport: UCX transports to allow (set as `UCX_TLS` while the UCX backend is "
+    "created, e.g. `tcp`, `sm`, `rc,cuda_ipc`). Empty: keep `UCX_TLS` from the environment, "
+    "or UCX's own choice (cma on one host, RDMA where a NIC is active, else tcp).",
+)
+KVXFER_NIXL_UCX_NET_DEVICES = _define(
+    "KVXFER_NIXL_UCX_NET_DEVICES", "", lambda s: s.strip(),
+    "`nixl` transport: network devices UCX may use (the backend's `ucx_devices`, e.g. "
+    "`mlx5_0:1` or `lo`). Empty: keep `UCX_NET_DEVICES` from the environment, or all.",
+)
+
+KVXFER_MORI_HOST = _define(
+    "KVXFER_MORI_HOST", "", lambda s: s.strip(),
+    "`mori` transport: the address MORI-IO's control plane listens on and advertises (peers "
+    "connect to it for RDMA keys; `0.0.0.0` is refused). Empty: the address this host's name "
+    "resolves to.",
+)
+KVXFER_MORI_NICS = _define(
+    "KVXFER_MORI_NICS", "", lambda s: s.strip(),
+    "`mori` transport: comma-separated RDMA devices MORI-IO may use (set as "
+    "`MORI_RDMA_DEVICES` before its backend is created). Empty: keep `MORI_RDMA_DEVICES`, or all.",
+)
+KVXFER_MORI_QP_PER_TRANSFER = _define(
+    "KVXFER_MORI_QP_PER_TRANSFER", 4, int,
+    "`mori` transport: RC queue pairs per (peer, memory pair) route "
+    "(`RdmaBackendConfig.qp_per_transfer`; `MORI_IO_QP_PER_TRANSFER` overrides it).",
+)
+KVXFER_MORI_WORKERS = _define(
+    "KVXFER_MORI_WORKERS", 4, int,
+    "`mori` transport: MORI-IO threads that post work requests "
+    "(`RdmaBackendConfig.num_worker_threads`; `MORI_IO_NUM_WORKER_THREADS` overrides it).",
+)
+KVXFER_MORI_POST_BATCH_SIZE = _define(
+    "KVXFER_MORI_POST_BATCH_SIZE", -1, int,
+    "`mori` transport: work requests chained per post, -1 = MORI's choice "
+    "(`RdmaBackendConfig.post_batch_size`; `MORI_IO_POST_BATCH_SIZE` overrides it).",
+)
+
+
 def markdown_table() -> str:
     """The README's table of environment variables (kept in sync by a test)."""
     rows = ["| variable | default | effect |", "|---|---|---|"]

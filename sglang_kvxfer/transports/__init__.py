@@ -46,7 +46,8 @@ def register_transport(name: str, target: str, requires: dict[str, str] | None =
 
     ``requires`` maps each module the transport imports to the pip package that provides
     it, e.g. ``{"nixl_cu12": "nixl-cu12"}``; a missing one makes ``get_transport`` raise
-    ``TransportUnavailableError`` naming the package.
+    ``TransportUnavailableError`` naming the package. A key ``"a|b"`` is satisfied by either
+    module (the same API shipped under two names).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"transport name must be a non-empty str, got {name!r}")
@@ -61,8 +62,16 @@ def registered_transports() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that fails, or a module without spec
+        return False
+
+
 def _missing(entry: _Entry) -> list[tuple[str, str]]:
-    return [(mod, pkg) for mod, pkg in entry.requires if importlib.util.find_spec(mod) is None]
+    return [(mods, pkg) for mods, pkg in entry.requires
+            if not any(_importable(mod) for mod in mods.split("|"))]
 
 
 def available_transports() -> list[str]:
@@ -82,7 +91,8 @@ def get_transport(name: str, **options) -> Transport:
                          f"{', '.join(registered_transports())}")
     missing = _missing(entry)
     if missing:
-        needs = ", ".join(f"'{pkg}' (module '{mod}')" for mod, pkg in missing)
+        needs = ", ".join(f"'{pkg}' (module {' or '.join(repr(m) for m in mods.split('|'))})"
+                          for mods, pkg in missing)
         raise TransportUnavailableError(
             f"transport {name!r} needs {needs}, which is not installed; "
             f"pip install {' '.join(pkg for _, pkg in missing)}")
@@ -97,3 +107,8 @@ def get_transport(name: str, **options) -> Transport:
 
 register_transport("local", "sglang_kvxfer.transports.local:LocalTransport")
 register_transport("tcp", "sglang_kvxfer.transports.tcp:TcpTransport")
+# nixl-cu12 ships the module nixl_cu12; the `nixl` meta package's module has the same API.
+register_transport("nixl", "sglang_kvxfer.transports.nixl:NixlTransport",
+                   requires={"nixl_cu12|nixl": "nixl-cu12"})
+register_transport("mori", "sglang_kvxfer.transports.mori:MoriTransport",
+                   requires={"mori": "amd-mori"})

@@ -2,10 +2,14 @@
 
 ``--transport NAME[,NAME]`` (declared in ``tests/conftest.py``) picks transports (default:
 every available one). Each case is (transport, options, memory kind of the peer's region);
-a new backend adds its cases to ``CASES``. Peers are spawned once per module and case;
-writers are fresh per test.
+a new backend adds its cases to ``CASES``. A case in ``HOOKS`` runs against a stand-in that
+its hook installs in this process and in each peer (``mori`` against ``fake_mori``), so it
+runs whether or not the real package is installed. Peers are spawned once per module and
+case; writers are fresh per test.
 """
 from __future__ import annotations
+
+import importlib
 
 import numpy as np
 import pytest
@@ -21,16 +25,24 @@ CASES = {
     "local-cma": ("local", {}, "private"),
     "tcp": ("tcp", {}, "private"),
     "tcp-3conn": ("tcp", {"num_connections": 3, "split_min_bytes": 64 << 10}, "private"),
+    # UCX picks cma here (one process_vm_writev per descriptor); tcp is the cross-host path
+    "nixl": ("nixl", {}, "private"),
+    "nixl-tcp": ("nixl", {"ucx_tls": "tcp"}, "private"),
+    "mori-fake": ("mori", {"probe": False, "host": "127.0.0.1"}, "private"),
 }
+# case id -> "module:function" that installs a stand-in and returns a function undoing it
+HOOKS = {"mori-fake": "fake_mori:install"}
 
 
 def selected_cases(config) -> list[str]:
     wanted = config.getoption("--transport", default=None)
-    names = wanted.split(",") if wanted else available_transports()
+    names = wanted.split(",") if wanted else [t for t, _, _ in CASES.values()]
     unknown = set(names) - {t for t, _, _ in CASES.values()}
     if unknown:
         raise pytest.UsageError(f"--transport: no contract cases for {sorted(unknown)}")
-    return [case for case, (t, _, _) in CASES.items() if t in names]
+    available = set(available_transports())
+    return [case for case, (t, _, _) in CASES.items()
+            if t in names and (t in available or case in HOOKS)]
 
 
 def pytest_generate_tests(metafunc):
@@ -39,19 +51,32 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture(scope="module")
-def peer(case):
+def stand_in(case):
+    """Installs the case's stand-in (if any) in this process for the module's tests."""
+    hook = HOOKS.get(case)
+    if hook is None:
+        yield None
+        return
+    module, _, func = hook.partition(":")
+    undo = getattr(importlib.import_module(module), func)()
+    yield hook
+    undo()
+
+
+@pytest.fixture(scope="module")
+def peer(case, stand_in):
     name, options, memory = CASES[case]
-    proc = PeerProcess(name, options, memory, REGION_BYTES)
+    proc = PeerProcess(name, options, memory, REGION_BYTES, stand_in)
     assert proc.setup_error is None, proc.setup_error
     yield proc
     proc.close()
 
 
 @pytest.fixture
-def fresh_peer(case):
+def fresh_peer(case, stand_in):
     """A peer of its own, for tests that stop or kill it."""
     name, options, memory = CASES[case]
-    proc = PeerProcess(name, options, memory, REGION_BYTES)
+    proc = PeerProcess(name, options, memory, REGION_BYTES, stand_in)
     assert proc.setup_error is None, proc.setup_error
     yield proc
     proc.close()

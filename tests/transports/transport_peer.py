@@ -6,9 +6,11 @@ tuples; every wait on the pipe has a timeout.
 """
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 
 import numpy as np
@@ -21,10 +23,22 @@ def pattern(seed: int, nbytes: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
-def _serve(conn, name: str, options: dict, memory: str, nbytes: int) -> None:
+def _serve(conn, name: str, options: dict, memory: str, nbytes: int, hook: str | None) -> None:
+    try:
+        _serve_commands(conn, name, options, memory, nbytes, hook)
+    finally:
+        nixl = sys.modules.get("sglang_kvxfer.transports.nixl")
+        if nixl is not None and nixl.ucx_backend_created():
+            nixl.exit_process(0)  # a UCX process may crash in exit (see nixl.exit_process)
+
+
+def _serve_commands(conn, name, options, memory, nbytes, hook) -> None:
     from sglang_kvxfer.transports import get_transport
     from sglang_kvxfer.transports.local import alloc_shared
 
+    if hook is not None:  # e.g. "fake_mori:install": runs before the transport is created
+        module, _, func = hook.partition(":")
+        getattr(importlib.import_module(module), func)()
     parent = os.getppid()
     try:
         transport = get_transport(name, **options)
@@ -61,13 +75,17 @@ def _serve(conn, name: str, options: dict, memory: str, nbytes: int) -> None:
 
 
 class PeerProcess:
-    """Handle on a spawned peer: ``agent``/``region`` descriptors, ``pid``, commands."""
+    """Handle on a spawned peer: ``agent``/``region`` descriptors, ``pid``, commands.
 
-    def __init__(self, name: str, options: dict, memory: str, nbytes: int):
+    ``hook`` ("module:function") runs in the peer before its transport is created.
+    """
+
+    def __init__(self, name: str, options: dict, memory: str, nbytes: int,
+                 hook: str | None = None):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.nbytes = nbytes
-        self.proc = ctx.Process(target=_serve, args=(child, name, options, memory, nbytes),
+        self.proc = ctx.Process(target=_serve, args=(child, name, options, memory, nbytes, hook),
                                 daemon=True)
         self.proc.start()
         child.close()
@@ -96,7 +114,12 @@ class PeerProcess:
         return np.frombuffer(self.call("read"), dtype=np.uint8)
 
     def stop(self) -> None:
+        """SIGSTOP the peer and wait until all its threads are stopped (that is not
+        immediate: a busy thread runs on for a while, tens of ms on a loaded machine)."""
         os.kill(self.pid, signal.SIGSTOP)
+        if not wait_until(lambda: all(state in "tT" for state in _thread_states(self.pid)),
+                          PEER_TIMEOUT_S, interval_s=0.001):
+            raise TimeoutError(f"peer {self.pid} did not stop within {PEER_TIMEOUT_S} s")
 
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
@@ -114,6 +137,18 @@ class PeerProcess:
                 self.proc.kill()
                 self.proc.join(PEER_TIMEOUT_S)
         self._conn.close()
+
+
+def _thread_states(pid: int) -> list[str]:
+    """The state letter of every thread of ``pid`` (from /proc/<pid>/task/*/stat)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # the thread exited meanwhile
+            pass
+    return states
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.01) -> bool:
