@@ -180,6 +180,17 @@ def rank_main(specs_bytes: bytes, conn) -> None:
     finally:
         for server in servers:
             server.close()
+        _leave_if_nixl()
+
+
+def _leave_if_nixl() -> None:
+    """A process that created a NIXL UCX backend can crash in exit handlers (research/
+    peers.md): leave through the transport's exit helper instead."""
+    import sys
+
+    agent = sys.modules.get("sglang_kvxfer.transports._nixl_agent")
+    if agent is not None and agent.ucx_backend_created():
+        agent.exit_process(0)
 
 
 def _serve(servers: list, conn, lock: threading.Lock, parent: int, concurrency: int) -> None:

@@ -99,3 +99,19 @@ def test_geometry_mismatch_fails_both_sides_and_prefill_keeps_serving():
             with RankGroup(make_spec("decode", gp, 1, boot.address, "tcp", options=opts), one_process=True) as good:
                 results = run(pre, good, [20, 50], chunk=8, n=2, seed=3)
     assert all(r.ok and r.verified for r in results), [r.reason for r in results]
+
+
+@pytest.mark.parametrize("case", [(8, 2, 1), (2, 1, 4)])
+def test_nixl_moves_verified_bytes(case):
+    from sglang_kvxfer.transports import available_transports
+
+    if "nixl" not in available_transports():
+        pytest.skip("nixl-cu12 is not installed (pip install --no-deps nixl-cu12)")
+    h, p, d = case
+    gp = geometry(h, page_size=4, num_pages=96)
+    gd = geometry(h, page_size=8, layout="HND", num_pages=96)
+    with BootstrapServer() as boot:
+        pre, dec = groups(boot, gp, gd, p, d, "nixl")
+        with pre, dec:
+            results = run(pre, dec, [37, 128], chunk=16, n=2)
+    assert all(r.ok and r.verified for r in results), [r.reason for r in results]
