@@ -1,7 +1,8 @@
 """The ``kvxfer`` command line: one sub-command per module, imported only when used.
 
-Each sub-command module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Bad
-input exits with status 2 and a one-line message on stderr, never a traceback.
+Each sub-command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; one
+that wraps another program also exposes ``run_argv(argv) -> int`` and gets its arguments
+verbatim. Bad input exits with status 2 and a one-line message on stderr, never a traceback.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from sglang_kvxfer.errors import KVXferError
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sglang_kvxfer.cli.demo", "run a prefill group and a decode group here and move verified KV"),
     "plan": ("sglang_kvxfer.cli.plan", "show who sends which KV heads to whom for a TP pair"),
+    "sglang-serve": ("sglang_kvxfer.cli.sglang_serve",
+                     "run SGLang's server with this engine as --disaggregation-transfer-backend kvxfer"),
 }
 
 
@@ -39,14 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:
+        module = importlib.import_module(COMMANDS[argv[0]][0])
+        if hasattr(module, "run_argv"):  # wraps another program: its arguments pass verbatim
+            return _guarded(argv[0], lambda: module.run_argv(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     module = importlib.import_module(args._module)
+    return _guarded(args.command, lambda: module.run(args))
+
+
+def _guarded(command: str, call) -> int:
     try:
-        return int(module.run(args) or 0)
+        return int(call() or 0)
     except (KVXferError, ValueError) as exc:
-        print(f"kvxfer {args.command}: error: {exc}", file=sys.stderr)
+        print(f"kvxfer {command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"kvxfer {args.command}: interrupted", file=sys.stderr)
+        print(f"kvxfer {command}: interrupted", file=sys.stderr)
         return 130
