@@ -145,8 +145,6 @@ class KVPool:
         longer buffer is fine, a shorter one is refused. No byte is copied: the views alias
         the caller's memory (checked), and the caller keeps it alive until ``close()``.
         """
-        import torch
-
         g = placement.geometry
         for name, seq in (("ptrs", ptrs), ("lens", lens)):
             if len(seq) != g.num_buffers:

@@ -82,6 +82,7 @@ class PrefillInfo:
     attn_tp_size: int
     dp_size: int = 1                   # one prefill DP group per bootstrap
     follow_bootstrap_room: bool = True
+    problem: str = ""                  # why requests to this prefill cannot work ("" if they can)
 
 
 def _role(mode: Any) -> str:
@@ -124,7 +125,7 @@ def _local_host() -> str:
 
 def _transport(device: str, ib_device: str, gpu_id: int) -> str:
     """``KVXFER_SGLANG_TRANSPORT``, or for ``auto``: CPU pools -> ``local``; GPU pools ->
-    ``mori`` (ROCm) or ``nixl`` when installed. ``--disaggregation-ib-device`` becomes the
+    ``mori``, else ``nixl``, whichever is installed. ``--disaggregation-ib-device`` becomes the
     RDMA library's NIC list, as SGLang's own mori backend does."""
     from sglang_kvxfer.transports import available_transports
 
@@ -213,10 +214,17 @@ class KVXferKVManager(BaseKVManager):
             parse_host_port(bootstrap_addr, "bootstrap_addr")
         except ValueError:
             return False
-        status, _, tp_size = self.engine.prefill_group_status(bootstrap_addr)
+        status, _, tp_size, geometry = self.engine.prefill_group_status(bootstrap_addr)
         if status not in ("ready", "failed"):
             return False
-        self.prefill_info_table[bootstrap_addr] = PrefillInfo(attn_tp_size=tp_size)
+        problem = ""
+        ours = self.layout.geometry.page_size
+        if geometry is not None and geometry.page_size != ours:
+            # The scheduler counts whole pages on both sides (as SGLang's own backends
+            # require, research/sglang.md §3.1 step 5): the page sizes must agree.
+            problem = (f"page_size: prefill={geometry.page_size} decode={ours} (start both servers "
+                       "with the same --page-size)")
+        self.prefill_info_table[bootstrap_addr] = PrefillInfo(attn_tp_size=tp_size, problem=problem)
         return True
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
@@ -261,6 +269,13 @@ class _Request:
         if self._engine is not None:
             self._engine.abort(reason)
         log.warning("kvxfer room %d failed: %s", self.bootstrap_room, reason)
+
+    def _fail_from(self, where: str, exc: Exception) -> None:
+        """A scheduler call failed: fail this request with why, never raise into the loop."""
+        if isinstance(exc, (ValueError, TypeError, KVXferError)):
+            return self._fail(f"{where}: {exc}")
+        log.exception("kvxfer room %d: unexpected error in %s", self.bootstrap_room, where)
+        self._fail(f"{where}: {type(exc).__name__}: {exc}")
 
     def failure_exception(self):
         """Raise the reason this request failed (SGLang calls it after a Failed poll)."""
@@ -343,8 +358,8 @@ class KVXferKVSender(_Request, BaseKVSender):
             self._started = self._started or time.perf_counter()
             self._engine.send(pages, last_chunk=last, aux=aux, ready=wait)
             self.curr_idx = index_slice.stop
-        except (ValueError, TypeError, KVXferError) as exc:
-            self._fail(f"send(): {exc}")
+        except Exception as exc:
+            self._fail_from("send()", exc)
 
     def poll(self) -> int:
         if self.conclude_state is not None:
@@ -386,6 +401,9 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         if prefill_dp_rank != 0:
             return self._fail(f"init(): prefill_dp_rank={prefill_dp_rank!r}, but the kvxfer backend "
                               "serves one prefill DP group per bootstrap (rank 0)")
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        if info is not None and info.problem:
+            return self._fail(info.problem)
         self._inited = True
 
     def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices: Optional[List] = None,
@@ -412,8 +430,8 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             self._engine.send_metadata(pages, aux_slot=-1 if aux_index is None else int(aux_index),
                                        num_tokens=len(pages) * page_size)
             self.aux_index = aux_index
-        except (ValueError, TypeError, KVXferError) as exc:
-            self._fail(f"send_metadata(): {exc}")
+        except Exception as exc:
+            self._fail_from("send_metadata()", exc)
 
     def poll(self) -> int:
         if self.conclude_state is not None:
