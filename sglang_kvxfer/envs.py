@@ -138,6 +138,15 @@ KVXFER_TCP_IO_TIMEOUT_S = _define(
     "ACK received) for this many seconds is failed, and so are its tickets.",
 )
 
+KVXFER_SGLANG_TRANSPORT = _define(
+    "KVXFER_SGLANG_TRANSPORT", "auto", lambda s: s.strip().lower(),
+    "SGLang backend (`--disaggregation-transfer-backend kvxfer`): the transport both sides "
+    "use (`local`, `tcp`, `nixl`, `mori`); `auto` takes `local` for CPU KV pools and the "
+    "installed RDMA transport (`mori`, then `nixl`) for GPU pools. Set the same on prefill "
+    "and decode.",
+)
+
+
 def _tristate(raw: str) -> str:
     low = raw.strip().lower()
     if low == "auto":

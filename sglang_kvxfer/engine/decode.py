@@ -102,6 +102,21 @@ class DecodeManager(RankBase):
                                  name=f"kvxfer-decode{self.tp_rank}-resolve").start()
             return group
 
+    def prefill_group_status(self, address: str) -> tuple:
+        """``(status, error, prefill_tp_size, prefill_geometry)`` of the prefill group at
+        bootstrap ``address``; starts looking it up if nobody has yet. ``status`` is
+        ``resolving``, ``registering``, ``ready`` or ``failed`` (then ``error`` says why); the
+        TP size is 0 and the geometry None until known. A failed lookup is reported, not
+        retried (the next request's receiver retries it)."""
+        with self._lock:
+            group = self._groups.get(address)
+        if group is None:
+            group = self._group(address)
+        with self._lock:
+            reply = group.reply
+            return (group.status, group.error, reply.tp_size if reply is not None else 0,
+                    reply.geometry if reply is not None else None)
+
     def _resolve(self, group: PrefillGroup) -> None:
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         query = BootstrapQuery(session=self.session, tp_rank=self.tp_rank)

@@ -31,6 +31,37 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
+class _CudaArray:
+    """The least object ``torch.as_tensor`` turns into a CUDA tensor over ``ptr`` without a
+    copy (the ``__cuda_array_interface__`` protocol, version 2)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 2}
+
+
+def _tensor_at(ptr: int, nbytes: int, device: str):
+    """A uint8 tensor aliasing ``nbytes`` at address ``ptr`` on ``device`` (no copy)."""
+    import ctypes
+
+    import torch
+
+    if device == "cpu":
+        t = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+    elif str(device).startswith("cuda"):
+        # Not verified on a GPU here. as_tensor places the tensor where the pointer lives;
+        # the checks below refuse a copy or a pointer on another device.
+        t = torch.as_tensor(_CudaArray(ptr, nbytes))
+        want = torch.device(device)
+        if t.device.type != "cuda" or (want.index is not None and t.device.index != want.index):
+            raise ValueError(f"address {ptr:#x} is memory of {t.device}, not of {device}")
+    else:
+        raise ValueError(f"device={device!r} must be 'cpu' or 'cuda[:N]'")
+    if t.data_ptr() != ptr:
+        raise RuntimeError(f"the view of {ptr:#x} landed at {t.data_ptr():#x}: it was copied")
+    return t
+
+
 def _alloc_bytes(nbytes: int, device: str, shared: bool):
     """A uint8 tensor of ``nbytes``; host memory is a shared mapping when ``shared``."""
     import torch
@@ -102,6 +133,35 @@ class KVPool:
                     f"geometry needs a contiguous {placement.buffer_shape(i)} {dtype}"
                 )
         blocks = [t.view(-1).view(torch.uint8) for t in buffers]
+        return cls(placement, buffers, blocks, [BufferLoc(i, 0) for i in range(len(buffers))])
+
+    @classmethod
+    def from_pointers(cls, placement: RankPlacement, ptrs: Sequence[int], lens: Sequence[int],
+                      device: str = "cpu") -> "KVPool":
+        """Views over buffers known only by address, as an inference server hands them over.
+
+        ``ptrs[i]``/``lens[i]`` are the address and byte length of buffer ``i`` (K of every
+        layer, then V). Each view covers the first ``placement.buffer_nbytes(i)`` bytes; a
+        longer buffer is fine, a shorter one is refused. No byte is copied: the views alias
+        the caller's memory (checked), and the caller keeps it alive until ``close()``.
+        """
+        g = placement.geometry
+        for name, seq in (("ptrs", ptrs), ("lens", lens)):
+            if len(seq) != g.num_buffers:
+                raise ValueError(f"{name} has {len(seq)} entries; the geometry needs {g.num_buffers} "
+                                 f"(K of {g.num_layers} layers{', then V' if g.has_v else ''})")
+        dtype = torch_dtype(g.dtype)
+        blocks, buffers = [], []
+        for i, (ptr, nbytes) in enumerate(zip(ptrs, lens)):
+            need = placement.buffer_nbytes(i)
+            if isinstance(ptr, bool) or not isinstance(ptr, (int, np.integer)) or ptr <= 0:
+                raise ValueError(f"ptrs[{i}]={ptr!r} must be a non-null address (int)")
+            if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < need:
+                raise ValueError(f"lens[{i}]={nbytes!r} must be at least {need} bytes: buffer {i} of the "
+                                 f"geometry is {placement.buffer_shape(i)} {g.dtype}")
+            block = _tensor_at(int(ptr), need, device)
+            blocks.append(block)
+            buffers.append(block.view(dtype).view(placement.buffer_shape(i)))
         return cls(placement, buffers, blocks, [BufferLoc(i, 0) for i in range(len(buffers))])
 
     @property

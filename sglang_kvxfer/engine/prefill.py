@@ -66,6 +66,7 @@ class _Chunk:
     pages: np.ndarray
     last: bool
     aux: bytes
+    ready: object = None  # has .synchronize(): the pages' KV is written once it returns
 
 
 class PrefillRoom:
@@ -293,6 +294,8 @@ class PrefillManager(RankBase):
     # -- the data path (worker thread) -----------------------------------------------------------
     def _send_chunk(self, rec: PrefillRoom, chunk: _Chunk) -> None:
         g = self.config.geometry
+        if chunk.ready is not None:
+            chunk.ready.synchronize()  # the forward that writes these pages may still run
         rec.src_pages = np.concatenate([rec.src_pages, chunk.pages])
         total = rec.num_tokens
         start = rec.tokens_sent
@@ -580,10 +583,13 @@ class KVSender:
         self._rec = mgr.attach_sender(room)
         self._finished = False
 
-    def send(self, page_ids, last_chunk: bool = False, aux: bytes = b"") -> None:
+    def send(self, page_ids, last_chunk: bool = False, aux: bytes = b"", ready=None) -> None:
         """Hand over the next pages of the request (page-aligned; the last chunk ends it).
 
         ``aux`` (last chunk only) reaches every decode reader with ``TransferDone``.
+        ``ready`` (optional, e.g. a ``torch.cuda.Event``): the worker calls its
+        ``synchronize()`` before it reads these pages, so a chunk can be handed over while
+        the forward that writes it is still running.
         """
         if self._finished:
             raise ValueError(f"room {self.room}: send() after the last chunk")
@@ -595,8 +601,10 @@ class KVSender:
             raise ValueError("aux travels with the last chunk only")
         if not isinstance(aux, (bytes, bytearray)):
             raise TypeError(f"aux must be bytes, got {type(aux).__name__}")
+        if ready is not None and not callable(getattr(ready, "synchronize", None)):
+            raise TypeError(f"ready must have a synchronize() method, got {type(ready).__name__}")
         self._finished = bool(last_chunk)
-        self.mgr.submit_chunk(self._rec, _Chunk(pages, bool(last_chunk), bytes(aux)))
+        self.mgr.submit_chunk(self._rec, _Chunk(pages, bool(last_chunk), bytes(aux), ready))
 
     def poll(self) -> KVPoll:
         return self._rec.state.poll

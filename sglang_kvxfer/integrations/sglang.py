@@ -1,0 +1,483 @@
+"""SGLang's KV transfer backend interface, implemented on this engine.
+
+Owns ``KVXferKVManager``, ``KVXferKVSender``, ``KVXferKVReceiver`` and
+``KVXferKVBootstrapServer``: subclasses of SGLang's real base classes
+(``sglang.srt.disaggregation.base.conn``) that SGLang's prefill and decode event loops drive
+exactly as they drive mooncake or mori (research/sglang.md §2-§3). Each SGLang rank's
+manager wraps one engine ``PrefillManager``/``DecodeManager`` over SGLang's own KV pool
+memory (no copy); senders and receivers wrap the engine's ``KVSender``/``KVReceiver``.
+
+SGLang's contract kept here: polls return ``KVPoll`` ints, move forward only, and
+``Failed`` is terminal; ``failure_exception()`` raises an error with ``failure_reason`` and
+``is_from_another_rank``; a bad call from the scheduler fails that request with the reason
+instead of raising into the event loop; on the decode side the aux (metadata) slot is
+written before ``Success`` is reported, so SGLang's metadata gate sees the request's
+``bootstrap_room``. KVArgs/ServerArgs translation lives in ``sglang_args``; the backend
+lookup patch in ``sglang_install``. Importing this module imports SGLang's base module.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import numpy as np
+
+from sglang_kvxfer import envs
+from sglang_kvxfer.engine.config import EngineConfig, parse_host_port
+from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransportUnavailableError
+from sglang_kvxfer.integrations.sglang_args import (
+    SglangLayout,
+    kv_dtype,
+    layout_from_kv_args,
+    nic_list,
+    plan_from_server_args,
+)
+
+try:
+    from sglang.srt.disaggregation.base.conn import (
+        BaseKVBootstrapServer,
+        BaseKVManager,
+        BaseKVReceiver,
+        BaseKVSender,
+        KVArgs,
+        KVPoll,
+        KVTransferMetric,
+    )
+except ImportError as exc:  # pragma: no cover - exercised in a process without sglang
+    raise TransportUnavailableError(
+        f"sglang_kvxfer.integrations.sglang needs SGLang's disaggregation base classes, which "
+        f"do not import here ({type(exc).__name__}: {exc}); pip install 'sglang==0.5.23' "
+        "(or pip install 'sglang_kvxfer[sglang]')") from exc
+
+__all__ = [
+    "KVXferKVManager",
+    "KVXferKVSender",
+    "KVXferKVReceiver",
+    "KVXferKVBootstrapServer",
+    "KVXferTransferError",
+    "PrefillInfo",
+]
+
+log = logging.getLogger("sglang_kvxfer.sglang")
+
+
+class KVXferTransferError(TransferFailedError):
+    """What ``failure_exception()`` raises; SGLang's scheduler reads ``failure_reason`` and
+    ``is_from_another_rank`` (a failure seen only through the TP all-reduce)."""
+
+    def __init__(self, bootstrap_room: int, failure_reason: str, is_from_another_rank: bool = False):
+        super().__init__(failure_reason, bootstrap_room)
+        self.bootstrap_room = bootstrap_room
+        self.failure_reason = failure_reason
+        self.is_from_another_rank = is_from_another_rank
+
+
+@dataclass(frozen=True)
+class PrefillInfo:
+    """What SGLang's decode scheduler reads from ``kv_manager.prefill_info_table[addr]``."""
+
+    attn_tp_size: int
+    dp_size: int = 1                   # one prefill DP group per bootstrap
+    follow_bootstrap_room: bool = True
+    problem: str = ""                  # why requests to this prefill cannot work ("" if they can)
+
+
+def _role(mode: Any) -> str:
+    value = str(getattr(mode, "value", mode)).lower()
+    if value not in ("prefill", "decode"):
+        raise ValueError(f"disaggregation_mode={mode!r} must be PREFILL or DECODE")
+    return value
+
+
+def _page_array(indices: Any, name: str = "kv_indices") -> np.ndarray:
+    """SGLang's page indices (numpy int32, or a CPU tensor) as int64."""
+    if hasattr(indices, "cpu"):
+        indices = indices.cpu().numpy()
+    arr = np.asarray(indices)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _sglang_timeout(ours: envs.EnvVar, theirs: str) -> Optional[float]:
+    """A deadline from SGLang's env var when ours is not set (ours wins)."""
+    if ours.is_set():
+        return None
+    raw = os.environ.get(theirs, "").strip()
+    try:
+        return float(raw) if raw else 300.0  # SGLang's default for both
+    except ValueError:
+        raise ValueError(f"environment variable {theirs}={raw!r} is not a number") from None
+
+
+def _local_host() -> str:
+    """The address peers reach this rank's control inbox at: SGLang's own choice
+    (``SGLANG_HOST_IP``, then the NICs), as its backends advertise ``rank_ip``."""
+    try:
+        from sglang.srt.utils.network import get_local_ip_auto
+    except ImportError:
+        return "127.0.0.1"
+    return get_local_ip_auto("127.0.0.1")
+
+
+def _transport(device: str, ib_device: str, gpu_id: int) -> str:
+    """``KVXFER_SGLANG_TRANSPORT``, or for ``auto``: CPU pools -> ``local``; GPU pools ->
+    ``mori``, else ``nixl``, whichever is installed. ``--disaggregation-ib-device`` becomes the
+    RDMA library's NIC list, as SGLang's own mori backend does."""
+    from sglang_kvxfer.transports import available_transports
+
+    name = envs.KVXFER_SGLANG_TRANSPORT.get()
+    if name == "auto":
+        if device == "cpu":
+            name = "local"
+        else:
+            rdma = [t for t in ("mori", "nixl") if t in available_transports()]
+            if not rdma:
+                raise TransportUnavailableError(
+                    "SGLang's KV pool is GPU memory, and no GPU transport that registers raw device "
+                    "memory (mori or nixl) is installed here; install one (pip install "
+                    "'sglang_kvxfer[nixl]' or '[mori]') or set KVXFER_SGLANG_TRANSPORT")
+            name = rdma[0]
+    nics = nic_list(ib_device, gpu_id)
+    if nics and name == "mori":
+        os.environ.setdefault("MORI_RDMA_DEVICES", ",".join(nics))
+    elif nics and name == "nixl":
+        os.environ.setdefault("UCX_NET_DEVICES", ",".join(n if ":" in n else f"{n}:1" for n in nics))
+    return name
+
+
+def _model_total_kv_heads(server_args: Any) -> int:
+    """The model's un-sharded KV head count, read as SGLang's scheduler reads it."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return ModelConfig.from_server_args(server_args).get_total_num_kv_heads()
+
+
+class KVXferKVManager(BaseKVManager):
+    """One SGLang rank's transfer manager: an engine manager over SGLang's KV pool."""
+
+    supports_host_destination = False
+
+    def __init__(self, args: KVArgs, disaggregation_mode: Any, server_args: Any,
+                 is_mla_backend: Optional[bool] = False):
+        from sglang_kvxfer.engine import KVManager, KVPool
+
+        self.kv_args = args
+        self.disaggregation_mode = disaggregation_mode
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        self.role = _role(disaggregation_mode)
+        self.plan = plan_from_server_args(server_args, self.role)
+        dtype = kv_dtype(getattr(args, "kv_cache_dtype_str", None), getattr(server_args, "dtype", None))
+        self.layout: SglangLayout = layout_from_kv_args(
+            args, tp_size=self.plan.attn_tp_size, mla=self.is_mla_backend, dtype=dtype,
+            total_kv_heads=lambda: _model_total_kv_heads(server_args))
+        if self.layout.num_draft_entries:
+            log.warning("kvxfer: the %d draft-model KV entries (speculative decoding) are not "
+                        "transferred; the decode's draft KV for the prompt is not filled",
+                        self.layout.num_draft_entries)
+        gpu_id = int(getattr(args, "gpu_id", 0) or 0)
+        device = "cpu" if self.plan.device == "cpu" else f"cuda:{gpu_id}"
+        timeouts = {k: v for k, v in (
+            ("bootstrap_timeout_s", _sglang_timeout(envs.KVXFER_BOOTSTRAP_TIMEOUT_S,
+                                                    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")),
+            ("waiting_timeout_s", _sglang_timeout(envs.KVXFER_WAITING_TIMEOUT_S,
+                                                  "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"))) if v is not None}
+        lay = self.layout
+        self.config = EngineConfig(
+            self.role, lay.geometry, lay.tp_size, lay.tp_rank, self.plan.bootstrap,
+            transport=_transport(device, self.plan.ib_device, gpu_id), host=_local_host(),
+            device=device, **timeouts)
+        pool = KVPool.from_pointers(self.config.placement, lay.kv_ptrs, lay.kv_lens, device)
+        self.engine = KVManager(self.config, pool)
+        self.prefill_info_table: dict[str, PrefillInfo] = {}
+        log.info("kvxfer %s rank %d/%d: %s over %s", self.role, lay.tp_rank, lay.tp_size,
+                 lay.geometry, self.config.transport)
+
+    def register_to_bootstrap(self) -> None:
+        """Prefill: wait until this rank is registered with the bootstrap (the engine
+        registers in the background from construction); raise if that failed or timed out.
+        Decode: nothing to register."""
+        if self.role == "prefill":
+            self.engine.wait_registered(self.config.bootstrap_timeout_s)
+
+    # -- what SGLang's decode scheduler calls beyond the base class ------------------------------
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Non-blocking: True once the prefill group at ``bootstrap_addr`` is known (or its
+        lookup failed: the requests then fail with the reason)."""
+        if self.role != "decode":
+            raise ValueError("try_ensure_parallel_info() is a decode-side call")
+        try:
+            parse_host_port(bootstrap_addr, "bootstrap_addr")
+        except ValueError:
+            return False
+        status, _, tp_size, geometry = self.engine.prefill_group_status(bootstrap_addr)
+        if status not in ("ready", "failed"):
+            return False
+        problem = ""
+        ours = self.layout.geometry.page_size
+        if geometry is not None and geometry.page_size != ours:
+            # The scheduler counts whole pages on both sides (as SGLang's own backends
+            # require, research/sglang.md §3.1 step 5): the page sizes must agree.
+            problem = (f"page_size: prefill={geometry.page_size} decode={ours} (start both servers "
+                       "with the same --page-size)")
+        self.prefill_info_table[bootstrap_addr] = PrefillInfo(attn_tp_size=tp_size, problem=problem)
+        return True
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        # A decode rank of another TP width receives a slice of what the prefill digested.
+        info = self.prefill_info_table.get(bootstrap_addr)
+        return info is not None and info.attn_tp_size == self.layout.tp_size
+
+    def submit_prefill_recompute(self, receiver: "KVXferKVReceiver", payload: Any = None) -> None:
+        receiver._fail("PD retraction with prefill recompute (rebootstrap) is not supported by the "
+                       "kvxfer transfer backend")
+
+    def close(self) -> None:
+        """Stop the engine manager (threads, sockets, registrations). Idempotent."""
+        self.engine.close()
+
+
+class _Request:
+    """What a sender and a receiver share: the monotonic status and the failure record."""
+
+    def _setup(self, room: Any) -> None:
+        if isinstance(room, bool) or not isinstance(room, (int, np.integer)):
+            raise ValueError(f"bootstrap_room={room!r} must be an int")
+        self.bootstrap_room = int(room)
+        self.conclude_state: Optional[int] = None
+        self._status = KVPoll.Bootstrapping
+        self._reason: Optional[str] = None
+        self._engine = None
+
+    def _observe(self, state: int) -> int:
+        if state == KVPoll.Failed or state == KVPoll.Success:
+            self.conclude_state = int(state)
+            return self.conclude_state
+        self._status = max(self._status, int(state))
+        return self._status
+
+    def _fail(self, reason: str) -> None:
+        """Fail this request here and tell the peers (no-op once concluded)."""
+        if self.conclude_state is not None:
+            return
+        self._reason = reason
+        self.conclude_state = KVPoll.Failed
+        if self._engine is not None:
+            self._engine.abort(reason)
+        log.warning("kvxfer room %d failed: %s", self.bootstrap_room, reason)
+
+    def _fail_from(self, where: str, exc: Exception) -> None:
+        """A scheduler call failed: fail this request with why, never raise into the loop."""
+        if isinstance(exc, (ValueError, TypeError, KVXferError)):
+            return self._fail(f"{where}: {exc}")
+        log.exception("kvxfer room %d: unexpected error in %s", self.bootstrap_room, where)
+        self._fail(f"{where}: {type(exc).__name__}: {exc}")
+
+    def failure_exception(self):
+        """Raise the reason this request failed (SGLang calls it after a Failed poll)."""
+        own = self._reason or (self._engine.failure_reason if self._engine is not None else None)
+        if own is None:  # Failed came from another TP rank through the all-reduce
+            self._fail("another TP rank failed this request")
+            self.clear()
+            raise KVXferTransferError(self.bootstrap_room, "Failed due to an unknown reason from "
+                                      "another rank", is_from_another_rank=True)
+        self.conclude_state = KVPoll.Failed
+        self.clear()
+        raise KVXferTransferError(self.bootstrap_room, own)
+
+    def abort(self) -> None:
+        self._fail("aborted by SGLang (AbortReq)")
+
+    def clear(self) -> None:
+        if self._engine is not None:
+            self._engine.clear()
+
+
+class KVXferKVSender(_Request, BaseKVSender):
+    """Prefill side of one request."""
+
+    def __init__(self, mgr: KVXferKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False):
+        from sglang_kvxfer.engine import KVSender
+
+        if not isinstance(mgr, KVXferKVManager) or mgr.role != "prefill":
+            raise TypeError(f"mgr must be a prefill KVXferKVManager, got {mgr!r}")
+        self._setup(bootstrap_room)
+        self.kv_mgr = mgr
+        self.bootstrap_server_url = bootstrap_addr
+        self.num_kv_indices: Optional[int] = None
+        self.aux_index: Optional[int] = None
+        self.curr_idx = 0
+        self._early_send_wait_event = None  # set by SGLang's early (prefix) send under overlap
+        self._started: Optional[float] = None
+        self._latency: Optional[float] = None
+        self._engine = KVSender(mgr.engine, self.bootstrap_room)
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+        """The request's page count (its last page may be partial) and metadata slot."""
+        if isinstance(num_kv_indices, bool) or not isinstance(num_kv_indices, (int, np.integer)) \
+                or num_kv_indices < 0:
+            return self._fail(f"init(): num_kv_indices={num_kv_indices!r} must be an int >= 0")
+        if aux_index is not None:
+            try:
+                self.kv_mgr.layout.aux.check_slot(aux_index)
+            except ValueError as exc:
+                return self._fail(f"init(): {exc}")
+        self.num_kv_indices, self.aux_index = int(num_kv_indices), aux_index
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        return num_pages > 0 or last_chunk  # an empty last chunk still ends the request
+
+    def send(self, kv_indices, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
+             indices_event: Optional[object] = None):
+        """Hand over the next chunk of pages. The chunk covers the decode page list slice
+        ``[curr_idx, curr_idx + len(kv_indices))`` (SGLang's ``index_slice``); the one that
+        reaches ``num_kv_indices`` is the last and carries the aux slot."""
+        wait, self._early_send_wait_event = self._early_send_wait_event, None
+        if self.conclude_state is not None:
+            return
+        try:
+            if indices_event is not None:
+                indices_event.synchronize()  # the D2H copy of the indices must have landed
+            pages = _page_array(kv_indices)
+            if self.num_kv_indices is None:
+                raise ValueError("send() came before init()")
+            index_slice = slice(self.curr_idx, self.curr_idx + len(pages))
+            if index_slice.stop > self.num_kv_indices:
+                raise ValueError(f"pages [{index_slice.start}, {index_slice.stop}) run past "
+                                 f"num_kv_indices={self.num_kv_indices} given to init()")
+            if state_indices and any(s is not None and len(s) for s in state_indices):
+                raise ValueError("state_indices were given, but this backend transfers no "
+                                 "per-request state")
+            last = index_slice.stop == self.num_kv_indices
+            aux = self.kv_mgr.layout.aux.read(self.aux_index) if last and self.aux_index is not None else b""
+            self._started = self._started or time.perf_counter()
+            self._engine.send(pages, last_chunk=last, aux=aux, ready=wait)
+            self.curr_idx = index_slice.stop
+        except Exception as exc:
+            self._fail_from("send()", exc)
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        state = self._observe(int(self._engine.poll()))
+        if state == KVPoll.Success and self._started is not None:
+            self._latency = time.perf_counter() - self._started
+        return state
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        return KVTransferMetric(transfer_latency_s=self._latency,
+                                transfer_total_bytes=self._engine.bytes_sent)
+
+
+class KVXferKVReceiver(_Request, BaseKVReceiver):
+    """Decode side of one request."""
+
+    def __init__(self, mgr: KVXferKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
+        from sglang_kvxfer.engine import KVReceiver
+
+        if not isinstance(mgr, KVXferKVManager) or mgr.role != "decode":
+            raise TypeError(f"mgr must be a decode KVXferKVManager, got {mgr!r}")
+        self._setup(bootstrap_room)
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.abort_notified = False
+        self.require_staging = False   # SGLang's own staging buffers are not used
+        self.bootstrap_infos = None    # read by SGLang only for deferred releases (not offered)
+        self.aux_index: Optional[int] = None
+        self._inited = False
+        try:
+            parse_host_port(bootstrap_addr, "bootstrap_addr")
+        except ValueError as exc:
+            self._fail(str(exc))
+            return
+        self._engine = KVReceiver(mgr.engine, self.bootstrap_room, bootstrap_addr)
+
+    def init(self, prefill_dp_rank: int):
+        if prefill_dp_rank != 0:
+            return self._fail(f"init(): prefill_dp_rank={prefill_dp_rank!r}, but the kvxfer backend "
+                              "serves one prefill DP group per bootstrap (rank 0)")
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        if info is not None and info.problem:
+            return self._fail(info.problem)
+        self._inited = True
+
+    def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices: Optional[List] = None,
+                      decode_prefix_len: Optional[int] = None, destination: Any = "device", **kwargs):
+        """Tell the prefill writers where this request's KV goes. SGLang hands over whole
+        pages (the last may be partial on both sides), so the engine moves
+        ``len(kv_indices) * page_size`` token rows: both sides count the same pages."""
+        if self.conclude_state is not None:
+            return
+        try:
+            if str(getattr(destination, "value", destination)) != "device":
+                raise ValueError(f"destination={destination!r}: only device KV destinations are supported")
+            if decode_prefix_len:
+                raise ValueError(f"decode_prefix_len={decode_prefix_len}: a decode-side prefix "
+                                 "(--disaggregation-decode-enable-radix-cache) is not supported")
+            if state_indices and any(s is not None and len(s) for s in state_indices):
+                raise ValueError("state_indices were given, but this backend transfers no per-request state")
+            if kwargs:
+                raise ValueError(f"unsupported argument(s) {sorted(kwargs)}")
+            if aux_index is not None:
+                self.kv_mgr.layout.aux.check_slot(aux_index)
+            pages = _page_array(kv_indices)
+            page_size = self.kv_mgr.layout.geometry.page_size
+            self._engine.send_metadata(pages, aux_slot=-1 if aux_index is None else int(aux_index),
+                                       num_tokens=len(pages) * page_size)
+            self.aux_index = aux_index
+        except Exception as exc:
+            self._fail_from("send_metadata()", exc)
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        state = int(self._engine.poll())
+        if state == KVPoll.Success and not self._deliver_aux():
+            return KVPoll.Failed
+        if not self._inited and state in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            state = KVPoll.Bootstrapping  # SGLang sends metadata only after init()
+        return self._observe(state)
+
+    def _deliver_aux(self) -> bool:
+        """Write the prefill's aux slot into ours before Success is reported."""
+        if self.aux_index is None:
+            return True
+        payload = self._engine.aux_payload
+        try:
+            if not payload:
+                raise ValueError("the prefill sent no aux data")
+            self.kv_mgr.layout.aux.write(self.aux_index, payload)
+        except ValueError as exc:
+            self._fail(f"aux slot {self.aux_index}: {exc}")
+            return False
+        return True
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """Tell the prefill ranks once (the engine already did if the request failed)."""
+        if not self.abort_notified:
+            self.abort_notified = True
+            self._fail("aborted by the decode scheduler")
+
+    def abort(self) -> None:
+        self.abort_notified = True
+        super().abort()
+
+
+class KVXferKVBootstrapServer(BaseKVBootstrapServer):
+    """SGLang starts one on the prefill node at ``--disaggregation-bootstrap-port``; the
+    prefill ranks register there and decode ranks look them up (IPv4)."""
+
+    def __init__(self, host: str, port: int):
+        from sglang_kvxfer.engine import BootstrapServer
+
+        self.host, self.port = host, port
+        bind = "0.0.0.0" if host in ("", "0.0.0.0", "::", "*") else host
+        self.server = BootstrapServer(bind, int(port))
+
+    def close(self) -> None:
+        self.server.close()

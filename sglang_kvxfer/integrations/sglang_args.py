@@ -1,0 +1,356 @@
+"""SGLang's ``KVArgs`` and ``ServerArgs`` -> this engine's geometry, placement and buffers.
+
+Owns the translation of the attribute bag SGLang hands every transfer backend
+(research/sglang.md §2.1) into a full ``KVGeometry`` with the buffer addresses, the aux
+(metadata) buffer layout and the packing of one aux slot, and the reading of the few
+``ServerArgs`` fields that decide the attention TP size and the bootstrap address. Every
+feature this backend does not carry (PP, attention DP/CP, extra per-request state,
+decode-side prefix caching...) is refused here with a message that names the setting.
+
+Head counts are never inferred from byte lengths: the total comes from
+``KVArgs.total_kv_head_num`` (or the model config, through the caller), the per-rank count
+from the ownership rule; byte lengths only yield head_dim, with an exact-division check per
+buffer. Must not import sglang or torch: it reads attributes by name.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import numbers
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from sglang_kvxfer.errors import GeometryError, KVXferError
+from sglang_kvxfer.geometry import DTYPE_ITEMSIZE, KVGeometry, Layout, normalize_dtype, owned_heads
+
+__all__ = [
+    "KVARGS_FIELDS",
+    "SERVER_ARGS_FIELDS",
+    "ServerPlan",
+    "AuxLayout",
+    "SglangLayout",
+    "plan_from_server_args",
+    "kv_dtype",
+    "nic_list",
+    "layout_from_kv_args",
+]
+
+# Every KVArgs attribute read here: a test checks them against SGLang's own class.
+KVARGS_FIELDS = (
+    "engine_rank", "kv_data_ptrs", "kv_data_lens", "kv_item_lens", "kv_cache_dtype_str",
+    "kv_layout", "aux_data_ptrs", "aux_data_lens", "aux_item_lens", "state_types",
+    "is_hybrid_mla_backend", "kv_head_num", "total_kv_head_num", "page_size",
+    "num_draft_entries", "ib_device", "gpu_id",
+)
+# ServerArgs fields read by plan_from_server_args (also checked against SGLang's class).
+SERVER_ARGS_FIELDS = (
+    "tp_size", "attn_dp_size", "attn_cp_size", "dp_size", "pp_size", "dcp_size", "device",
+    "host", "dist_init_addr", "disaggregation_bootstrap_port", "disaggregation_ib_device",
+    "disaggregation_decode_enable_radix_cache", "disaggregation_decode_allocation_policy",
+    "enable_pd_role_switch", "dtype",
+)
+
+_PR_TOTAL_HEADS = (
+    "SGLang added KVArgs.total_kv_head_num in PR #19086 (Feb 2026; sglang 0.5.23 sets it on "
+    "the prefill side); upgrade SGLang to 0.5.23 or newer"
+)
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    # KVArgs declares its fields as class annotations without values: an unset one is absent.
+    return getattr(obj, name, default)
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise GeometryError(f"{name}={value!r} must be an integer >= {minimum}")
+    return value
+
+
+# -- ServerArgs ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """What one SGLang server's arguments mean for this backend."""
+
+    role: str            # "prefill" or "decode"
+    attn_tp_size: int    # the TP size KV heads are sharded over
+    bootstrap: str       # "host:port" where the prefill ranks register
+    device: str          # "cpu" or "cuda" (the kind of memory the KV pool is in)
+    ib_device: str       # --disaggregation-ib-device ("" when unset)
+
+
+def _not_supported(flag: str, value: Any, why: str) -> KVXferError:
+    return KVXferError(f"the kvxfer transfer backend does not support {flag}={value!r}: {why}; "
+                       "use another --disaggregation-transfer-backend for this setup")
+
+
+def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
+    """Read ``ServerArgs`` (any object with its field names) for ``role``.
+
+    Raises ``KVXferError`` naming the flag for every setting this backend cannot serve.
+    """
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role={role!r} must be 'prefill' or 'decode'")
+    tp = _get(server_args, "tp_size", 1)
+    attn_dp = _get(server_args, "attn_dp_size", 1) or 1
+    attn_cp = _get(server_args, "attn_cp_size", 1) or 1
+    checks = (
+        ("--pp-size", _get(server_args, "pp_size", 1) or 1, "pipeline-parallel KV transfer is not implemented"),
+        ("--dp-size", _get(server_args, "dp_size", 1) or 1, "one bootstrap serves one prefill TP group here"),
+        ("--attn-dp-size", attn_dp, "one bootstrap serves one prefill TP group here"),
+        ("--attn-cp-size", attn_cp, "context-parallel KV transfer is not implemented"),
+        ("--dcp-size", _get(server_args, "dcp_size", 1) or 1, "decode context parallel is not implemented"),
+    )
+    for flag, value, why in checks:
+        if value != 1:
+            raise _not_supported(flag, value, why)
+    if _get(server_args, "enable_pd_role_switch", False):
+        raise _not_supported("--enable-pd-role-switch", True, "the backend has no teardown")
+    policy = _get(server_args, "disaggregation_decode_allocation_policy", "early") or "early"
+    if policy != "early":
+        raise _not_supported("--disaggregation-decode-allocation-policy", policy,
+                             "only 'early' (decode allocates before prefill finishes) is implemented")
+    if role == "decode" and _get(server_args, "disaggregation_decode_enable_radix_cache", False):
+        raise _not_supported("--disaggregation-decode-enable-radix-cache", True,
+                             "a decode-side prefix (decode_prefix_len > 0) is not implemented")
+    tp = _int("ServerArgs.tp_size", tp, 1)
+    device = _get(server_args, "device", None) or "cuda"  # None: SGLang auto-detects a GPU
+    if device not in ("cpu", "cuda"):
+        raise _not_supported("--device", device, "KV pools must be CPU or CUDA/ROCm GPU memory")
+    port = _int("ServerArgs.disaggregation_bootstrap_port", _get(server_args, "disaggregation_bootstrap_port", 8998), 1)
+    dist = _get(server_args, "dist_init_addr", None)
+    if dist:  # multi-node: SGLang's bootstrap runs next to the rank-0 node
+        host = str(dist).rpartition(":")[0].strip("[]") or str(dist)
+    else:  # a wildcard bind address is not an address to connect to
+        host = str(_get(server_args, "host", "127.0.0.1"))
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return ServerPlan(role=role, attn_tp_size=tp // attn_dp // attn_cp, bootstrap=f"{host}:{port}",
+                      device=device, ib_device=str(_get(server_args, "disaggregation_ib_device", "") or ""))
+
+
+def kv_dtype(kv_cache_dtype_str: Any, model_dtype: Any = None) -> str:
+    """The pool's element type from SGLang's ``kv_cache_dtype_str``.
+
+    ``"auto"`` means "the model's dtype", which KVArgs does not carry: ``model_dtype``
+    (``--dtype``) decides when it is explicit; otherwise the pool is described in bytes
+    (``uint8``, head_dim counted in bytes), which both sides then agree on as long as they
+    run the same model with the same flags.
+    """
+    text = str(kv_cache_dtype_str).strip() if kv_cache_dtype_str is not None else "auto"
+    if text.lower() in ("", "auto"):
+        text = str(model_dtype).strip() if model_dtype is not None else "auto"
+        if text.lower() in ("", "auto"):
+            return "uint8"
+    try:
+        return normalize_dtype(text)
+    except GeometryError as exc:
+        raise GeometryError(f"KVArgs.kv_cache_dtype_str={kv_cache_dtype_str!r}: {exc}") from None
+
+
+def nic_list(ib_device: Any, gpu_id: int) -> list[str]:
+    """``--disaggregation-ib-device`` as the RDMA NICs of GPU ``gpu_id``.
+
+    SGLang's three forms: a comma list (``"mlx5_0,mlx5_1"``, every GPU), a JSON object
+    mapping GPU ids to such a list, or the path of a ``.json`` file holding that object.
+    Empty or unset: ``[]`` (the RDMA library picks).
+    """
+    text = str(ib_device or "").strip()
+    if not text:
+        return []
+    if text.endswith(".json"):
+        try:
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ValueError(f"--disaggregation-ib-device={ib_device!r}: cannot read it: {exc}") from None
+    if text.lstrip().startswith("{"):
+        try:
+            mapping = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--disaggregation-ib-device={ib_device!r} is not valid JSON: {exc}") from None
+        if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+            raise ValueError(f"--disaggregation-ib-device={ib_device!r} must map GPU ids to NIC lists")
+        entry = {str(k).strip(): v for k, v in mapping.items()}.get(str(gpu_id))
+        if entry is None:
+            raise ValueError(f"--disaggregation-ib-device={ib_device!r} names no NIC for GPU {gpu_id}")
+        text = entry
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+# -- aux (metadata) buffers ------------------------------------------------------------------------
+
+_AUX_MAGIC = b"KVXA"
+_AUX_HEAD = struct.Struct("<4sHH")  # magic, version, number of buffers; then one u32 length each
+
+
+@dataclass(frozen=True)
+class AuxLayout:
+    """SGLang's metadata buffers: one item per request slot in each (CPU memory).
+
+    ``read(slot)`` packs slot ``slot`` of every buffer into one payload (with the item
+    lengths, so the reader can check its buffers have the same layout); ``write`` checks
+    and unpacks it into this side's buffers.
+    """
+
+    ptrs: tuple[int, ...]
+    lens: tuple[int, ...]
+    item_lens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not len(self.ptrs) == len(self.lens) == len(self.item_lens):
+            raise GeometryError(f"aux_data_ptrs/aux_data_lens/aux_item_lens have {len(self.ptrs)}/"
+                                f"{len(self.lens)}/{len(self.item_lens)} entries; they must match")
+        for i, (p, n, item) in enumerate(zip(self.ptrs, self.lens, self.item_lens)):
+            _int(f"aux_item_lens[{i}]", item, 1)
+            _int(f"aux_data_ptrs[{i}]", p, 1)
+            if _int(f"aux_data_lens[{i}]", n, 0) < item:
+                raise GeometryError(f"aux_data_lens[{i}]={n} holds no item of aux_item_lens[{i}]={item}")
+
+    @property
+    def num_slots(self) -> int:
+        return min((n // item for n, item in zip(self.lens, self.item_lens)), default=0)
+
+    def check_slot(self, slot: Any) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, numbers.Integral) or not 0 <= slot < self.num_slots:
+            raise ValueError(f"aux_index={slot!r} must be a slot in [0, {self.num_slots})")
+        return int(slot)
+
+    def read(self, slot: int) -> bytes:
+        slot = self.check_slot(slot)
+        head = _AUX_HEAD.pack(_AUX_MAGIC, 1, len(self.ptrs)) + struct.pack(f"<{len(self.ptrs)}I", *self.item_lens)
+        body = b"".join(ctypes.string_at(p + slot * item, item) for p, item in zip(self.ptrs, self.item_lens))
+        return head + body
+
+    def write(self, slot: int, payload: bytes) -> None:
+        """Unpack ``payload`` (from ``read`` on the peer) into slot ``slot``; nothing is
+        written unless the whole payload matches this side's layout."""
+        slot = self.check_slot(slot)
+        if len(payload) < _AUX_HEAD.size:
+            raise ValueError(f"aux payload of {len(payload)} bytes is too short")
+        magic, version, count = _AUX_HEAD.unpack_from(payload)
+        if magic != _AUX_MAGIC or version != 1:
+            raise ValueError(f"aux payload has magic {magic!r} version {version}; expected {_AUX_MAGIC!r} 1")
+        if count != len(self.ptrs):
+            raise ValueError(f"aux payload carries {count} metadata buffers; this decode rank has "
+                             f"{len(self.ptrs)} (run both servers with the same SGLang version and "
+                             "metadata options)")
+        lens = struct.unpack_from(f"<{count}I", payload, _AUX_HEAD.size)
+        for i, (theirs, mine) in enumerate(zip(lens, self.item_lens)):
+            if theirs != mine:
+                raise ValueError(f"aux buffer {i}: prefill sent {theirs} bytes per slot, this decode "
+                                 f"rank holds {mine} (run both servers with the same SGLang version "
+                                 "and metadata options)")
+        body = memoryview(payload)[_AUX_HEAD.size + 4 * count:]
+        if len(body) != sum(self.item_lens):
+            raise ValueError(f"aux payload body is {len(body)} bytes; {sum(self.item_lens)} expected")
+        at = 0
+        for p, item in zip(self.ptrs, self.item_lens):
+            ctypes.memmove(p + slot * item, bytes(body[at: at + item]), item)
+            at += item
+
+
+# -- KV buffers ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SglangLayout:
+    """One SGLang rank's KV pool as this engine sees it."""
+
+    geometry: KVGeometry
+    tp_size: int
+    tp_rank: int
+    kv_ptrs: tuple[int, ...]   # the geometry's buffers: K of every layer, then V (MLA: one each)
+    kv_lens: tuple[int, ...]
+    aux: AuxLayout
+    num_draft_entries: int     # trailing draft-model entries of kv_data_ptrs, not transferred
+
+
+def _per_entry_dim(name: str, i: int, item_len: int, page_size: int, heads: int, itemsize: int) -> int:
+    unit = page_size * heads * itemsize
+    if item_len <= 0 or item_len % unit:
+        raise GeometryError(
+            f"kv_item_lens[{i}]={item_len} ({name}) is not a whole number of heads: one page of "
+            f"{page_size} tokens x {heads} head(s) x {itemsize}-byte elements is {unit} bytes per "
+            f"unit of head_dim")
+    return item_len // unit
+
+
+def _same(name: str, values: list[int], first: int) -> int:
+    bad = [(first + i, v) for i, v in enumerate(values) if v != values[0]]
+    if bad:
+        raise GeometryError(f"{name} differs between KV entries: entry {first} has {values[0]}, "
+                            + ", ".join(f"entry {i} has {v}" for i, v in bad[:4]))
+    return values[0]
+
+
+def layout_from_kv_args(args: Any, *, tp_size: int, mla: bool, dtype: str,
+                        total_kv_heads: Callable[[], int] | None = None) -> SglangLayout:
+    """Translate ``KVArgs`` into a geometry, this rank's placement and its buffers.
+
+    Args:
+        args: SGLang's ``KVArgs`` (any object with its attribute names).
+        tp_size: the attention TP size of this side (``plan_from_server_args``).
+        mla: SGLang's ``is_mla_backend``.
+        dtype: the pool's element type (``kv_dtype``).
+        total_kv_heads: called for the model's un-sharded KV head count when
+            ``KVArgs.total_kv_head_num`` is unset (SGLang's decode side sets it only with
+            staging on); None: an unset field is an error.
+
+    Raises ``GeometryError`` naming the KVArgs field for anything inconsistent.
+    """
+    states = _get(args, "state_types", None)
+    if states:
+        raise _not_supported("KVArgs.state_types", [str(getattr(s, "value", s)) for s in states],
+                             "models with extra per-request state (mamba, SWA, DSA...) need state "
+                             "transfer, which is not implemented")
+    if _get(args, "is_hybrid_mla_backend", False):
+        raise _not_supported("KVArgs.is_hybrid_mla_backend", True, "hybrid MLA pools are not implemented")
+    if _get(args, "kv_layout", None) is not None:
+        raise _not_supported("KVArgs.kv_layout", _get(args, "kv_layout"),
+                             "only plain NHD pools (kv_layout None) are implemented")
+    ptrs, lens, items = (list(_get(args, n, None) or []) for n in ("kv_data_ptrs", "kv_data_lens", "kv_item_lens"))
+    if not ptrs or not len(ptrs) == len(lens) == len(items):
+        raise GeometryError(f"kv_data_ptrs/kv_data_lens/kv_item_lens have {len(ptrs)}/{len(lens)}/"
+                            f"{len(items)} entries; they must match and be non-empty")
+    draft = _int("KVArgs.num_draft_entries", _get(args, "num_draft_entries", 0) or 0, 0)
+    main = len(ptrs) - draft
+    if main < 1 or (not mla and main % 2):
+        raise GeometryError(f"kv_data_ptrs has {len(ptrs)} entries with num_draft_entries={draft}: "
+                            f"{main} main entries, expected {'one per layer' if mla else 'K and V of every layer (an even count)'}")
+    page_size = _int("KVArgs.page_size", _get(args, "page_size", None), 1)
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    rank = _int("KVArgs.engine_rank", _get(args, "engine_rank", None), 0) % tp_size
+    if mla:
+        heads_total, local = 1, 1
+    else:
+        heads_total = _get(args, "total_kv_head_num", None)
+        if not heads_total:
+            if total_kv_heads is None:
+                raise GeometryError(f"KVArgs.total_kv_head_num is not set: {_PR_TOTAL_HEADS}")
+            try:
+                heads_total = total_kv_heads()
+            except Exception as exc:
+                raise GeometryError(f"KVArgs.total_kv_head_num is not set and the model config could "
+                                    f"not supply it ({type(exc).__name__}: {exc}); {_PR_TOTAL_HEADS}") from exc
+        heads_total = _int("KVArgs.total_kv_head_num", heads_total, 1)
+        local = len(owned_heads(heads_total, tp_size, rank))
+        given = _get(args, "kv_head_num", None)
+        if given is not None and given != local:
+            raise GeometryError(f"KVArgs.kv_head_num={given!r} but rank {rank} of an attention TP group of "
+                                f"{tp_size} owns {local} of total_kv_head_num={heads_total} heads")
+    layers = main if mla else main // 2
+    k_dims = [_per_entry_dim("K", i, items[i], page_size, local, itemsize) for i in range(layers)]
+    head_dim = _same("head_dim (K)", k_dims, 0)
+    v_head_dim = None
+    if not mla:
+        v_dims = [_per_entry_dim("V", i, items[i], page_size, local, itemsize) for i in range(layers, main)]
+        v_head_dim = _same("head_dim (V)", v_dims, layers)
+    pages = [lens[i] // items[i] for i in range(main)]
+    num_pages = _same("pages per buffer (kv_data_lens // kv_item_lens)", pages, 0)
+    geometry = KVGeometry(num_layers=layers, total_kv_heads=heads_total, head_dim=head_dim, dtype=dtype,
+                          page_size=page_size, layout=Layout.NHD, mla=mla, v_head_dim=v_head_dim,
+                          num_pages=_int("pages per buffer", num_pages, 1))
+    aux = AuxLayout(tuple(_get(args, "aux_data_ptrs", None) or ()), tuple(_get(args, "aux_data_lens", None) or ()),
+                    tuple(_get(args, "aux_item_lens", None) or ()))
+    return SglangLayout(geometry, tp_size, rank, tuple(ptrs[:main]), tuple(lens[:main]), aux, draft)

@@ -1,0 +1,98 @@
+"""Adds the ``kvxfer`` transfer backend to SGLang's backend lookup, in this process.
+
+SGLang picks its KV transfer backend by name from three fixed places (0.5.23): the
+``--disaggregation-transfer-backend`` choices (``arg_groups/choices.py``), the
+``TransferBackend`` enum and ``get_kv_class`` (``disaggregation/utils.py``). ``install()``
+extends all three, idempotently: the name ``kvxfer`` then selects the classes of
+``integrations.sglang``, and every other backend resolves exactly as before.
+
+SGLang spawns its scheduler processes, so a patch made in the launching process alone does
+not reach them. ``plugin()`` is the same ``install()``, registered as an SGLang general
+plugin (entry point group ``sglang.srt.plugins``, name ``kvxfer``): SGLang's
+``load_plugins()`` runs it first thing in every process it starts. ``SGLANG_PLUGINS`` (a
+comma list of plugin names) can leave it out. This module must not import SGLang at import
+time.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+__all__ = ["BACKEND", "install", "plugin", "add_enum_member"]
+
+BACKEND = "kvxfer"
+_MEMBER = "KVXFER"
+# KVClassType value -> class name in sglang_kvxfer.integrations.sglang
+_CLASSES = {
+    "manager": "KVXferKVManager",
+    "sender": "KVXferKVSender",
+    "receiver": "KVXferKVReceiver",
+    "bootstrap_server": "KVXferKVBootstrapServer",
+}
+
+
+def add_enum_member(enum_cls: Any, name: str, value: Any) -> Any:
+    """Add ``name = value`` to an existing ``enum.Enum`` class (or return the member that
+    already has ``value``). Lookups by value and by name, iteration and identity then work
+    as for a member declared in the class body."""
+    existing = enum_cls._value2member_map_.get(value)
+    if existing is not None:
+        return existing
+    if name in enum_cls._member_map_:
+        raise ValueError(f"{enum_cls.__name__}.{name} already exists with value "
+                         f"{enum_cls._member_map_[name].value!r}, not {value!r}")
+    member = object.__new__(enum_cls)
+    member._name_, member._value_ = name, value
+    member.__objclass__ = enum_cls
+    member._sort_order_ = len(enum_cls._member_names_)  # read by Python >= 3.12
+    enum_cls._member_names_.append(name)
+    enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    # EnumType.__setattr__ refuses to bind a name that is a member; bind it underneath.
+    type.__setattr__(enum_cls, name, member)
+    return member
+
+
+def _wrap_get_kv_class(utils: Any, member: Any) -> None:
+    original = utils.get_kv_class
+    if getattr(original, "__kvxfer_original__", None) is not None:
+        return  # already installed
+
+    @functools.wraps(original)
+    def get_kv_class(transfer_backend, class_type):
+        if transfer_backend is member and class_type != utils.KVClassType.KVARGS:
+            from sglang_kvxfer.integrations import sglang as backend
+
+            return getattr(backend, _CLASSES[class_type.value])
+        return original(transfer_backend, class_type)
+
+    get_kv_class.__kvxfer_original__ = original
+    utils.get_kv_class = get_kv_class
+    # Modules that did `from ...utils import get_kv_class` before now hold the original;
+    # rebind those too (modules imported later pick up the wrapper from utils).
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict) and namespace.get("get_kv_class") is original:
+            namespace["get_kv_class"] = get_kv_class
+
+
+def install(utils: Any = None, choices: Any = None) -> Any:
+    """Make ``--disaggregation-transfer-backend kvxfer`` select this engine, in this
+    process. ``utils``/``choices`` default to SGLang's ``disaggregation.utils`` and
+    ``arg_groups.choices`` modules. Returns the new ``TransferBackend`` member."""
+    if utils is None:
+        from sglang.srt.disaggregation import utils
+    if choices is None:
+        from sglang.srt.arg_groups import choices
+    if BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
+        # The list argparse validates against, extended in place (SGLang's own hook).
+        choices.DISAGG_TRANSFER_BACKEND_CHOICES.append(BACKEND)
+    member = add_enum_member(utils.TransferBackend, _MEMBER, BACKEND)
+    _wrap_get_kv_class(utils, member)
+    return member
+
+
+def plugin() -> None:
+    """SGLang general-plugin entry point (``sglang.srt.plugins``): ``install()``."""
+    install()

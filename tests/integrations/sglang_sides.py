@@ -1,0 +1,312 @@
+"""The prefill and the decode side of a PD deployment, each in its own process, driving our
+SGLang classes the way SGLang 0.5.23's event loops drive a transfer backend.
+
+Each side runs every TP rank of its server in one process (one manager per rank, over that
+rank's own KV pool and metadata buffers) and reduces the ranks' polls with MIN, as
+``poll_and_all_reduce`` does over the attention-TP group. The call order follows
+``disaggregation/prefill.py`` and ``decode.py`` (research/sglang.md §3.1):
+
+prefill: bootstrap server (``start_disagg_service``); manager per rank, then
+``register_to_bootstrap``; ``KVSender(mgr, bootstrap_addr, bootstrap_room)`` per request;
+poll until WaitingForInput; ``init(num_pages, metadata_buffer_index)``; forward chunk by
+chunk, ``send(page_indices, state_indices, num_kv_tokens)`` after each (the first one early,
+before its forward finished, with a wait event as under overlap scheduling; the last after
+``set_buf`` filled the metadata slot); poll until Success, then ``clear()``.
+
+decode: manager per rank (its KVArgs carry no head counts); ``KVReceiver(mgr,
+bootstrap_addr, bootstrap_room)``; ``try_ensure_parallel_info`` until True, prefill DP rank
+from ``prefill_info_table``; ``init(prefill_dp_rank)``; poll until WaitingForInput;
+``send_metadata(page_indices, metadata_buffer_index, state_indices, decode_prefix_len)``;
+poll through the metadata gate until Success; read the aux slot; ``clear()``.
+
+The test checks every KV byte and every metadata byte in the decode side's own memory.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sglang_env import Model, import_sglang_base, load_utils_defs, model_geometry, rank_memory, server_args
+
+FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
+CHUNK_TOKENS = 16          # chunked prefill size (a multiple of the page size)
+FORWARD_S = 0.1            # how long the scripted "forward" of the early-sent chunk runs
+MODEL_PATH = "kvxfer-test-model"
+
+
+@dataclass
+class Spec:
+    role: str
+    model: Model
+    tp: int
+    port: int
+    requests: list            # [(bootstrap_room, prompt tokens)]
+    env: dict = field(default_factory=dict)
+    timeout_s: float = 60.0
+
+
+class ScriptEvent:
+    """A CUDA-less stand-in for the ``torch.cuda.Event`` SGLang records after a forward:
+    ``synchronize()`` returns once the scripted forward has written the chunk."""
+
+    def __init__(self, timeout_s: float):
+        self._done = threading.Event()
+        self._timeout_s = timeout_s
+
+    def fire(self) -> None:
+        self._done.set()
+
+    def synchronize(self) -> None:
+        if not self._done.wait(self._timeout_s):
+            raise TimeoutError(f"scripted forward did not finish within {self._timeout_s} s")
+
+
+def aux_rows(model: Model, room: int) -> dict:
+    """What ``MetadataBuffers.set_buf`` writes into a request's slot (same on every rank)."""
+    import torch
+
+    rows = {name: None for name in ("output_ids", "cached_tokens", "output_token_logprobs_val",
+                                    "output_token_logprobs_idx", "output_top_logprobs_val",
+                                    "output_top_logprobs_idx", "output_topk_p", "output_topk_index",
+                                    "output_hidden_states", "bootstrap_room")}
+    g = np.random.default_rng(room % (2 ** 32))
+    rows["output_ids"] = torch.tensor([int(g.integers(1, 50000))] + [0] * 15, dtype=torch.int32)
+    rows["cached_tokens"] = torch.tensor([int(g.integers(0, 64))] * 4 + [0] * 12, dtype=torch.int32)
+    rows["output_token_logprobs_val"] = torch.tensor([-float(g.random())] + [0.0] * 15, dtype=torch.float32)
+    rows["output_token_logprobs_idx"] = rows["output_ids"].clone()
+    rows["output_top_logprobs_val"] = torch.tensor(-g.random(128), dtype=torch.float32)
+    rows["output_top_logprobs_idx"] = torch.tensor(g.integers(0, 50000, 128), dtype=torch.int32)
+    rows["output_topk_p"] = torch.tensor(g.random(16), dtype=torch.float32)
+    rows["output_topk_index"] = torch.tensor(g.integers(0, 50000, 16), dtype=torch.int64)
+    rows["output_hidden_states"] = torch.tensor(g.standard_normal(model.hidden_size), dtype=torch.bfloat16)
+    rows["bootstrap_room"] = torch.tensor([room] + [0] * 7, dtype=torch.uint64)
+    return rows
+
+
+def _allocate(model: Model, requests, seed: int) -> list[np.ndarray]:
+    """Disjoint, scattered page lists, one per request (as a long-running server's free list
+    hands them out); page 0 is SGLang's padding page and never handed out."""
+    num_pages = (model.pool_tokens + model.page_size) // model.page_size
+    free = np.random.default_rng(seed).permutation(np.arange(1, num_pages))
+    out, at = [], 0
+    for _, tokens in requests:
+        need = -(-tokens // model.page_size)
+        if at + need > len(free):
+            raise ValueError(f"the test pool of {num_pages} pages cannot hold every request")
+        out.append(free[at: at + need])
+        at += need
+    return out
+
+
+def _min_poll(pollers) -> int:
+    return min(int(p.poll()) for p in pollers)
+
+
+def _failure(handles) -> list[str]:
+    """``failure_exception()`` of every rank, as the scheduler's failure handlers call it."""
+    out = []
+    for h in handles:
+        try:
+            h.failure_exception()
+        except Exception as exc:
+            out.append(f"{type(exc).__name__}: {getattr(exc, 'failure_reason', exc)}"
+                       f"{' [from another rank]' if getattr(exc, 'is_from_another_rank', False) else ''}")
+        else:
+            out.append("failure_exception() did not raise")
+    return out
+
+
+def _setup(spec: Spec):
+    os.environ.update(spec.env)
+    base, reason = import_sglang_base()
+    if base is None:
+        raise RuntimeError(reason)
+    from sglang_kvxfer.integrations import sglang as backend
+
+    return backend, load_utils_defs()
+
+
+def main(spec: Spec, out, release) -> None:
+    """Process entry point: run one side, report, keep the managers up until released."""
+    closers: list = []
+    try:
+        run = _prefill if spec.role == "prefill" else _decode
+        out.put((spec.role, run(spec, closers)))
+    except BaseException:
+        out.put((spec.role, {"error": traceback.format_exc()}))
+    finally:
+        release.wait(spec.timeout_s)  # a peer may still be reading our memory or our messages
+        for close in reversed(closers):
+            close()
+
+
+def _wait(reqs, pollers_of, want, deadline, on_failed) -> list:
+    """Poll (MIN over ranks) until every request reaches ``want`` or fails."""
+    pending, reached = list(reqs), []
+    while pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rooms {[r['room'] for r in pending]} stuck at "
+                               f"{[_min_poll(pollers_of(r)) for r in pending]}")
+        for req in list(pending):
+            poll = _min_poll(pollers_of(req))
+            if poll == FAILED:
+                on_failed(req)
+                pending.remove(req)
+            elif poll >= want:
+                reached.append(req)
+                pending.remove(req)
+        time.sleep(0.002)
+    return reached
+
+
+def _prefill(spec: Spec, closers: list) -> dict:
+    backend, defs = _setup(spec)
+    m, deadline = spec.model, time.monotonic() + spec.timeout_s
+    sa = server_args(MODEL_PATH, "prefill", spec.tp, spec.port)
+    boot = backend.KVXferKVBootstrapServer(sa.host, sa.disaggregation_bootstrap_port)
+    closers.append(boot.close)
+    mems, mgrs = [], []
+    for r in range(spec.tp):
+        mems.append(rank_memory(m, spec.tp, r, "prefill"))
+        mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.PREFILL, sa, m.mla))
+        closers.append(mgrs[r].close)
+    for mgr in mgrs:
+        mgr.register_to_bootstrap()
+    geo = model_geometry(m)
+    places = [geo.placement(spec.tp, r) for r in range(spec.tp)]
+    results: dict = {}
+    reqs = []
+    pages = _allocate(m, spec.requests, seed=1)
+    for slot, (room, tokens) in enumerate(spec.requests):
+        senders = [backend.KVXferKVSender(mgr=mgr, bootstrap_addr=f"{sa.host}:{spec.port}",
+                                          bootstrap_room=room) for mgr in mgrs]
+        reqs.append({"room": room, "tokens": tokens, "slot": slot, "senders": senders, "pages": pages[slot]})
+
+    def failed(req):
+        results[req["room"]] = {"status": "Failed", "reasons": _failure(req["senders"])}
+
+    ready = _wait(reqs, lambda r: r["senders"], WAITING, deadline, failed)   # pop_bootstrapped
+    for req in ready:                                                        # finalize_bootstrap
+        for s in req["senders"]:
+            s.init(len(req["pages"]), req["slot"])
+    for req in ready:
+        _forward_and_send(req, m, mems, places)
+    for req in _wait(ready, lambda r: r["senders"], SUCCESS, deadline, failed):  # inflight queue
+        results[req["room"]] = {"status": "Success",
+                                "bytes": [s.get_transfer_metric().transfer_total_bytes for s in req["senders"]]}
+        for s in req["senders"]:
+            s.clear()
+    return results
+
+
+def _forward_and_send(req: dict, m: Model, mems, places) -> None:
+    """The scheduler's chunked prefill: each chunk's forward writes its KV, then
+    ``send_kv_chunk`` hands the chunk's pages to every rank's sender."""
+    from sglang_kvxfer.engine.synthetic import fill_request
+
+    ps, tokens, pages = m.page_size, req["tokens"], req["pages"]
+    for a in range(0, tokens, CHUNK_TOKENS):
+        b = min(tokens, a + CHUNK_TOKENS)
+        last = b == tokens
+        chunk_pages = pages[a // ps: -(-b // ps)].astype(np.int32)
+        early = ScriptEvent(timeout_s=30.0) if a == 0 and not last else None
+
+        def forward():
+            for r, mem in enumerate(mems):
+                fill_request(places[r], mem.buffers, req["room"], pages, a, b - a)
+
+        if early is None:
+            forward()
+        if last:  # set_buf: the first output token & co. go into the metadata slot
+            for mem in mems:
+                for name, row in aux_rows(m, req["room"]).items():
+                    mem.meta[name][req["slot"]] = row
+        for s in req["senders"]:
+            if early is not None:
+                s._early_send_wait_event = early
+            if s.should_send_kv_chunk(len(chunk_pages), last):
+                s.send(chunk_pages, [] if last else None, num_kv_tokens=b - a)
+        if early is not None:  # the forward was still running when the chunk was sent
+            time.sleep(FORWARD_S)
+            forward()
+            early.fire()
+
+
+def _model_heads(model: Model):
+    def total_kv_heads(server_args) -> int:
+        # Stands in for SGLang's ModelConfig.from_server_args(...).get_total_num_kv_heads()
+        # (it needs transformers and the model's config.json).
+        if server_args.model_path != MODEL_PATH:
+            raise AssertionError(f"asked for the heads of {server_args.model_path!r}")
+        return model.total_kv_heads
+    return total_kv_heads
+
+
+def _decode(spec: Spec, closers: list) -> dict:
+    from sglang_kvxfer.engine.synthetic import verify_request
+
+    backend, defs = _setup(spec)
+    backend._model_total_kv_heads = _model_heads(spec.model)
+    m, deadline = spec.model, time.monotonic() + spec.timeout_s
+    sa = server_args(MODEL_PATH, "decode", spec.tp, spec.port + 1)
+    mems, mgrs = [], []
+    for r in range(spec.tp):
+        mems.append(rank_memory(m, spec.tp, r, "decode"))
+        mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.DECODE, sa, m.mla))
+        closers.append(mgrs[r].close)
+    addr = f"127.0.0.1:{spec.port}"  # the request's bootstrap_host:bootstrap_port (router)
+    results: dict = {}
+    reqs = []
+    pages = _allocate(m, spec.requests, seed=2)
+    for slot, (room, tokens) in enumerate(spec.requests):
+        rxs = [backend.KVXferKVReceiver(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room) for mgr in mgrs]
+        reqs.append({"room": room, "tokens": tokens, "slot": slot, "rxs": rxs, "pages": pages[slot]})
+    # _resolve_pending_reqs -> _ensure_prefill_info on every rank, retried
+    while not all(mgr.try_ensure_parallel_info(addr) for mgr in mgrs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"prefill parallel info for {addr} never arrived")
+        time.sleep(0.02)
+    info = mgrs[0].prefill_info_table[addr]
+    prefill_dp_rank = 0 if info.dp_size == 1 else None  # _resolve_prefill_dp_rank
+    for req in reqs:
+        for rx in req["rxs"]:
+            rx.init(prefill_dp_rank)
+
+    def failed(req):
+        results[req["room"]] = {"status": "Failed", "reasons": _failure(req["rxs"])}
+
+    ready = _wait(reqs, lambda r: r["rxs"], WAITING, deadline, failed)   # _update_handshake_waiters
+    for req in ready:                                                   # pop_preallocated
+        for rx in req["rxs"]:
+            rx.send_metadata(req["pages"].astype(np.int32), req["slot"], [], decode_prefix_len=0)
+
+    class Gated:  # _apply_metadata_gate: Success counts once the slot shows the room
+        def __init__(self, rx, mem, slot):
+            self.rx, self.mem, self.slot = rx, mem, slot
+
+        def poll(self):
+            p = int(self.rx.poll())
+            if p == SUCCESS and int(self.mem.meta["bootstrap_room"][self.slot, 0]) == 0:
+                return TRANSFERRING
+            return p
+
+    gated = lambda r: [Gated(rx, mems[i], r["slot"]) for i, rx in enumerate(r["rxs"])]  # noqa: E731
+    geo = model_geometry(m)
+    for req in _wait(ready, gated, SUCCESS, deadline, failed):         # pop_transferred
+        problems = []
+        for r, mem in enumerate(mems):
+            problems += [f"rank {r}: {p}" for p in
+                         verify_request(geo.placement(spec.tp, r), mem.buffers, req["room"], req["pages"],
+                                        req["tokens"])]
+            for name, row in aux_rows(m, req["room"]).items():
+                if not bool((mem.meta[name][req["slot"]] == row).all()):
+                    problems.append(f"rank {r}: metadata {name} of slot {req['slot']} differs")
+        results[req["room"]] = {"status": "Success", "problems": problems}
+        for rx in req["rxs"]:
+            rx.clear()
+    return results

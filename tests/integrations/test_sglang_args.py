@@ -1,0 +1,230 @@
+"""KVArgs / ServerArgs translation (no SGLang needed): geometry from SGLang-shaped
+attribute bags, every refusal with its message, aux slots over real memory, NIC lists."""
+from __future__ import annotations
+
+import ctypes
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from sglang_kvxfer.errors import GeometryError, KVXferError
+from sglang_kvxfer.integrations.sglang_args import (
+    AuxLayout,
+    kv_dtype,
+    layout_from_kv_args,
+    nic_list,
+    plan_from_server_args,
+)
+
+
+def kv_args(layers=3, heads=2, head_dim=16, v_head_dim=8, page_size=4, rows=68, itemsize=2, mla=False,
+            draft=0, **over):
+    """A KVArgs-shaped bag over fake addresses (the translation never touches KV memory)."""
+    dims = [head_dim] * layers + ([] if mla else [v_head_dim] * layers) + [head_dim] * draft
+    h = 1 if mla else heads
+    items = [page_size * h * d * itemsize for d in dims]
+    aux = [np.zeros((8, 16), dtype=np.int32), np.zeros((8, 8), dtype=np.uint64)]
+    bag = SimpleNamespace(
+        engine_rank=1, kv_data_ptrs=[0x10000 * (i + 1) for i in range(len(dims))],
+        kv_data_lens=[it * (rows // page_size) for it in items], kv_item_lens=items,
+        kv_cache_dtype_str="bfloat16", kv_layout=None, state_types=[], is_hybrid_mla_backend=False,
+        page_size=page_size, num_draft_entries=draft, ib_device=None, gpu_id=0,
+        aux_data_ptrs=[a.ctypes.data for a in aux], aux_data_lens=[a.nbytes for a in aux],
+        aux_item_lens=[a[0].nbytes for a in aux], _keep=aux)
+    if not mla:
+        bag.kv_head_num, bag.total_kv_head_num = heads, heads * 2
+    for k, v in over.items():
+        if v is None:
+            delattr(bag, k)
+        else:
+            setattr(bag, k, v)
+    return bag
+
+
+def test_mha_kv_args_become_the_full_geometry():
+    lay = layout_from_kv_args(kv_args(draft=2), tp_size=2, mla=False, dtype="bfloat16")
+    g = lay.geometry
+    assert (g.num_layers, g.total_kv_heads, g.head_dim, g.v_head_dim, g.page_size, g.num_pages) == (3, 4, 16, 8, 4, 17)
+    assert (g.dtype, str(g.layout), g.mla, lay.tp_size, lay.tp_rank) == ("bfloat16", "NHD", False, 2, 1)
+    assert len(lay.kv_ptrs) == 6 and lay.num_draft_entries == 2  # draft entries are not transferred
+    assert lay.aux.num_slots == 8
+
+
+def test_mla_kv_args_need_no_head_counts():
+    lay = layout_from_kv_args(kv_args(mla=True, head_dim=24), tp_size=4, mla=True, dtype="bfloat16")
+    assert (lay.geometry.mla, lay.geometry.total_kv_heads, lay.geometry.head_dim, lay.geometry.v_head_dim) == (True, 1, 24, 0)
+
+
+def test_replicated_heads_come_from_the_total_not_the_bytes():
+    # H=2 on a TP-4 side: each rank holds one head; kv_head_num * tp would say 4
+    args = kv_args(heads=1, total_kv_head_num=2, engine_rank=3)
+    g = layout_from_kv_args(args, tp_size=4, mla=False, dtype="bfloat16").geometry
+    assert g.total_kv_heads == 2 and g.head_dim == 16
+
+
+def test_missing_total_heads_names_the_sglang_pr_and_version():
+    with pytest.raises(GeometryError, match=r"total_kv_head_num is not set: SGLang added .* PR #19086 .*0\.5\.23"):
+        layout_from_kv_args(kv_args(total_kv_head_num=None), tp_size=2, mla=False, dtype="bfloat16")
+
+
+def test_missing_total_heads_falls_back_to_the_model_config():
+    args = kv_args(total_kv_head_num=None, kv_head_num=None)
+    g = layout_from_kv_args(args, tp_size=2, mla=False, dtype="bfloat16", total_kv_heads=lambda: 4).geometry
+    assert g.total_kv_heads == 4 and g.head_dim == 16
+
+    def broken():
+        raise FileNotFoundError("config.json")
+
+    with pytest.raises(GeometryError, match=r"model config could not supply it \(FileNotFoundError: config.json\).*PR #19086"):
+        layout_from_kv_args(args, tp_size=2, mla=False, dtype="bfloat16", total_kv_heads=broken)
+
+
+def test_per_rank_head_count_must_match_ownership():
+    with pytest.raises(GeometryError, match=r"kv_head_num=3 but rank 1 of an attention TP group of 2 owns 2 of total_kv_head_num=4"):
+        layout_from_kv_args(kv_args(kv_head_num=3), tp_size=2, mla=False, dtype="bfloat16")
+
+
+def test_item_length_that_is_not_whole_heads_names_the_entry():
+    args = kv_args()
+    args.kv_item_lens[4] += 2
+    with pytest.raises(GeometryError, match=r"kv_item_lens\[4\]=130 \(V\) is not a whole number of heads"):
+        layout_from_kv_args(args, tp_size=2, mla=False, dtype="bfloat16")
+
+
+def test_layers_with_different_head_dims_are_refused():
+    args = kv_args()
+    args.kv_item_lens[1] *= 2
+    args.kv_data_lens[1] *= 2
+    with pytest.raises(GeometryError, match=r"head_dim \(K\) differs between KV entries: entry 0 has 16, entry 1 has 32"):
+        layout_from_kv_args(args, tp_size=2, mla=False, dtype="bfloat16")
+
+
+def test_buffers_of_different_page_counts_are_refused():
+    args = kv_args()
+    args.kv_data_lens[2] -= args.kv_item_lens[2]
+    with pytest.raises(GeometryError, match=r"pages per buffer .* entry 0 has 17, entry 2 has 16"):
+        layout_from_kv_args(args, tp_size=2, mla=False, dtype="bfloat16")
+
+
+def test_an_odd_mha_entry_count_is_refused():
+    args = kv_args()
+    for name in ("kv_data_ptrs", "kv_data_lens", "kv_item_lens"):
+        getattr(args, name).pop()
+    with pytest.raises(GeometryError, match=r"5 main entries, expected K and V of every layer"):
+        layout_from_kv_args(args, tp_size=2, mla=False, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("state_types", ["mamba"], r"KVArgs.state_types=\['mamba'\]: models with extra per-request state"),
+    ("kv_layout", "dsv4_unified", r"KVArgs.kv_layout='dsv4_unified'"),
+    ("is_hybrid_mla_backend", True, r"KVArgs.is_hybrid_mla_backend=True"),
+])
+def test_unsupported_pools_are_refused_by_name(field, value, message):
+    with pytest.raises(KVXferError, match=message):
+        layout_from_kv_args(kv_args(**{field: value}), tp_size=2, mla=False, dtype="bfloat16")
+
+
+def test_kv_dtype_strings():
+    assert kv_dtype("bf16") == kv_dtype("bfloat16") == "bfloat16"
+    assert kv_dtype("fp8_e4m3") == "float8_e4m3fn" and kv_dtype("fp8_e5m2") == "float8_e5m2"
+    assert kv_dtype("auto", "float16") == "float16"
+    assert kv_dtype("auto", "auto") == kv_dtype(None) == "uint8"  # described in bytes
+    with pytest.raises(GeometryError, match=r"KVArgs.kv_cache_dtype_str='nvfp4': dtype='nvfp4' is not supported"):
+        kv_dtype("nvfp4")
+
+
+def test_auto_dtype_counts_head_dim_in_bytes():
+    args = kv_args(kv_cache_dtype_str="auto")
+    g = layout_from_kv_args(args, tp_size=2, mla=False, dtype=kv_dtype("auto")).geometry
+    assert (g.dtype, g.head_dim, g.v_head_dim) == ("uint8", 32, 16)
+
+
+def server(**over):
+    base = dict(tp_size=4, attn_dp_size=1, attn_cp_size=1, dp_size=1, pp_size=1, dcp_size=1, device="cuda",
+                host="0.0.0.0", dist_init_addr=None, disaggregation_bootstrap_port=8998,
+                disaggregation_ib_device="mlx5_0", disaggregation_decode_enable_radix_cache=False,
+                disaggregation_decode_allocation_policy="early", enable_pd_role_switch=False, dtype="auto")
+    base.update(over)
+    return SimpleNamespace(**base)
+
+
+def test_server_plan():
+    plan = plan_from_server_args(server(), "prefill")
+    assert (plan.attn_tp_size, plan.bootstrap, plan.device, plan.ib_device) == (4, "127.0.0.1:8998", "cuda", "mlx5_0")
+    assert plan_from_server_args(server(dist_init_addr="10.1.2.3:5000"), "decode").bootstrap == "10.1.2.3:8998"
+    assert plan_from_server_args(server(device=None), "decode").device == "cuda"
+
+
+@pytest.mark.parametrize("over, role, flag", [
+    (dict(pp_size=2), "prefill", "--pp-size=2"),
+    (dict(dp_size=2), "prefill", "--dp-size=2"),
+    (dict(attn_dp_size=4), "decode", "--attn-dp-size=4"),
+    (dict(attn_cp_size=2), "prefill", "--attn-cp-size=2"),
+    (dict(dcp_size=2), "decode", "--dcp-size=2"),
+    (dict(enable_pd_role_switch=True), "prefill", "--enable-pd-role-switch=True"),
+    (dict(disaggregation_decode_allocation_policy="prefill_complete"), "decode",
+     "--disaggregation-decode-allocation-policy='prefill_complete'"),
+    (dict(disaggregation_decode_enable_radix_cache=True), "decode", "--disaggregation-decode-enable-radix-cache=True"),
+    (dict(device="npu"), "prefill", "--device='npu'"),
+])
+def test_unsupported_server_settings_name_the_flag(over, role, flag):
+    with pytest.raises(KVXferError, match="does not support " + flag.replace("[", r"\[")):
+        plan_from_server_args(server(**over), role)
+
+
+def test_nic_lists(tmp_path):
+    assert nic_list(None, 0) == [] and nic_list("", 3) == []
+    assert nic_list("mlx5_0, mlx5_1", 5) == ["mlx5_0", "mlx5_1"]
+    mapping = {"0": "mlx5_0,mlx5_1", "1": "mlx5_2"}
+    assert nic_list(json.dumps(mapping), 1) == ["mlx5_2"]
+    path = tmp_path / "nics.json"
+    path.write_text(json.dumps(mapping))
+    assert nic_list(str(path), 0) == ["mlx5_0", "mlx5_1"]
+    with pytest.raises(ValueError, match="names no NIC for GPU 7"):
+        nic_list(json.dumps(mapping), 7)
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        nic_list("{mlx5_0", 0)
+    with pytest.raises(ValueError, match="cannot read it"):
+        nic_list(str(tmp_path / "missing.json"), 0)
+
+
+def aux_over(arrays) -> AuxLayout:
+    return AuxLayout(tuple(a.ctypes.data for a in arrays), tuple(a.nbytes for a in arrays),
+                     tuple(a[0].nbytes for a in arrays))
+
+
+def test_aux_slot_moves_between_layouts_byte_exact():
+    rng = np.random.default_rng(0)
+    src = [rng.integers(0, 255, (6, 64), dtype=np.uint8), rng.integers(0, 2**31, (6, 8), dtype=np.int64)]
+    dst = [np.zeros((4, 64), dtype=np.uint8), np.zeros((4, 8), dtype=np.int64)]
+    payload = aux_over(src).read(5)
+    aux_over(dst).write(2, payload)
+    assert np.array_equal(dst[0][2], src[0][5]) and np.array_equal(dst[1][2], src[1][5])
+    assert not dst[0][[0, 1, 3]].any() and not dst[1][[0, 1, 3]].any()  # only slot 2 written
+
+
+def test_aux_layout_mismatch_writes_nothing_and_says_which_buffer():
+    src = [np.ones((4, 16), dtype=np.int32), np.ones((4, 8), dtype=np.int64)]
+    dst = [np.zeros((4, 16), dtype=np.int32), np.zeros((4, 4), dtype=np.int64)]
+    with pytest.raises(ValueError, match=r"aux buffer 1: prefill sent 64 bytes per slot, this decode rank holds 32"):
+        aux_over(dst).write(0, aux_over(src).read(0))
+    with pytest.raises(ValueError, match=r"carries 2 metadata buffers; this decode rank has 1"):
+        aux_over(dst[:1]).write(0, aux_over(src).read(0))
+    with pytest.raises(ValueError, match=r"magic"):
+        aux_over(dst).write(0, b"\0" * 64)
+    assert not dst[0].any() and not dst[1].any()
+
+
+def test_aux_slot_bounds_and_layout_checks():
+    buf = (ctypes.c_uint8 * 64)()
+    aux = AuxLayout((ctypes.addressof(buf),), (64,), (16,))
+    assert aux.num_slots == 4
+    for bad in (-1, 4, 1.0, True, None):
+        with pytest.raises(ValueError, match=r"aux_index=.* must be a slot in \[0, 4\)"):
+            aux.read(bad)
+    with pytest.raises(GeometryError, match=r"aux_data_ptrs/aux_data_lens/aux_item_lens have 1/2/1 entries"):
+        AuxLayout((1,), (64, 64), (16,))
+    with pytest.raises(GeometryError, match=r"aux_data_lens\[0\]=8 holds no item of aux_item_lens\[0\]=16"):
+        AuxLayout((1,), (8,), (16,))

@@ -1,0 +1,104 @@
+"""Our SGLang classes driven by a scripted scheduler, prefill and decode in separate
+processes (see ``sglang_sides``): equal TP, P=2 -> D=1 and P=1 -> D=2 move every KV byte and
+the metadata slot exactly; a geometry mismatch reaches ``failure_exception()`` on both
+sides with the field-level message."""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import queue
+import socket
+
+import pytest
+
+from . import sglang_sides as sides
+from .sglang_env import Model, import_sglang_base
+
+_base, _reason = import_sglang_base()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_base is None, reason=_reason)]
+
+ENV = {
+    "SGLANG_HOST_IP": "127.0.0.1",          # the address SGLang (and so our managers) advertise
+    "KVXFER_TCP_HOST": "127.0.0.1",
+    "KVXFER_BOOTSTRAP_TIMEOUT_S": "20", "KVXFER_WAITING_TIMEOUT_S": "20",
+    "KVXFER_TRANSFER_TIMEOUT_S": "20", "KVXFER_HEARTBEAT_INTERVAL_S": "0.2",
+    "KVXFER_HEARTBEAT_TIMEOUT_S": "3", "KVXFER_STAGING_BYTES": str(1 << 20),
+    "KVXFER_STAGING_SLOT_BYTES": str(16 << 10), "KVXFER_WORKERS": "2",
+}
+# (room, prompt tokens): a partial last page, several chunks; a one-chunk request
+REQUESTS = [(0x5EED_0001_F00D, 37), (0x7A11_0002_CAFE, 9)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_sides(p: int, d: int, model: Model, decode_model: Model | None = None, transport="local",
+              timeout_s: float = 60.0):
+    """Start both sides, collect what each reports, then let them shut down."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    env = {**ENV, "KVXFER_SGLANG_TRANSPORT": transport}
+    out, release = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=sides.main, args=(sides.Spec(role, mdl, tp, port, REQUESTS, env, timeout_s),
+                                                   out, release), daemon=True)
+             for role, mdl, tp in (("prefill", model, p), ("decode", decode_model or model, d))]
+    for proc in procs:
+        proc.start()
+    reports = {}
+    try:
+        while len(reports) < 2:
+            role, report = out.get(timeout=timeout_s + 30)
+            reports[role] = report
+    except queue.Empty:
+        pytest.fail(f"no report from {sorted({'prefill', 'decode'} - set(reports))} within {timeout_s + 30} s")
+    finally:
+        release.set()
+        for proc in procs:
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
+    for role, report in reports.items():
+        assert "error" not in report, f"{role} side crashed:\n{report['error']}"
+    return reports["prefill"], reports["decode"]
+
+
+@pytest.mark.parametrize("p, d, transport, dtype_str", [
+    (1, 1, "local", "auto"),       # kv_cache_dtype_str "auto": the pool is described in bytes
+    (2, 1, "tcp", "bfloat16"),     # a decode rank gathers its heads from two prefill ranks
+    (1, 2, "local", "bfloat16"),   # a prefill rank splits its heads over two decode ranks
+])
+def test_scripted_scheduler_moves_every_byte(p, d, transport, dtype_str):
+    model = Model(total_kv_heads=4, kv_cache_dtype_str=dtype_str)
+    prefill, decode = run_sides(p, d, model, transport=transport)
+    for room, tokens in REQUESTS:
+        assert decode[room]["status"] == "Success", decode[room]
+        assert decode[room]["problems"] == [], decode[room]["problems"]
+        assert prefill[room]["status"] == "Success", prefill[room]
+        # every prefill rank wrote its heads of every token row of every page: K and V rows
+        pages = -(-tokens // model.page_size)
+        row = model.num_layers * (model.head_dim + model.v_head_dim) * 2 * model.page_size * pages
+        heads_written = sum(prefill[room]["bytes"]) // row
+        assert heads_written == max(model.total_kv_heads, d), prefill[room]["bytes"]
+
+
+def test_mla_latent_reaches_every_decode_rank():
+    model = Model(mla=True, head_dim=24, kv_cache_dtype_str="bfloat16")
+    _, decode = run_sides(2, 2, model)
+    for room, _ in REQUESTS:
+        assert decode[room]["status"] == "Success", decode[room]
+        assert decode[room]["problems"] == [], decode[room]["problems"]
+
+
+def test_geometry_mismatch_reaches_failure_exception_on_both_sides():
+    model = Model(head_dim=16)
+    prefill, decode = run_sides(1, 1, model, decode_model=dataclasses.replace(model, head_dim=8),
+                                timeout_s=40.0)
+    for room, _ in REQUESTS:
+        for side, report in (("decode", decode[room]), ("prefill", prefill[room])):
+            assert report["status"] == "Failed", (side, report)
+            (reason,) = report["reasons"]
+            assert reason.startswith("KVXferTransferError"), (side, reason)
+            assert "head_dim: prefill=16 decode=8" in reason, (side, reason)
