@@ -172,13 +172,11 @@ class KVPool:
         """Register every block with ``transport``; returns the region descriptors."""
         if self._transport is not None:
             raise RuntimeError("KVPool is already registered")
-        from sglang_kvxfer.transports.base import tensor_memory
-
         regions = []
         try:
             for block in self._blocks:
-                ptr, nbytes, device = tensor_memory(block)
-                regions.append(transport.register(ptr, nbytes, device))
+                # register_tensor, not register(ptr): CUDA IPC needs the tensor's allocation
+                regions.append(transport.register_tensor(block))
         except BaseException:
             for r in regions:
                 transport.deregister(r)
@@ -258,10 +256,7 @@ class StagingArena:
         return self.tensor[offset: offset + nbytes]
 
     def register(self, transport) -> bytes:
-        from sglang_kvxfer.transports.base import tensor_memory
-
-        ptr, nbytes, device = tensor_memory(self.tensor)
-        self.region, self._transport = transport.register(ptr, nbytes, device), transport
+        self.region, self._transport = transport.register_tensor(self.tensor), transport
         return self.region.descriptor
 
     def close(self) -> None:
