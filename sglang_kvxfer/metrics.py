@@ -14,7 +14,7 @@ torch or zmq, and imports ``prometheus_client`` only when a server is started.
   pages were known (the later of the two). Queueing inside the engine after that counts;
   prefill compute before it, and decode-side waiting for the prefill, do not (SGLang
   #23937 counted decode time).
-* ``last_notice``: prefill: when it sent its last ``TransferDone``; decode: when the
+* ``last_notice``: prefill: when it began sending its ``TransferDone``s; decode: when the
   decode rank had processed the last writer's ``TransferDone`` and declared Success (every
   staged chunk is scattered before that: they run in order on the room's worker).
 
@@ -80,7 +80,8 @@ class RequestRecord:
     ``last_chunk_ready`` is when the last chunk was ready to move, so ``tail_s`` is the
     latency the transfer adds after the prefill's last chunk. ``bytes``/``ops``: written
     (prefill, every reader) or received (decode, every writer); ops are transport
-    descriptors.
+    descriptors. ``failure_kind`` (one of ``FAILURE_KINDS``, "" on success) is derived from
+    ``reason`` unless the engine knows it (an abort on this side).
     """
 
     room: int
@@ -94,10 +95,13 @@ class RequestRecord:
     first_byte_ready: float | None = None
     last_chunk_ready: float | None = None
     last_notice: float | None = None
+    failure_kind: str = ""
 
-    @property
-    def failure_kind(self) -> str:
-        return "" if self.ok else classify_failure(self.reason)
+    def __post_init__(self) -> None:
+        if self.ok:
+            self.failure_kind = ""
+        elif self.failure_kind not in FAILURE_KINDS:
+            self.failure_kind = classify_failure(self.reason)
 
     @property
     def transfer_s(self) -> float | None:
@@ -173,7 +177,7 @@ class MetricsServer:
 
         self._seconds = child(prom.Histogram(
             "kvxfer_transfer_seconds", "Transfer window of a successful request: first byte ready on "
-            "the prefill to the last notice (decode) or last TransferDone sent (prefill)",
+            "the prefill to the last notice processed (decode) or to sending TransferDone (prefill)",
             names, registry=reg, buckets=_SECONDS_BUCKETS))
         self._tail = child(prom.Histogram(
             "kvxfer_transfer_tail_seconds", "Latency after the last chunk was ready until the last notice",

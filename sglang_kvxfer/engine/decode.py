@@ -91,7 +91,8 @@ class DecodeRoom:
                              bytes=self.bytes, ops=self.ops, phases=dict(self.timings),
                              first_byte_ready=self.marks.get("first_byte_ready"),
                              last_chunk_ready=self.marks.get("last_chunk_ready"),
-                             last_notice=self.finished_at if ok else None)
+                             last_notice=self.finished_at if ok else None,
+                             failure_kind="aborted" if "aborted" in self.marks else "")
 
 
 class DecodeManager(RankBase):
@@ -432,8 +433,8 @@ class DecodeManager(RankBase):
         with self._lock:
             if rec.state.is_terminal:
                 return
-            rec.state.abort(reason, time.monotonic())
-            rec.finished_at = time.monotonic()
+            rec.marks["aborted"] = rec.finished_at = time.monotonic()
+            rec.state.abort(reason, rec.finished_at)
             group = self._groups.get(rec.group)
             peers = list(group.peers.values()) if group else []
             if not peers:

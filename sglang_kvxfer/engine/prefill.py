@@ -106,7 +106,8 @@ class PrefillRoom:
         return RequestRecord(room=self.room, side="prefill", tp_rank=tp_rank, ok=self.state.poll is KVPoll.Success,
                              reason=self.state.reason or "", bytes=self.bytes, ops=self.ops,
                              phases=dict(self.timings), first_byte_ready=first, last_chunk_ready=last,
-                             last_notice=self.marks.get("done"))
+                             last_notice=self.marks.get("done"),
+                             failure_kind="aborted" if "aborted" in self.marks else "")
 
 
 class PrefillManager(RankBase):
@@ -509,7 +510,7 @@ class PrefillManager(RankBase):
 
     def _finish(self, rec: PrefillRoom, readers, aux: bytes) -> None:
         timings = {k: round(v, 6) for k, v in rec.timings.items()}
-        now = time.monotonic()
+        now = rec.marks["done"] = time.monotonic()  # before the notices: they may land at once
         first, last = rec.window()
         if first is not None:  # ages, so the decode rank can place the window on its clock
             timings.update({SINCE_FIRST_BYTE: max(0.0, now - first), SINCE_LAST_CHUNK: max(0.0, now - last)})
@@ -522,8 +523,7 @@ class PrefillManager(RankBase):
         with self._lock:
             if rec.state.is_terminal:
                 return
-            rec.marks["done"] = time.monotonic()
-            rec.state.handle(Event.TRANSFER_DONE, rec.marks["done"])
+            rec.state.handle(Event.TRANSFER_DONE, time.monotonic())
             rec.finished_at = time.monotonic()
         self._request_ended(rec)
 
@@ -551,7 +551,8 @@ class PrefillManager(RankBase):
         with self._lock:
             if rec.state.is_terminal:
                 return
-            rec.state.abort(reason, time.monotonic())
+            rec.marks["aborted"] = time.monotonic()
+            rec.state.abort(reason, rec.marks["aborted"])
             targets = [m.session for m in rec.metas.values()]
         with rec.cond:
             rec.cond.notify_all()
