@@ -122,7 +122,8 @@ def test_small_real_run_records_every_field_and_stays_below_its_baseline(tmp_pat
     assert json.loads(out_json.read_text(), parse_constant=no_nan) == out
     assert out["skipped"] == [] and out["machine"]["cpus"] >= 1 and "gbps" in out["definitions"]
     records = out["records"]
-    assert [(r["transport"], r["tokens"]) for r in records] == [("local", 64), ("local", 512), ("tcp", 64), ("tcp", 512)]
+    assert [(r["transport"], r["tokens"]) for r in records] == [
+        ("local", 64), ("local", 512), ("tcp", 64), ("tcp", 512)]
     for r in records:
         assert (r["prefill_tp"], r["decode_tp"], r["total_kv_heads"], r["layers"], r["mla"]) == (2, 1, 8, 2, False)
         assert r["verified_requests"] == r["succeeded_requests"] == 6 and r["failures"] == []

@@ -59,7 +59,8 @@ def test_record_window_tail_and_round_trip():
     told = RequestRecord(room=6, side="decode", tp_rank=0, ok=False, reason="the client went away",
                          failure_kind="aborted")
     assert told.failure_kind == "aborted"
-    assert RequestRecord(room=6, side="decode", tp_rank=0, ok=False, reason="the client went away").failure_kind == "other"
+    untold = RequestRecord(room=6, side="decode", tp_rank=0, ok=False, reason="the client went away")
+    assert untold.failure_kind == "other"
     assert RequestRecord(room=6, side="decode", tp_rank=0, ok=True, failure_kind="aborted").failure_kind == ""
 
 

@@ -258,7 +258,8 @@ def _record(args, shape: Shape, point: tuple, s: dict, engine, wall, base, metho
         "bytes": s["bytes"], "bytes_per_request": s["bytes"] // ok_requests if ok_requests else 0,
         "gbps": gbps, "gbps_repeats": engine, "wall_gbps": _median(wall),
         "request_gbps_p50": s["request_gbps_p50"],
-        "baseline": {"method": method, "streams": streams, "gbps": base_gbps, "gbps_repeats": [round(b, 4) for b in base]},
+        "baseline": {"method": method, "streams": streams, "gbps": base_gbps,
+                     "gbps_repeats": [round(b, 4) for b in base]},
         "ratio": round(gbps / base_gbps, 4) if base_gbps and base_gbps == base_gbps else float("nan"),
         "ops_per_request": s["ops_per_request"]["median"], "descriptors_per_s": s["descriptors_per_s"],
         "latency_ms": {"p50": s["p50_ms"], "p90": s["p90_ms"], "p99": s["p99_ms"]},
@@ -315,8 +316,9 @@ def run_bench(args: argparse.Namespace) -> dict:
     if args.plot:
         from sglang_kvxfer.cli.plot import plot_records
 
-        plot_records(records, args.plot, title=f"kvxfer bench ({os.cpu_count()} CPUs, "
-                                                f"{'verified' if not args.no_verify else 'unverified'})")
+        title = (f"kvxfer bench{' --quick' if args.quick else ''} ({os.cpu_count()} CPUs, "
+                 f"{'unverified' if args.no_verify else 'verified'})")
+        plot_records(records, args.plot, title=title)
     return out
 
 

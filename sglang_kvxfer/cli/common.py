@@ -47,7 +47,8 @@ def add_model_args(p: argparse.ArgumentParser, layers: int = 16, sweep: bool = F
     g = p.add_argument_group("model geometry (must match on both sides)" + ("; lists sweep" if sweep else ""))
     num, lst = (int_list, "comma list of ") if sweep else (int, "")
     g.add_argument("--layers", type=int, default=layers, help=f"KV layers (default {layers})")
-    g.add_argument("--total-kv-heads", type=num, default=None, help=f"{lst}un-sharded KV heads (default 8; 1 with --mla)")
+    g.add_argument("--total-kv-heads", type=num, default=None,
+                   help=f"{lst}un-sharded KV heads (default 8; 1 with --mla)")
     g.add_argument("--head-dim", type=num, default=[128] if sweep else 128,
                    help=f"{lst}K head dim (default 128; MLA latent e.g. 576)")
     g.add_argument("--v-head-dim", type=int, default=None, help="V head dim (default: --head-dim)")
@@ -68,8 +69,10 @@ def add_side_args(p: argparse.ArgumentParser, both: bool, sweep: bool = False) -
     g.add_argument("--num-pages", type=int, default=None, help="pool capacity in pages (default: sized for the workload)")
     if both:
         num, text, lst = (int_list, str_list, "comma list: ") if sweep else (int, str, "")
-        g.add_argument("--prefill-page-size", type=num, default=None, help=f"{lst}prefill page size (default --page-size)")
-        g.add_argument("--decode-page-size", type=num, default=None, help=f"{lst}decode page size (default --page-size)")
+        g.add_argument("--prefill-page-size", type=num, default=None,
+                       help=f"{lst}prefill page size (default --page-size)")
+        g.add_argument("--decode-page-size", type=num, default=None,
+                       help=f"{lst}decode page size (default --page-size)")
         g.add_argument("--prefill-layout", type=text, default=None, help=f"{lst}prefill layout (default --layout)")
         g.add_argument("--decode-layout", type=text, default=None, help=f"{lst}decode layout (default --layout)")
 

@@ -68,5 +68,5 @@ def plot_records(records: list[dict], path: str, title: str = "kvxfer bench") ->
     ax_lat.legend(fontsize=7, loc="upper left")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90, pil_kwargs={"optimize": True})
     plt.close(fig)

@@ -83,7 +83,7 @@ def _combine(job: dict, pre: list[dict], dec: list[dict], e2e: float) -> Request
     nan = float("nan")
     pre_rec, dec_rec = _records(pre), _records(dec)
     timed = [r for r in dec_rec if r.transfer_s is not None]
-    complete = ok and timed and len(timed) == len(dec)
+    complete = ok and bool(timed) and len(timed) == len(dec)
     transfer = max(r.transfer_s for r in timed) if complete else nan
     tails = [r.tail_s for r in timed if r.tail_s is not None]
     window = (min(r.first_byte_ready for r in timed), max(r.last_notice for r in timed)) if complete else (nan, nan)

@@ -511,9 +511,9 @@ class PrefillManager(RankBase):
     def _finish(self, rec: PrefillRoom, readers, aux: bytes) -> None:
         timings = {k: round(v, 6) for k, v in rec.timings.items()}
         now = rec.marks["done"] = time.monotonic()  # before the notices: they may land at once
-        first, last = rec.window()
-        if first is not None:  # ages, so the decode rank can place the window on its clock
-            timings.update({SINCE_FIRST_BYTE: max(0.0, now - first), SINCE_LAST_CHUNK: max(0.0, now - last)})
+        for key, mark in zip((SINCE_FIRST_BYTE, SINCE_LAST_CHUNK), rec.window()):
+            if mark is not None:  # ages, so the decode rank can place the window on its own clock
+                timings[key] = max(0.0, now - mark)
         for t in readers:
             meta = rec.metas[t.decode_rank]
             self.control.send(self._peer_of(meta).endpoint, TransferDone(
