@@ -156,7 +156,8 @@ class MetricsServer:
     (counter of descriptors), ``kvxfer_transfer_phase_seconds{phase}`` (counter of busy
     time), ``kvxfer_transfer_failures{reason}`` (counter, ``reason`` in
     ``FAILURE_KINDS``), ``kvxfer_requests_in_flight`` and ``kvxfer_staging_bytes_in_use``
-    / ``kvxfer_staging_bytes_capacity`` (gauges read at scrape time).
+    / ``kvxfer_staging_bytes_capacity`` (gauges read at scrape time). Counters gain
+    ``_total`` on the wire.
     """
 
     def __init__(self, mgr, port: int, host: str = "127.0.0.1"):

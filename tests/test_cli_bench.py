@@ -72,6 +72,15 @@ def test_bad_input_exits_2_with_a_one_line_message(argv, message, capsys):
     assert code == 2 and message in err and err.count("\n") == 1, err
 
 
+def test_a_registered_transport_that_cannot_be_imported_is_refused_by_name(monkeypatch, capsys):
+    import sglang_kvxfer.transports as transports
+
+    monkeypatch.setattr(transports, "available_transports", lambda: ["local"])
+    assert main(["bench", "--transport", "local,tcp"]) == 2
+    assert ("--transport 'tcp' cannot be used here: a package it needs is not installed "
+            "(pip install 'sglang_kvxfer[tcp]')") in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("method", ["copy", "socket"])
 def test_baseline_movers_deliver_every_byte(method):
     # uneven items, more items than streams, an empty item, one above the 64 MiB piece size

@@ -128,7 +128,8 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
         if name not in registered_transports():
             raise ValueError(f"--transport {name!r} is unknown; registered: {', '.join(registered_transports())}")
         if name not in available_transports():
-            raise ValueError(f"--transport {name!r} needs a package that is not installed here")
+            raise ValueError(f"--transport {name!r} cannot be used here: a package it needs is not installed "
+                             f"(pip install 'sglang_kvxfer[{name}]')")
     for side in ("prefill", "decode"):
         devices = getattr(args, f"{side}_devices")
         need = max(getattr(args, f"{side}_tp"))
