@@ -15,6 +15,8 @@ from sglang_kvxfer.errors import KVXferError
 
 # name -> (module or "module:object", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("sglang_kvxfer.cli.bench", "sweep prefill/decode configurations here; GB/s, latency, "
+                                         "descriptors/s against a same-run baseline"),
     "demo": ("sglang_kvxfer.cli.demo", "run a prefill group and a decode group here and move verified KV"),
     "plan": ("sglang_kvxfer.cli.plan", "show who sends which KV heads to whom for a TP pair"),
     "prefill": ("sglang_kvxfer.cli.servers:PrefillCommand", "run a prefill TP group (and its bootstrap) serving clients"),

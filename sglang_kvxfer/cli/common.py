@@ -1,7 +1,9 @@
 """Command-line options shared by ``demo``, ``bench``, ``prefill`` and ``decode``.
 
 Owns the model-geometry flags (with per-side page size and layout) and the deadline
-flags, and turns them into ``KVGeometry`` objects and engine options.
+flags, and turns them into ``KVGeometry`` objects and engine options. With ``sweep=True``
+(``kvxfer bench``) the geometry flags take comma-separated lists; ``side_geometry`` then
+reads one point of the sweep (a namespace with single values).
 """
 from __future__ import annotations
 
@@ -10,30 +12,69 @@ import argparse
 from sglang_kvxfer import envs
 from sglang_kvxfer.geometry import KVGeometry
 
-__all__ = ["add_model_args", "add_side_args", "add_deadline_args", "side_geometry", "engine_options"]
+__all__ = ["add_model_args", "add_side_args", "add_deadline_args", "side_geometry", "engine_options",
+           "int_list", "str_list", "pool_pages"]
 
 
-def add_model_args(p: argparse.ArgumentParser, layers: int = 16) -> None:
-    g = p.add_argument_group("model geometry (must match on both sides)")
+def int_list(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (an argparse type; the error names the text)."""
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} lists no value")
+    return values
+
+
+def str_list(text: str) -> list[str]:
+    values = [v.strip() for v in str(text).split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} lists no value")
+    return values
+
+
+def _mla_list(text: str) -> list[bool]:
+    table = {"on": True, "off": False, "1": True, "0": False, "true": True, "false": False}
+    values = str_list(text)
+    bad = [v for v in values if v.lower() not in table]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: MLA values must be on/off, got {bad}")
+    return [table[v.lower()] for v in values]
+
+
+def add_model_args(p: argparse.ArgumentParser, layers: int = 16, sweep: bool = False) -> None:
+    g = p.add_argument_group("model geometry (must match on both sides)" + ("; lists sweep" if sweep else ""))
+    num, lst = (int_list, "comma list of ") if sweep else (int, "")
     g.add_argument("--layers", type=int, default=layers, help=f"KV layers (default {layers})")
-    g.add_argument("--total-kv-heads", type=int, default=None, help="un-sharded KV heads (default 8; 1 with --mla)")
-    g.add_argument("--head-dim", type=int, default=128, help="K head dim (default 128; MLA latent e.g. 576)")
+    g.add_argument("--total-kv-heads", type=num, default=None,
+                   help=f"{lst}un-sharded KV heads (default 8; 1 with --mla)")
+    g.add_argument("--head-dim", type=num, default=[128] if sweep else 128,
+                   help=f"{lst}K head dim (default 128; MLA latent e.g. 576)")
     g.add_argument("--v-head-dim", type=int, default=None, help="V head dim (default: --head-dim)")
     g.add_argument("--dtype", default="bf16", help="KV dtype: bf16, fp16, fp32, fp8_e4m3, fp8_e5m2 (default bf16)")
-    g.add_argument("--mla", action="store_true", help="MLA latent cache (one head replicated on every rank)")
+    if sweep:
+        g.add_argument("--mla", type=_mla_list, nargs="?", const=[True], default=[False],
+                       help="MLA latent cache; a list such as 'off,on' sweeps both")
+    else:
+        g.add_argument("--mla", action="store_true", help="MLA latent cache (one head replicated on every rank)")
 
 
-def add_side_args(p: argparse.ArgumentParser, both: bool) -> None:
-    """Page size and layout; with ``both`` also per-side overrides (demo, bench)."""
+def add_side_args(p: argparse.ArgumentParser, both: bool, sweep: bool = False) -> None:
+    """Page size and layout; with ``both`` also per-side overrides (demo, bench); with
+    ``sweep`` the per-side values are comma lists."""
     g = p.add_argument_group("pool format")
     g.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     g.add_argument("--layout", default="NHD", help="pool layout NHD or HND (default NHD)")
     g.add_argument("--num-pages", type=int, default=None, help="pool capacity in pages (default: sized for the workload)")
     if both:
-        g.add_argument("--prefill-page-size", type=int, default=None, help="prefill page size (default --page-size)")
-        g.add_argument("--decode-page-size", type=int, default=None, help="decode page size (default --page-size)")
-        g.add_argument("--prefill-layout", default=None, help="prefill layout (default --layout)")
-        g.add_argument("--decode-layout", default=None, help="decode layout (default --layout)")
+        num, text, lst = (int_list, str_list, "comma list: ") if sweep else (int, str, "")
+        g.add_argument("--prefill-page-size", type=num, default=None,
+                       help=f"{lst}prefill page size (default --page-size)")
+        g.add_argument("--decode-page-size", type=num, default=None,
+                       help=f"{lst}decode page size (default --page-size)")
+        g.add_argument("--prefill-layout", type=text, default=None, help=f"{lst}prefill layout (default --layout)")
+        g.add_argument("--decode-layout", type=text, default=None, help=f"{lst}decode layout (default --layout)")
 
 
 def add_deadline_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +97,12 @@ def side_geometry(args: argparse.Namespace, side: str | None, num_pages: int) ->
         head_dim=args.head_dim, v_head_dim=args.v_head_dim, dtype=args.dtype, mla=args.mla,
         page_size=page or args.page_size, layout=layout or args.layout,
         num_pages=args.num_pages or num_pages)
+
+
+def pool_pages(max_tokens: int, page_size: int, concurrency: int) -> int:
+    """Pool capacity for ``concurrency`` requests of ``max_tokens`` in flight, plus one
+    being set up and some slack."""
+    return -(-max_tokens // page_size) * (concurrency + 1) + 8
 
 
 def engine_options(args: argparse.Namespace) -> dict:

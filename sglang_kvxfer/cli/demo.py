@@ -12,7 +12,14 @@ import json
 import sys
 import time
 
-from sglang_kvxfer.cli.common import add_deadline_args, add_model_args, add_side_args, engine_options, side_geometry
+from sglang_kvxfer.cli.common import (
+    add_deadline_args,
+    add_model_args,
+    add_side_args,
+    engine_options,
+    pool_pages,
+    side_geometry,
+)
 from sglang_kvxfer.cli.workload import make_requests, parse_tokens, run_workload, summarize
 from sglang_kvxfer.geometry import check_compatible
 
@@ -32,25 +39,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--log-level", default="WARNING", help="log level of the rank processes")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics: prefill rank r on PORT+r, decode rank r on PORT+prefill_tp+r "
+                        "(default 0: off; needs prometheus_client)")
     add_model_args(p)
     add_side_args(p, both=True)
     add_deadline_args(p)
 
 
 def run_demo(args: argparse.Namespace) -> dict:
-    from sglang_kvxfer.cli.group import RankGroup, make_spec
+    from sglang_kvxfer.cli.group import make_spec, open_groups
     from sglang_kvxfer.engine.bootstrap import BootstrapServer
 
     tokens = parse_tokens(args.tokens)
     for name in ("prefill_tp", "decode_tp", "concurrency"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    def pool_pages(side: str) -> int:  # room for every request in flight, plus slack
-        page = getattr(args, f"{side}_page_size") or args.page_size
-        return -(-max(tokens) // page) * (args.concurrency + 1) + 8
-
-    gp = side_geometry(args, "prefill", pool_pages("prefill"))
-    gd = side_geometry(args, "decode", pool_pages("decode"))
+    gp, gd = (side_geometry(args, side, pool_pages(max(tokens), getattr(args, f"{side}_page_size") or args.page_size,
+                                                   args.concurrency)) for side in ("prefill", "decode"))
 
     check_compatible(gp, gd)
     gp.placement(args.prefill_tp, 0)
@@ -62,11 +68,16 @@ def run_demo(args: argparse.Namespace) -> dict:
     with BootstrapServer() as boot:
         say(f"kvxfer demo: bootstrap at {boot.address}; starting {args.prefill_tp} prefill + "
             f"{args.decode_tp} decode rank process(es), transport {args.transport}")
+        ports = (args.metrics_port, args.metrics_port + args.prefill_tp) if args.metrics_port else (0, 0)
         spec_p = make_spec("prefill", gp, args.prefill_tp, boot.address, args.transport, options=opts,
-                           concurrency=args.concurrency + 1, log_level=args.log_level)
+                           concurrency=args.concurrency + 1, log_level=args.log_level, metrics_port=ports[0])
         spec_d = make_spec("decode", gd, args.decode_tp, boot.address, args.transport, options=opts,
-                           concurrency=args.concurrency + 1, log_level=args.log_level)
-        with RankGroup(spec_p) as pre, RankGroup(spec_d) as dec:
+                           concurrency=args.concurrency + 1, log_level=args.log_level, metrics_port=ports[1])
+        pre, dec = open_groups(spec_p, spec_d)
+        with pre, dec:
+            if args.metrics_port:
+                say("kvxfer demo: metrics at " + ", ".join(f"http://127.0.0.1:{p}/metrics"
+                                                           for p in pre.metrics_ports + dec.metrics_ports))
             say(f"kvxfer demo: {len(jobs)} requests of {','.join(map(str, tokens))} tokens, "
                 f"{args.chunk_tokens or 'one'}-token chunks, {args.concurrency} in flight")
             timeout = args.bootstrap_timeout + args.waiting_timeout + args.transfer_timeout + 30

@@ -17,16 +17,24 @@ import msgpack
 
 from sglang_kvxfer.errors import KVXferError, TransferTimeoutError
 
-__all__ = ["RankGroup", "make_spec"]
+__all__ = ["RankGroup", "make_spec", "open_groups"]
 
 
 def make_spec(role: str, geometry, tp_size: int, bootstrap: str, transport: str, host: str = "127.0.0.1",
               devices: list[str] | None = None, options: dict | None = None, concurrency: int = 4,
-              log_level: str = "WARNING") -> dict:
-    """The per-group part of a rank spec (``tp_rank`` and ``device`` are added per rank)."""
+              log_level: str = "WARNING", metrics_port: int = 0) -> dict:
+    """The per-group part of a rank spec (``tp_rank`` and ``device`` are added per rank).
+
+    ``metrics_port``: 0 = no metrics endpoint; otherwise rank ``r`` serves Prometheus
+    metrics on ``metrics_port + r`` at ``host``.
+    """
+    if isinstance(metrics_port, bool) or not isinstance(metrics_port, int) or not 0 <= metrics_port < 65536 - tp_size:
+        raise ValueError(f"metrics_port={metrics_port!r} must be 0 (off) or a port with room for "
+                         f"{tp_size} rank(s) below 65536")
     return {"role": role, "geometry": geometry.to_dict(), "tp_size": tp_size, "bootstrap": bootstrap,
             "transport": transport, "host": host, "devices": devices or ["cpu"] * tp_size,
-            "options": options or {}, "concurrency": concurrency, "log_level": log_level}
+            "options": options or {}, "concurrency": concurrency, "log_level": log_level,
+            "metrics_port": metrics_port}
 
 
 class RankGroup:
@@ -48,6 +56,7 @@ class RankGroup:
         self._next_id = 0
         self._closed = False
         self.sessions: list[str] = []
+        self.metrics_ports: list[int] = []  # per rank, 0 when off
         specs = [dict(spec, tp_rank=rank, device=devices[rank]) for rank in range(self.tp_size)]
         for part in ([specs] if one_process else [[s] for s in specs]):
             parent, child = ctx.Pipe()
@@ -80,6 +89,7 @@ class RankGroup:
                 if not msg.get("ok"):
                     raise KVXferError(f"{self.role} rank {msg.get('rank')} failed to start: {msg.get('reason')}")
                 self.sessions.append(msg["session"])
+                self.metrics_ports.append(msg.get("metrics_port", 0))
 
     def _read(self) -> None:
         from multiprocessing.connection import wait
@@ -158,3 +168,24 @@ class RankGroup:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def open_groups(spec_p: dict, spec_d: dict, one_process: bool = False,
+                ready_timeout_s: float = 120.0) -> tuple["RankGroup", "RankGroup"]:
+    """Start a prefill group and a decode group at the same time (process start-up is
+    most of a short run); if either fails, both are closed and the first error raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2, thread_name_prefix="kvxfer-start") as pool:
+        futs = [pool.submit(RankGroup, spec, ready_timeout_s, one_process) for spec in (spec_p, spec_d)]
+    groups, errors = [], []
+    for fut in futs:
+        try:
+            groups.append(fut.result())
+        except BaseException as exc:
+            errors.append(exc)
+    if errors:
+        for group in groups:
+            group.close()
+        raise errors[0]
+    return groups[0], groups[1]

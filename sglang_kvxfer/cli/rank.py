@@ -4,8 +4,11 @@ A rank process is started by a ``RankGroup`` (``cli/group.py``) and talks to it 
 pipe in msgpack (no pickle): it answers ``ready`` once its manager is up, runs ``transfer``
 jobs concurrently and answers each with a ``result``, and stops on ``stop`` or when its
 parent disappears. Because there is no model, a prefill rank fills the request's pages
-with content derived from (room, layer, head, token) and a decode rank verifies every byte
-it received against the same function.
+with content derived from (room, layer, head, token) before it hands over the first chunk
+(so filling is not part of the transfer window) and a decode rank verifies every byte it
+received against the same function. Each result carries the rank's ``RequestRecord``
+(``metrics.py``). With ``metrics_port`` in its spec the rank serves Prometheus metrics on
+``metrics_port + tp_rank``.
 """
 from __future__ import annotations
 
@@ -59,11 +62,24 @@ class RankServer:
             bootstrap=spec["bootstrap"], transport=spec["transport"], host=spec["host"],
             device=spec["device"], **spec.get("options", {}))
         self.mgr = KVManager(self.config)
+        self.metrics = None
+        try:
+            if spec.get("metrics_port"):
+                from sglang_kvxfer.metrics import serve_metrics
+
+                self.metrics = serve_metrics(self.mgr, spec["metrics_port"] + self.config.tp_rank, spec["host"])
+        except BaseException:
+            self.mgr.close()
+            raise
         self.pages = PageAllocator(geometry.num_pages, seed=spec.get("seed", 0) + self.config.tp_rank)
         self.job_timeout_s = (self.config.bootstrap_timeout_s + self.config.waiting_timeout_s
                               + self.config.transfer_timeout_s)
         if spec["role"] == "prefill":
-            self.mgr.wait_registered(self.config.bootstrap_timeout_s + 5)
+            try:
+                self.mgr.wait_registered(self.config.bootstrap_timeout_s + 5)
+            except BaseException:
+                self.close()
+                raise
 
     def _alloc(self, n: int) -> np.ndarray:
         deadline = time.monotonic() + self.config.waiting_timeout_s
@@ -97,11 +113,11 @@ class RankServer:
         pages = self._alloc(-(-tokens // g.page_size))
         try:
             sender = KVSender(self.mgr, job["room"])
+            if job["verify"]:
+                fill_request(self.mgr.placement, self.mgr.pool.buffers, job["room"], pages, 0, tokens)
             t_start = time.monotonic()
             for a in range(0, tokens, chunk):
                 b = min(tokens, a + chunk)
-                if job["verify"]:
-                    fill_request(self.mgr.placement, self.mgr.pool.buffers, job["room"], pages, a, b - a)
                 last = b == tokens
                 if a and job.get("chunk_delay_s"):
                     time.sleep(job["chunk_delay_s"])  # stands in for the prefill forward of this chunk
@@ -110,7 +126,8 @@ class RankServer:
             poll = _wait_terminal(sender, self.job_timeout_s)
             out = {"ok": poll == KVPoll.Success, "reason": sender.failure_reason or "",
                    "bytes": sender.bytes_sent, "ops": sender.ops, "paths": sender.paths,
-                   "timings": sender.timings, "t_start": t_start, "t_end": time.monotonic()}
+                   "timings": sender.timings, "t_start": t_start, "t_end": time.monotonic(),
+                   "record": sender.record.to_dict()}
             sender.clear()
             return out
         finally:
@@ -138,7 +155,7 @@ class RankServer:
             out = {"ok": ok, "reason": rx.failure_reason or "", "verified": ok and job["verify"] and not problems,
                    "problems": problems[:3], "bytes": stats["bytes"], "timings": stats["timings"],
                    "aux_ok": (not ok) or rx.aux_payload == job["aux"],
-                   "t_start": t_start, "t_end": t_end}
+                   "t_start": t_start, "t_end": t_end, "record": rx.record.to_dict()}
             if ok and rx.aux_payload != job["aux"]:
                 out["problems"].append(f"aux payload {rx.aux_payload!r} != {job['aux']!r}")
                 out["verified"] = False
@@ -148,6 +165,8 @@ class RankServer:
             self.pages.free(pages)
 
     def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         self.mgr.close()
 
 
@@ -175,7 +194,8 @@ def rank_main(specs_bytes: bytes, conn) -> None:
                 return
             _send(conn, lock, {"op": "ready", "ok": True, "reason": "", "rank": spec["tp_rank"],
                                "session": servers[-1].mgr.session,
-                               "endpoint": servers[-1].mgr.control.endpoint})
+                               "endpoint": servers[-1].mgr.control.endpoint,
+                               "metrics_port": servers[-1].metrics.port if servers[-1].metrics else 0})
         _serve(servers, conn, lock, parent, first.get("concurrency", 4))
     finally:
         for server in servers:

@@ -3,8 +3,15 @@
 Owns ``make_requests`` (rooms, mixed lengths, chunk sizes), ``run_workload`` (keeps up to
 ``concurrency`` requests in flight on a prefill side and a decode side, with a deadline
 per request and a progress line on stderr) and ``summarize`` (bytes, GB/s, latency
-percentiles, ops per request, data paths). The two sides are anything with
-``submit(job) -> Future`` of per-rank results: a ``RankGroup`` or a remote server client.
+percentiles of the transfer window and of each phase, ops per request, data paths). The
+two sides are anything with ``submit(job) -> Future`` of per-rank results: a ``RankGroup``
+or a remote server client.
+
+A request's transfer time is the longest window among its decode ranks' records
+(``metrics.py``: first byte ready on the prefill -> last notice processed), each measured
+on that decode rank's own clock, so it is right across hosts too. Busy time and
+``transfer_gbps`` use the union of the requests' windows, which assumes the decode ranks
+share a clock (one host: the demo and the benchmark).
 """
 from __future__ import annotations
 
@@ -17,7 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["make_requests", "run_workload", "summarize", "RequestResult", "parse_tokens"]
+from sglang_kvxfer.metrics import PHASES, RequestRecord
+
+__all__ = ["make_requests", "run_workload", "summarize", "RequestResult", "parse_tokens", "Progress"]
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -57,6 +66,13 @@ class RequestResult:
     e2e_s: float
     prefill: list = field(repr=False, default_factory=list)
     decode: list = field(repr=False, default_factory=list)
+    tail_s: float = float("nan")
+    window: tuple = (float("nan"), float("nan"))  # (start, end) on the decode ranks' clock
+    phases: dict = field(default_factory=dict)  # phase -> seconds, the largest among the ranks
+
+
+def _records(results: list[dict]) -> list[RequestRecord]:
+    return [RequestRecord.from_dict(r["record"]) for r in results if r.get("record")]
 
 
 def _combine(job: dict, pre: list[dict], dec: list[dict], e2e: float) -> RequestResult:
@@ -64,9 +80,15 @@ def _combine(job: dict, pre: list[dict], dec: list[dict], e2e: float) -> Request
                for r in rs if not r.get("ok")]
     problems = [p for r in dec for p in r.get("problems", [])]
     ok = not reasons
-    starts = [r["t_start"] for r in pre if "t_start" in r]
-    ends = [r["t_end"] for r in dec if "t_end" in r]
-    transfer = (max(ends) - min(starts)) if (ok and starts and ends) else float("nan")
+    nan = float("nan")
+    pre_rec, dec_rec = _records(pre), _records(dec)
+    timed = [r for r in dec_rec if r.transfer_s is not None]
+    complete = ok and bool(timed) and len(timed) == len(dec)
+    transfer = max(r.transfer_s for r in timed) if complete else nan
+    tails = [r.tail_s for r in timed if r.tail_s is not None]
+    window = (min(r.first_byte_ready for r in timed), max(r.last_notice for r in timed)) if complete else (nan, nan)
+    phases = {p: max([r.phases.get(p, 0.0) for r in (dec_rec if p == "scatter" else pre_rec)] or [0.0])
+              for p in PHASES}
     paths: dict[str, int] = {}
     for r in pre:
         for k, v in (r.get("paths") or {}).items():
@@ -76,12 +98,17 @@ def _combine(job: dict, pre: list[dict], dec: list[dict], e2e: float) -> Request
         verified=ok and job["verify"] and all(r.get("verified") for r in dec),
         reason="; ".join(reasons + problems)[:2000], bytes=sum(r.get("bytes", 0) for r in dec),
         ops=sum(r.get("ops", 0) for r in pre), paths=paths, transfer_s=transfer, e2e_s=e2e,
-        prefill=pre, decode=dec)
+        prefill=pre, decode=dec, tail_s=max(tails) if complete and tails else nan, window=window,
+        phases=phases)
 
 
-class _Progress:
+class Progress:
+    """A progress line on stderr (redrawn on a terminal, every 2 s otherwise); ``note``
+    names what runs now. One bar may span several ``run_workload`` calls."""
+
     def __init__(self, total: int, enabled: bool, label: str = "requests"):
         self.total, self.enabled, self.label = total, enabled, label
+        self.note = ""
         self.done = self.failed = self.bytes = 0
         self.t0 = time.monotonic()
         self._last = 0.0
@@ -99,19 +126,23 @@ class _Progress:
         filled = int(width * self.done / self.total)
         rate = self.bytes / max(now - self.t0, 1e-9) / 1e9
         line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {self.label}, "
-                f"{self.bytes / 1e9:.2f} GB, {rate:.2f} GB/s, {self.failed} failed")
+                f"{self.bytes / 1e9:.2f} GB, {rate:.2f} GB/s, {self.failed} failed"
+                + (f" | {self.note}" if self.note else ""))
         end = "\r" if self._tty and self.done < self.total else "\n"
         print(line, end=end, file=sys.stderr, flush=True)
 
 
 def run_workload(prefill, decode, jobs: list[dict], concurrency: int, timeout_s: float,
-                 progress: bool = True, label: str = "requests") -> tuple[list[RequestResult], float]:
-    """Run ``jobs`` with up to ``concurrency`` in flight; returns results (job order) and wall s."""
+                 progress: bool | Progress = True, label: str = "requests") -> tuple[list[RequestResult], float]:
+    """Run ``jobs`` with up to ``concurrency`` in flight; returns results (job order) and wall s.
+
+    ``progress``: show a progress line of its own (bool), or advance the given ``Progress``.
+    """
     if concurrency < 1:
         raise ValueError(f"--concurrency={concurrency} must be >= 1")
     results: list[RequestResult | None] = [None] * len(jobs)
     slots = threading.Semaphore(concurrency)
-    bar = _Progress(len(jobs), progress, label)
+    bar = progress if isinstance(progress, Progress) else Progress(len(jobs), bool(progress), label)
     lock = threading.Lock()
     threads = []
 
@@ -150,12 +181,35 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
 
 
+def percentiles_ms(seconds: list[float]) -> dict:
+    """p50/p90/p99 in milliseconds of the finite values (NaN when there are none)."""
+    ms = [v * 1e3 for v in seconds if v == v]
+    return {f"p{q}": round(_pct(ms, q), 3) for q in (50, 90, 99)}
+
+
+def busy_seconds(windows: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals (NaN ones skipped)."""
+    total, cur_start, cur_end = 0.0, None, None
+    for a, b in sorted(w for w in windows if w[0] == w[0] and w[1] == w[1]):
+        if cur_end is None or a > cur_end:
+            total += (cur_end - cur_start) if cur_end is not None else 0.0
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    return total + ((cur_end - cur_start) if cur_end is not None else 0.0)
+
+
 def summarize(results: list[RequestResult], wall_s: float, **meta) -> dict:
+    """Totals and percentiles of one workload. ``gbps`` is bytes over the wall time (it
+    includes filling and verifying); ``transfer_gbps`` and ``descriptors_per_s`` are over
+    the busy time (while at least one transfer window was open)."""
     ok = [r for r in results if r.ok]
     lat = [r.transfer_s * 1e3 for r in ok if r.transfer_s == r.transfer_s]
     e2e = [r.e2e_s * 1e3 for r in ok]
     total = sum(r.bytes for r in ok)
     ops = [r.ops for r in ok]
+    busy = busy_seconds([r.window for r in ok])
+    per_request = [r.bytes / r.transfer_s / 1e9 for r in ok if r.transfer_s == r.transfer_s and r.transfer_s > 0]
     paths: dict[str, int] = {}
     for r in ok:
         for k, v in r.paths.items():
@@ -173,6 +227,12 @@ def summarize(results: list[RequestResult], wall_s: float, **meta) -> dict:
         "p90_ms": round(_pct(lat, 90), 3),
         "p99_ms": round(_pct(lat, 99), 3),
         "e2e_p50_ms": round(_pct(e2e, 50), 3),
+        "busy_s": round(busy, 6),
+        "transfer_gbps": round(total / busy / 1e9, 4) if busy > 0 else 0.0,
+        "request_gbps_p50": round(_pct(per_request, 50), 4),
+        "descriptors_per_s": round(sum(ops) / busy, 1) if busy > 0 else 0.0,
+        "tail_ms": percentiles_ms([r.tail_s for r in ok]),
+        "phases_ms": {p: percentiles_ms([r.phases.get(p, 0.0) for r in ok]) for p in PHASES},
         "ops_per_request": {"min": min(ops) if ops else 0, "median": statistics.median(ops) if ops else 0,
                             "max": max(ops) if ops else 0},
         "ops_by_tokens": sorted({(r.tokens, r.ops) for r in ok}),

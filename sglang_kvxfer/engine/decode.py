@@ -22,6 +22,7 @@ from sglang_kvxfer.engine.config import ENGINE_VERSION
 from sglang_kvxfer.engine.manager import Peer, RankBase
 from sglang_kvxfer.errors import IncompatibleGeometryError, KVXferError, TransferFailedError
 from sglang_kvxfer.geometry import check_compatible
+from sglang_kvxfer.metrics import RequestRecord, note_writer_done
 from sglang_kvxfer.planning import candidate_prefill_ranks, plan_pair, plan_tp
 from sglang_kvxfer.protocol.fields import Side
 from sglang_kvxfer.protocol.messages import (
@@ -81,6 +82,17 @@ class DecodeRoom:
         self.finished_at: float | None = None
         self.waiting_for = ""
         self.untold: tuple[type, str] | None = None  # failure the prefill ranks have not heard yet
+        self.ops = 0
+        self.marks: dict[str, float] = {}  # transfer-window estimates on this clock (metrics.py)
+
+    def record(self, tp_rank: int) -> RequestRecord:
+        ok = self.state.poll is KVPoll.Success
+        return RequestRecord(room=self.room, side="decode", tp_rank=tp_rank, ok=ok, reason=self.state.reason or "",
+                             bytes=self.bytes, ops=self.ops, phases=dict(self.timings),
+                             first_byte_ready=self.marks.get("first_byte_ready"),
+                             last_chunk_ready=self.marks.get("last_chunk_ready"),
+                             last_notice=self.finished_at if ok else None,
+                             failure_kind="aborted" if "aborted" in self.marks else "")
 
 
 class DecodeManager(RankBase):
@@ -375,10 +387,10 @@ class DecodeManager(RankBase):
         if rec is None or rec.state.is_terminal:
             return
         self._touch(msg.tp_rank)
-        rec.last_notice = time.monotonic()
-        self.worker_for(rec.room).submit(lambda: self._writer_done(rec, msg))
+        arrived = rec.last_notice = time.monotonic()
+        self.worker_for(rec.room).submit(lambda: self._writer_done(rec, msg, arrived))
 
-    def _writer_done(self, rec: DecodeRoom, msg: TransferDone) -> None:
+    def _writer_done(self, rec: DecodeRoom, msg: TransferDone, arrived: float) -> None:
         with self._lock:
             if rec.state.is_terminal:
                 return
@@ -390,7 +402,8 @@ class DecodeManager(RankBase):
             else:
                 problem = ""
                 rec.bytes += msg.total_bytes
-                for k, v in msg.timings.items():
+                rec.ops += msg.num_ops
+                for k, v in note_writer_done(rec.marks, msg.timings, arrived).items():
                     rec.timings[k] = rec.timings.get(k, 0.0) + v
                 if msg.aux_payload:
                     rec.aux_payload = msg.aux_payload
@@ -400,6 +413,7 @@ class DecodeManager(RankBase):
         if done:
             rec.finished_at = time.monotonic()
             self._free_windows(rec)
+            self._request_ended(rec)
 
     # -- failures and liveness ---------------------------------------------------------------------
     def _free_windows(self, rec: DecodeRoom) -> None:
@@ -423,6 +437,7 @@ class DecodeManager(RankBase):
             if notify and not peers:
                 rec.untold = (TransferFailed, reason)  # sent once the group is known
         log.warning("decode rank %d room %d failed: %s", self.tp_rank, rec.room, reason)
+        self._request_ended(rec)
         # Free the windows after any scatter already queued for this room has run.
         self.worker_for(rec.room).submit(lambda: self._free_windows(rec))
         for peer in peers:
@@ -433,12 +448,13 @@ class DecodeManager(RankBase):
         with self._lock:
             if rec.state.is_terminal:
                 return
-            rec.state.abort(reason, time.monotonic())
-            rec.finished_at = time.monotonic()
+            rec.marks["aborted"] = rec.finished_at = time.monotonic()
+            rec.state.abort(reason, rec.finished_at)
             group = self._groups.get(rec.group)
             peers = list(group.peers.values()) if group else []
             if not peers:
                 rec.untold = (Abort, reason)  # sent once the group is known
+        self._request_ended(rec)
         self.worker_for(rec.room).submit(lambda: self._free_windows(rec))
         for peer in peers:
             self.control.send(peer.endpoint, Abort(room=rec.room, side=Side.DECODE,
@@ -536,6 +552,11 @@ class KVReceiver:
         r = self._rec
         return {"bytes": r.bytes, "timings": dict(r.timings), "first_notice": r.first_notice,
                 "last_notice": r.last_notice, "finished_at": r.finished_at}
+
+    @property
+    def record(self) -> RequestRecord:
+        """This request on this rank: bytes, ops, phases and its transfer window (metrics.py)."""
+        return self._rec.record(self.mgr.tp_rank)
 
     def abort(self, reason: str = "aborted by the decode side") -> None:
         self.mgr.abort(self._rec, reason)

@@ -85,6 +85,8 @@ class RankBase:
         self._lock = threading.RLock()
         self._rooms: dict[int, object] = {}
         self._closed = False
+        # Called with each finished request's RequestRecord (metrics.py); on engine threads.
+        self.request_listeners: list[Callable] = []
         self.transport = self.pool = self.staging = self.control = None
         self._workers: list[Worker] = []
         try:
@@ -120,6 +122,23 @@ class RankBase:
     def room(self, room: int):
         with self._lock:
             return self._rooms.get(room)
+
+    def num_inflight(self) -> int:
+        """Requests on this rank that have not succeeded or failed yet."""
+        with self._lock:
+            return sum(not rec.state.is_terminal for rec in self._rooms.values())
+
+    def _request_ended(self, rec) -> None:
+        """Give the finished room's record to the listeners; a listener's error is logged,
+        never raised into the data path."""
+        if not self.request_listeners:
+            return
+        record = rec.record(self.tp_rank)
+        for listener in list(self.request_listeners):
+            try:
+                listener(record)
+            except Exception:
+                log.exception("request listener failed for room %d", rec.room)
 
     def _peers(self) -> list[Peer]:
         """Peers to send heartbeats to and watch (overridden)."""

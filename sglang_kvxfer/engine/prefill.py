@@ -26,6 +26,7 @@ from sglang_kvxfer.engine.manager import Peer, RankBase
 from sglang_kvxfer.engine.pool import BufferLoc
 from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeoutError
 from sglang_kvxfer.geometry import check_compatible
+from sglang_kvxfer.metrics import SINCE_FIRST_BYTE, SINCE_LAST_CHUNK, RequestRecord
 from sglang_kvxfer.planning import candidate_decode_ranks, plan_pair, plan_tp
 from sglang_kvxfer.protocol.fields import Side
 from sglang_kvxfer.protocol.messages import (
@@ -92,6 +93,23 @@ class PrefillRoom:
         self.timings: dict[str, float] = collections.defaultdict(float)
         self.sender_attached = False
         self.finished_at: float | None = None
+        self.marks: dict[str, float] = {}  # monotonic times of the transfer window (metrics.py)
+
+    def window(self) -> tuple[float | None, float | None]:
+        """(first byte ready, last chunk ready): handed over and destinations known."""
+        known = self.marks.get("dest_known")
+        if known is None or "first_chunk" not in self.marks:
+            return None, None
+        last = self.marks.get("last_chunk")
+        return max(known, self.marks["first_chunk"]), (max(known, last) if last is not None else None)
+
+    def record(self, tp_rank: int) -> RequestRecord:
+        first, last = self.window()
+        return RequestRecord(room=self.room, side="prefill", tp_rank=tp_rank, ok=self.state.poll is KVPoll.Success,
+                             reason=self.state.reason or "", bytes=self.bytes, ops=self.ops,
+                             phases=dict(self.timings), first_byte_ready=first, last_chunk_ready=last,
+                             last_notice=self.marks.get("done"),
+                             failure_kind="aborted" if "aborted" in self.marks else "")
 
 
 class PrefillManager(RankBase):
@@ -219,7 +237,8 @@ class PrefillManager(RankBase):
                 rec.metas[meta.tp_rank] = meta
                 ready = rec.state.poll is KVPoll.Bootstrapping and set(rec.metas) == set(rec.expected)
                 if ready:
-                    rec.state.handle(Event.BOOTSTRAPPED, time.monotonic())
+                    rec.marks["dest_known"] = time.monotonic()
+                    rec.state.handle(Event.BOOTSTRAPPED, rec.marks["dest_known"])
         if problem:
             self._fail_room(rec, problem)
         elif ready:
@@ -264,6 +283,10 @@ class PrefillManager(RankBase):
         with self._lock:
             if rec.state.is_terminal:
                 return
+            now = time.monotonic()
+            rec.marks.setdefault("first_chunk", now)
+            if chunk.last:
+                rec.marks["last_chunk"] = now
             rec.pending.append(chunk)
             ready = rec.state.poll in (KVPoll.WaitingForInput, KVPoll.Transferring)
         if ready:
@@ -405,6 +428,7 @@ class PrefillManager(RankBase):
         t0 = time.perf_counter()
         pair = plan_pair(t, self.placement, peer.placement, rec.src_pages, meta.dst_page_ids,
                          num_tokens=rec.num_tokens, token_start=a, token_stop=b, path="staged")
+        t_planned = time.perf_counter()
         remote_off = self._acquire_slot(rec, t.decode_rank, meta, slot_bytes)
         try:
             local_off = self._alloc_local(rec, pair.staging_nbytes)
@@ -426,7 +450,8 @@ class PrefillManager(RankBase):
                 rec.inflight[t.decode_rank].discard(remote_off)
             raise
         t2 = time.perf_counter()
-        rec.timings["plan"] += t1 - t0
+        rec.timings["plan"] += t_planned - t0
+        rec.timings["wait"] += t1 - t_planned  # flow control: a free staging slot on both sides
         rec.timings["gather"] += t2 - t1
         return ticket, local_off, remote_off, pair, a, b, t2
 
@@ -490,6 +515,10 @@ class PrefillManager(RankBase):
 
     def _finish(self, rec: PrefillRoom, readers, aux: bytes) -> None:
         timings = {k: round(v, 6) for k, v in rec.timings.items()}
+        now = rec.marks["done"] = time.monotonic()  # before the notices: they may land at once
+        for key, mark in zip((SINCE_FIRST_BYTE, SINCE_LAST_CHUNK), rec.window()):
+            if mark is not None:  # ages, so the decode rank can place the window on its own clock
+                timings[key] = max(0.0, now - mark)
         for t in readers:
             meta = rec.metas[t.decode_rank]
             self.control.send(self._peer_of(meta).endpoint, TransferDone(
@@ -497,9 +526,11 @@ class PrefillManager(RankBase):
                 num_ops=rec.reader_ops[t.decode_rank],
                 aux_payload=aux, timings=timings))
         with self._lock:
-            if not rec.state.is_terminal:
-                rec.state.handle(Event.TRANSFER_DONE, time.monotonic())
-                rec.finished_at = time.monotonic()
+            if rec.state.is_terminal:
+                return
+            rec.state.handle(Event.TRANSFER_DONE, time.monotonic())
+            rec.finished_at = time.monotonic()
+        self._request_ended(rec)
 
     # -- failures --------------------------------------------------------------------------------
     def _fail_room(self, rec, reason: str, notify: bool = True, already_failed: bool = False) -> None:
@@ -513,6 +544,7 @@ class PrefillManager(RankBase):
         with rec.cond:
             rec.cond.notify_all()
         log.warning("prefill rank %d room %d failed: %s", self.tp_rank, rec.room, reason)
+        self._request_ended(rec)
         if notify:
             for d, session in targets:
                 peer = self._decode_peers.get(session)
@@ -524,10 +556,12 @@ class PrefillManager(RankBase):
         with self._lock:
             if rec.state.is_terminal:
                 return
-            rec.state.abort(reason, time.monotonic())
+            rec.marks["aborted"] = time.monotonic()
+            rec.state.abort(reason, rec.marks["aborted"])
             targets = [m.session for m in rec.metas.values()]
         with rec.cond:
             rec.cond.notify_all()
+        self._request_ended(rec)
         for session in targets:
             peer = self._decode_peers.get(session)
             if peer is not None:
@@ -641,6 +675,11 @@ class KVSender:
     @property
     def timings(self) -> dict[str, float]:
         return dict(self._rec.timings)
+
+    @property
+    def record(self) -> RequestRecord:
+        """This request on this rank: bytes, ops, phases and its transfer window (metrics.py)."""
+        return self._rec.record(self.mgr.tp_rank)
 
     def clear(self) -> None:
         self.mgr.release(self.room)

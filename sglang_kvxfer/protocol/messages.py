@@ -292,7 +292,7 @@ class TransferDone(Message):
     total_bytes: Count
     num_ops: Count
     aux_payload: AuxPayload   # e.g. first output token id + a small metadata blob
-    timings: PhaseTimings     # phase -> seconds, read-only
+    timings: PhaseTimings     # phase -> seconds, read-only; plus the window ages of metrics.py
 
 
 @message
