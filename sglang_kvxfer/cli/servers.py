@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--devices", default="cpu",
                    help="pool device per rank: cpu, or a comma list like cuda:0,cuda:1 (default cpu)")
     p.add_argument("--concurrency", type=int, default=8, help="requests each rank runs at once (default 8)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics: rank r on PORT+r at --host (needs prometheus_client; "
+                        "default 0: off)")
     p.add_argument("--log-level", default="INFO", help="log level (default INFO)")
     add_model_args(p)
     add_side_args(p, both=False)
@@ -152,7 +155,8 @@ def serve(args: argparse.Namespace, role: str) -> int:
         transport = resolve_transport(args, role, bootstrap)
         spec = make_spec(role, geometry, args.tp, bootstrap, transport, host=args.host,
                          devices=_devices(args.devices, args.tp), options=engine_options(args),
-                         concurrency=args.concurrency, log_level=args.log_level.upper())
+                         concurrency=args.concurrency, log_level=args.log_level.upper(),
+                         metrics_port=args.metrics_port)
         log.info("starting %d %s rank(s), transport %s", args.tp, role, transport)
         info = {"op": "info", "role": role, "tp_size": args.tp, "geometry": geometry.to_dict(),
                 "transport": transport, "bootstrap": bootstrap}
@@ -179,8 +183,10 @@ def serve(args: argparse.Namespace, role: str) -> int:
                 stop = lambda *_: port.stop()  # noqa: E731
                 signal.signal(signal.SIGINT, stop)
                 signal.signal(signal.SIGTERM, stop)
+                metrics = "".join(f", metrics http://{args.host}:{p}/metrics" for p in group.metrics_ports if p)
                 print(f"kvxfer {role}: TP {args.tp} ready on tcp://{args.host}:{args.port} "
-                      f"(bootstrap {bootstrap}, transport {transport}); Ctrl-C stops", file=sys.stderr, flush=True)
+                      f"(bootstrap {bootstrap}, transport {transport}{metrics}); Ctrl-C stops",
+                      file=sys.stderr, flush=True)
                 port.serve()
         finally:
             port.close()
