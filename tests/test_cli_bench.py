@@ -49,7 +49,7 @@ BAD = [
     (["--prefill-tp", "0"], "--prefill-tp values must be >= 1, got [0]"),
     (["--tokens", "12,x"], "argument --tokens: '12,x' is not a comma-separated list of integers"),
     (["--mla", "maybe"], "MLA values must be on/off, got ['maybe']"),
-    (["--transport", "nope"], "--transport 'nope' is unknown; registered: local, tcp"),
+    (["--transport", "nope"], "--transport 'nope' is unknown; registered: local, mori, nixl, tcp"),
     (["--prefill-devices", "cuda:0", "--prefill-tp", "1,2"],
      "--prefill-devices lists 1 device(s) (cuda:0); --prefill-tp 2 needs 2"),
     (["--decode-devices", "gpu0"], "--decode-devices: ['gpu0'] must be cpu or cuda[:N]"),
