@@ -42,7 +42,7 @@ from sglang_kvxfer.protocol.messages import (
     TransferFailed,
 )
 from sglang_kvxfer.protocol.state import Event, KVPoll
-from sglang_kvxfer.transports.base import TicketState, wait_all
+from sglang_kvxfer.transports.base import Ticket, TicketState, wait_all
 
 __all__ = ["PrefillManager", "KVSender"]
 
@@ -416,36 +416,40 @@ class PrefillManager(RankBase):
                         ticket.wait(self.config.transfer_timeout_s)
                     except KVXferError:
                         pass
-                self.staging.free(local_off)
+                if local_off is not None:
+                    self.staging.free(local_off)
                 with rec.cond:
                     rec.inflight[t.decode_rank].discard(remote_off)
             raise
 
     def _post_slot(self, rec, t, peer: DecodePeer, meta: RequestMeta, a: int, b: int, slot_bytes: int):
-        from sglang_kvxfer import ops
-
+        """Gather tokens [a, b) for one staging slot and start moving it. Where the transport
+        maps the reader's staging here (``local`` shared memory, CUDA IPC) the gather writes
+        straight into the slot: no local staging and no transport write."""
         g = self.config.geometry
         t0 = time.perf_counter()
         pair = plan_pair(t, self.placement, peer.placement, rec.src_pages, meta.dst_page_ids,
                          num_tokens=rec.num_tokens, token_start=a, token_stop=b, path="staged")
         t_planned = time.perf_counter()
         remote_off = self._acquire_slot(rec, t.decode_rank, meta, slot_bytes)
+        local_off = None
         try:
-            local_off = self._alloc_local(rec, pair.staging_nbytes)
+            with self.transport.remote_view(peer.staging, remote_off, pair.staging_nbytes) as view:
+                if view is not None:
+                    t1 = time.perf_counter()
+                    self._gather(pair, view)
+                    ticket = Ticket.completed(f"room {rec.room}: gathered into the reader's slot")
+                    posted = 0  # no transport write
+            if view is None:
+                local_off = self._alloc_local(rec, pair.staging_nbytes)
+                t1 = time.perf_counter()
+                self._gather(pair, self.staging.view(local_off, pair.staging_nbytes))
+                ticket = self.transport.write(self.staging.region, peer.staging, [local_off], [remote_off],
+                                              [pair.staging_nbytes])
+                posted = pair.staged_op_count
         except BaseException:
-            with rec.cond:
-                rec.inflight[t.decode_rank].discard(remote_off)
-            raise
-        t1 = time.perf_counter()
-        try:
-            ops.gather_kv_heads(self.pool.buffers[: g.num_layers],
-                                self.pool.buffers[g.num_layers:] if g.has_v else None,
-                                out=self.staging.view(local_off, pair.staging_nbytes), **pair.gather_kwargs())
-            self._sync_device()
-            ticket = self.transport.write(self.staging.region, peer.staging, [local_off], [remote_off],
-                                          [pair.staging_nbytes])
-        except BaseException:
-            self.staging.free(local_off)
+            if local_off is not None:
+                self.staging.free(local_off)
             with rec.cond:
                 rec.inflight[t.decode_rank].discard(remote_off)
             raise
@@ -453,28 +457,38 @@ class PrefillManager(RankBase):
         rec.timings["plan"] += t_planned - t0
         rec.timings["wait"] += t1 - t_planned  # flow control: a free staging slot on both sides
         rec.timings["gather"] += t2 - t1
-        return ticket, local_off, remote_off, pair, a, b, t2
+        return ticket, local_off, remote_off, pair, a, b, t2, posted
+
+    def _gather(self, pair, out) -> None:
+        from sglang_kvxfer import ops
+
+        g = self.config.geometry
+        ops.gather_kv_heads(self.pool.buffers[: g.num_layers],
+                            self.pool.buffers[g.num_layers:] if g.has_v else None,
+                            out=out, **pair.gather_kwargs())
+        self._sync_device()
 
     def _complete_slot(self, rec, t, peer: DecodePeer, entry) -> None:
-        ticket, local_off, remote_off, pair, a, b, posted = entry
+        ticket, local_off, remote_off, pair, a, b, t_posted, ops = entry
         try:
             ticket.wait(self.config.transfer_timeout_s)
         except BaseException:
-            self.staging.free(local_off)
             with rec.cond:
                 rec.inflight[t.decode_rank].discard(remote_off)
             raise
-        self.staging.free(local_off)
+        finally:
+            if local_off is not None:
+                self.staging.free(local_off)
         t3 = time.perf_counter()
         self.control.send(peer.endpoint, ChunkReady(
             room=rec.room, tp_rank=self.tp_rank, token_start=a, num_tokens=b - a,
             staging_offset=remote_off, chunk_bytes=pair.staging_nbytes))
-        rec.timings["wire"] += t3 - posted
+        rec.timings["wire"] += t3 - t_posted
         rec.timings["notify"] += time.perf_counter() - t3
         rec.bytes += pair.nbytes
-        rec.ops += pair.staged_op_count
+        rec.ops += ops
         rec.reader_bytes[t.decode_rank] += pair.nbytes
-        rec.reader_ops[t.decode_rank] += pair.staged_op_count
+        rec.reader_ops[t.decode_rank] += ops
 
     def _acquire_slot(self, rec: PrefillRoom, reader: int, meta: RequestMeta, slot_bytes: int) -> int:
         """Wait (bounded) until one of the reader's staging slots has been scattered."""

@@ -10,6 +10,7 @@ import torch: transports do that.
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -289,6 +290,26 @@ class Transport(abc.ABC):
             remote_name=f"remote region {remote.region_id} of peer {remote.peer_id!r}",
         )
         return self._write(local, remote, coalesce(entries))
+
+    @contextlib.contextmanager
+    def remote_view(self, remote: RemoteRegion, offset: int, nbytes: int):
+        """Optional: a writable ``torch.uint8`` tensor over ``nbytes`` of a peer's region at
+        ``offset``, for producers that can write there directly (a gather kernel filling the
+        peer's staging slot: one copy less than gather + ``write``). Yields ``None`` where
+        the peer's memory is not mapped here (the default); the view is valid only inside
+        the ``with`` block, and bytes written through it are the caller's to order."""
+        self._check_open()
+        if not isinstance(remote, RemoteRegion):
+            raise TypeError(f"remote must be a RemoteRegion, got {type(remote).__name__}")
+        if offset < 0 or nbytes < 0 or offset + nbytes > remote.nbytes:
+            raise ValueError(f"remote_view [{offset}, {offset + nbytes}) is outside remote region "
+                             f"{remote.region_id} of peer {remote.peer_id!r} ({remote.nbytes} bytes)")
+        with self._remote_view(remote, offset, nbytes) as view:
+            yield view
+
+    @contextlib.contextmanager
+    def _remote_view(self, remote: RemoteRegion, offset: int, nbytes: int):
+        yield None  # not mapped: callers fall back to write()
 
     def read(self, local: Region, remote: RemoteRegion, local_offsets, remote_offsets,
              sizes) -> Ticket:

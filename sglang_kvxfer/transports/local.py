@@ -16,6 +16,8 @@ This module must not open sockets or import torch unless a CUDA region is used.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import itertools
 import os
@@ -280,6 +282,31 @@ class LocalTransport(Transport):
                 self._targets.release(dst)
         finally:
             self._regions.release(src)
+
+    @contextlib.contextmanager
+    def _remote_view(self, remote: RemoteRegion, offset: int, nbytes: int):
+        """Shared memory and CUDA IPC regions are mapped here: hand out a view (leased, so
+        the mapping outlives it); private (CMA) regions are not."""
+        peer = self._peer(remote.peer_id)
+        if peer.failed is not None:
+            raise PeerGoneError(peer.failed)
+        lease = self._targets.acquire((remote.peer_id, remote.region_id))
+        if lease is None:
+            raise ValueError(f"remote region {remote.region_id} of peer {remote.peer_id!r} "
+                             "is not imported (import_region it first)")
+        try:
+            target = lease.value
+            if target.kind == "cuda":
+                yield target.mapping[offset: offset + nbytes]
+            elif target.kind == "shm" and nbytes:
+                import torch
+
+                raw = (ctypes.c_char * nbytes).from_address(target.base + offset)
+                yield torch.frombuffer(raw, dtype=torch.uint8, count=nbytes)
+            else:
+                yield None
+        finally:
+            self._targets.release(lease)
 
     def _copy(self, label, peer: _Peer, peer_id: str, src: _LocalRegion, dst: _Target,
               entries: Entries) -> Ticket:

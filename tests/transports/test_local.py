@@ -264,3 +264,35 @@ def test_cuda_region_that_cannot_be_opened_is_a_transport_error(shm_peer):
         # no CUDA here, or (on a GPU machine) a handle of zeros: either way it cannot open
         with pytest.raises(TransportError, match="cannot open peer 'p'.s CUDA region by CUDA IPC"):
             t.import_region("p", _cuda_region(agent))
+
+
+def test_remote_view_writes_land_in_the_peers_shared_memory(shm_peer):
+    import torch
+
+    shm_peer.fill(3)
+    before = shm_peer.read()
+    with LocalTransport() as t:
+        t.add_peer("p", shm_peer.agent)
+        remote = t.import_region("p", shm_peer.region)
+        with t.remote_view(remote, 4096, 1000) as view:
+            assert view.dtype == torch.uint8 and view.numel() == 1000
+            view.copy_(torch.arange(1000, dtype=torch.int64).remainder(251).to(torch.uint8))
+        with pytest.raises(ValueError, match=r"remote_view \[1048000, 1049000\) is outside remote region"):
+            with t.remote_view(remote, 1048000, 1000):
+                pass
+    after = shm_peer.read()
+    expected = before.copy()
+    expected[4096:5096] = (np.arange(1000) % 251).astype(np.uint8)
+    assert np.array_equal(after, expected)  # those bytes, and nothing else
+
+
+def test_remote_view_of_private_memory_is_none():
+    peer = PeerProcess("local", {}, "private", 1 << 16)
+    try:
+        with LocalTransport() as t:
+            t.add_peer("p", peer.agent)
+            remote = t.import_region("p", peer.region)
+            with t.remote_view(remote, 0, 16) as view:
+                assert view is None  # CMA targets are not mapped here: callers use write()
+    finally:
+        peer.close()
