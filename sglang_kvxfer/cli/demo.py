@@ -100,7 +100,7 @@ def render(s: dict) -> str:
         + ("" if s["verify"] else " (verification off)"),
         f"bytes: {s['bytes'] / 1e6:.1f} MB in {s['wall_s']:.2f} s = {s['gbps']:.2f} GB/s",
         f"transfer latency per request: p50 {s['p50_ms']:.1f} ms, p90 {s['p90_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms",
-        f"ops per request (transport writes): {s['ops_per_request']} by tokens: "
+        f"ops per request (bulk moves into a reader): {s['ops_per_request']} by tokens: "
         + ", ".join(f"{t}->{o}" for t, o in s["ops_by_tokens"]),
         f"data path (writer->reader pairs): {s['data_path']}",
     ]

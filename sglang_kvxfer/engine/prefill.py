@@ -439,14 +439,12 @@ class PrefillManager(RankBase):
                     t1 = time.perf_counter()
                     self._gather(pair, view)
                     ticket = Ticket.completed(f"room {rec.room}: gathered into the reader's slot")
-                    posted = 0  # no transport write
             if view is None:
                 local_off = self._alloc_local(rec, pair.staging_nbytes)
                 t1 = time.perf_counter()
                 self._gather(pair, self.staging.view(local_off, pair.staging_nbytes))
                 ticket = self.transport.write(self.staging.region, peer.staging, [local_off], [remote_off],
                                               [pair.staging_nbytes])
-                posted = pair.staged_op_count
         except BaseException:
             if local_off is not None:
                 self.staging.free(local_off)
@@ -457,7 +455,7 @@ class PrefillManager(RankBase):
         rec.timings["plan"] += t_planned - t0
         rec.timings["wait"] += t1 - t_planned  # flow control: a free staging slot on both sides
         rec.timings["gather"] += t2 - t1
-        return ticket, local_off, remote_off, pair, a, b, t2, posted
+        return ticket, local_off, remote_off, pair, a, b, t2
 
     def _gather(self, pair, out) -> None:
         from sglang_kvxfer import ops
@@ -469,7 +467,8 @@ class PrefillManager(RankBase):
         self._sync_device()
 
     def _complete_slot(self, rec, t, peer: DecodePeer, entry) -> None:
-        ticket, local_off, remote_off, pair, a, b, t_posted, ops = entry
+        ticket, local_off, remote_off, pair, a, b, t_posted = entry
+        ops = pair.staged_op_count  # one bulk move into the reader's slot (a write, or in place)
         try:
             ticket.wait(self.config.transfer_timeout_s)
         except BaseException:
