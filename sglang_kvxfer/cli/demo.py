@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 from sglang_kvxfer.cli.common import (
     add_deadline_args,

@@ -134,7 +134,7 @@ def request(address: str, message, timeout_s: float) -> BootstrapReply:
     down or unreachable) and ``RemoteProtocolError`` for a malformed reply.
     """
     host, port = parse_host_port(address)
-    ctx = zmq.Context.instance()
+    ctx = zmq.Context()  # its own: nothing global outlives the call (or a closing manager)
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -154,3 +154,4 @@ def request(address: str, message, timeout_s: float) -> BootstrapReply:
                 return reply
     finally:
         sock.close(0)
+        ctx.term()

@@ -24,7 +24,7 @@ from sglang_kvxfer.errors import IncompatibleGeometryError, KVXferError, Transfe
 from sglang_kvxfer.geometry import check_compatible
 from sglang_kvxfer.metrics import RequestRecord, note_writer_done
 from sglang_kvxfer.planning import candidate_prefill_ranks, plan_pair, plan_tp
-from sglang_kvxfer.protocol.fields import Side
+from sglang_kvxfer.protocol.fields import STAGING_SLOTS, Side
 from sglang_kvxfer.protocol.messages import (
     Abort,
     BootstrapQuery,
@@ -43,7 +43,6 @@ __all__ = ["DecodeManager", "KVReceiver"]
 
 log = logging.getLogger("sglang_kvxfer.decode")
 
-_SLOTS = 2
 
 
 class PrefillGroup:
@@ -110,8 +109,7 @@ class DecodeManager(RankBase):
             group = self._groups.get(address)
             if group is None or group.status == "failed":
                 group = self._groups[address] = PrefillGroup(address)
-                threading.Thread(target=self._resolve, args=(group,), daemon=True,
-                                 name=f"kvxfer-decode{self.tp_rank}-resolve").start()
+                self.start_thread(self._resolve, f"kvxfer-decode{self.tp_rank}-resolve", group)
             return group
 
     def prefill_group_status(self, address: str) -> tuple:
@@ -135,7 +133,7 @@ class DecodeManager(RankBase):
         reply, last = None, "no answer"
         while not self._closed and time.monotonic() < deadline:
             try:
-                reply = bootstrap.request(group.address, query, timeout_s=2.0)
+                reply = bootstrap.request(group.address, query, timeout_s=0.5)
             except KVXferError as exc:
                 last = str(exc)
             else:
@@ -144,6 +142,8 @@ class DecodeManager(RankBase):
                 last = reply.reason
             reply = None
             time.sleep(0.1)
+        if self._closed:
+            return
         if reply is None:
             return self._group_failed(group, f"bootstrap {group.address}: prefill group not ready after "
                                              f"{self.config.bootstrap_timeout_s:.0f} s ({last})")
@@ -273,7 +273,6 @@ class DecodeManager(RankBase):
 
     def _lend_windows(self, rec: DecodeRoom, writers, group: PrefillGroup):
         """Staging windows for the writers whose pair is staged; None if space is short now."""
-        g = self.config.geometry
         lent: dict[int, tuple[int, int]] = {}
         for p, t in writers.items():
             src = group.placements[p]
@@ -288,15 +287,15 @@ class DecodeManager(RankBase):
                 continue
             per_token = pair.nbytes // rec.num_tokens
             slot = max(per_token, min(self.config.staging_slot_bytes, pair.nbytes))
-            offset = self.staging.alloc(_SLOTS * slot)
+            offset = self.staging.alloc(STAGING_SLOTS * slot)
             if offset is None:
                 for off, _ in lent.values():
                     self.staging.free(off)
-                if _SLOTS * slot > self.staging.nbytes:
+                if STAGING_SLOTS * slot > self.staging.nbytes:
                     raise TransferFailedError(f"one token of this pair needs {slot} B of staging; the arena "
                                               f"holds {self.staging.nbytes} B (KVXFER_STAGING_BYTES)", rec.room)
                 return None
-            lent[p] = (offset, _SLOTS * slot)
+            lent[p] = (offset, STAGING_SLOTS * slot)
         return lent
 
     # -- messages (I/O thread) --------------------------------------------------------------------

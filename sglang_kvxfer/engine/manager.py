@@ -89,6 +89,7 @@ class RankBase:
         self.request_listeners: list[Callable] = []
         self.transport = self.pool = self.staging = self.control = None
         self._workers: list[Worker] = []
+        self._helpers: list[threading.Thread] = []
         try:
             self.transport = get_transport(config.transport, **config.transport_options)
             shared = config.transport == "local" and config.device == "cpu"
@@ -112,6 +113,12 @@ class RankBase:
     @property
     def tp_rank(self) -> int:
         return self.config.tp_rank
+
+    def start_thread(self, target, name: str, *args) -> None:
+        """A helper thread that ``close()`` joins (it must check ``self._closed`` often)."""
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._helpers.append(thread)
+        thread.start()
 
     def worker_for(self, room: int) -> Worker:
         return self._workers[room % len(self._workers)]
@@ -188,6 +195,9 @@ class RankBase:
         if getattr(self, "_closed", False) and self.control is None:
             return
         self._closed = True
+        for thread in getattr(self, "_helpers", []):
+            if thread is not threading.current_thread():
+                thread.join(timeout_s)
         if self.control is not None:
             self.control.close(timeout_s)
             self.control = None

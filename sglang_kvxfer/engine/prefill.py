@@ -28,7 +28,7 @@ from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeo
 from sglang_kvxfer.geometry import check_compatible
 from sglang_kvxfer.metrics import SINCE_FIRST_BYTE, SINCE_LAST_CHUNK, RequestRecord
 from sglang_kvxfer.planning import candidate_decode_ranks, plan_pair, plan_tp
-from sglang_kvxfer.protocol.fields import Side
+from sglang_kvxfer.protocol.fields import STAGING_SLOTS, Side
 from sglang_kvxfer.protocol.messages import (
     Abort,
     ChunkAck,
@@ -48,7 +48,6 @@ __all__ = ["PrefillManager", "KVSender"]
 
 log = logging.getLogger("sglang_kvxfer.prefill")
 
-_SLOTS = 2
 
 
 class DecodePeer(Peer):
@@ -123,8 +122,7 @@ class PrefillManager(RankBase):
         super().__init__(config, pool)
         self._registered = threading.Event()
         self.registration_error: str | None = None
-        threading.Thread(target=self._register_with_bootstrap, name=f"kvxfer-prefill{self.tp_rank}-boot",
-                         daemon=True).start()
+        self.start_thread(self._register_with_bootstrap, f"kvxfer-prefill{self.tp_rank}-boot")
 
     # -- bootstrap -----------------------------------------------------------------------------
     def _register_with_bootstrap(self) -> None:
@@ -136,7 +134,7 @@ class PrefillManager(RankBase):
         last = "no answer"
         while not self._closed and time.monotonic() < deadline:
             try:
-                reply = bootstrap.request(self.config.bootstrap, msg, timeout_s=2.0)
+                reply = bootstrap.request(self.config.bootstrap, msg, timeout_s=0.5)
             except KVXferError as exc:
                 last = str(exc)
                 time.sleep(0.2)
@@ -393,7 +391,7 @@ class PrefillManager(RankBase):
         g = self.config.geometry
         if peer.staging is None:
             raise TransferFailedError(f"decode rank {t.decode_rank} registered no staging region", rec.room)
-        slot_bytes = meta.staging_capacity_bytes // _SLOTS
+        slot_bytes = meta.staging_capacity_bytes // STAGING_SLOTS
         per_token = g.num_layers * t.num_heads * (g.head_dim + g.v_head_dim) * g.itemsize
         step = slot_bytes // per_token
         if step < 1:
@@ -403,7 +401,7 @@ class PrefillManager(RankBase):
         a = start
         try:
             while a < stop or inflight:
-                if a < stop and len(inflight) < _SLOTS:
+                if a < stop and len(inflight) < STAGING_SLOTS:
                     b = min(stop, a + step)
                     inflight.append(self._post_slot(rec, t, peer, meta, a, b, slot_bytes))
                     a = b
@@ -426,7 +424,6 @@ class PrefillManager(RankBase):
         """Gather tokens [a, b) for one staging slot and start moving it. Where the transport
         maps the reader's staging here (``local`` shared memory, CUDA IPC) the gather writes
         straight into the slot: no local staging and no transport write."""
-        g = self.config.geometry
         t0 = time.perf_counter()
         pair = plan_pair(t, self.placement, peer.placement, rec.src_pages, meta.dst_page_ids,
                          num_tokens=rec.num_tokens, token_start=a, token_stop=b, path="staged")
@@ -492,7 +489,7 @@ class PrefillManager(RankBase):
     def _acquire_slot(self, rec: PrefillRoom, reader: int, meta: RequestMeta, slot_bytes: int) -> int:
         """Wait (bounded) until one of the reader's staging slots has been scattered."""
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        slots = [meta.staging_offset + i * slot_bytes for i in range(_SLOTS)]
+        slots = [meta.staging_offset + i * slot_bytes for i in range(STAGING_SLOTS)]
         with rec.cond:
             while True:
                 if rec.state.is_terminal:

@@ -57,6 +57,9 @@ MAX_AGENT_DESCRIPTOR_BYTES = 4 * 1024 * 1024  # a transport agent's connection i
 MAX_REGION_DESCRIPTOR_BYTES = 16 * 1024     # one registered memory region
 MAX_KV_REGIONS = 8192                       # KV buffers of one rank (2 * layers, draft layers)
 MAX_TIMINGS = 32                            # entries of TransferDone.timings
+# A staged pair's window (RequestMeta.staging_capacity_bytes) is this many equal slots: the
+# writer fills one while the reader scatters the other (ChunkReady / ChunkAck).
+STAGING_SLOTS = 2
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1

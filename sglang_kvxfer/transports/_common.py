@@ -12,7 +12,7 @@ from typing import Callable
 
 from sglang_kvxfer.errors import TransportError
 
-__all__ = ["pack_descriptor", "unpack_descriptor", "UseTable"]
+__all__ = ["pack_descriptor", "unpack_descriptor", "UseTable", "open_write"]
 
 DESCRIPTOR_VERSION = 1
 
@@ -129,3 +129,32 @@ class UseTable:
     def busy(self, key) -> bool:
         lease = self._live.get(key)
         return lease is not None and lease.uses > 0
+
+
+def open_write(label: str, peer, imported, remote, regions: "UseTable", local, entries):
+    """The checks every transport's ``_write`` starts with.
+
+    ``peer`` is the transport's record of ``remote.peer_id`` (None if unknown; it has a
+    ``failed`` reason or None) and ``imported`` what it imported as ``remote.region_id``.
+    Returns ``(lease, None)``, a lease on the local region to go on with, or ``(None,
+    ticket)`` when the batch is over without a byte moved (the peer failed, or no entries).
+    Raises ``ValueError`` for an unknown peer, a remote region not imported, or a local
+    region not registered.
+    """
+    from sglang_kvxfer.errors import PeerGoneError
+    from sglang_kvxfer.transports.ticket import Ticket
+
+    if peer is None:
+        raise ValueError(f"unknown peer {remote.peer_id!r} (add_peer it first)")
+    if imported != remote:
+        raise ValueError(f"remote region {remote.region_id} of peer {remote.peer_id!r} "
+                         "is not imported (import_region it first)")
+    lease = regions.acquire(local.region_id)
+    if lease is None:
+        raise ValueError(f"local region {local.region_id} is not registered here")
+    if peer.failed is not None or entries.num_entries == 0:
+        regions.release(lease)
+        if peer.failed is not None:
+            return None, Ticket.failed(label, PeerGoneError(peer.failed))
+        return None, Ticket.completed(label)
+    return lease, None

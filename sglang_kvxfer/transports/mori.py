@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sglang_kvxfer.errors import PeerGoneError, TransferTimeoutError, TransportError
-from sglang_kvxfer.transports._common import UseTable, pack_descriptor, unpack_descriptor
+from sglang_kvxfer.transports._common import UseTable, open_write, pack_descriptor, unpack_descriptor
 from sglang_kvxfer.transports._mori_engine import (UINT32_MAX, EngineSettings, int_option,
                                                    create_engine)
 from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
@@ -271,19 +271,10 @@ class MoriTransport(Transport):
             self._drain_events()
             self._reap()
             peer = self._peers.get(remote.peer_id)
-            if peer is None:
-                raise ValueError(f"unknown peer {remote.peer_id!r} (add_peer it first)")
-            if peer.regions.get(remote.region_id, (None,))[0] != remote:
-                raise ValueError(f"remote region {remote.region_id} of peer {remote.peer_id!r} "
-                                 "is not imported (import_region it first)")
-            lease = self._regions.acquire(local.region_id)
-            if lease is None:
-                raise ValueError(f"local region {local.region_id} is not registered here")
-            if peer.failed is not None or entries.num_entries == 0:
-                self._regions.release(lease)
-                if peer.failed is not None:
-                    return Ticket.failed(label, PeerGoneError(peer.failed))
-                return Ticket.completed(label)
+            imported = peer.regions.get(remote.region_id, (None,))[0] if peer is not None else None
+            lease, done = open_write(label, peer, imported, remote, self._regions, local, entries)
+            if done is not None:
+                return done
             entries = _split_large(entries, self._max_entry)
             try:
                 session = self._warm(local.region_id, remote.peer_id, remote.region_id)

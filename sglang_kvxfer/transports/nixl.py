@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sglang_kvxfer.errors import PeerGoneError, TransportError
-from sglang_kvxfer.transports._common import UseTable, pack_descriptor, unpack_descriptor
+from sglang_kvxfer.transports._common import UseTable, open_write, pack_descriptor, unpack_descriptor
 from sglang_kvxfer.transports._nixl_agent import (UcxSettings, create_agent, exit_process,
                                                   import_api, ucx_backend_created)
 from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
@@ -279,20 +279,11 @@ class NixlTransport(Transport):
         with self._lock:
             self._check_open()
             peer = self._peers.get(remote.peer_id)
-            if peer is None:
-                raise ValueError(f"unknown peer {remote.peer_id!r} (add_peer it first)")
-            target = peer.regions.get(remote.region_id)
-            if target is None or target.remote != remote:
-                raise ValueError(f"remote region {remote.region_id} of peer {remote.peer_id!r} "
-                                 "is not imported (import_region it first)")
-            lease = self._regions.acquire(local.region_id)
-            if lease is None:
-                raise ValueError(f"local region {local.region_id} is not registered here")
-            if peer.failed is not None or entries.num_entries == 0:
-                self._regions.release(lease)
-                if peer.failed is not None:
-                    return Ticket.failed(label, PeerGoneError(peer.failed))
-                return Ticket.completed(label)
+            target = peer.regions.get(remote.region_id) if peer is not None else None
+            lease, done = open_write(label, peer, target.remote if target is not None else None,
+                                     remote, self._regions, local, entries)
+            if done is not None:
+                return done
             xfer = _Xfer(self, remote.peer_id, None, (), lease)
             try:
                 xfer.handle, xfer.extra = self._request(lease.value, peer, target, entries)

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sglang_kvxfer import envs
-from sglang_kvxfer.errors import PeerGoneError, TransportError
-from sglang_kvxfer.transports._common import UseTable, pack_descriptor, unpack_descriptor
+from sglang_kvxfer.errors import TransportError
+from sglang_kvxfer.transports._common import UseTable, open_write, pack_descriptor, unpack_descriptor
 from sglang_kvxfer.transports._memory import view
 from sglang_kvxfer.transports._tcp_conn import (HEADER, MAX_ENTRIES, T_WRITE, _Conn, _Inbound,
                                                 _Job, _shutdown)
@@ -246,19 +246,10 @@ class TcpTransport(Transport):
     def _write(self, local: Region, remote: RemoteRegion, entries: Entries) -> Ticket:
         label = f"tcp write {local.region_id}->{remote.peer_id}:{remote.region_id}"
         peer = self._peers.get(remote.peer_id)
-        if peer is None:
-            raise ValueError(f"unknown peer {remote.peer_id!r} (add_peer it first)")
-        if peer.regions.get(remote.region_id) != remote:
-            raise ValueError(f"remote region {remote.region_id} of peer {remote.peer_id!r} is "
-                             "not imported (import_region it first)")
-        lease = self._regions.acquire(local.region_id)
-        if lease is None:
-            raise ValueError(f"local region {local.region_id} is not registered here")
-        if peer.failed is not None or entries.num_entries == 0:
-            self._regions.release(lease)
-            if peer.failed is not None:
-                return Ticket.failed(label, PeerGoneError(peer.failed))
-            return Ticket.completed(label)
+        imported = peer.regions.get(remote.region_id) if peer is not None else None
+        lease, done = open_write(label, peer, imported, remote, self._regions, local, entries)
+        if done is not None:
+            return done
         shares = _split(entries, min(self._num_conns,
                                      max(1, entries.total_bytes // self._split_min)))
         frames = [(i, _slice(share, a, a + _FRAME_ENTRIES)) for i, share in enumerate(shares)
