@@ -38,6 +38,7 @@ import socket
 import struct
 import sys
 import threading
+import weakref
 import time
 import types
 from collections import deque
@@ -268,6 +269,14 @@ def _frame_recv(sock):
     return msgpack.unpackb(body, raw=False)
 
 
+# (engine key, memory id) of every region registered with a fake engine of this process and
+# not deregistered yet: a completion never writes into memory that was deregistered (and may
+# since be freed), as real MORI drops a region's MRs on deregister_memory.
+_LIVE_MEMORY: set = set()
+_IN_PROCESS: set = set()  # keys of the engines created in this process (their memory is checked)
+_LIVE_LOCK = threading.Lock()
+
+
 class _Engine:
     """``mori.io.IOEngine`` as of the source tree (no ``pop_peer_failure``)."""
 
@@ -275,6 +284,8 @@ class _Engine:
         with open("/proc/sys/kernel/random/boot_id") as f:
             node_id = f.read().strip()
         self._desc = [key, node_id, socket.gethostname(), config.host, config.port, os.getpid()]
+        with _LIVE_LOCK:
+            _IN_PROCESS.add(key)
         self.fake = _Knobs()
         self.backends: dict = {}
         self._mems: dict[int, tuple] = {}      # id -> (MemoryDesc, visible to the backend)
@@ -282,7 +293,11 @@ class _Engine:
         self._mem_ids, self._uids = itertools.count(0), itertools.count(0)
         self._jobs: queue.Queue = queue.Queue()
         self._server = None
-        threading.Thread(target=self._complete_loop, daemon=True).start()
+        self._servers: list = []
+        # The threads hold only a weak reference, so dropping the engine (MoriTransport.close)
+        # stops them, as MORI's destructor stops its own: a test run leaks no threads.
+        threading.Thread(target=_complete_loop, args=(weakref.ref(self), self._jobs), daemon=True).start()
+        weakref.finalize(self, _shut_down, self._jobs, self._servers)
 
     def get_engine_desc(self) -> EngineDesc:
         return EngineDesc._make(self._desc)
@@ -293,8 +308,10 @@ class _Engine:
         if type == BackendType.RDMA:
             self.fake.rdma_devices = os.environ.get("MORI_RDMA_DEVICES")
             self._server = socket.create_server((self._desc[3], self._desc[4]))
+            self._servers.append(self._server)
             self._desc[4] = self._server.getsockname()[1]
-            threading.Thread(target=self._serve_control, daemon=True).start()
+            threading.Thread(target=_serve_control, args=(weakref.ref(self), self._server),
+                             daemon=True).start()
         self.backends[BackendType(type)] = config or RdmaBackendConfig()
 
     def register_remote_engine(self, desc: EngineDesc):
@@ -311,10 +328,14 @@ class _Engine:
                                 device_bus_id=f"0000:{device_id + 1:02x}:00.0" if gpu else "",
                                 numa_node=-1 if gpu else 0)
         self._mems[desc.id] = (desc, BackendType.RDMA in self.backends)
+        with _LIVE_LOCK:
+            _LIVE_MEMORY.add((desc.engine_key, desc.id))
         return desc
 
     def deregister_memory(self, desc: MemoryDesc):
         self._mems.pop(desc.id, None)
+        with _LIVE_LOCK:
+            _LIVE_MEMORY.discard((desc.engine_key, desc.id))
 
     def allocate_transfer_uid(self) -> int:
         return next(self._uids)
@@ -389,43 +410,73 @@ class _Engine:
         order = np.argsort(ro, kind="stable")  # MORI sorts by remote offset before posting
         self._jobs.put((session, lo[order], ro[order], sz[order], status))
 
-    def _complete_loop(self) -> None:
-        while True:
-            session, lo, ro, sz, status = self._jobs.get()
-            self.fake.gate.wait()
-            if self.fake.fail_next is not None:
-                (code, message), self.fake.fail_next = self.fake.fail_next, None
-                status.Update(code, message)
-                del session, status
-                continue
-            try:
-                cma_write(session.remote_pid, session.local.data + lo, session.remote.data + ro,
-                          sz)
-            except OSError as exc:
-                if exc.errno == errno.ESRCH:
-                    self.fake.events.append(PeerFailureEvent(
-                        session.remote.engine_key, PeerFailureReason.PEER_UNREACHABLE,
-                        detail="RETRY_EXC_ERR: remote process gone"))
-                status.Update(StatusCode.ERR_RDMA_OP, f"ibv_post_send/CQE error: {exc}")
-            else:
-                status.Update(StatusCode.SUCCESS, "")
-            del session, status  # like MORI's completion path, keep no reference once done
+    def _complete(self, job) -> None:
+        session, lo, ro, sz, status = job
+        self.fake.gate.wait()
+        if self.fake.fail_next is not None:
+            (code, message), self.fake.fail_next = self.fake.fail_next, None
+            status.Update(code, message)
+            return
+        with _LIVE_LOCK:
+            gone = [m for m in (session.local, session.remote)
+                    if (m.engine_key, m.id) not in _LIVE_MEMORY and m.engine_key in _IN_PROCESS]
+        if gone:
+            status.Update(StatusCode.ERR_NOT_FOUND, "memory region was deregistered")
+            return
+        try:
+            cma_write(session.remote_pid, session.local.data + lo, session.remote.data + ro, sz)
+        except OSError as exc:
+            if exc.errno == errno.ESRCH:
+                self.fake.events.append(PeerFailureEvent(
+                    session.remote.engine_key, PeerFailureReason.PEER_UNREACHABLE,
+                    detail="RETRY_EXC_ERR: remote process gone"))
+            status.Update(StatusCode.ERR_RDMA_OP, f"ibv_post_send/CQE error: {exc}")
+        else:
+            status.Update(StatusCode.SUCCESS, "")
 
-    def _serve_control(self) -> None:
-        while True:
-            try:
-                sock, _ = self._server.accept()
-            except OSError:
+    def _answer(self, sock) -> None:
+        try:
+            _, mem_id = _frame_recv(sock)
+            entry = self._mems.get(mem_id)
+            _frame_send(sock, [entry is not None and entry[1], entry[0].size if entry else 0])
+        except (OSError, ConnectionError, ValueError):
+            pass
+
+
+def _shut_down(jobs: queue.Queue, servers: list) -> None:
+    jobs.put(None)
+    for server in servers:
+        try:
+            server.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        except OSError:
+            pass
+        server.close()
+
+
+def _complete_loop(engine_ref, jobs: queue.Queue) -> None:
+    """Completes posted batches in order (the fake's CQ thread)."""
+    while True:
+        job = jobs.get()
+        engine = engine_ref() if job is not None else None
+        if engine is None:
+            return
+        engine._complete(job)
+        del engine, job  # like MORI's completion path, keep no reference once done
+
+
+def _serve_control(engine_ref, server) -> None:
+    """Answers memory-region questions from peers (the fake's control plane)."""
+    while True:
+        try:
+            sock, _ = server.accept()
+        except OSError:
+            return
+        with sock:
+            engine = engine_ref()
+            if engine is None:
                 return
-            with sock:
-                try:
-                    _, mem_id = _frame_recv(sock)
-                    entry = self._mems.get(mem_id)
-                    _frame_send(sock, [entry is not None and entry[1],
-                                       entry[0].size if entry else 0])
-                except (OSError, ConnectionError, ValueError):
-                    pass
-
+            engine._answer(sock)
+            del engine
 
 class IOEngine124(_Engine):
     """``mori.io.IOEngine`` of wheel 1.2.4, which adds ``pop_peer_failure``."""
