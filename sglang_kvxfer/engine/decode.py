@@ -12,14 +12,13 @@ its staging windows; the next request to a live peer works.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import numpy as np
 
 from sglang_kvxfer.engine import bootstrap
 from sglang_kvxfer.engine.config import ENGINE_VERSION
-from sglang_kvxfer.engine.manager import Peer, RankBase
+from sglang_kvxfer.engine.manager import Peer, RankBase, RequestHandle
 from sglang_kvxfer.errors import IncompatibleGeometryError, KVXferError, TransferFailedError
 from sglang_kvxfer.geometry import check_compatible
 from sglang_kvxfer.metrics import RequestRecord, note_writer_done
@@ -491,7 +490,7 @@ class DecodeManager(RankBase):
                 del self._rooms[room]
 
 
-class KVReceiver:
+class KVReceiver(RequestHandle):
     """Decode side of one request, as SGLang's scheduler drives it.
 
     ``KVReceiver(mgr, room)`` starts looking up and registering with the prefill group
@@ -499,6 +498,8 @@ class KVReceiver:
     ``KVPoll.Success`` when every writer is done (then ``aux_payload`` holds the prefill's
     aux bytes) or ``KVPoll.Failed`` (then ``failure_reason`` says why).
     """
+
+    _abort_reason = "aborted by the decode side"
 
     def __init__(self, mgr: DecodeManager, room: int, bootstrap_addr: str | None = None):
         if not isinstance(mgr, DecodeManager):
@@ -528,16 +529,6 @@ class KVReceiver:
         self._sent = True
         self.mgr.set_metadata(self._rec, pages, tokens, int(aux_slot))
 
-    def poll(self) -> KVPoll:
-        return self._rec.state.poll
-
-    @property
-    def failure_reason(self) -> str | None:
-        return self._rec.state.reason
-
-    def failure_exception(self) -> None:
-        raise TransferFailedError(self._rec.state.reason or "the transfer failed", self.room)
-
     @property
     def aux_payload(self) -> bytes:
         return self._rec.aux_payload
@@ -551,14 +542,3 @@ class KVReceiver:
         r = self._rec
         return {"bytes": r.bytes, "timings": dict(r.timings), "first_notice": r.first_notice,
                 "last_notice": r.last_notice, "finished_at": r.finished_at}
-
-    @property
-    def record(self) -> RequestRecord:
-        """This request on this rank: bytes, ops, phases and its transfer window (metrics.py)."""
-        return self._rec.record(self.mgr.tp_rank)
-
-    def abort(self, reason: str = "aborted by the decode side") -> None:
-        self.mgr.abort(self._rec, reason)
-
-    def clear(self) -> None:
-        self.mgr.release(self.room)

@@ -219,6 +219,37 @@ class RankBase:
         self.close()
 
 
+class RequestHandle:
+    """What ``KVSender`` and ``KVReceiver`` share: the request's poll, its failure, abort,
+    its metrics record and ``clear``. Subclasses set ``mgr``, ``room`` and ``_rec``."""
+
+    _abort_reason = "aborted"
+
+    def poll(self) -> KVPoll:
+        return self._rec.state.poll
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self._rec.state.reason
+
+    def failure_exception(self) -> None:
+        from sglang_kvxfer.errors import TransferFailedError
+
+        raise TransferFailedError(self._rec.state.reason or "the transfer failed", self.room)
+
+    def abort(self, reason: str | None = None) -> None:
+        self.mgr.abort(self._rec, reason or self._abort_reason)
+
+    @property
+    def record(self):
+        """This request on this rank: bytes, ops, phases and its transfer window (metrics.py)."""
+        return self._rec.record(self.mgr.tp_rank)
+
+    def clear(self) -> None:
+        """Forget the request on this rank (after it ended)."""
+        self.mgr.release(self.room)
+
+
 def KVManager(config: EngineConfig, pool: KVPool | None = None, **kwargs):
     """The manager of ``config.role``: a ``PrefillManager`` or a ``DecodeManager``."""
     if config.role == "prefill":

@@ -22,7 +22,7 @@ import numpy as np
 from sglang_kvxfer import envs
 from sglang_kvxfer.engine import bootstrap
 from sglang_kvxfer.engine.config import ENGINE_VERSION
-from sglang_kvxfer.engine.manager import Peer, RankBase
+from sglang_kvxfer.engine.manager import Peer, RankBase, RequestHandle
 from sglang_kvxfer.engine.pool import BufferLoc
 from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeoutError
 from sglang_kvxfer.geometry import check_compatible
@@ -613,12 +613,14 @@ class PrefillManager(RankBase):
                 rec.sender_attached = False
 
 
-class KVSender:
+class KVSender(RequestHandle):
     """Prefill side of one request, as SGLang's scheduler drives it.
 
     ``send(page_ids, last_chunk)`` may be called in Bootstrapping: chunks wait until every
     decode rank's metadata is in. ``poll()`` returns a ``KVPoll``.
     """
+
+    _abort_reason = "aborted by the prefill side"
 
     def __init__(self, mgr: PrefillManager, room: int):
         if not isinstance(mgr, PrefillManager):
@@ -650,19 +652,6 @@ class KVSender:
         self._finished = bool(last_chunk)
         self.mgr.submit_chunk(self._rec, _Chunk(pages, bool(last_chunk), bytes(aux), ready))
 
-    def poll(self) -> KVPoll:
-        return self._rec.state.poll
-
-    @property
-    def failure_reason(self) -> str | None:
-        return self._rec.state.reason
-
-    def failure_exception(self) -> None:
-        raise TransferFailedError(self._rec.state.reason or "the transfer failed", self.room)
-
-    def abort(self, reason: str = "aborted by the prefill side") -> None:
-        self.mgr.abort(self._rec, reason)
-
     @property
     def bytes_sent(self) -> int:
         return self._rec.bytes
@@ -685,11 +674,3 @@ class KVSender:
     @property
     def timings(self) -> dict[str, float]:
         return dict(self._rec.timings)
-
-    @property
-    def record(self) -> RequestRecord:
-        """This request on this rank: bytes, ops, phases and its transfer window (metrics.py)."""
-        return self._rec.record(self.mgr.tp_rank)
-
-    def clear(self) -> None:
-        self.mgr.release(self.room)
