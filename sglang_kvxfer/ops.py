@@ -99,14 +99,21 @@ def gather_kv_heads(k_buffers, v_buffers, page_ids, *, page_size, head_start, nu
     >>> staging.numel() == staging_nbytes(2, 32, 2, 128, 128, 2)
     True
     """
+    call, staging = _gather_call(k_buffers, v_buffers, page_ids, page_size, head_start,
+                                 num_heads, layout, token_offset, num_tokens, out)
+    _dispatch(call, staging, gather=True)
+    return staging
+
+
+def _gather_call(k_buffers, v_buffers, page_ids, page_size, head_start, num_heads, layout,
+                 token_offset, num_tokens, out):
+    """Validated arguments of a gather and its staging bytes (allocated when ``out`` is None)."""
     call = parse_call(k_buffers, v_buffers, page_ids, page_size=page_size,
                       head_start=head_start, num_heads=num_heads, layout=layout,
                       token_offset=token_offset, num_tokens=num_tokens, unique_pages=False)
     if out is None:
         out = torch.empty(call.staging_nbytes, dtype=torch.uint8, device=call.device)
-    staging = staging_bytes_view(out, "out", call)
-    _dispatch(call, staging, gather=True)
-    return staging
+    return call, staging_bytes_view(out, "out", call)
 
 
 def scatter_kv_heads(staging, k_buffers, v_buffers, page_ids, *, page_size, head_start,
@@ -143,12 +150,8 @@ def gather_kv_heads_reference(k_buffers, v_buffers, page_ids, *, page_size, head
                               num_heads, layout="NHD", token_offset=0, num_tokens=None,
                               out=None) -> torch.Tensor:
     """``gather_kv_heads`` in plain torch indexing (any device); the ground truth of tests."""
-    call = parse_call(k_buffers, v_buffers, page_ids, page_size=page_size,
-                      head_start=head_start, num_heads=num_heads, layout=layout,
-                      token_offset=token_offset, num_tokens=num_tokens, unique_pages=False)
-    if out is None:
-        out = torch.empty(call.staging_nbytes, dtype=torch.uint8, device=call.device)
-    staging = staging_bytes_view(out, "out", call)
+    call, staging = _gather_call(k_buffers, v_buffers, page_ids, page_size, head_start,
+                                 num_heads, layout, token_offset, num_tokens, out)
     _reference(call, staging, gather=True)
     return staging
 

@@ -7,12 +7,14 @@ touch it. This module must not open sockets or map memory.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from typing import Callable
 
 from sglang_kvxfer.errors import TransportError
 
-__all__ = ["pack_descriptor", "unpack_descriptor", "UseTable", "open_write"]
+__all__ = ["pack_descriptor", "unpack_descriptor", "UseTable", "open_write", "env_override"]
 
 DESCRIPTOR_VERSION = 1
 
@@ -129,6 +131,24 @@ class UseTable:
     def busy(self, key) -> bool:
         lease = self._live.get(key)
         return lease is not None and lease.uses > 0
+
+
+@contextlib.contextmanager
+def env_override(name: str, value: str | None):
+    """Set environment variable ``name`` to ``value`` (when not empty) for the ``with``
+    block, then restore what was there: for libraries that read their settings from the
+    environment only while a backend is created."""
+    saved = os.environ.get(name)
+    if value:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value:
+            if saved is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = saved
 
 
 def open_write(label: str, peer, imported, remote, regions: "UseTable", local, entries):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from sglang_kvxfer import envs
 from sglang_kvxfer.errors import TransportError, TransportUnavailableError
 from sglang_kvxfer.transports import _mori_probe
+from sglang_kvxfer.transports._common import env_override
 
 __all__ = ["EngineSettings", "create_engine", "int_option", "UINT32_MAX"]
 
@@ -90,23 +91,16 @@ def create_engine(key: str, settings: EngineSettings, probe: bool):
         raise TransportUnavailableError(f"transport 'mori' needs 'amd-mori' (module "
                                         f"'mori.io'): {exc}") from exc
     engine = io.IOEngine(key, io.IOEngineConfig(settings.host, settings.port))
-    saved = os.environ.get("MORI_RDMA_DEVICES")
-    if settings.nics:  # MORI reads it when the RDMA backend discovers devices
-        os.environ["MORI_RDMA_DEVICES"] = ",".join(settings.nics)
+    # MORI reads MORI_RDMA_DEVICES when the RDMA backend discovers devices.
     try:
-        # Notification off: completion travels on the engine's own control channel.
-        engine.create_backend(io.BackendType.RDMA, io.RdmaBackendConfig(
-            settings.qp_per_transfer, settings.post_batch_size, settings.num_worker_threads,
-            io.PollCqMode.POLLING, False))
+        with env_override("MORI_RDMA_DEVICES", ",".join(settings.nics or ())):
+            # Notification off: completion travels on the engine's own control channel.
+            engine.create_backend(io.BackendType.RDMA, io.RdmaBackendConfig(
+                settings.qp_per_transfer, settings.post_batch_size, settings.num_worker_threads,
+                io.PollCqMode.POLLING, False))
     except Exception as exc:
         raise TransportError(f"mori: creating the RDMA backend failed ({type(exc).__name__}: "
                              f"{exc}) with {settings.describe()}") from exc
-    finally:
-        if settings.nics:
-            if saved is None:
-                os.environ.pop("MORI_RDMA_DEVICES", None)
-            else:
-                os.environ["MORI_RDMA_DEVICES"] = saved
     desc = engine.get_engine_desc()
     if desc.port <= 0:
         raise TransportError(f"mori: the engine has no control-plane port ({desc.port}) after "

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from sglang_kvxfer import envs
 from sglang_kvxfer.errors import TransportError, TransportUnavailableError
+from sglang_kvxfer.transports._common import env_override
 
 __all__ = ["UcxSettings", "create_agent", "exit_process", "import_api", "ucx_backend_created"]
 
@@ -122,19 +123,13 @@ def create_agent(api, name: str, ucx: UcxSettings, num_workers: int | None,
     if num_workers is not None:
         params["num_workers"] = str(num_workers)
     described = ucx.describe()
-    saved = os.environ.get("UCX_TLS")
-    if ucx.tls:  # UCX reads UCX_TLS when the backend creates its context, and only then
-        os.environ["UCX_TLS"] = ucx.tls
     try:
-        agent.create_backend("UCX", params)
+        # UCX reads UCX_TLS when the backend creates its context, and only then.
+        with env_override("UCX_TLS", ucx.tls):
+            agent.create_backend("UCX", params)
     except Exception as exc:
         raise TransportError(f"nixl: creating the UCX backend failed ({type(exc).__name__}: "
                              f"{exc}) with {described}") from exc
     finally:
-        if ucx.tls:
-            if saved is None:
-                os.environ.pop("UCX_TLS", None)
-            else:
-                os.environ["UCX_TLS"] = saved
         _backend_created = True
     return agent

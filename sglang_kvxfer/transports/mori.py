@@ -39,8 +39,8 @@ from sglang_kvxfer.transports._common import UseTable, open_write, pack_descript
 from sglang_kvxfer.transports._mori_engine import (UINT32_MAX, EngineSettings, int_option,
                                                    create_engine)
 from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
-                                           Ticket, TicketState, Transport, parse_device)
-from sglang_kvxfer.transports.ticket import _check_timeout
+                                           Ticket, Transport, parse_device)
+from sglang_kvxfer.transports.ticket import _check_timeout, pending_or_raise
 
 __all__ = ["MoriTransport"]
 
@@ -347,13 +347,7 @@ class MoriTransport(Transport):
         tickets = list(tickets)
         deadline = time.monotonic() + _check_timeout(timeout_s)
         while True:
-            pending = []
-            for ticket in tickets:
-                state = ticket.poll()
-                if state is TicketState.FAILED:
-                    raise ticket.error.with_traceback(None)
-                if state is TicketState.PENDING:
-                    pending.append(ticket)
+            pending = pending_or_raise(tickets)
             if not pending:
                 return
             left_ms = int((deadline - time.monotonic()) * 1000)

@@ -152,6 +152,19 @@ class Ticket:
         return f"Ticket({self.label!r}, {self._state.value}{tail})"
 
 
+def pending_or_raise(tickets: list[Ticket]) -> list[Ticket]:
+    """Poll every ticket once: raise the error of the first FAILED one (failure wins),
+    else return those still PENDING."""
+    pending = []
+    for ticket in tickets:
+        state = ticket.poll()
+        if state is TicketState.FAILED:
+            raise ticket.error.with_traceback(None)
+        if state is TicketState.PENDING:
+            pending.append(ticket)
+    return pending
+
+
 def wait_all(tickets: Iterable[Ticket], timeout_s: float) -> None:
     """Wait until every ticket is DONE; failure wins.
 
@@ -165,13 +178,7 @@ def wait_all(tickets: Iterable[Ticket], timeout_s: float) -> None:
     polled = any(t._progress is not None for t in tickets)
     while True:
         wake.clear()
-        pending = []
-        for ticket in tickets:
-            state = ticket.poll()
-            if state is TicketState.FAILED:
-                raise ticket._error.with_traceback(None)
-            if state is TicketState.PENDING:
-                pending.append(ticket)
+        pending = pending_or_raise(tickets)
         if not pending:
             return
         remaining = deadline - time.monotonic()
