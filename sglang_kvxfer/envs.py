@@ -8,12 +8,13 @@ naming the variable.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["EnvVar", "all_vars"]
+__all__ = ["EnvVar", "all_vars", "parse_archs"]
 
 _REGISTRY: dict[str, "EnvVar"] = {}
 
@@ -122,6 +123,24 @@ KVXFER_WORKERS = _define(
     "Transfer worker threads per rank (requests are spread over them by room id).",
 )
 
+KVXFER_AUTH = _define(
+    "KVXFER_AUTH", "on", _choice("on", "off"),
+    "`on`: every control frame and bootstrap message carries an HMAC-SHA256 tag from the "
+    "shared key, and frames without a valid tag are dropped. `off` disables authentication "
+    "(logged at WARNING); only for closed test networks.",
+)
+KVXFER_AUTH_KEY = _define(
+    "KVXFER_AUTH_KEY", "", str,
+    "The shared secret (at least 16 characters), the same on every prefill and decode "
+    "process, SGLang servers included. Needed when any process binds a non-loopback address. "
+    "Unset: `KVXFER_AUTH_KEY_FILE`, else the per-user key file.",
+)
+KVXFER_AUTH_KEY_FILE = _define(
+    "KVXFER_AUTH_KEY_FILE", "", lambda s: s.strip(),
+    "A file holding the shared secret (mode 0600, owned by this user). Unset: the per-user "
+    "key file `~/.config/kvxfer/auth_key`, created with mode 0600 on first use (loopback only).",
+)
+
 KVXFER_TCP_HOST = _define(
     "KVXFER_TCP_HOST", "127.0.0.1", lambda s: s.strip(),
     "`tcp` transport: the address it listens on and advertises to peers (must be reachable "
@@ -136,6 +155,14 @@ KVXFER_TCP_IO_TIMEOUT_S = _define(
     "KVXFER_TCP_IO_TIMEOUT_S", 30.0, float,
     "`tcp` transport: a connection with writes pending that makes no progress (bytes sent or "
     "ACK received) for this many seconds is failed, and so are its tickets.",
+)
+
+KVXFER_LOCAL_PTRACE_ANY = _define(
+    "KVXFER_LOCAL_PTRACE_ANY", False, _bool,
+    "`local` transport under Yama `ptrace_scope=1`: `1` lets any same-user process write "
+    "private (non-shared) memory this process registers (`PR_SET_PTRACER_ANY`, logged at "
+    "WARNING). Unset: such a registration is refused; engine-allocated pools are shared "
+    "memory and need no ptrace.",
 )
 
 KVXFER_SGLANG_TRANSPORT = _define(
@@ -161,9 +188,18 @@ def _non_negative_int(raw: str) -> int:
     return value
 
 
-def _archs(raw: str) -> str:
-    from sglang_kvxfer._native.build import parse_archs
+def parse_archs(text: str) -> list[str]:
+    """``"80,90"`` -> ``["80", "90"]``; each entry a compute capability like ``90`` or ``90a``."""
+    archs = [a.strip() for a in text.replace(";", ",").split(",") if a.strip()]
+    if not archs:
+        raise ValueError("expected a comma-separated list such as 80,90")
+    for arch in archs:
+        if not re.fullmatch(r"\d{2,3}[af]?", arch):
+            raise ValueError(f"{arch!r} is not a compute capability such as 80 or 90a")
+    return archs
 
+
+def _archs(raw: str) -> str:
     return ",".join(parse_archs(raw))
 
 

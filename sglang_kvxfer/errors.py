@@ -84,3 +84,8 @@ class TransferFailedError(KVXferError):
         self.reason = reason
         self.room = room
         super().__init__(reason if room is None else f"room {room}: {reason}")
+
+
+class AuthenticationError(ProtocolError):
+    """A frame failed authentication (no envelope, a wrong tag, a replay), or this process
+    has no usable key. Frames that fail it are dropped and counted, never decoded."""

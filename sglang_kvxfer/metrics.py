@@ -156,7 +156,10 @@ class MetricsServer:
     (counter of descriptors), ``kvxfer_transfer_phase_seconds{phase}`` (counter of busy
     time), ``kvxfer_transfer_failures{reason}`` (counter, ``reason`` in
     ``FAILURE_KINDS``), ``kvxfer_requests_in_flight`` and ``kvxfer_staging_bytes_in_use``
-    / ``kvxfer_staging_bytes_capacity`` (gauges read at scrape time). Counters gain
+    / ``kvxfer_staging_bytes_capacity`` (gauges read at scrape time),
+    ``kvxfer_security_events{kind}`` (room conflicts, frames from unexpected or unregistered
+    sessions, the unattached-room cap) and ``kvxfer_control_frames_dropped{reason}``
+    (unauthenticated, replayed, spoofed, malformed), both read at scrape time. Counters gain
     ``_total`` on the wire.
     """
 
@@ -200,6 +203,7 @@ class MetricsServer:
                          names, registry=reg)).set_function(self._staging_used)
         child(prom.Gauge("kvxfer_staging_bytes_capacity", "Size of the staging arena",
                          names, registry=reg)).set_function(self._staging_size)
+        reg.register(_SecurityCollector(mgr, ids))
         self._lock = threading.Lock()
         try:
             self._httpd, self._thread = prom.start_http_server(port, addr=host, registry=reg)
@@ -256,6 +260,31 @@ class MetricsServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _SecurityCollector:
+    """Reads the manager's security counters at scrape time."""
+
+    def __init__(self, mgr, ids: dict):
+        self._mgr, self._ids = mgr, ids
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        labels = list(self._ids)
+        events = CounterMetricFamily("kvxfer_security_events", "Security events by kind",
+                                     labels=labels + ["kind"])
+        for kind, count in sorted(dict(getattr(self._mgr, "security_events", {})).items()):
+            events.add_metric(list(self._ids.values()) + [kind], count)
+        dropped = CounterMetricFamily("kvxfer_control_frames_dropped", "Control frames dropped before "
+                                      "handling, by reason", labels=labels + ["reason"])
+        control = getattr(self._mgr, "control", None)
+        for reason, count in sorted(dict(control.dropped if control is not None else {}).items()):
+            dropped.add_metric(list(self._ids.values()) + [reason], count)
+        return [events, dropped]
 
 
 def serve_metrics(mgr, port: int, host: str = "127.0.0.1") -> MetricsServer:

@@ -17,14 +17,15 @@ def test_import_pulls_no_heavy_or_optional_module():
     assert out.stdout.strip() == "", f"import sglang_kvxfer imported: {out.stdout.strip()}"
 
 
-def test_readme_env_table_matches_the_registry():
+def test_env_doc_table_matches_the_registry():
     from sglang_kvxfer import envs
 
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"<!-- envs:begin -->\n(.*?)\n?<!-- envs:end -->", readme, re.S)
-    assert block, "README.md lost its envs:begin/envs:end markers"
+    doc = (ROOT / "docs" / "environment.md").read_text()
+    block = re.search(r"<!-- envs:begin -->\n(.*?)\n?<!-- envs:end -->", doc, re.S)
+    assert block, "docs/environment.md lost its envs:begin/envs:end markers"
     assert block.group(1).strip() == envs.markdown_table(), (
-        "README env table is stale: regenerate it with `python -m sglang_kvxfer.envs`"
+        "docs/environment.md env table is stale: regenerate it with "
+        "`python -m sglang_kvxfer.envs`"
     )
     for var in envs.all_vars():
         assert var.name.startswith("KVXFER_")

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from sglang_kvxfer.envs import parse_archs  # stdlib-only, like this module
 
 __all__ = [
     "BuildError",
@@ -86,17 +87,6 @@ def find_nvcc() -> str | None:
         if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
             return os.path.join(root, "bin", "nvcc")
     return None
-
-
-def parse_archs(text: str) -> list[str]:
-    """``"80,90"`` -> ``["80", "90"]``; each entry a compute capability like ``90`` or ``90a``."""
-    archs = [a.strip() for a in text.replace(";", ",").split(",") if a.strip()]
-    if not archs:
-        raise ValueError("expected a comma-separated list such as 80,90")
-    for arch in archs:
-        if not re.fullmatch(r"\d{2,3}[af]?", arch):
-            raise ValueError(f"{arch!r} is not a compute capability such as 80 or 90a")
-    return archs
 
 
 def cpu_command(cxx: str, src_dir: Path, out: Path) -> list[str]:

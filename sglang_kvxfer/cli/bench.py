@@ -16,6 +16,7 @@ median over repeats; ``ratio`` divides it by the baseline's median (``baseline.p
 from __future__ import annotations
 
 import argparse
+import secrets
 import itertools
 import json
 import os
@@ -27,9 +28,11 @@ from dataclasses import asdict, dataclass
 
 from sglang_kvxfer import envs
 from sglang_kvxfer.cli.common import (
+    COMMON_RANGES,
     add_deadline_args,
     add_model_args,
     add_side_args,
+    check_ranges,
     engine_options,
     int_list,
     pool_pages,
@@ -122,6 +125,7 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--chunk-tokens values must be >= 0, got {args.chunk_tokens}")
     if not 0 <= args.metrics_port < 65536:
         raise ValueError(f"--metrics-port={args.metrics_port} must be 0 (off) or a port")
+    check_ranges(args, {**COMMON_RANGES, "prefill_tp": (1, 1024), "decode_tp": (1, 1024)})  # the rest
     from sglang_kvxfer.transports import available_transports, registered_transports
 
     for name in args.transport:
@@ -196,17 +200,18 @@ def run_shape(args, shape: Shape, points: list[tuple], bar, next_seed) -> list[d
     a prefill group's TP size), run every point on them, return the records."""
     from sglang_kvxfer.engine.bootstrap import BootstrapServer
 
-    with BootstrapServer() as boot:
-        return _run_points(args, shape, points, boot, bar, next_seed)
+    key = secrets.token_bytes(32)  # one key per shape's run, handed to its ranks over pipes
+    with BootstrapServer(key=key) as boot:
+        return _run_points(args, shape, points, boot, bar, next_seed, key)
 
 
-def _run_points(args, shape: Shape, points: list[tuple], boot, bar, next_seed) -> list[dict]:
+def _run_points(args, shape: Shape, points: list[tuple], boot, bar, next_seed, key: bytes) -> list[dict]:
     from sglang_kvxfer.cli.baseline import measure_baseline
     from sglang_kvxfer.cli.group import make_spec, open_groups
     from sglang_kvxfer.cli.workload import make_requests, run_workload, summarize
 
     gp, gd = geometries(args, shape)
-    opts = engine_options(args)
+    opts = dict(engine_options(args), auth_key=key)
     port = args.metrics_port
     dev_p = (args.prefill_devices or ["cpu"] * shape.prefill_tp)[: shape.prefill_tp]
     dev_d = (args.decode_devices or ["cpu"] * shape.decode_tp)[: shape.decode_tp]

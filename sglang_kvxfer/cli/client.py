@@ -2,7 +2,10 @@
 
 Acts as the router: every request goes to both servers at once (same room), each runs it on
 all of its ranks, and the client combines the per-rank results, checks that the decode ranks
-verified every byte, and prints the same summary as ``kvxfer demo``.
+verified every byte, and prints the same summary as ``kvxfer demo``. Room ids are random
+63-bit numbers; when one side fails a request the client aborts it on the other side, so a
+dead rank costs a failed request within about a second, not a deadline. Flags are
+range-checked and a request larger than either server's pool is refused up front.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from concurrent.futures import Future
 import msgpack
 import zmq
 
+from sglang_kvxfer.cli.common import COMMON_RANGES, check_pool_fits, check_ranges
 from sglang_kvxfer.cli.demo import render
 from sglang_kvxfer.cli.workload import make_requests, parse_tokens, run_workload, summarize
 from sglang_kvxfer.engine.config import parse_host_port
@@ -31,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-delay-ms", type=float, default=0.0, help="pause before each later chunk")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
     p.add_argument("--no-verify", action="store_true", help="skip filling and checking the bytes")
-    p.add_argument("--seed", type=int, default=0, help="seed of room ids")
+    p.add_argument("--seed", type=int, default=0,
+                   help="unused: room ids are random 63-bit numbers so that runs never share a room")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one request (default 600)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress line")
@@ -95,6 +100,10 @@ class RemoteGroup:
                 if fut is not None:
                     fut.set_result(reply)
 
+    def abort(self, room: int, reason: str) -> None:
+        """Abort ``room`` on every rank of the server (fire and forget)."""
+        self._request({"op": "abort", "room": room, "reason": reason})
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2)
@@ -103,6 +112,8 @@ class RemoteGroup:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_ranges(args, {k: COMMON_RANGES[k] for k in ("requests", "chunk_tokens", "chunk_delay_ms", "concurrency")})
+    check_ranges(args, {"timeout": (1e-3, 1e6)})
     tokens = parse_tokens(args.tokens)
     pre, dec = RemoteGroup(args.prefill), RemoteGroup(args.decode)
     try:
@@ -111,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
             if got.get("role") != want:
                 raise ValueError(f"{addr} is a {got.get('role')} server, expected {want}")
         gp, gd = KVGeometry.from_dict(ip["geometry"]), KVGeometry.from_dict(idc["geometry"])
-        jobs = make_requests(args.requests, tokens, args.chunk_tokens, gp.page_size, args.seed,
+        check_pool_fits(max(tokens), gp, f"prefill server's ({args.prefill})")
+        check_pool_fits(max(tokens), gd, f"decode server's ({args.decode})")
+        jobs = make_requests(args.requests, tokens, args.chunk_tokens, gp.page_size, None,
                              not args.no_verify, args.chunk_delay_ms / 1e3)
         results, wall = run_workload(pre, dec, jobs, args.concurrency, args.timeout, progress=not args.quiet)
     finally:

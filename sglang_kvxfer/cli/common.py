@@ -3,17 +3,77 @@
 Owns the model-geometry flags (with per-side page size and layout) and the deadline
 flags, and turns them into ``KVGeometry`` objects and engine options. With ``sweep=True``
 (``kvxfer bench``) the geometry flags take comma-separated lists; ``side_geometry`` then
-reads one point of the sweep (a namespace with single values).
+reads one point of the sweep (a namespace with single values). ``check_ranges`` range-checks
+numeric flags after parsing, so that a bad value exits 2 with one line naming the flag and
+the value (``--page-size=0 must be >= 1``).
 """
 from __future__ import annotations
 
 import argparse
+import math
 
 from sglang_kvxfer import envs
 from sglang_kvxfer.geometry import KVGeometry
 
 __all__ = ["add_model_args", "add_side_args", "add_deadline_args", "side_geometry", "engine_options",
-           "int_list", "str_list", "pool_pages"]
+           "int_list", "str_list", "pool_pages", "check_ranges", "check_pool_fits", "PORT", "OPTIONAL_PORT",
+           "COMMON_RANGES", "MAX_CHUNK_DELAY_S"]
+
+PORT = (1, 65535)
+OPTIONAL_PORT = (1, 65535, 0)  # 0 means "off"
+MAX_CHUNK_DELAY_S = 60.0
+MAX_DEADLINE_S = 86400.0
+# dest -> (lowest, highest or None[, a value that means off]) for the flags every command shares
+COMMON_RANGES = {
+    "layers": (1, 4096), "total_kv_heads": (1, 65536), "head_dim": (1, 65536), "v_head_dim": (1, 65536),
+    "page_size": (1, 1 << 20), "num_pages": (1, 1 << 31), "prefill_page_size": (1, 1 << 20),
+    "decode_page_size": (1, 1 << 20), "bootstrap_timeout": (1e-3, MAX_DEADLINE_S),
+    "waiting_timeout": (1e-3, MAX_DEADLINE_S), "transfer_timeout": (1e-3, MAX_DEADLINE_S),
+    "heartbeat_timeout": (1e-3, MAX_DEADLINE_S), "chunk_tokens": (0, 1 << 31),
+    "chunk_delay_ms": (0, MAX_CHUNK_DELAY_S * 1e3), "concurrency": (1, None), "requests": (1, None),
+    "metrics_port": OPTIONAL_PORT,
+}
+
+
+def _show(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def check_ranges(args: argparse.Namespace, ranges: dict) -> None:
+    """Raise ``ValueError("--flag=value must be ...")`` for the first value out of range.
+
+    ``ranges`` maps an argparse dest to ``(lo, hi)`` or ``(lo, hi, off)``; ``hi`` may be
+    None; ``off`` is a value accepted besides the range (0 = off). Unset (None) flags and
+    flags the namespace lacks are skipped; a list value (sweeps) is checked item by item.
+    """
+    for dest, bounds in ranges.items():
+        value = getattr(args, dest, None)
+        if value is None or isinstance(value, bool):
+            continue
+        lo, hi, off = (*bounds, None)[:3]
+        for v in value if isinstance(value, list) else [value]:
+            if off is not None and v == off:
+                continue
+            if math.isfinite(v) and lo <= v and (hi is None or v <= hi):
+                continue
+            flag = "--" + dest.replace("_", "-")
+            if off is not None:
+                what = f"{_show(off)} (off) or in {_show(lo)}..{_show(hi)}"
+            elif v < lo:
+                what = f">= {_show(lo)}"
+            elif hi is not None and v > hi:
+                what = f"<= {_show(hi)}"
+            else:
+                what = f"a finite number >= {_show(lo)}"
+            raise ValueError(f"{flag}={_show(v)} must be {what}")
+
+
+def check_pool_fits(tokens: int, geometry: KVGeometry, side: str) -> None:
+    """Refuse a request larger than ``side``'s whole pool up front (it could never run)."""
+    capacity = geometry.num_pages * geometry.page_size
+    if tokens > capacity:
+        raise ValueError(f"--tokens={tokens} is larger than the {side} pool: {geometry.num_pages} pages of "
+                         f"{geometry.page_size} tokens hold {capacity} tokens (raise --num-pages)")
 
 
 def int_list(text: str) -> list[int]:

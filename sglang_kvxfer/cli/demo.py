@@ -3,18 +3,24 @@
 Starts a bootstrap, a prefill TP group and a decode TP group of rank processes on this host
 (defaults: prefill TP 2 -> decode TP 1, CPU pools, the ``local`` transport), runs a stream
 of requests of mixed lengths with chunked sends, verifies every byte on the decode side,
-prints a summary and exits 0 only if every request verified.
+prints a summary and exits 0 only if every request verified. Every numeric flag is
+range-checked first; SIGTERM stops the rank processes like Ctrl-C does.
 """
 from __future__ import annotations
 
 import argparse
+import secrets
 import json
+import signal
 import sys
 
 from sglang_kvxfer.cli.common import (
+    COMMON_RANGES,
     add_deadline_args,
     add_model_args,
     add_side_args,
+    check_pool_fits,
+    check_ranges,
     engine_options,
     pool_pages,
     side_geometry,
@@ -50,21 +56,22 @@ def run_demo(args: argparse.Namespace) -> dict:
     from sglang_kvxfer.cli.group import make_spec, open_groups
     from sglang_kvxfer.engine.bootstrap import BootstrapServer
 
+    check_ranges(args, {**COMMON_RANGES, "prefill_tp": (1, 1024), "decode_tp": (1, 1024)})
     tokens = parse_tokens(args.tokens)
-    for name in ("prefill_tp", "decode_tp", "concurrency"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     gp, gd = (side_geometry(args, side, pool_pages(max(tokens), getattr(args, f"{side}_page_size") or args.page_size,
                                                    args.concurrency)) for side in ("prefill", "decode"))
+    check_pool_fits(max(tokens), gp, "prefill")
+    check_pool_fits(max(tokens), gd, "decode")
 
     check_compatible(gp, gd)
     gp.placement(args.prefill_tp, 0)
     gd.placement(args.decode_tp, 0)
     jobs = make_requests(args.requests, tokens, args.chunk_tokens, gp.page_size, args.seed, not args.no_verify,
                          args.chunk_delay_ms / 1e3)
-    opts = engine_options(args)
+    # One key per run, handed to the rank processes over their pipes (never argv or env).
+    opts = dict(engine_options(args), auth_key=secrets.token_bytes(32))
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    with BootstrapServer() as boot:
+    with BootstrapServer(key=opts["auth_key"]) as boot:
         say(f"kvxfer demo: bootstrap at {boot.address}; starting {args.prefill_tp} prefill + "
             f"{args.decode_tp} decode rank process(es), transport {args.transport}")
         ports = (args.metrics_port, args.metrics_port + args.prefill_tp) if args.metrics_port else (0, 0)
@@ -107,7 +114,12 @@ def render(s: dict) -> str:
     return "\n".join(lines)
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt  # unwinds through the groups' close(): no rank outlives the demo
+
+
 def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     summary = run_demo(args)
     print(json.dumps(summary) if args.json else render(summary))
     want = summary["requests"] if summary["verify"] else 0

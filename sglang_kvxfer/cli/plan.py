@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 
+from sglang_kvxfer import envs
 from sglang_kvxfer.geometry import KVGeometry, owned_heads
 from sglang_kvxfer.planning import plan_pair, plan_tp
 from sglang_kvxfer.planning.byteplan import per_token_op_count
@@ -55,7 +56,8 @@ def build_report(args: argparse.Namespace) -> dict:
     for t in plan.transfers:
         pair = plan_pair(t, gp.placement(args.prefill_tp, t.prefill_rank),
                          gd.placement(args.decode_tp, t.decode_rank), src_pages, dst_pages,
-                         num_tokens=args.tokens)
+                         num_tokens=args.tokens, path=envs.KVXFER_DATA_PATH.get(),
+                         direct_min_op_bytes=envs.KVXFER_DIRECT_MIN_OP_BYTES.get())
         transfers.append({
             **t.to_dict(),
             "global_heads": [t.global_head_start, t.global_head_start + t.num_heads],

@@ -2,15 +2,20 @@
 
 The launcher spawns one process per TP rank (``RankGroup``), optionally hosts the bootstrap
 service (prefill), and serves clients on ``--port`` (ZMQ ROUTER, msgpack): ``info`` returns
-the group's role, TP size, geometry and transport; ``transfer`` runs one synthetic request on
-every rank and returns the per-rank results. ``kvxfer client`` drives a prefill and a decode
-server this way. Ctrl-C stops the group cleanly.
+the group's role, TP size, geometry, transport and each rank's pid and state; ``transfer``
+runs one synthetic request on every rank and returns the per-rank results (every field is
+range-checked first; past ``--concurrency`` jobs the answer is a "busy" result at once);
+``abort`` aborts a room on every rank. A rank process that dies fails its jobs at once and
+is started again (``--restart-ranks``); the launcher keeps serving. Ctrl-C or SIGTERM stops
+the group cleanly.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import ipaddress
 import logging
+import math
 import queue
 import signal
 import socket
@@ -20,20 +25,32 @@ import threading
 import msgpack
 import zmq
 
-from sglang_kvxfer.cli.common import add_deadline_args, add_model_args, add_side_args, engine_options, side_geometry
+from sglang_kvxfer.cli.common import (
+    COMMON_RANGES,
+    MAX_CHUNK_DELAY_S,
+    PORT,
+    add_deadline_args,
+    add_model_args,
+    add_side_args,
+    check_ranges,
+    engine_options,
+    side_geometry,
+)
+from sglang_kvxfer import auth
 from sglang_kvxfer.engine.config import parse_host_port
 from sglang_kvxfer.errors import KVXferError
 
 log = logging.getLogger("sglang_kvxfer.server")
 
 MAX_REQUEST_BYTES = 1 << 20
+MAX_AUX_BYTES = 64 << 10  # a first token id and a little metadata; well below the protocol's limit
 
 
 def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--tp", type=int, default=1, help="TP size of this group: one process per rank (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000 if role == "prefill" else 30001,
-                   help="client port of this group")
+                   help="client port of this group (1-65535)")
     if role == "prefill":
         p.add_argument("--bootstrap-port", type=int, default=8998,
                        help="host the bootstrap service on this port (default 8998)")
@@ -46,7 +63,11 @@ def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
                         "address and tcp otherwise; decode follows the prefill group)")
     p.add_argument("--devices", default="cpu",
                    help="pool device per rank: cpu, or a comma list like cuda:0,cuda:1 (default cpu)")
-    p.add_argument("--concurrency", type=int, default=8, help="requests each rank runs at once (default 8)")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="requests the group runs at once; one more is answered 'busy' (default 8)")
+    p.add_argument("--restart-ranks", type=int, default=3,
+                   help="start a rank process that died again, up to N times in a row with backoff "
+                        "0.5 s doubling to 8 s; the count resets after 30 s healthy (default 3; 0: off)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics: rank r on PORT+r at --host (needs prometheus_client; "
                         "default 0: off)")
@@ -69,7 +90,7 @@ def resolve_transport(args: argparse.Namespace, role: str, bootstrap: str) -> st
     from sglang_kvxfer.engine import bootstrap as boot
     from sglang_kvxfer.protocol.messages import BootstrapQuery
 
-    reply = boot.request(bootstrap, BootstrapQuery(session="kvxfer-decode-launcher", tp_rank=0),
+    reply = boot.request(bootstrap, BootstrapQuery(session=f"decode-launcher-{os.getpid()}", tp_rank=0),
                          timeout_s=args.bootstrap_timeout)
     if not reply.transport:
         raise ValueError(f"bootstrap {bootstrap} knows no prefill group yet ({reply.reason}); "
@@ -139,10 +160,11 @@ def serve(args: argparse.Namespace, role: str) -> int:
     from sglang_kvxfer.engine import BootstrapServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.tp < 1:
-        raise ValueError(f"--tp={args.tp} must be >= 1")
+    check_ranges(args, {**COMMON_RANGES, "tp": (1, 1024), "port": PORT, "bootstrap_port": PORT,
+                        "restart_ranks": (0, 1000)})
     geometry = side_geometry(args, None, args.num_pages or 512)
     geometry.placement(args.tp, 0)
+    auth.resolve_key(args.host)  # no usable key (e.g. a non-loopback --host without one): one line, exit 2
     boot = None
     if role == "prefill" and not args.bootstrap:
         boot = BootstrapServer(args.host, args.bootstrap_port)
@@ -162,20 +184,24 @@ def serve(args: argparse.Namespace, role: str) -> int:
                 "transport": transport, "bootstrap": bootstrap}
         port = _ClientPort(args.host, args.port)  # bind first: a busy port fails before any spawn
         try:
-            with RankGroup(spec) as group:
+            with RankGroup(spec, max_restarts=args.restart_ranks, max_jobs=args.concurrency) as group:
 
                 def handle(ident: bytes, req: dict) -> None:
                     op = req.get("op")
                     if op == "info":
-                        port.reply(ident, dict(info, id=req.get("id")))
+                        port.reply(ident, dict(info, id=req.get("id"), pids=group.pids, states=group.states,
+                                               restarts=group.restarts))
                     elif op == "transfer":
                         try:
-                            job = _job(req)
+                            job = _job(req, geometry, role)
                         except ValueError as exc:
                             port.reply(ident, {"op": "error", "id": req.get("id"), "reason": str(exc)})
                             return
                         group.submit(job).add_done_callback(
                             lambda f: port.reply(ident, {"op": "result", "id": req.get("id"), "ranks": f.result()}))
+                    elif op == "abort" and isinstance(req.get("room"), int) and not isinstance(req["room"], bool):
+                        group.abort(req["room"], str(req.get("reason") or "aborted by the client")[:500])
+                        port.reply(ident, {"op": "aborted", "id": req.get("id")})
                     else:
                         port.reply(ident, {"op": "error", "id": req.get("id"), "reason": f"unknown op {op!r}"})
 
@@ -200,7 +226,9 @@ _JOB_FIELDS = {"room": int, "tokens": int, "chunk_tokens": int, "aux": bytes, "v
                "chunk_delay_s": (int, float)}
 
 
-def _job(req: dict) -> dict:
+def _job(req: dict, geometry, role: str) -> dict:
+    """The job of a ``transfer`` request, every field type- and range-checked (ValueError
+    names the field, its value and the limit)."""
     job = {}
     for name, kind in _JOB_FIELDS.items():
         if name not in req:
@@ -209,9 +237,19 @@ def _job(req: dict) -> dict:
         if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
             raise ValueError(f"transfer request field {name}={value!r} has the wrong type")
         job[name] = value
-    if not 0 <= job["room"] < 2**64 or job["tokens"] < 1 or job["chunk_tokens"] < 0:
-        raise ValueError(f"transfer request out of range: room={job['room']} tokens={job['tokens']} "
-                         f"chunk_tokens={job['chunk_tokens']}")
+    capacity = geometry.num_pages * geometry.page_size
+    delay = job["chunk_delay_s"]
+    if not 0 <= job["room"] < 2**64:
+        raise ValueError(f"transfer request room={job['room']} must be in 0..2**64-1")
+    if not 1 <= job["tokens"] <= capacity:
+        raise ValueError(f"transfer request tokens={job['tokens']} must be in 1..{capacity}: the {role} pool holds "
+                         f"{geometry.num_pages} pages of {geometry.page_size} tokens = {capacity} tokens")
+    if not 0 <= job["chunk_tokens"] < 2**31:
+        raise ValueError(f"transfer request chunk_tokens={job['chunk_tokens']} must be in 0..2**31-1 (0: one chunk)")
+    if not (math.isfinite(delay) and 0 <= delay <= MAX_CHUNK_DELAY_S):
+        raise ValueError(f"transfer request chunk_delay_s={delay!r} must be in 0..{MAX_CHUNK_DELAY_S:g} s")
+    if len(job["aux"]) > MAX_AUX_BYTES:
+        raise ValueError(f"transfer request aux of {len(job['aux'])} bytes is over the limit of {MAX_AUX_BYTES}")
     return job
 
 

@@ -15,6 +15,7 @@ share a clock (one host: the demo and the benchmark).
 """
 from __future__ import annotations
 
+import secrets
 import statistics
 import sys
 import threading
@@ -39,14 +40,23 @@ def parse_tokens(text: str) -> list[int]:
     return values
 
 
-def make_requests(n: int, tokens: list[int], chunk_tokens: int, page_size: int, seed: int = 0,
+def make_requests(n: int, tokens: list[int], chunk_tokens: int, page_size: int, seed: int | None = 0,
                   verify: bool = True, chunk_delay_s: float = 0.0) -> list[dict]:
-    """``n`` jobs cycling through ``tokens``; chunks rounded down to whole prefill pages."""
+    """``n`` jobs cycling through ``tokens``; chunks rounded down to whole prefill pages.
+
+    Room ids come from ``seed``; with ``seed=None`` they are random 63-bit numbers (a
+    client talking to long-running servers: two runs must never share a room)."""
     if n < 1:
         raise ValueError(f"--requests={n} must be >= 1")
+    if chunk_tokens < 0:
+        raise ValueError(f"--chunk-tokens={chunk_tokens} must be >= 0")
     chunk = max(page_size, (chunk_tokens // page_size) * page_size) if chunk_tokens else 0
-    rng = np.random.default_rng(seed)
-    rooms = rng.choice(2**62, size=n, replace=False) + 1
+    if seed is None:
+        rooms = list({secrets.randbits(63) or 1 for _ in range(n)})
+        while len(rooms) < n:
+            rooms = list({*rooms, secrets.randbits(63) or 1})
+    else:
+        rooms = np.random.default_rng(seed).choice(2**62, size=n, replace=False) + 1
     return [{"room": int(rooms[i]), "tokens": tokens[i % len(tokens)], "chunk_tokens": chunk,
              "aux": int(rooms[i] % 50000).to_bytes(4, "little"), "verify": verify,
              "chunk_delay_s": chunk_delay_s} for i in range(n)]
@@ -150,6 +160,8 @@ def run_workload(prefill, decode, jobs: list[dict], concurrency: int, timeout_s:
         try:
             t0 = time.monotonic()
             fp, fd = prefill.submit(job), decode.submit(job)
+            _abort_peer_on_failure(fp, decode, job["room"], "prefill")
+            _abort_peer_on_failure(fd, prefill, job["room"], "decode")
             try:
                 pre = fp.result(timeout_s)
                 dec = fd.result(max(0.1, timeout_s - (time.monotonic() - t0)))
@@ -173,6 +185,21 @@ def run_workload(prefill, decode, jobs: list[dict], concurrency: int, timeout_s:
         th.join(timeout_s + 5)
     wall = time.monotonic() - t_start
     return [r for r in results if r is not None], wall
+
+
+def _abort_peer_on_failure(fut, peer, room: int, side: str) -> None:
+    """When ``side`` fails a request, abort it on ``peer`` (a ``RankGroup`` or a remote
+    server) so that the peer's ranks stop waiting for it now, not at their deadline."""
+    abort = getattr(peer, "abort", None)
+    if abort is None:
+        return
+
+    def done(f) -> None:
+        failed = [r for r in f.result() if not r.get("ok")]
+        if failed:
+            abort(room, f"the {side} side failed: {failed[0].get('reason')}"[:500])
+
+    fut.add_done_callback(done)
 
 
 def _pct(values: list[float], q: float) -> float:

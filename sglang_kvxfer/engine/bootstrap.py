@@ -5,6 +5,10 @@ ask where the prefill ranks are) and ``request`` (one request/reply with a deadl
 both). A prefill rank that registers again with a new session replaces its old entry, so a
 restarted prefill is found by the next lookup. Conflicting registrations (another TP size,
 geometry or transport than the ranks already registered) are refused with the reason.
+Requests and replies travel in the authenticated envelope (``protocol/envelope.py``): a
+request must carry a valid tag, be fresh (time-stamped sequence within the window, never
+seen before) and name its envelope's sender as its session; anything else is dropped
+unanswered and counted. A reply is bound to its request's sequence number.
 """
 from __future__ import annotations
 
@@ -14,9 +18,10 @@ import time
 
 import zmq
 
-from sglang_kvxfer.errors import KVXferError, RemoteProtocolError, TransferTimeoutError
-from sglang_kvxfer.engine.config import parse_host_port
-from sglang_kvxfer.protocol import codec
+from sglang_kvxfer import auth
+from sglang_kvxfer.errors import AuthenticationError, KVXferError, RemoteProtocolError, TransferTimeoutError
+from sglang_kvxfer.engine.config import config_key, parse_host_port
+from sglang_kvxfer.protocol import codec, envelope
 from sglang_kvxfer.protocol.fields import MAX_FRAME_BYTES
 from sglang_kvxfer.protocol.messages import (
     BootstrapQuery,
@@ -31,9 +36,17 @@ log = logging.getLogger("sglang_kvxfer.bootstrap")
 
 
 class BootstrapServer:
-    """Serve prefill registrations and decode lookups on ``host:port`` (port 0: any)."""
+    """Serve prefill registrations and decode lookups on ``host:port`` (port 0: any).
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    ``key``: the shared key (see ``EngineConfig.auth_key``; None: from the environment).
+    ``dropped`` counts refused frames by reason."""
+
+    SENDER = "bootstrap"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, key: bytes | str | None = None):
+        self._key = config_key(key, host)
+        self._fresh = envelope.FreshnessGuard()
+        self.dropped: dict[str, int] = {"unauthenticated": 0, "replayed": 0, "spoofed": 0, "malformed": 0}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -68,12 +81,27 @@ class BootstrapServer:
                 ident, _, frame = self._sock.recv_multipart(zmq.NOBLOCK)
             except (zmq.Again, ValueError):
                 continue
+            kind, why = "unauthenticated", ""
             try:
-                reply = self._handle(codec.decode(frame))
+                sender, seq, payload = envelope.open_frame(self._key, frame)
+                why = self._fresh.accept(sender, seq, time.time())
+                if why:
+                    kind = "replayed"
+                else:
+                    kind = "malformed"
+                    msg = codec.decode(payload)
+                    if getattr(msg, "session", sender) != sender:
+                        kind, why = "spoofed", f"{type(msg).__name__} names session {msg.session}, sent by {sender}"
             except KVXferError as exc:
-                log.warning("bootstrap dropped a malformed frame: %s", exc)
+                why = str(exc)
+            if why:
+                self.dropped[kind] += 1
+                if self.dropped[kind] <= 3 or self.dropped[kind] % 1000 == 0:
+                    log.warning("bootstrap dropped a frame (%s, %d so far): %s", kind, self.dropped[kind], why)
                 continue
-            self._sock.send_multipart([ident, b"", codec.encode(reply)])
+            reply = self._handle(msg)
+            out = envelope.seal(self._key, self.SENDER, seq, codec.encode(reply))
+            self._sock.send_multipart([ident, b"", out])
 
     def _handle(self, msg) -> BootstrapReply:
         with self._lock:
@@ -127,28 +155,41 @@ class BootstrapServer:
         self.close()
 
 
-def request(address: str, message, timeout_s: float) -> BootstrapReply:
-    """Send ``message`` to the bootstrap at ``address`` and return its reply.
+def request(address: str, message, timeout_s: float, key: bytes | None = None) -> BootstrapReply:
+    """Send ``message`` (its ``session`` is the sender) to the bootstrap at ``address`` and
+    return its reply. ``key``: the shared key (None: from the environment).
 
     Raises ``TransferTimeoutError`` when no reply comes within ``timeout_s`` (the service is
-    down or unreachable) and ``RemoteProtocolError`` for a malformed reply.
+    down or unreachable, or it uses another key: it drops what it cannot authenticate) and
+    ``RemoteProtocolError`` for a malformed or unauthenticated reply.
     """
     host, port = parse_host_port(address)
+    key = auth.resolve_key() if key is None else key
+    seq = envelope.fresh_seq(time.time())
+    frame = envelope.seal(key, message.session, seq, codec.encode(message))
     ctx = zmq.Context()  # its own: nothing global outlives the call (or a closing manager)
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     try:
         sock.connect(f"tcp://{host}:{port}")
-        sock.send_multipart([b"", codec.encode(message)])
+        sock.send_multipart([b"", frame])
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransferTimeoutError(f"bootstrap {address} did not answer within {timeout_s:.1f} s")
+                raise TransferTimeoutError(
+                    f"bootstrap {address} did not answer within {timeout_s:.1f} s (down, unreachable, "
+                    f"or using another key: set the same KVXFER_AUTH_KEY on every process)")
             if sock.poll(min(left, 0.2) * 1000):
                 parts = sock.recv_multipart()
-                reply = codec.decode(parts[-1])
+                try:
+                    sender, got_seq, payload = envelope.open_frame(key, parts[-1])
+                except AuthenticationError as exc:
+                    raise RemoteProtocolError(f"bootstrap {address} sent an unauthenticated reply: {exc}") from None
+                if sender != BootstrapServer.SENDER or got_seq != seq:
+                    raise RemoteProtocolError(f"bootstrap {address} sent a reply to another request")
+                reply = codec.decode(payload)
                 if not isinstance(reply, BootstrapReply):
                     raise RemoteProtocolError(f"bootstrap {address} answered with {type(reply).__name__}")
                 return reply

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_kvxfer import envs
+from sglang_kvxfer import auth, envs
 from sglang_kvxfer.geometry import KVGeometry
 
 __all__ = ["EngineConfig", "parse_host_port"]
@@ -25,6 +25,19 @@ def parse_host_port(text: str, name: str = "bootstrap") -> tuple[str, int]:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{name}={text!r} must look like 'host:port' with a port in 1..65535")
     return host, int(port)
+
+
+def config_key(value, bind_host: str) -> bytes:
+    """The 32-byte key (or ``b""`` for off) of an ``auth_key`` argument; see ``EngineConfig``."""
+    if value is None:
+        return auth.resolve_key(bind_host)
+    if isinstance(value, str) and value.strip().lower() == "off":
+        return auth.OFF
+    if isinstance(value, (bytes, bytearray)) and len(value) == 32:
+        return bytes(value)
+    if isinstance(value, (str, bytes, bytearray)):
+        return auth.key_from_secret(value)
+    raise ValueError(f"auth_key must be None, 'off', a secret text or 32 key bytes, got {type(value).__name__}")
 
 
 def _positive(name: str, value: Any) -> None:
@@ -47,6 +60,11 @@ class EngineConfig:
         transport_options: keyword options of that transport.
         host: address this rank advertises for its control inbox.
         device: ``"cpu"`` or ``"cuda:N"`` for pools allocated by the engine.
+        data_path: ``auto``, ``direct``, ``staged`` or ``per_token`` for every (writer,
+            reader) pair (``KVXFER_DATA_PATH``); direct_min_op_bytes: the ``auto`` rule's
+            smallest direct op (``KVXFER_DIRECT_MIN_OP_BYTES``).
+        auth_key: the shared secret that authenticates control frames (see ``auth.py``);
+            None takes it from the environment or the per-user key file.
     """
 
     role: str
@@ -66,6 +84,11 @@ class EngineConfig:
     staging_bytes: int = field(default_factory=envs.KVXFER_STAGING_BYTES.get)
     staging_slot_bytes: int = field(default_factory=envs.KVXFER_STAGING_SLOT_BYTES.get)
     num_workers: int = field(default_factory=envs.KVXFER_WORKERS.get)
+    data_path: str = field(default_factory=envs.KVXFER_DATA_PATH.get)
+    direct_min_op_bytes: int = field(default_factory=envs.KVXFER_DIRECT_MIN_OP_BYTES.get)
+    # None: from the environment (auth.resolve_key); "off": no authentication; a secret
+    # text, or 32 raw key bytes. Always 32 bytes, or b"" (off), after construction.
+    auth_key: bytes | str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -82,7 +105,9 @@ class EngineConfig:
                 f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed "
                 f"heartbeat_interval_s={self.heartbeat_interval_s}"
             )
-        for name in ("staging_bytes", "staging_slot_bytes", "num_workers"):
+        if self.data_path not in ("auto", "direct", "staged", "per_token"):
+            raise ValueError(f"data_path={self.data_path!r} must be one of auto, direct, staged, per_token")
+        for name in ("staging_bytes", "staging_slot_bytes", "num_workers", "direct_min_op_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -93,6 +118,7 @@ class EngineConfig:
             )
         if self.device != "cpu" and not str(self.device).startswith("cuda"):
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda[:N]'")
+        object.__setattr__(self, "auth_key", config_key(self.auth_key, self.host))
 
     @property
     def placement(self):

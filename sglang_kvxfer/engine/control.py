@@ -1,9 +1,13 @@
 """The control channel of one rank: a ZMQ PULL inbox and PUSH sockets to peers.
 
-Owns the sockets and the I/O thread. The thread feeds every decoded message to a handler
-and calls a tick function every ``tick_s``; a malformed frame is logged and counted, never
-fatal. Sends never block: a peer whose queue is full or that is gone makes ``send`` return
-False (deadlines and heartbeats take it from there). Must not interpret messages.
+Owns the sockets and the I/O thread. The thread feeds every decoded message, with the
+authenticated session of its sender, to a handler and calls a tick function every
+``tick_s``. Every frame travels in the authenticated envelope (``protocol/envelope.py``):
+a frame whose tag does not verify, that replays or reorders an earlier frame of its
+sender, or whose message names another session than the envelope's is dropped and
+counted before its payload is decoded or handled; a malformed frame is counted too; none
+is fatal. Sends never block: a peer whose queue is full or that is gone makes ``send``
+return False (deadlines and heartbeats take it from there). Must not interpret messages.
 """
 from __future__ import annotations
 
@@ -14,8 +18,8 @@ from typing import Callable
 
 import zmq
 
-from sglang_kvxfer.errors import ProtocolError
-from sglang_kvxfer.protocol import codec
+from sglang_kvxfer.errors import AuthenticationError, ProtocolError
+from sglang_kvxfer.protocol import codec, envelope
 from sglang_kvxfer.protocol.fields import MAX_FRAME_BYTES
 
 __all__ = ["ControlChannel"]
@@ -28,13 +32,20 @@ class ControlChannel:
 
     Args:
         host: address to bind and advertise.
-        on_message: called on the I/O thread with each decoded message.
+        on_message: called on the I/O thread as ``on_message(message, sender)`` with each
+            authenticated, decoded message and its sender's session id.
         on_tick: called on the I/O thread with ``time.monotonic()`` every ``tick_s``.
         name: for thread names and logs.
+        session: this process's session id (the sender of every frame it sends).
+        key: the 32-byte shared key, or ``b""`` with authentication off.
     """
 
     def __init__(self, host: str, on_message: Callable, on_tick: Callable[[float], None],
-                 name: str, tick_s: float = 0.05):
+                 name: str, *, session: str, key: bytes, tick_s: float = 0.05):
+        self._session, self._key = session, key
+        self._seq = 0
+        self._guard = envelope.SequenceGuard()
+        self.dropped: dict[str, int] = {"unauthenticated": 0, "replayed": 0, "spoofed": 0, "malformed": 0}
         self._ctx = zmq.Context()
         self._inbox = self._ctx.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -45,16 +56,17 @@ class ControlChannel:
         self._out_lock = threading.Lock()
         self._on_message, self._on_tick, self._tick_s = on_message, on_tick, tick_s
         self._stop = threading.Event()
-        self.bad_frames = 0
         self._thread = threading.Thread(target=self._loop, name=f"kvxfer-io-{name}", daemon=True)
         self._thread.start()
 
     def send(self, endpoint: str, message) -> bool:
         """Queue ``message`` for ``endpoint``; False if it could not be queued now."""
-        frame = codec.encode(message)
-        with self._out_lock:
+        payload = codec.encode(message)
+        with self._out_lock:  # numbering and sending under one lock: each stream stays ordered
             if self._stop.is_set():
                 return False
+            self._seq += 1
+            frame = envelope.seal(self._key, self._session, self._seq, payload, endpoint)
             sock = self._out.get(endpoint)
             if sock is None:
                 sock = self._ctx.socket(zmq.PUSH)
@@ -103,15 +115,33 @@ class ControlChannel:
                 except Exception:  # a bug in a tick must not kill the rank's I/O
                     log.exception("control tick failed")
 
+    @property
+    def bad_frames(self) -> int:
+        """Frames dropped for any reason (see ``dropped`` for the reasons)."""
+        return sum(self.dropped.values())
+
+    def _drop(self, kind: str, why: str) -> None:
+        self.dropped[kind] += 1
+        count = self.dropped[kind]
+        if count <= 10 or count % 1000 == 0:  # a flood must not flood the log too
+            log.warning("%s dropped a control frame (%s, %d so far): %s", self.endpoint, kind, count, why)
+
     def _dispatch(self, data) -> None:
         try:
-            message = codec.decode(data)
-        except ProtocolError as exc:
-            self.bad_frames += 1
-            log.warning("dropped a malformed control frame: %s", exc)
-            return
+            sender, seq, payload = envelope.open_frame(self._key, data, self.endpoint)
+        except AuthenticationError as exc:
+            return self._drop("unauthenticated", str(exc))
+        if not self._guard.accept(sender, seq):
+            return self._drop("replayed", f"sequence {seq} of sender {sender} is not newer than the last one")
         try:
-            self._on_message(message)
+            message = codec.decode(payload)
+        except ProtocolError as exc:
+            return self._drop("malformed", str(exc))
+        claimed = getattr(message, "session", sender)
+        if claimed != sender:
+            return self._drop("spoofed", f"{type(message).__name__} names session {claimed} but came from {sender}")
+        try:
+            self._on_message(message, sender)
         except Exception:
             log.exception("handling %s failed", type(message).__name__)
 

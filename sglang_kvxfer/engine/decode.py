@@ -23,6 +23,7 @@ from sglang_kvxfer.errors import IncompatibleGeometryError, KVXferError, Transfe
 from sglang_kvxfer.geometry import check_compatible
 from sglang_kvxfer.metrics import RequestRecord, note_writer_done
 from sglang_kvxfer.planning import candidate_prefill_ranks, plan_pair, plan_tp
+from sglang_kvxfer.protocol.envelope import peer_secret
 from sglang_kvxfer.protocol.fields import STAGING_SLOTS, Side
 from sglang_kvxfer.protocol.messages import (
     Abort,
@@ -132,7 +133,7 @@ class DecodeManager(RankBase):
         reply, last = None, "no answer"
         while not self._closed and time.monotonic() < deadline:
             try:
-                reply = bootstrap.request(group.address, query, timeout_s=0.5)
+                reply = bootstrap.request(group.address, query, timeout_s=0.5, key=self.config.auth_key)
             except KVXferError as exc:
                 last = str(exc)
             else:
@@ -160,6 +161,15 @@ class DecodeManager(RankBase):
                 if info.tp_rank in candidates:
                     group.peers[info.tp_rank] = Peer(info.session, info.tp_rank, info.endpoint, now)
                     group.placements[info.tp_rank] = reply.geometry.placement(reply.tp_size, info.tp_rank)
+        # The data plane: each candidate writer may write into this rank's pool and staging
+        # only, proving the secret of its (writer, reader) session pair.
+        exported = list(self.pool.regions) + ([self.staging.region] if self.staging.region is not None else [])
+        try:
+            for peer in list(group.peers.values()):
+                self.transport.authorize_peer(peer.session, peer_secret(self.config.auth_key, peer.session,
+                                                                        self.session), exported)
+        except KVXferError as exc:
+            return self._group_failed(group, f"cannot export this rank's memory to the prefill ranks: {exc}")
         register = DecodeRegister(
             engine_version=ENGINE_VERSION, session=self.session, tp_size=self.config.tp_size,
             tp_rank=self.tp_rank, endpoint=self.control.endpoint, geometry=g,
@@ -281,7 +291,8 @@ class DecodeManager(RankBase):
                                           f"prefill pools hold {src.geometry.num_pages}", rec.room)
             # Path choice with the real decode pages, assuming prefill pages are contiguous
             # (decode cannot know them); prefill follows this choice.
-            pair = plan_pair(t, src, self.placement, np.arange(n_src), rec.pages, num_tokens=rec.num_tokens)
+            pair = plan_pair(t, src, self.placement, np.arange(n_src), rec.pages, num_tokens=rec.num_tokens,
+                             path=self.config.data_path, direct_min_op_bytes=self.config.direct_min_op_bytes)
             if pair.path == "direct" or pair.nbytes == 0:
                 continue
             per_token = pair.nbytes // rec.num_tokens
@@ -298,23 +309,37 @@ class DecodeManager(RankBase):
         return lent
 
     # -- messages (I/O thread) --------------------------------------------------------------------
-    def _on_message(self, msg) -> None:
+    def _on_message(self, msg, sender: str) -> None:
         if isinstance(msg, Heartbeat):
-            self._touch(msg.tp_rank, msg.session)
+            self._touch(msg.tp_rank, sender)
         elif isinstance(msg, RegisterReply):
             self._on_register_reply(msg)
-        elif isinstance(msg, ChunkReady):
-            self._on_chunk(msg)
-        elif isinstance(msg, TransferDone):
-            self._on_done(msg)
-        elif isinstance(msg, (TransferFailed, Abort)):
+        elif isinstance(msg, (ChunkReady, TransferDone, TransferFailed, Abort)):
             rec = self.room(msg.room)
-            if rec is not None:
+            if rec is None or not self._from_expected(rec, msg, sender):
+                return
+            if isinstance(msg, ChunkReady):
+                self._on_chunk(msg)
+            elif isinstance(msg, TransferDone):
+                self._on_done(msg)
+            else:
                 what = "aborted" if isinstance(msg, Abort) else "failed"
                 self._fail_room(rec, f"prefill rank {msg.tp_rank} {what} the request: {msg.reason}",
                                 notify=False)
         else:
             log.warning("decode rank %d ignored unexpected %s", self.tp_rank, type(msg).__name__)
+
+    def _from_expected(self, rec: DecodeRoom, msg, sender: str) -> bool:
+        """Whether ``sender`` is the prefill session this room expects as ``msg.tp_rank``."""
+        with self._lock:
+            group = self._groups.get(rec.group)
+            peer = group.peers.get(msg.tp_rank) if group is not None else None
+        if peer is not None and peer.session == sender:
+            return True
+        self.security_event("unexpected_sender", "%s for room %d as prefill rank %d from session %s dropped "
+                            "(expected session %s)", type(msg).__name__, msg.room, msg.tp_rank, sender,
+                            peer.session if peer is not None else "none")
+        return False
 
     def _touch(self, tp_rank: int, session: str | None = None) -> None:
         now = time.monotonic()
@@ -466,14 +491,27 @@ class DecodeManager(RankBase):
     def _peer_lost(self, peer, reason: str) -> None:
         with self._lock:
             groups = [g for g in self._groups.values() if peer in g.peers.values()]
-            for g in groups:  # the next request looks the group up again (a restarted prefill)
+            for g in groups:
                 g.status, g.error = "failed", reason
-                self._groups.pop(g.address, None)
             rooms = [r for r in self._rooms.values() if not r.state.is_terminal
                      and any(r.group == g.address for g in groups)]
-        self.control.forget(peer.endpoint)
-        for rec in rooms:
+        for rec in rooms:  # the other prefill ranks of the room hear of it too
             self._fail_room(rec, f"prefill rank {peer.tp_rank} is gone: {reason}")
+        with self._lock:
+            for g in groups:  # the next request looks the group up again (a restarted prefill)
+                if self._groups.get(g.address) is g:
+                    self._groups.pop(g.address)
+        self._revoke(groups)
+        self.control.forget(peer.endpoint)
+
+    def _revoke(self, groups) -> None:
+        """Withdraw the data-plane grants of these groups' prefill sessions."""
+        for g in groups:
+            for p in g.peers.values():
+                try:
+                    self.transport.revoke_peer(p.session)
+                except Exception:
+                    log.exception("decode rank %d: revoking prefill session %s failed", self.tp_rank, p.session)
 
     def _on_tick(self, now: float) -> None:
         super()._on_tick(now)

@@ -11,6 +11,7 @@ on a transport, a socket or another thread.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import secrets
@@ -85,6 +86,8 @@ class RankBase:
         self._lock = threading.RLock()
         self._rooms: dict[int, object] = {}
         self._closed = False
+        # Security events by kind (room_conflict, unexpected_sender, ...): Prometheus counts them.
+        self.security_events: dict[str, int] = collections.defaultdict(int)
         # Called with each finished request's RequestRecord (metrics.py); on engine threads.
         self.request_listeners: list[Callable] = []
         self.transport = self.pool = self.staging = self.control = None
@@ -103,8 +106,10 @@ class RankBase:
                              for i in range(config.num_workers)]
             self._hb_seq = 0
             self._next_heartbeat = 0.0
+            self._last_tick: float | None = None
             self.control = ControlChannel(config.host, self._on_message, self._on_tick,
-                                          f"{self.side.value}{config.tp_rank}")
+                                          f"{self.side.value}{config.tp_rank}", session=self.session,
+                                          key=config.auth_key)
         except BaseException:
             self.close()
             raise
@@ -157,11 +162,29 @@ class RankBase:
     def _fail_room(self, rec, reason: str, notify: bool = True, already_failed: bool = False) -> None:
         """Fail a room here and, when ``notify``, tell the peers involved (overridden)."""
 
-    def _on_message(self, msg) -> None:  # overridden
+    def _on_message(self, msg, sender: str) -> None:  # overridden
         raise LocalProtocolError(f"{type(self).__name__} cannot handle {type(msg).__name__}")
+
+    def security_event(self, kind: str, text: str, *args) -> None:
+        """Count a security event and log it at ERROR (rate-limited per kind)."""
+        self.security_events[kind] += 1
+        count = self.security_events[kind]
+        if count <= 5 or count % 1000 == 0:
+            log.error("%s rank %d security (%s, %d so far): " + text, self.side.value, self.tp_rank,
+                      kind, count, *args)
 
     # -- the I/O thread's periodic work ----------------------------------------------------------
     def _on_tick(self, now: float) -> None:
+        last, self._last_tick = self._last_tick, now
+        if last is not None and now - last > self.config.heartbeat_timeout_s:
+            # This rank did not run (SIGSTOP, a debugger, a starved host): its peers' silence
+            # is its own doing. Give every peer a fresh heartbeat window instead of declaring
+            # them all dead; a peer that really died is caught one window later.
+            log.warning("%s rank %d did not run for %.1f s (stopped or starved); peers get a fresh "
+                        "heartbeat window", self.side.value, self.tp_rank, now - last)
+            for peer in self._peers():
+                peer.last_seen = max(peer.last_seen, now)
+            self._next_heartbeat = 0.0
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.config.heartbeat_interval_s
             self._hb_seq += 1

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_kvxfer import envs
 from sglang_kvxfer.engine import bootstrap
 from sglang_kvxfer.engine.config import ENGINE_VERSION
 from sglang_kvxfer.engine.manager import Peer, RankBase, RequestHandle
@@ -28,6 +27,7 @@ from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeo
 from sglang_kvxfer.geometry import check_compatible
 from sglang_kvxfer.metrics import SINCE_FIRST_BYTE, SINCE_LAST_CHUNK, RequestRecord
 from sglang_kvxfer.planning import candidate_decode_ranks, plan_pair, plan_tp
+from sglang_kvxfer.protocol.envelope import peer_secret
 from sglang_kvxfer.protocol.fields import STAGING_SLOTS, Side
 from sglang_kvxfer.protocol.messages import (
     Abort,
@@ -91,6 +91,7 @@ class PrefillRoom:
         self.reader_ops: dict[int, int] = collections.defaultdict(int)
         self.timings: dict[str, float] = collections.defaultdict(float)
         self.sender_attached = False
+        self.unattached = False  # created by a frame, no sender yet (capped, see PrefillManager)
         self.finished_at: float | None = None
         self.marks: dict[str, float] = {}  # monotonic times of the transfer window (metrics.py)
 
@@ -117,8 +118,14 @@ class PrefillManager(RankBase):
 
     side = Side.PREFILL
 
+    MAX_UNATTACHED_ROOMS = 4096  # records created by frames before a sender holds the room
+    ROOM_RETENTION_S = 60.0      # a finished room nobody holds is forgotten after this
+
     def __init__(self, config, pool=None):
         self._decode_peers: dict[str, DecodePeer] = {}  # before the I/O thread starts
+        # Forgotten decode sessions -> (peer, last time told to register again), capped.
+        self._lost_peers: collections.OrderedDict[str, tuple[Peer, float]] = collections.OrderedDict()
+        self._num_unattached = 0
         super().__init__(config, pool)
         self._registered = threading.Event()
         self.registration_error: str | None = None
@@ -134,7 +141,7 @@ class PrefillManager(RankBase):
         last = "no answer"
         while not self._closed and time.monotonic() < deadline:
             try:
-                reply = bootstrap.request(self.config.bootstrap, msg, timeout_s=0.5)
+                reply = bootstrap.request(self.config.bootstrap, msg, timeout_s=0.5, key=self.config.auth_key)
             except KVXferError as exc:
                 last = str(exc)
                 time.sleep(0.2)
@@ -157,28 +164,69 @@ class PrefillManager(RankBase):
             raise TransferFailedError(self.registration_error)
 
     # -- messages (I/O thread) ------------------------------------------------------------------
-    def _on_message(self, msg) -> None:
+    def _on_message(self, msg, sender: str) -> None:
         if isinstance(msg, Heartbeat):
-            peer = self._decode_peers.get(msg.session)
+            peer = self._decode_peers.get(sender)
             if peer is not None:
                 peer.last_seen = time.monotonic()
+            else:
+                self._unknown_session(sender)
         elif isinstance(msg, DecodeRegister):
             self._on_register(msg)
         elif isinstance(msg, RequestMeta):
             self._on_meta(msg)
         elif isinstance(msg, ChunkAck):
-            self._on_ack(msg)
+            self._on_ack(msg, sender)
         elif isinstance(msg, (Abort, TransferFailed)):
-            # An unknown room gets a failed record, so a sender created later fails at once.
-            with self._lock:
-                rec = self._get_or_create(msg.room)
-            what = "aborted" if isinstance(msg, Abort) else "failed"
-            self._fail_room(rec, f"decode rank {msg.tp_rank} {what} the request: {msg.reason}", notify=False)
+            self._on_peer_failure(msg, sender)
         else:
             log.warning("prefill rank %d ignored unexpected %s", self.tp_rank, type(msg).__name__)
 
+    def _unknown_session(self, sender: str) -> None:
+        """A decode session this rank forgot (declared dead while it was stalled) is still
+        talking: tell it to register again, at most once per heartbeat interval."""
+        now = time.monotonic()
+        with self._lock:
+            lost = self._lost_peers.get(sender)
+            if lost is None or now - lost[1] < self.config.heartbeat_interval_s:
+                return
+            self._lost_peers[sender] = (lost[0], now)
+        self.control.send(lost[0].endpoint, RegisterReply(
+            session=self.session, tp_rank=self.tp_rank, ok=False, geometry=self.config.geometry,
+            error=f"prefill rank {self.tp_rank} no longer knows decode session {sender} (declared dead "
+                  f"after {self.config.heartbeat_timeout_s} s of silence); register again"))
+
+    def _on_peer_failure(self, msg, sender: str) -> None:
+        """Abort/TransferFailed from a decode rank: only from a registered session, and for a
+        room another session's metadata claims for that decode rank, not at all."""
+        if sender not in self._decode_peers and sender not in self._lost_peers:
+            self.security_event("unregistered_sender", "%s for room %d from unregistered session %s dropped",
+                                type(msg).__name__, msg.room, sender)
+            return
+        what = "aborted" if isinstance(msg, Abort) else "failed"
+        with self._lock:
+            rec = self._rooms.get(msg.room)
+            if rec is None:
+                rec = self._create_unattached(msg.room)
+                if rec is None:
+                    return
+            owner = rec.metas.get(msg.tp_rank)
+            if owner is not None and owner.session != sender:
+                self.security_event("unexpected_sender", "%s for room %d, decode rank %d, from session %s; "
+                                    "the room belongs to session %s", type(msg).__name__, msg.room,
+                                    msg.tp_rank, sender, owner.session)
+                return
+        # An unknown room keeps a failed record, so a sender created later fails at once.
+        self._fail_room(rec, f"decode rank {msg.tp_rank} {what} the request: {msg.reason}", notify=False)
+
     def _on_register(self, msg: DecodeRegister) -> None:
         error = ""
+        old = self._decode_peers.get(msg.session)
+        if old is not None:  # a re-registration replaces the stale record on both layers
+            self._drop_peer(old, f"decode session {msg.session} registered again (it had been stalled or "
+                                 f"lost this rank); its earlier requests end")
+            with self._lock:
+                self._decode_peers.pop(msg.session, None)
         try:
             if msg.transport != self.config.transport:
                 raise KVXferError(f"transport: prefill={self.config.transport!r} decode={msg.transport!r} "
@@ -187,7 +235,8 @@ class PrefillManager(RankBase):
             if len(msg.kv_buffer_locs) != msg.geometry.num_buffers:
                 raise KVXferError(f"kv_buffer_locs has {len(msg.kv_buffer_locs)} entries; the geometry "
                                   f"has {msg.geometry.num_buffers} buffers")
-            self.transport.add_peer(msg.session, msg.agent_descriptor)
+            self.transport.add_peer(msg.session, msg.agent_descriptor,
+                                    secret=peer_secret(self.config.auth_key, self.session, msg.session))
             regions = [self.transport.import_region(msg.session, d) for d in msg.kv_regions]
             staging = (self.transport.import_region(msg.session, msg.staging_region)
                        if msg.staging_region is not None else None)
@@ -204,9 +253,12 @@ class PrefillManager(RankBase):
                 self.transport.remove_peer(msg.session)
             except Exception:
                 pass
+            with self._lock:  # refused, but authenticated: its aborts and failures still count
+                self._remember_lost(Peer(msg.session, msg.tp_rank, msg.endpoint, time.monotonic()))
         else:
             with self._lock:
                 self._decode_peers[msg.session] = peer
+                self._lost_peers.pop(msg.session, None)
         self.control.send(msg.endpoint, RegisterReply(
             session=self.session, tp_rank=self.tp_rank, ok=not error, error=error,
             geometry=self.config.geometry))
@@ -214,31 +266,57 @@ class PrefillManager(RankBase):
     def _on_meta(self, meta: RequestMeta) -> None:
         peer = self._decode_peers.get(meta.session)
         if peer is None:
-            log.warning("prefill rank %d: RequestMeta for room %d from unregistered decode session %s",
-                        self.tp_rank, meta.room, meta.session)
+            if meta.session in self._lost_peers:  # forgotten while stalled: it must register again
+                log.warning("prefill rank %d: RequestMeta for room %d from forgotten decode session %s; "
+                            "asking it to register again", self.tp_rank, meta.room, meta.session)
+                self._unknown_session(meta.session)
+            else:
+                self.security_event("unregistered_sender", "RequestMeta for room %d from unregistered "
+                                    "decode session %s dropped", meta.room, meta.session)
             return
         peer.last_seen = time.monotonic()
         g = self.config.geometry
+        conflict = late = ""
         with self._lock:
-            rec = self._get_or_create(meta.room)
-            if rec.state.is_terminal:
-                return
-            if rec.expected is None:
-                rec.expected = candidate_decode_ranks(g.total_kv_heads, self.config.tp_size, meta.tp_size,
-                                                      self.tp_rank, g.mla)
-                rec.plan = plan_tp(g.total_kv_heads, self.config.tp_size, meta.tp_size, g.mla, salt=meta.room)
-                rec.num_tokens = meta.num_tokens
-            problem = self._meta_problem(rec, meta)
-            if problem:
-                ready = False
+            rec = self._rooms.get(meta.room) or self._create_unattached(meta.room)
+            if rec is None:
+                late = f"prefill rank {self.tp_rank} holds too many requests nobody sends yet"
+            elif rec.state.is_terminal:
+                late = rec.state.reason or f"room {meta.room} already completed on prefill rank {self.tp_rank}"
             else:
-                rec.metas[meta.tp_rank] = meta
-                ready = rec.state.poll is KVPoll.Bootstrapping and set(rec.metas) == set(rec.expected)
-                if ready:
-                    rec.marks["dest_known"] = time.monotonic()
-                    rec.state.handle(Event.BOOTSTRAPPED, rec.marks["dest_known"])
-        if problem:
-            self._fail_room(rec, problem)
+                owner = rec.metas.get(meta.tp_rank)
+                if owner is not None:
+                    conflict = (f"security: room {meta.room} for decode rank {meta.tp_rank} was claimed by "
+                                f"session {owner.session} and again by session {meta.session}"
+                                if owner.session != meta.session else
+                                f"decode rank {meta.tp_rank} sent the metadata of room {meta.room} twice")
+            if late or conflict:
+                ready = problem = False
+            else:
+                if rec.expected is None:
+                    rec.expected = candidate_decode_ranks(g.total_kv_heads, self.config.tp_size, meta.tp_size,
+                                                          self.tp_rank, g.mla)
+                    rec.plan = plan_tp(g.total_kv_heads, self.config.tp_size, meta.tp_size, g.mla,
+                                       salt=meta.room)
+                    rec.num_tokens = meta.num_tokens
+                problem = self._meta_problem(rec, meta)
+                if problem:
+                    ready = False
+                else:
+                    rec.metas[meta.tp_rank] = meta
+                    ready = rec.state.poll is KVPoll.Bootstrapping and set(rec.metas) == set(rec.expected)
+                    if ready:
+                        rec.marks["dest_known"] = time.monotonic()
+                        rec.state.handle(Event.BOOTSTRAPPED, rec.marks["dest_known"])
+        if late:  # the request already ended here: say so instead of leaving decode to its deadline
+            self.control.send(peer.endpoint, TransferFailed(room=meta.room, side=Side.PREFILL,
+                                                            tp_rank=self.tp_rank, reason=late))
+        elif conflict:
+            if conflict.startswith("security"):
+                self.security_event("room_conflict", "%s", conflict)
+            self._fail_room(rec, conflict, extra_sessions=(meta.session,))
+        elif problem:
+            self._fail_room(rec, problem, extra_sessions=(meta.session,))
         elif ready:
             self._schedule(rec)
 
@@ -256,26 +334,48 @@ class PrefillManager(RankBase):
                     f"prefill rank {self.tp_rank} computed {elected}")
         return ""
 
-    def _on_ack(self, msg: ChunkAck) -> None:
+    def _on_ack(self, msg: ChunkAck, sender: str) -> None:
         rec = self.room(msg.room)
         if rec is None:
+            return
+        owner = rec.metas.get(msg.tp_rank)
+        if owner is None or owner.session != sender:
+            self.security_event("unexpected_sender", "ChunkAck for room %d, decode rank %d, from session %s "
+                                "dropped (not the room's reader)", msg.room, msg.tp_rank, sender)
             return
         with rec.cond:
             rec.inflight[msg.tp_rank].discard(msg.staging_offset)
             rec.cond.notify_all()
 
     # -- rooms ---------------------------------------------------------------------------------
-    def _get_or_create(self, room: int) -> PrefillRoom:
-        rec = self._rooms.get(room)
-        if rec is None:
-            rec = self._rooms[room] = PrefillRoom(room, self.new_state(room))
+    def _create_unattached(self, room: int) -> PrefillRoom | None:
+        """A record for a room no sender holds yet (its metadata or abort came first), or None
+        when ``MAX_UNATTACHED_ROOMS`` of them exist (call with the lock held). They end by
+        their deadline and are forgotten ``ROOM_RETENTION_S`` later, or taken by a sender."""
+        if self._num_unattached >= self.MAX_UNATTACHED_ROOMS:
+            self.security_event("room_cap", "no record for room %d: %d rooms wait for a sender already",
+                                room, self._num_unattached)
+            return None
+        rec = self._rooms[room] = PrefillRoom(room, self.new_state(room))
+        rec.unattached = True
+        self._num_unattached += 1
         return rec
 
     def attach_sender(self, room: int) -> PrefillRoom:
         with self._lock:
-            rec = self._get_or_create(room)
+            rec = self._rooms.get(room)
+            if rec is None:
+                rec = self._rooms[room] = PrefillRoom(room, self.new_state(room))
+            elif rec.unattached:
+                rec.unattached = False
+                self._num_unattached -= 1
             rec.sender_attached = True
             return rec
+
+    def _forget(self, room: int) -> None:
+        rec = self._rooms.pop(room, None)
+        if rec is not None and rec.unattached:
+            self._num_unattached -= 1
 
     def submit_chunk(self, rec: PrefillRoom, chunk: _Chunk) -> None:
         with self._lock:
@@ -360,7 +460,7 @@ class PrefillManager(RankBase):
 
     def _write_direct(self, rec, t, peer: DecodePeer, meta: RequestMeta, start: int, stop: int):
         t0 = time.perf_counter()
-        path = "per_token" if envs.KVXFER_DATA_PATH.get() == "per_token" else "direct"
+        path = "per_token" if self.config.data_path == "per_token" else "direct"
         pair = plan_pair(t, self.placement, peer.placement, rec.src_pages, meta.dst_page_ids,
                          num_tokens=rec.num_tokens, token_start=start, token_stop=stop, path=path)
         if pair.path != "direct":
@@ -543,7 +643,8 @@ class PrefillManager(RankBase):
         self._request_ended(rec)
 
     # -- failures --------------------------------------------------------------------------------
-    def _fail_room(self, rec, reason: str, notify: bool = True, already_failed: bool = False) -> None:
+    def _fail_room(self, rec, reason: str, notify: bool = True, already_failed: bool = False,
+                   extra_sessions: tuple[str, ...] = ()) -> None:
         with self._lock:
             if not already_failed:
                 if rec.state.is_terminal:
@@ -551,13 +652,14 @@ class PrefillManager(RankBase):
                 rec.state.fail(reason, time.monotonic())
             rec.finished_at = time.monotonic()
             targets = [(d, m.session) for d, m in rec.metas.items()]
+            targets += [(-1, s) for s in extra_sessions if s not in {t[1] for t in targets}]
         with rec.cond:
             rec.cond.notify_all()
         log.warning("prefill rank %d room %d failed: %s", self.tp_rank, rec.room, reason)
         self._request_ended(rec)
         if notify:
             for d, session in targets:
-                peer = self._decode_peers.get(session)
+                peer = self._decode_peers.get(session) or self._lost_peer(session)
                 if peer is not None:
                     self.control.send(peer.endpoint, TransferFailed(
                         room=rec.room, side=Side.PREFILL, tp_rank=self.tp_rank, reason=reason))
@@ -584,31 +686,51 @@ class PrefillManager(RankBase):
 
     def _peer_lost(self, peer, reason: str) -> None:
         with self._lock:
+            if self._decode_peers.get(peer.session) is not peer:
+                return
+        self._drop_peer(peer, reason)
+        with self._lock:
             self._decode_peers.pop(peer.session, None)
+            self._remember_lost(peer)
+
+    def _remember_lost(self, peer: Peer) -> None:
+        """Keep a forgotten or refused session's endpoint (capped): it is told to register
+        again if it speaks, and hears about its rooms' failures. Call with the lock held."""
+        self._lost_peers[peer.session] = (peer, 0.0)
+        while len(self._lost_peers) > 1024:
+            self._lost_peers.popitem(last=False)
+
+    def _drop_peer(self, peer: DecodePeer, reason: str) -> None:
+        """Fail the peer's rooms (telling every reader, the peer too if it still listens),
+        then drop its transport peer. The caller removes it from ``_decode_peers``."""
+        with self._lock:
             rooms = [r for r in self._rooms.values()
                      if not r.state.is_terminal and any(m.session == peer.session for m in r.metas.values())]
+        for rec in rooms:
+            self._fail_room(rec, reason, extra_sessions=(peer.session,))
         try:
             self.transport.remove_peer(peer.session)
         except Exception:
             pass
-        self.control.forget(peer.endpoint)
-        for rec in rooms:
-            self._fail_room(rec, reason)
+
+    def _lost_peer(self, session: str) -> Peer | None:
+        entry = self._lost_peers.get(session)
+        return entry[0] if entry is not None else None
 
     def _on_tick(self, now: float) -> None:
         super()._on_tick(now)
         with self._lock:  # forget finished rooms nobody holds a sender for
-            stale = [r for r, rec in self._rooms.items()
-                     if rec.finished_at is not None and not rec.sender_attached and now - rec.finished_at > 60]
+            stale = [r for r, rec in self._rooms.items() if rec.finished_at is not None
+                     and not rec.sender_attached and now - rec.finished_at > self.ROOM_RETENTION_S]
             for r in stale:
-                del self._rooms[r]
+                self._forget(r)
 
     def release(self, room: int) -> None:
         """Forget a room (the sender is done with it)."""
         with self._lock:
             rec = self._rooms.get(room)
             if rec is not None and rec.state.is_terminal:
-                del self._rooms[room]
+                self._forget(room)
             elif rec is not None:
                 rec.sender_attached = False
 

@@ -21,7 +21,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from sglang_kvxfer import envs
 from sglang_kvxfer.errors import PlanError
 from sglang_kvxfer.geometry import Layout, RankPlacement, check_compatible
 from sglang_kvxfer.planning.tp import HeadTransfer
@@ -31,6 +30,7 @@ __all__ = ["PairPlan", "DirectPlan", "StagedPlan", "plan_pair", "coalesce", "MAX
 
 # One staged write never exceeds this (MORI and most verbs stacks cap a WR below 4 GiB).
 MAX_WRITE_BYTES = 1 << 30
+DIRECT_MIN_OP_BYTES = 64 * 1024  # the default of KVXFER_DIRECT_MIN_OP_BYTES
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,8 @@ def plan_pair(
     num_tokens: int | None = None,
     token_start: int = 0,
     token_stop: int | None = None,
-    path: str | None = None,
+    path: str | None = "auto",
+    direct_min_op_bytes: int = DIRECT_MIN_OP_BYTES,
 ) -> PairPlan:
     """Byte plan of one (writer, reader) pair for one request or one chunk of it.
 
@@ -179,10 +180,12 @@ def plan_pair(
         num_tokens: tokens in the request. Defaults to ``len(src_pages) * page_size`` when
             both sides use the same page size; required otherwise.
         token_start, token_stop: the chunk of tokens to plan (default: all of them).
-        path: ``"auto"``, ``"direct"``, ``"staged"`` or ``"per_token"``; default from
-            ``KVXFER_DATA_PATH``. ``direct`` falls back to staged where the bytes are not
+        path: ``"auto"``, ``"direct"``, ``"staged"`` or ``"per_token"`` (None: ``auto``; the engine passes
+            ``EngineConfig.data_path``). ``direct`` falls back to staged where the bytes are not
             contiguous. ``per_token`` is SGLang's pattern (one op per token, per head run, per
             buffer), kept only as a baseline for benchmarks.
+        direct_min_op_bytes: under ``auto``, a contiguous pair whose direct ops average fewer
+            bytes than this (and more than 4 per buffer) is staged instead.
 
     Raises:
         PlanError: page lists that do not cover the tokens, out-of-range or repeated page
@@ -209,7 +212,7 @@ def plan_pair(
         k_ops, v_ops = direct
         direct_count = gs.num_layers * (len(k_ops) + (len(v_ops) if v_ops is not None else 0))
 
-    choice = (path or envs.KVXFER_DATA_PATH.get()).lower()
+    choice = str(path or "auto").lower()
     if choice not in ("auto", "direct", "staged", "per_token"):
         raise PlanError(f"path={path!r} must be one of auto, direct, staged, per_token")
     common = dict(transfer=transfer, src=src, dst=dst, token_start=start, num_tokens=count,
@@ -222,7 +225,7 @@ def plan_pair(
     if direct is not None and choice != "staged":
         use_direct, why = True, "contiguous on both sides"
         if choice == "auto":
-            use_direct, why = _auto_prefers_direct(direct_count, nbytes, len(direct[0]))
+            use_direct, why = _auto_prefers_direct(direct_count, nbytes, len(direct[0]), direct_min_op_bytes)
         if use_direct or count == 0:
             return DirectPlan(**common, reason=why, k_ops=direct[0], v_ops=direct[1])
         reason = why
@@ -233,13 +236,12 @@ def plan_pair(
     return StagedPlan(**common, reason=reason, src_pages=src_arr, dst_pages=dst_arr, staging_nbytes=nbytes)
 
 
-def _auto_prefers_direct(direct_count: int, nbytes: int, ops_per_buffer: int) -> tuple[bool, str]:
-    min_op = envs.KVXFER_DIRECT_MIN_OP_BYTES.get()
+def _auto_prefers_direct(direct_count: int, nbytes: int, ops_per_buffer: int, min_op: int) -> tuple[bool, str]:
     avg = nbytes / max(direct_count, 1)
     if ops_per_buffer <= 4 or avg >= min_op:
         return True, f"contiguous on both sides ({ops_per_buffer} op(s) per buffer, {avg:.0f} B per op)"
     return False, (f"contiguous but fragmented ({ops_per_buffer} ops per buffer of {avg:.0f} B "
-                   f"< KVXFER_DIRECT_MIN_OP_BYTES={min_op}); staging is fewer, larger writes")
+                   f"< direct_min_op_bytes={min_op}, KVXFER_DIRECT_MIN_OP_BYTES); staging is fewer, larger writes")
 
 
 def _why_strided(transfer: HeadTransfer, src: RankPlacement, dst: RankPlacement, compat) -> str:

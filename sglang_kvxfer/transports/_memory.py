@@ -2,13 +2,15 @@
 
 Owns: writable memoryviews over ``(ptr, nbytes)``, batched ``memmove``, cross-process
 memory writes (``process_vm_writev``/``readv``) with the checks of whether the OS permits
-them, and ``SharedBuffer``: memfd-backed shared memory that a peer on this host maps by
+them (never opening this process to every same-user process unless asked to), and
+``SharedBuffer``: memfd-backed shared memory that a peer on this host maps by
 ``/proc/<pid>/fd/<fd>``. It must not know about peers, descriptors or tickets.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import threading
@@ -16,10 +18,13 @@ import weakref
 
 import numpy as np
 
+from sglang_kvxfer import envs
 from sglang_kvxfer.errors import TransportError
 
 __all__ = ["view", "copy_entries", "cma_write", "cma_probe", "cma_blocker",
            "allow_ptrace_writes", "SharedBuffer", "alloc_shared", "find_shared"]
+
+log = logging.getLogger("sglang_kvxfer.transports.local")
 
 IOV_MAX = 1024  # Linux UIO_MAXIOV: iovecs per process_vm_writev / sendmsg call
 
@@ -127,18 +132,34 @@ def cma_blocker() -> str | None:
 
 _ptracer_lock = threading.Lock()
 _ptracer_set = False
+PTRACE_ANY_ENV = "KVXFER_LOCAL_PTRACE_ANY"  # "1": accept PR_SET_PTRACER_ANY (see below)
 
 
 def allow_ptrace_writes() -> None:
-    """Under yama ``ptrace_scope=1``, let same-user processes (peers) write our memory.
+    """Make sure peers may ``process_vm_writev`` into this process's private memory.
 
-    ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` is needed for ``process_vm_writev`` from a
-    non-ancestor; it is done once, only when a private region is registered for CMA.
+    Under Yama ``ptrace_scope=1`` that needs ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``,
+    which opens this process's memory to *every* process of the same user, not only the
+    peers (the prctl names one pid or any). It is refused with ``TransportError`` unless
+    ``KVXFER_LOCAL_PTRACE_ANY=1`` opts in (logged as a WARNING). Scope 0 or no Yama: nothing
+    to do. Shared-memory pools (``alloc_shared``) never need it.
     """
     global _ptracer_set
     with _ptracer_lock:
-        if not _ptracer_set and _yama_scope() == 1:
-            _prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
+        if _ptracer_set or _yama_scope() != 1:
+            return
+        if not envs.KVXFER_LOCAL_PTRACE_ANY.get():
+            raise TransportError(
+                f"{_YAMA_SCOPE} is 1, so peers could write this process's private memory only "
+                "after prctl(PR_SET_PTRACER_ANY), which would open it to every process of this "
+                "user; allocate the pool with alloc_shared() (memfd shared memory, no ptrace), "
+                f"or run with kernel.yama.ptrace_scope=0, or set {PTRACE_ANY_ENV}=1 to accept "
+                "that risk")
+        log.warning("local: %s=1: prctl(PR_SET_PTRACER_ANY): every process of this user may "
+                    "now read and write this process's memory", PTRACE_ANY_ENV)
+        if _prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0) != 0:
+            err = ctypes.get_errno()
+            raise TransportError(f"prctl(PR_SET_PTRACER_ANY) failed: {os.strerror(err)}")
         _ptracer_set = True
 
 

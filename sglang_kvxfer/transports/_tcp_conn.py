@@ -1,22 +1,33 @@
 """The two ends of a ``tcp`` transport connection, and the wire format between them.
 
-``_Conn`` is the writer's side: a sender thread that connects lazily, greets with HELLO
-and sends WRITE frames straight from registered memory with ``sendmsg``, and an ACK reader
-thread that completes ticket parts; any loss fails every ticket on the connection.
-``_Inbound`` is the receiver's side: it checks each frame against the region table
-before reading the payload into the region with ``recvmsg_into``, refuses (drains and
-NACKs) writes outside it, and closes the connection on a malformed frame.
+``_Conn`` is the writer's side: a sender thread that connects lazily, answers the
+reader's challenge with HELLO and sends WRITE frames straight from registered memory with
+``sendmsg``, and an ACK reader thread that completes ticket parts; any loss fails every
+ticket on the connection. A BYE from the reader (it closes idle connections) retires the
+connection cleanly: what is in flight completes, and the next write opens a new one.
+``_Inbound`` is the receiver's side: it authenticates the writer, checks each frame
+against the regions granted to that writer before reading the payload into the region
+with ``recvmsg_into``, refuses (drains and NACKs) writes outside them, and closes the
+connection on a malformed frame.
 
-Frames (little-endian): HELLO ``<4sHHH`` + agents; HELLO reply ``<4sHBxI`` + reason;
-WRITE/BYE header ``<B3xIQQQ`` = type, n_entries, xfer_id, region_id, total_bytes, then
-``n_entries x <QQ`` (remote_offset, size), then the payload; ACK ``<BB2xIQ`` = type,
-status, reason length, xfer_id, then the UTF-8 reason. No pickle, no eval. This module
-must not register memory or manage peers: ``tcp.TcpTransport`` owns those.
+Handshake (wire version 2): the reader speaks first, CHALLENGE ``<4sH2x32s`` = magic,
+version, 32 random bytes; the writer answers HELLO ``<4sH2x16s32s`` = magic, version,
+key id (``SHA-256(secret)[:16]``), ``HMAC-SHA256(secret, challenge || reader agent name ||
+key id)``; the reader answers HELLO_OK ``<4sH2x>``, or closes without a byte when
+anything is wrong (no reason, no name: a refusal tells a prober nothing). Then frames
+(little-endian): WRITE/BYE header ``<B3xIQQQ`` = type, n_entries, xfer_id, region_id,
+total_bytes, then ``n_entries x <QQ`` (remote_offset, size), then the payload; ACK
+``<BB2xIQ`` = type, status, reason length, xfer_id, then the UTF-8 reason; the reader's
+BYE is an ACK frame of type BYE. No pickle, no eval. This module must not register
+memory or manage peers and grants: ``tcp.TcpTransport`` owns those.
 """
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import logging
+import secrets
 import socket
 import struct
 import threading
@@ -36,19 +47,32 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sglang_kvxfer.transports.tcp")
 
-MAGIC, WIRE_VERSION = b"KVXT", 1
-HELLO = struct.Struct("<4sHHH")        # magic, version, len(sender agent), len(target agent)
-HELLO_REPLY = struct.Struct("<4sHBxI")  # magic, version, status (0 ok), reason length
+MAGIC, WIRE_VERSION = b"KVXT", 2
+NONCE_BYTES, KEY_ID_BYTES = 32, 16
+CHALLENGE = struct.Struct("<4sH2x32s")  # magic, version, nonce (reader -> writer, first)
+HELLO = struct.Struct("<4sH2x16s32s")   # magic, version, key id, HMAC-SHA256
+HELLO_OK = struct.Struct("<4sH2x")      # magic, version
 HEADER = struct.Struct("<B3xIQQQ")     # type, n_entries, xfer_id, region_id, total_bytes
 ACK = struct.Struct("<BB2xIQ")         # type, status (0 ok, 1 refused), reason length, xfer_id
 T_WRITE, T_ACK, T_BYE = 1, 2, 3
 MAX_ENTRIES = 1 << 20                  # entries per frame the receiver accepts
 MAX_TEXT = 1 << 12                     # agent names and reasons
 _DRAIN = 1 << 20
+_NO_SECRET = bytes(32)  # stands in for an unknown key id's secret (never granted: see tcp)
 
 
 class _Violation(Exception):
     """The other end broke the wire protocol; the connection cannot continue."""
+
+
+def key_id(secret: bytes) -> bytes:
+    """Names a secret on the wire without revealing it: the reader finds the grant by it."""
+    return hashlib.sha256(secret).digest()[:KEY_ID_BYTES]
+
+
+def hello_mac(secret: bytes, nonce: bytes, reader_agent: str, kid: bytes) -> bytes:
+    """The writer's proof: bound to this challenge, this reader and this key id."""
+    return hmac.new(secret, nonce + reader_agent.encode() + kid, hashlib.sha256).digest()
 
 
 # -- socket helpers ---------------------------------------------------------------------
@@ -97,6 +121,23 @@ def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
     return bytes(buf)
 
 
+def _recv_exact_by(sock: socket.socket, nbytes: int, deadline: float) -> bytes:
+    """``nbytes`` from ``sock`` before ``deadline`` (monotonic) in total, however they
+    trickle in; raises ``TimeoutError`` or ``ConnectionError``."""
+    buf = memoryview(bytearray(nbytes))
+    got = 0
+    while got < nbytes:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{got} of {nbytes} bytes before the deadline")
+        sock.settimeout(left)
+        n = sock.recv_into(buf[got:])
+        if n == 0:
+            raise ConnectionError(f"connection closed after {got} of {nbytes} bytes")
+        got += n
+    return bytes(buf)
+
+
 def _shutdown(sock: socket.socket | None) -> None:
     if sock is not None:
         try:
@@ -128,6 +169,8 @@ class _Conn:
         self.sending: _Job | None = None
         self.dead: str | None = None
         self.stopping = False
+        self.retiring = False  # the reader said BYE: finish what is queued, then go
+        self.closing = False   # the sender has said BYE itself: no job is accepted any more
         self.last_progress = time.monotonic()
         self.threads: list[threading.Thread] = []
 
@@ -137,7 +180,7 @@ class _Conn:
 
     def submit(self, job: _Job) -> None:
         with self.cond:
-            if self.dead is None and not self.stopping:
+            if self.dead is None and not self.stopping and not self.closing:
                 self.queue.append(job)
                 if not self.threads:
                     self._start()
@@ -165,11 +208,13 @@ class _Conn:
             self._connect()
             while True:
                 with self.cond:
-                    while not self.queue and not self.stopping and self.dead is None:
+                    while (not self.queue and not self.stopping and not self.retiring
+                           and self.dead is None):
                         self.cond.wait()
                     if self.dead is not None:
                         return
-                    if not self.queue:  # stopping with nothing left to send
+                    if not self.queue:  # stopping or retiring with nothing left to send
+                        self.closing = True
                         break
                     job = self.sending = self.queue.popleft()
                     self.outstanding[job.xfer_id] = job.ticket
@@ -187,14 +232,22 @@ class _Conn:
         timeout = self.owner._io_timeout_s
         self.sock = socket.create_connection((self.peer.host, self.peer.port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        me, them = self.owner._agent.encode(), self.peer.agent.encode()
-        self.sock.sendall(HELLO.pack(MAGIC, WIRE_VERSION, len(me), len(them)) + me + them)
-        magic, version, status, n = HELLO_REPLY.unpack(_recv_exact(self.sock, HELLO_REPLY.size))
+        magic, version, nonce = CHALLENGE.unpack(_recv_exact(self.sock, CHALLENGE.size))
         if magic != MAGIC or version != WIRE_VERSION:
-            raise _Violation(f"bad HELLO reply (magic {magic!r}, version {version})")
-        if status != 0:
-            reason = _recv_exact(self.sock, min(n, MAX_TEXT)).decode(errors="replace")
-            raise _Violation(f"peer refused the connection: {reason}")
+            raise _Violation(f"not a kvxfer tcp reader of wire version {WIRE_VERSION} (magic "
+                             f"{magic!r}, version {version})")
+        secret = self.peer.secret
+        kid = key_id(secret)
+        self.sock.sendall(HELLO.pack(MAGIC, WIRE_VERSION, kid,
+                                     hello_mac(secret, nonce, self.peer.agent, kid)))
+        try:
+            magic, version = HELLO_OK.unpack(_recv_exact(self.sock, HELLO_OK.size))
+        except ConnectionError:
+            raise _Violation("the reader closed the connection at the handshake: it has no "
+                             "grant for this writer's secret (authorize_peer on the reader, "
+                             "secret= on add_peer here) or it was revoked") from None
+        if magic != MAGIC or version != WIRE_VERSION:
+            raise _Violation(f"bad HELLO_OK (magic {magic!r}, version {version})")
         reader = threading.Thread(target=self._run_acks, daemon=True,
                                   name=f"kvxfer-tcp-ack-{self.peer_id}-{self.index}")
         self.threads.append(reader)
@@ -215,13 +268,23 @@ class _Conn:
                     continue
                 if not chunk:
                     with self.cond:
-                        if self.stopping and not self.outstanding:
-                            return
+                        ending = (self.stopping or self.retiring) and not self.outstanding
+                        retired = ending and not self.stopping and self.dead is None
+                        if retired:  # nobody stops a replaced connection: close it here
+                            self.dead = "retired after the reader's BYE"
+                    if retired:
+                        self.sock.close()
+                    if ending:
+                        return
                     raise ConnectionError("connection closed by the peer")
                 buf += chunk
                 self._touch()
                 while len(buf) >= ACK.size:
                     kind, status, n, xfer_id = ACK.unpack_from(buf)
+                    if kind == T_BYE and n == 0:  # the reader closes this idle connection
+                        del buf[:ACK.size]
+                        self._retire()
+                        continue
                     if kind != T_ACK or n > MAX_TEXT:
                         raise _Violation(f"bad ACK frame (type {kind}, reason length {n})")
                     if len(buf) < ACK.size + n:
@@ -231,6 +294,14 @@ class _Conn:
                     self._acked(xfer_id, status, reason)
         except (OSError, _Violation) as exc:
             self.fail(f"connection {self.index} to {self.where} lost: {_describe(exc)}")
+
+    def _retire(self) -> None:
+        """Stop taking jobs (under the owner's lock, so ``_write`` picks a new connection
+        from now on), send what is queued, say BYE; the ACK reader ends at the close."""
+        with self.owner._lock, self.cond:
+            if self.dead is None and not self.stopping:
+                self.retiring = True
+                self.cond.notify_all()
 
     def _acked(self, xfer_id: int, status: int, reason: str) -> None:
         with self.cond:
@@ -287,51 +358,97 @@ def _describe(exc: BaseException) -> str:
 
 
 class _Inbound:
-    """One accepted connection: checks WRITE frames, reads payloads into regions, ACKs."""
+    """One accepted connection: authenticates the writer, checks WRITE frames against its
+    grant, reads payloads into regions, ACKs; says BYE when idle too long."""
 
     def __init__(self, owner: "TcpTransport", sock: socket.socket, addr):
         self.owner, self.sock, self.addr = owner, sock, addr
-        self.agent: str | None = None
+        self.peer_id: str | None = None    # set once the writer proved a granted secret
+        self.key_id: bytes | None = None
         self.region_id: int | None = None  # the region being filled right now
+        self.bye_sent = False
+        self.cut = False  # closed here on purpose (revoke_peer): not a peer failure
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name=f"kvxfer-tcp-recv-{addr[0]}:{addr[1]}")
 
     def _run(self) -> None:
         reason = None
         try:
-            self._handshake()
-            header = bytearray(HEADER.size)
-            while True:
-                if not _recv_all_into(self.sock, [memoryview(header)], eof_ok=True):
-                    reason = "closed without BYE"
-                    break
-                kind, num_entries, xfer_id, region_id, total = HEADER.unpack(header)
-                if kind == T_BYE:
-                    break
-                if kind != T_WRITE:
-                    raise _Violation(f"unknown frame type {kind}")
-                if num_entries > MAX_ENTRIES:
-                    raise _Violation(f"{num_entries} entries in one frame (limit {MAX_ENTRIES})")
-                self._serve_write(num_entries, xfer_id, region_id, total)
+            if self._handshake():
+                reason = self._serve()
         except (OSError, _Violation) as exc:
             reason = _describe(exc)
         finally:
             self.sock.close()
             self.owner._inbound_closed(self, reason)
 
-    def _handshake(self) -> None:
-        self.sock.settimeout(self.owner._io_timeout_s)
-        magic, version, n_from, n_to = HELLO.unpack(_recv_exact(self.sock, HELLO.size))
-        if magic != MAGIC or version != WIRE_VERSION or max(n_from, n_to) > MAX_TEXT:
-            raise _Violation(f"bad HELLO (magic {magic!r}, version {version})")
-        self.agent = _recv_exact(self.sock, n_from).decode(errors="replace")
-        target = _recv_exact(self.sock, n_to).decode(errors="replace")
-        if target != self.owner._agent:
-            reason = f"this is agent {self.owner._agent!r}, not {target!r}".encode()
-            self.sock.sendall(HELLO_REPLY.pack(MAGIC, WIRE_VERSION, 1, len(reason)) + reason)
-            raise _Violation(f"HELLO for agent {target!r}")
-        self.sock.sendall(HELLO_REPLY.pack(MAGIC, WIRE_VERSION, 0, 0))
-        self.sock.settimeout(None)  # idle connections are normal; close() shuts them down
+    def _handshake(self) -> bool:
+        """True once the writer proved a granted secret; otherwise the connection is
+        refused (logged and counted by the owner) and nothing at all is sent back."""
+        owner = self.owner
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        deadline = time.monotonic() + owner._handshake_timeout_s
+        try:
+            self.sock.settimeout(owner._handshake_timeout_s)
+            self.sock.sendall(CHALLENGE.pack(MAGIC, WIRE_VERSION, nonce))
+            magic, version, kid, mac = HELLO.unpack(_recv_exact_by(self.sock, HELLO.size,
+                                                                    deadline))
+        except OSError as exc:
+            owner._refused(self, f"no HELLO ({_describe(exc)}; the deadline is "
+                                 f"{owner._handshake_timeout_s} s, and the oldest pending "
+                                 "handshake is dropped when too many are open)")
+            return False
+        grant = owner._grant_for_key(kid)
+        # compute a MAC either way, so a probe cannot time whether a key id is granted
+        expected = hello_mac(grant.secret if grant else _NO_SECRET, nonce, owner._agent, kid)
+        if magic != MAGIC or version != WIRE_VERSION:
+            owner._refused(self, f"bad HELLO (magic {magic!r}, version {version})")
+            return False
+        if not hmac.compare_digest(mac, expected) or grant is None:
+            owner._refused(self, "HELLO with an unknown key id" if grant is None else
+                           f"HELLO for peer {grant.peer_id!r} with a wrong MAC")
+            return False
+        if not owner._authenticated(self, grant):  # revoked meanwhile
+            owner._refused(self, f"grant of peer {grant.peer_id!r} was revoked")
+            return False
+        self.sock.sendall(HELLO_OK.pack(MAGIC, WIRE_VERSION))
+        return True
+
+    def _serve(self) -> str | None:
+        """Serve frames until BYE or close; returns why it ended abnormally, or None."""
+        header = bytearray(HEADER.size)
+        while True:
+            if not self._next_header(header):
+                return None if self.bye_sent else "closed without BYE"
+            kind, num_entries, xfer_id, region_id, total = HEADER.unpack(header)
+            if kind == T_BYE:
+                return None
+            if kind != T_WRITE:
+                raise _Violation(f"unknown frame type {kind}")
+            if num_entries > MAX_ENTRIES:
+                raise _Violation(f"{num_entries} entries in one frame (limit {MAX_ENTRIES})")
+            self._serve_write(num_entries, xfer_id, region_id, total)
+
+    def _next_header(self, header: bytearray) -> bool:
+        """Read the next frame header; False on a close before it. Idle past
+        ``idle_timeout_s``: say BYE, after which the writer has ``io_timeout_s`` to finish
+        what it already sent and say BYE itself."""
+        owner = self.owner
+        while True:
+            self.sock.settimeout(owner._io_timeout_s if self.bye_sent else owner._idle_timeout_s)
+            try:
+                got = self.sock.recv_into(header)
+            except TimeoutError:
+                if self.bye_sent:
+                    raise TimeoutError(f"no BYE within {owner._io_timeout_s} s of ours") from None
+                self.sock.sendall(ACK.pack(T_BYE, 0, 0, 0))
+                self.bye_sent = True
+                continue
+            if got == 0:
+                return False
+            self.sock.settimeout(owner._io_timeout_s)  # a frame, once begun, must keep coming
+            _recv_all_into(self.sock, [memoryview(header)[got:]])
+            return True
 
     def _serve_write(self, num_entries: int, xfer_id: int, region_id: int, total: int) -> None:
         table = bytearray(16 * num_entries)
@@ -340,9 +457,9 @@ class _Inbound:
         offsets, sizes = pairs[:, 0], pairs[:, 1]
         if sum(sizes.tolist()) != total:
             raise _Violation(f"frame {xfer_id}: entry sizes do not add up to {total} bytes")
-        lease, refusal = self.owner._admit(region_id, offsets, sizes)
+        lease, refusal = self.owner._admit(self, region_id, offsets, sizes)
         if refusal is not None:
-            log.warning("tcp: refused a write from agent %r: %s", self.agent, refusal)
+            log.warning("tcp: refused a write from peer %r: %s", self.peer_id, refusal)
             self._drain(total)
             self._ack(xfer_id, 1, refusal)
             return

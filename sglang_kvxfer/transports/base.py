@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,9 +33,23 @@ __all__ = [
     "coalesce",
     "parse_device",
     "tensor_memory",
+    "check_secret",
+    "SECRET_BYTES",
 ]
 
 MEM_KINDS = ("cpu", "cuda")
+SECRET_BYTES = 32  # a peer secret: what the engine derives per (writer, reader) session pair
+
+
+def check_secret(secret, *, optional: bool = False) -> bytes | None:
+    """``secret`` as bytes after checking it is ``SECRET_BYTES`` long (or None if optional)."""
+    if secret is None and optional:
+        return None
+    if not isinstance(secret, (bytes, bytearray)):
+        raise TypeError(f"secret must be {SECRET_BYTES} bytes, got {type(secret).__name__}")
+    if len(secret) != SECRET_BYTES:
+        raise ValueError(f"secret must be {SECRET_BYTES} bytes, got {len(secret)}")
+    return bytes(secret)
 
 
 @dataclass(frozen=True)
@@ -45,12 +60,17 @@ class Caps:
     ``same_host_only``: peers must run on this host (same kernel boot).
     ``read_supported``: ``read()`` is implemented (one-sided pull).
     ``one_sided``: bytes land without a thread of the target process taking part.
+    ``authenticates_peers``: the data plane itself refuses writers that did not prove the
+    secret given to ``authorize_peer`` and confines them to their granted regions; where
+    False, ``authorize_peer`` is recorded at most and the trust boundary is elsewhere
+    (see docs/trust-model-transports.md).
     """
 
     mem_kinds: frozenset
     same_host_only: bool
     read_supported: bool = False
     one_sided: bool = False
+    authenticates_peers: bool = False
 
 
 @dataclass(frozen=True)
@@ -227,8 +247,15 @@ class Transport(abc.ABC):
         """Opaque bytes a peer passes to ``add_peer`` to reach this transport."""
 
     @abc.abstractmethod
-    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
-        """Make the peer whose ``agent_descriptor()`` is ``descriptor`` known as ``peer_id``."""
+    def add_peer(self, peer_id: str, descriptor: bytes, secret: bytes | None = None) -> None:
+        """Make the peer whose ``agent_descriptor()`` is ``descriptor`` known as ``peer_id``.
+
+        Writer side. ``secret`` (``SECRET_BYTES``) is what this writer proves to that peer,
+        which was given the same bytes by ``authorize_peer``; transports without
+        ``caps.authenticates_peers`` ignore it. Adding a ``peer_id`` that is already known
+        replaces it: its connections and imported regions are dropped (its pending tickets
+        fail), then the new record is installed, so a restarted peer is never refused.
+        """
 
     @abc.abstractmethod
     def remove_peer(self, peer_id: str) -> None:
@@ -261,6 +288,34 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def _close(self) -> None:
         """Release everything; bounded in time."""
+
+    # -- reader-side authorization (optional) -------------------------------------------
+    def authorize_peer(self, peer_id: str, secret: bytes, regions: Sequence[Region]) -> None:
+        """Reader side: let the writer ``peer_id`` that proves ``secret`` write into exactly
+        ``regions`` (registered here) and nothing else; calling again replaces the grant.
+
+        The default records nothing: this transport's own control plane decides who may
+        write (``caps.authenticates_peers`` is False). Arguments are still checked.
+        """
+        self._check_grant_args(peer_id, secret, regions)
+
+    def revoke_peer(self, peer_id: str) -> None:
+        """Reader side: drop ``peer_id``'s grant and close its inbound connections; an
+        unknown ``peer_id`` is not an error. The default does nothing (see
+        ``authorize_peer``)."""
+
+    @staticmethod
+    def _check_grant_args(peer_id, secret, regions) -> tuple[bytes, list[Region]]:
+        if not isinstance(peer_id, str) or not peer_id:
+            raise ValueError(f"peer_id must be a non-empty str, got {peer_id!r}")
+        secret = check_secret(secret)
+        if isinstance(regions, (str, bytes)) or not isinstance(regions, Sequence):
+            raise TypeError(f"regions must be a sequence of Region, got {type(regions).__name__}")
+        regions = list(regions)
+        for r in regions:
+            if not isinstance(r, Region):
+                raise TypeError(f"regions must hold Region objects, got {type(r).__name__}")
+        return secret, regions
 
     # -- provided -----------------------------------------------------------------------
     def write(self, local: Region, remote: RemoteRegion, local_offsets, remote_offsets,

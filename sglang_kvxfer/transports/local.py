@@ -12,6 +12,11 @@ How bytes move, by the kind of the destination region:
 
 CPU writes complete inside ``write()`` on the caller's thread (no receiver thread exists).
 A peer's exit is seen through a pidfd: writes after it fail with ``PeerGoneError``.
+
+Trust boundary: the Unix user. Any process of the same user can open ``/proc/<pid>/fd/<n>``
+of a shared pool, ``process_vm_writev`` private memory where the kernel allows it, and open
+CUDA IPC handles it learns; ``authorize_peer`` is recorded but the kernel, not this module,
+decides. It never calls ``PR_SET_PTRACER_ANY`` unless ``KVXFER_LOCAL_PTRACE_ANY=1``.
 This module must not open sockets or import torch unless a CUDA region is used.
 """
 from __future__ import annotations
@@ -32,7 +37,8 @@ from sglang_kvxfer.transports import _memory
 from sglang_kvxfer.transports._memory import SharedBuffer, alloc_shared
 from sglang_kvxfer.transports._common import UseTable, pack_descriptor, unpack_descriptor
 from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
-                                           Ticket, Transport, parse_device, tensor_memory)
+                                           Ticket, Transport, check_secret, parse_device,
+                                           tensor_memory)
 
 __all__ = ["LocalTransport", "SharedBuffer", "alloc_shared"]
 
@@ -105,6 +111,7 @@ class LocalTransport(Transport):
         self._regions = UseTable()   # region_id -> _LocalRegion
         self._targets = UseTable()   # (peer_id, region_id) -> _Target
         self._peers: dict[str, _Peer] = {}
+        self._grants: dict[str, frozenset] = {}  # recorded only: see the module docstring
         self._failures: list[PeerFailure] = []
         self._cuda = None            # _cuda_ipc.CudaCopier, created on first CUDA write
 
@@ -113,8 +120,11 @@ class LocalTransport(Transport):
         return pack_descriptor(_NAME, "agent", agent=self._agent, boot_id=self._boot_id,
                                pidns=self._pidns, pid=os.getpid())
 
-    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+    def add_peer(self, peer_id: str, descriptor: bytes, secret: bytes | None = None) -> None:
+        """``secret`` is checked and not used (the kernel decides who may write, see the
+        module docstring). An existing ``peer_id`` is removed first, then re-added."""
         self._check_open()
+        check_secret(secret, optional=True)
         _check_peer_id(peer_id)
         desc = unpack_descriptor(descriptor, _NAME, "agent", _AGENT_FIELDS)
         if desc["boot_id"] != self._boot_id:
@@ -127,12 +137,16 @@ class LocalTransport(Transport):
                 pidfd = os.pidfd_open(desc["pid"])
             except ProcessLookupError:
                 raise PeerGoneError(f"peer {peer_id!r} (pid {desc['pid']}) has exited") from None
+        if peer_id in self._peers:
+            try:
+                self.remove_peer(peer_id)
+            except ValueError:  # removed concurrently: nothing to replace
+                pass
         with self._lock:
-            if peer_id in self._peers:
-                if pidfd is not None:
-                    os.close(pidfd)
-                raise ValueError(f"peer {peer_id!r} is already added; remove_peer it first")
+            old = self._peers.get(peer_id)
             self._peers[peer_id] = _Peer(desc["agent"], desc["pid"], pidfd)
+        if old is not None and old.pidfd is not None:  # a concurrent add_peer won the race
+            os.close(old.pidfd)
 
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:
@@ -148,6 +162,16 @@ class LocalTransport(Transport):
         finally:
             if peer.pidfd is not None:
                 os.close(peer.pidfd)
+
+    def authorize_peer(self, peer_id: str, secret: bytes, regions) -> None:
+        """Recorded only: same-user processes reach this memory whatever is granted."""
+        _, regions = self._check_grant_args(peer_id, secret, regions)
+        with self._lock:
+            self._grants[peer_id] = frozenset(r.region_id for r in regions)
+
+    def revoke_peer(self, peer_id: str) -> None:
+        with self._lock:
+            self._grants.pop(peer_id, None)
 
     def _peer(self, peer_id: str) -> _Peer:
         peer = self._peers.get(peer_id)
@@ -170,7 +194,11 @@ class LocalTransport(Transport):
                          offset=ptr - buf.ptr)
         else:
             self._check_cma_allowed(ptr, nbytes)
-            _memory.allow_ptrace_writes()
+            try:
+                _memory.allow_ptrace_writes()
+            except TransportError as exc:
+                raise TransportError(f"local: region at {ptr:#x} ({nbytes} bytes) is private "
+                                     f"memory: {exc}") from None
             extra = dict(kind="cma", pid=os.getpid(), addr=ptr)
         return self._add_region(region_id, ptr, nbytes, "cpu", extra, keepalive=buf)
 

@@ -39,7 +39,7 @@ from sglang_kvxfer.transports._common import UseTable, open_write, pack_descript
 from sglang_kvxfer.transports._mori_engine import (UINT32_MAX, EngineSettings, int_option,
                                                    create_engine)
 from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
-                                           Ticket, Transport, parse_device)
+                                           Ticket, Transport, check_secret, parse_device)
 from sglang_kvxfer.transports.ticket import _check_timeout, pending_or_raise
 
 __all__ = ["MoriTransport"]
@@ -138,8 +138,13 @@ class MoriTransport(Transport):
         return pack_descriptor(_NAME, "agent", engine=self._key,
                                desc=bytes(self._engine.get_engine_desc().pack()))
 
-    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+    def add_peer(self, peer_id: str, descriptor: bytes, secret: bytes | None = None) -> None:
+        """``secret`` is checked and not used: MORI does not authenticate engines (any
+        that reaches the control-plane port can ask for memory regions; see
+        docs/trust-model-transports.md). An existing ``peer_id`` is removed first (its
+        pending writes fail), then re-added."""
         self._check_open()
+        check_secret(secret, optional=True)
         if not isinstance(peer_id, str) or not peer_id:
             raise ValueError(f"peer_id must be a non-empty str, got {peer_id!r}")
         env = unpack_descriptor(descriptor, _NAME, "agent", {"engine": str, "desc": bytes})
@@ -148,9 +153,14 @@ class MoriTransport(Transport):
             raise ValueError(f"agent descriptor of {peer_id!r}: MORI EngineDesc key={desc.key!r} "
                              f"host={desc.host!r} port={desc.port} is not a reachable engine "
                              f"{env['engine']!r}")
+        if peer_id in self._peers:  # a restarted or re-registered peer replaces its record
+            try:
+                self.remove_peer(peer_id)
+            except ValueError:  # removed concurrently
+                pass
         with self._lock:
             if peer_id in self._peers:
-                raise ValueError(f"peer {peer_id!r} is already added; remove_peer it first")
+                raise ValueError(f"peer {peer_id!r} was added concurrently")
             if desc.key == self._key:
                 raise ValueError(f"peer {peer_id!r} is this engine itself ({self._key!r})")
             self._engine.register_remote_engine(desc)

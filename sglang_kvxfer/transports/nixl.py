@@ -42,7 +42,7 @@ from sglang_kvxfer.transports._common import UseTable, open_write, pack_descript
 from sglang_kvxfer.transports._nixl_agent import (UcxSettings, create_agent, exit_process,
                                                   import_api, ucx_backend_created)
 from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
-                                           Ticket, Transport, parse_device)
+                                           Ticket, Transport, check_secret, parse_device)
 
 __all__ = ["NixlTransport", "exit_process", "ucx_backend_created"]
 
@@ -181,14 +181,24 @@ class NixlTransport(Transport):
             md = self._agent.get_agent_metadata()
         return pack_descriptor(_NAME, "agent", agent=self._name, md=bytes(md))
 
-    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+    def add_peer(self, peer_id: str, descriptor: bytes, secret: bytes | None = None) -> None:
+        """``secret`` is checked and not used: NIXL does not authenticate writers (any
+        agent that loaded this agent's metadata may write its registered memory; see
+        docs/trust-model-transports.md). An existing ``peer_id`` is removed first (its
+        pending writes fail), then re-added."""
         self._check_open()
+        check_secret(secret, optional=True)
         if not isinstance(peer_id, str) or not peer_id:
             raise ValueError(f"peer_id must be a non-empty str, got {peer_id!r}")
         desc = unpack_descriptor(descriptor, _NAME, "agent", _AGENT_FIELDS)
+        if peer_id in self._peers:  # a restarted or re-registered peer replaces its record
+            try:
+                self.remove_peer(peer_id)
+            except ValueError:  # removed concurrently
+                pass
         with self._lock:
             if peer_id in self._peers:
-                raise ValueError(f"peer {peer_id!r} is already added; remove_peer it first")
+                raise ValueError(f"peer {peer_id!r} was added concurrently")
             if desc["agent"] == self._name:
                 raise ValueError(f"peer {peer_id!r} is this agent itself ({self._name!r})")
             self._load_md(desc["md"], desc["agent"], f"agent descriptor of peer {peer_id!r}")

@@ -10,11 +10,20 @@ and the ACK says why. One ACK per share completes that part of the ticket. A los
 connection fails every outstanding ticket of the peer with ``PeerGoneError`` naming it and
 is reported by ``peer_failures``; the peer stays failed until ``remove_peer``/``add_peer``.
 
+Who may write (secure by default): the listener serves only writers that ``authorize_peer``
+named, each proving its secret by HMAC over a fresh challenge, and each only into the
+regions granted to it. Anything else is closed within ``handshake_timeout_s`` without a
+byte of explanation, logged and counted in ``refused_connections``. Pending handshakes are
+capped (the oldest is dropped first); an established connection idle for
+``idle_timeout_s`` gets a BYE and the writer reconnects on its next write.
+
 This module owns peers, regions, splitting and lifetime; the connection ends and the wire
 format are in ``_tcp_conn``. It must not import torch.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -31,9 +40,9 @@ from sglang_kvxfer.errors import TransportError
 from sglang_kvxfer.transports._common import UseTable, open_write, pack_descriptor, unpack_descriptor
 from sglang_kvxfer.transports._memory import view
 from sglang_kvxfer.transports._tcp_conn import (HEADER, MAX_ENTRIES, T_WRITE, _Conn, _Inbound,
-                                                _Job, _shutdown)
+                                                _Job, _shutdown, _Violation, key_id)
 from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
-                                           Ticket, Transport, parse_device)
+                                           Ticket, Transport, check_secret, parse_device)
 
 __all__ = ["TcpTransport"]
 
@@ -41,6 +50,10 @@ log = logging.getLogger(__name__)
 
 _NAME = "tcp"
 _FRAME_ENTRIES = MAX_ENTRIES  # a share with more entries goes as several frames
+# Defaults of the constructor's listener limits (candidates for KVXFER_TCP_* variables).
+HANDSHAKE_TIMEOUT_S = 5.0   # an accepted connection must have proved its secret by then
+IDLE_TIMEOUT_S = 60.0       # an established connection without a frame this long gets BYE
+MAX_HANDSHAKES = 64         # connections in the handshake at once; more drop the oldest
 
 
 @dataclass
@@ -48,12 +61,21 @@ class _Peer:
     agent: str
     host: str
     port: int
+    secret: bytes = field(repr=False)
     conns: list = field(default_factory=list)
     regions: dict = field(default_factory=dict)
     failed: str | None = None
     turn: int = 0
 
 
+@dataclass(frozen=True)
+class _Grant:
+    """Reader side: what the writer ``peer_id`` proving ``secret`` may write into."""
+
+    peer_id: str
+    secret: bytes = field(repr=False)
+    key_id: bytes
+    region_ids: frozenset
 
 # -- the transport ----------------------------------------------------------------------
 
@@ -101,16 +123,23 @@ class TcpTransport(Transport):
         received) for this long is failed (default ``KVXFER_TCP_IO_TIMEOUT_S``).
     split_min_bytes : a batch is split over connections only into shares of at least this.
     agent_id : name in descriptors (default: host, pid and a random tag).
+    handshake_timeout_s : an accepted connection that has not proved a granted secret by
+        then is closed (default ``HANDSHAKE_TIMEOUT_S``).
+    idle_timeout_s : an inbound connection without a frame for this long is closed (BYE;
+        its writer reconnects on its next write) (default ``IDLE_TIMEOUT_S``).
+    max_handshakes : connections in the handshake at once; a new one beyond it drops the
+        oldest (default ``MAX_HANDSHAKES``).
     """
 
     name = _NAME
     caps = Caps(mem_kinds=frozenset({"cpu"}), same_host_only=False, read_supported=False,
-                one_sided=False)
+                one_sided=False, authenticates_peers=True)
 
     def __init__(self, *, host: str | None = None, port: int = 0,
                  num_connections: int | None = None, io_timeout_s: float | None = None,
                  split_min_bytes: int = 1 << 20, agent_id: str | None = None,
-                 close_timeout_s: float = 5.0):
+                 close_timeout_s: float = 5.0, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_handshakes: int = MAX_HANDSHAKES):
         super().__init__()
         host = envs.KVXFER_TCP_HOST.get() if host is None else host
         if host in ("", "0.0.0.0", "::"):
@@ -122,17 +151,31 @@ class TcpTransport(Transport):
         timeout = envs.KVXFER_TCP_IO_TIMEOUT_S.get() if io_timeout_s is None else io_timeout_s
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"io_timeout_s must be > 0, got {timeout!r}")
+        for name, value in (("handshake_timeout_s", handshake_timeout_s),
+                            ("idle_timeout_s", idle_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if isinstance(max_handshakes, bool) or not isinstance(max_handshakes, int) \
+                or max_handshakes < 1:
+            raise ValueError(f"max_handshakes must be an int >= 1, got {max_handshakes!r}")
         if not isinstance(split_min_bytes, int) or split_min_bytes < 1:
             raise ValueError(f"split_min_bytes must be an int >= 1, got {split_min_bytes!r}")
         self._agent = agent_id or f"tcp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self._num_conns, self._io_timeout_s = conns, float(timeout)
         self._split_min, self._close_timeout_s = split_min_bytes, close_timeout_s
+        self._handshake_timeout_s, self._idle_timeout_s = float(handshake_timeout_s), \
+            float(idle_timeout_s)
+        self._max_handshakes = max_handshakes
         self._lock = threading.Lock()
         self._ids, self._xfer_ids = itertools.count(1), itertools.count(1)
         self._regions = UseTable()  # region_id -> _TcpRegion
         self._peers: dict[str, _Peer] = {}
-        self._agent_peers: dict[str, str] = {}
+        self._grants: dict[str, _Grant] = {}        # reader side: peer_id -> grant
+        self._grant_keys: dict[bytes, _Grant] = {}  # key id -> grant
         self._inbound: set[_Inbound] = set()
+        self._handshaking: collections.deque[_Inbound] = collections.deque()
+        self.refused_connections = 0  # inbound connections closed at the handshake
+        self._refusal_logged_at, self._refusals_unlogged = -1e9, 0
         self._failures: list[PeerFailure] = []
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=128)
@@ -151,29 +194,113 @@ class TcpTransport(Transport):
     def agent_descriptor(self) -> bytes:
         return pack_descriptor(_NAME, "agent", agent=self._agent, host=self._host, port=self._port)
 
-    def add_peer(self, peer_id: str, descriptor: bytes) -> None:
+    def add_peer(self, peer_id: str, descriptor: bytes, secret: bytes | None = None) -> None:
+        """Writer side; ``secret`` is required: tcp readers serve authenticated writers only.
+        An existing ``peer_id`` is replaced (its connections closed, imports dropped)."""
         self._check_open()
         if not isinstance(peer_id, str) or not peer_id:
             raise ValueError(f"peer_id must be a non-empty str, got {peer_id!r}")
+        if secret is None:
+            raise ValueError(f"tcp: add_peer({peer_id!r}) needs secret=, the bytes that peer "
+                             "was given for this writer by authorize_peer (tcp readers refuse "
+                             "unauthenticated writers)")
+        secret = check_secret(secret)
         desc = unpack_descriptor(descriptor, _NAME, "agent", {"agent": str, "host": str,
                                                               "port": int})
-        peer = _Peer(desc["agent"], desc["host"], desc["port"])
+        peer = _Peer(desc["agent"], desc["host"], desc["port"], secret)
         peer.conns = [_Conn(self, peer_id, peer, i) for i in range(self._num_conns)]
         with self._lock:
-            if peer_id in self._peers:
-                raise ValueError(f"peer {peer_id!r} is already added; remove_peer it first")
+            old = self._peers.pop(peer_id, None)
+        if old is not None:
+            self._stop_peer(peer_id, old, f"peer {peer_id!r} was replaced (add_peer) with the "
+                                          "write pending")
+        with self._lock:
             self._peers[peer_id] = peer
-            self._agent_peers[peer.agent] = peer_id
 
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:
             peer = self._peers.pop(peer_id, None)
             if peer is None:
                 raise ValueError(f"unknown peer {peer_id!r}")
-            self._agent_peers.pop(peer.agent, None)
+        self._stop_peer(peer_id, peer, f"peer {peer_id!r} was removed with the write pending")
+
+    def _stop_peer(self, peer_id: str, peer: _Peer, reason: str) -> None:
         deadline = time.monotonic() + self._close_timeout_s
         for conn in peer.conns:
-            conn.stop(f"peer {peer_id!r} was removed with the write pending", deadline)
+            conn.stop(reason, deadline)
+
+    # -- reader-side grants -------------------------------------------------------------
+    def authorize_peer(self, peer_id: str, secret: bytes, regions) -> None:
+        """Let the writer ``peer_id`` that proves ``secret`` write into exactly ``regions``.
+
+        Replaces an earlier grant of ``peer_id`` at once; if the secret changed, that
+        peer's connections made with the old one are closed. Raises ``ValueError`` for a
+        region not registered here or a secret already granted to another peer.
+        """
+        self._check_open()
+        secret, regions = self._check_grant_args(peer_id, secret, regions)
+        for r in regions:
+            live = self._regions.get(r.region_id)
+            if live is None or live.region != r:
+                raise ValueError(f"region {r.region_id} is not registered here")
+        grant = _Grant(peer_id, secret, key_id(secret), frozenset(r.region_id for r in regions))
+        with self._lock:
+            other = self._grant_keys.get(grant.key_id)
+            if other is not None and other.peer_id != peer_id:
+                raise ValueError(f"this secret is already granted to peer {other.peer_id!r}; "
+                                 "each writer needs a secret of its own")
+            old = self._grants.get(peer_id)
+            if old is not None:
+                self._grant_keys.pop(old.key_id, None)
+            self._grants[peer_id] = grant
+            self._grant_keys[grant.key_id] = grant
+            stale = [c for c in self._inbound if c.peer_id == peer_id
+                     and c.key_id != grant.key_id]
+        for conn in stale:
+            conn.cut = True
+            _shutdown(conn.sock)
+
+    def revoke_peer(self, peer_id: str) -> None:
+        """Drop ``peer_id``'s grant and close its inbound connections (unknown: no-op)."""
+        with self._lock:
+            grant = self._grants.pop(peer_id, None)
+            if grant is not None:
+                self._grant_keys.pop(grant.key_id, None)
+            conns = [c for c in self._inbound if c.peer_id == peer_id]
+        for conn in conns:
+            conn.cut = True
+            _shutdown(conn.sock)
+
+    def _grant_for_key(self, kid: bytes) -> _Grant | None:
+        with self._lock:
+            return self._grant_keys.get(kid)
+
+    def _authenticated(self, inbound: _Inbound, grant: _Grant) -> bool:
+        """Bind an inbound connection to ``grant`` unless it was replaced or revoked."""
+        with self._lock:
+            if self._grants.get(grant.peer_id) is not grant or self._closed:
+                return False
+            inbound.peer_id, inbound.key_id = grant.peer_id, grant.key_id
+            with contextlib.suppress(ValueError):
+                self._handshaking.remove(inbound)
+        return True
+
+    def _refused(self, inbound: _Inbound, why: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.refused_connections += 1
+            with contextlib.suppress(ValueError):
+                self._handshaking.remove(inbound)
+            # one WARNING a second at most: a flood of probes must not flood the log too
+            report = now - self._refusal_logged_at >= 1.0 and not self._closed
+            if report:
+                self._refusal_logged_at = now
+                quiet, self._refusals_unlogged = self._refusals_unlogged, 0
+            else:
+                self._refusals_unlogged += 1
+        if report:
+            log.warning("tcp: refused an inbound connection from %s: %s%s", inbound.addr, why,
+                        f" ({quiet} more refused since the last report)" if quiet else "")
 
     # -- regions ------------------------------------------------------------------------
     def register(self, ptr: int, nbytes: int, device: str = "cpu") -> Region:
@@ -225,12 +352,18 @@ class TcpTransport(Transport):
             peer.regions[remote.region_id] = remote
         return remote
 
-    def _admit(self, region_id: int, offsets: np.ndarray, sizes: np.ndarray):
-        """Receiver check of one frame: ``(lease, None)`` or ``(None, why it is refused)``."""
-        lease = self._regions.acquire(region_id)
+    def _admit(self, inbound: _Inbound, region_id: int, offsets: np.ndarray, sizes: np.ndarray):
+        """Receiver check of one frame: ``(lease, None)`` or ``(None, why it is refused)``.
+
+        Raises ``_Violation`` (the connection closes) when the writer's grant is gone."""
+        grant = self._grants.get(inbound.peer_id)
+        if grant is None or grant.key_id != inbound.key_id:
+            raise _Violation(f"the grant of peer {inbound.peer_id!r} was revoked or replaced")
+        # one answer for "absent" and "not yours": a writer learns nothing of other grants
+        lease = self._regions.acquire(region_id) if region_id in grant.region_ids else None
         if lease is None:
-            return None, (f"unknown region {region_id} (not registered with agent "
-                          f"{self._agent!r}, or deregistered)")
+            return None, (f"region {region_id} is not open to this writer (not registered, "
+                          "deregistered, or not granted to it)")
         nbytes = lease.value.region.nbytes
         limit = np.uint64(nbytes)
         bad = (offsets > limit) | (sizes > limit - np.minimum(offsets, limit))
@@ -255,11 +388,8 @@ class TcpTransport(Transport):
         frames = [(i, _slice(share, a, a + _FRAME_ENTRIES)) for i, share in enumerate(shares)
                   for a in range(0, share.num_entries, _FRAME_ENTRIES)]
         ticket = Ticket(label, parts=len(frames))
-        with self._lock:
-            first, peer.turn = peer.turn, peer.turn + len(shares)
-            conns = [self._live_conn(remote.peer_id, peer, (first + i) % self._num_conns)
-                     for i in range(len(shares))]
         mem = lease.value.mem
+        jobs = []
         for n, (i, frame) in enumerate(frames):
             frame_lease = lease if n == 0 else self._regions.acquire(local.region_id)
             xfer_id = next(self._xfer_ids)
@@ -270,12 +400,21 @@ class TcpTransport(Transport):
                     memoryview(table.tobytes())]
             bufs += [mem[o:o + size] for o, size in zip(frame.local_offsets.tolist(),
                                                         frame.sizes.tolist())]
-            conns[i].submit(_Job(xfer_id, ticket, frame_lease, bufs))
+            jobs.append((i, _Job(xfer_id, ticket, frame_lease, bufs)))
+        # picked and queued under the lock: a connection retiring meanwhile (reader's BYE,
+        # see _Conn._retire) cannot be handed a job it would never send
+        with self._lock:
+            first, peer.turn = peer.turn, peer.turn + len(shares)
+            conns = [self._live_conn(remote.peer_id, peer, (first + i) % self._num_conns)
+                     for i in range(len(shares))]
+            for i, job in jobs:
+                conns[i].submit(job)
         return ticket
 
     def _live_conn(self, peer_id: str, peer: _Peer, index: int) -> _Conn:
         conn = peer.conns[index]
-        if conn.dead is not None and peer.failed is None:  # closed locally, not a peer failure
+        # closed locally or retired after the reader's BYE: not a peer failure, reconnect
+        if (conn.dead is not None or conn.retiring) and peer.failed is None:
             conn = peer.conns[index] = _Conn(self, peer_id, peer, index)
         return conn
 
@@ -293,11 +432,13 @@ class TcpTransport(Transport):
     def _inbound_closed(self, inbound: _Inbound, reason: str | None) -> None:
         with self._lock:
             self._inbound.discard(inbound)
-            if reason is None or self._closed:
+            with contextlib.suppress(ValueError):
+                self._handshaking.remove(inbound)
+            # refusals at the handshake are counted, never reported as peer failures
+            if reason is None or self._closed or inbound.peer_id is None or inbound.cut:
                 return
-            name = self._agent_peers.get(inbound.agent) or inbound.agent or str(inbound.addr)
-            text = f"inbound connection from agent {inbound.agent!r} {inbound.addr}: {reason}"
-            self._failures.append(PeerFailure(name, text))
+            text = f"inbound connection from peer {inbound.peer_id!r} {inbound.addr}: {reason}"
+            self._failures.append(PeerFailure(inbound.peer_id, text))
         log.warning("tcp: %s", text)
 
     def peer_failures(self) -> list[PeerFailure]:
@@ -323,7 +464,13 @@ class TcpTransport(Transport):
                 if self._closed:
                     sock.close()
                     return
+                # a flood of silent connections must not hold threads: drop the oldest
+                evicted = (self._handshaking.popleft()
+                           if len(self._handshaking) >= self._max_handshakes else None)
+                self._handshaking.append(inbound)
                 self._inbound.add(inbound)
+            if evicted is not None:
+                _shutdown(evicted.sock)
             inbound.thread.start()
 
     def _close(self) -> None:

@@ -145,22 +145,31 @@ def test_geometry_mismatch_fails_both_sides_with_the_field_message():
 
 
 def test_malformed_frames_are_logged_and_dropped(caplog):
+    from sglang_kvxfer.protocol import envelope
+
     with Cluster(1, 1, geometry()) as c:
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(c.pre[0].control.endpoint)
+        endpoint = c.pre[0].control.endpoint
+        sock.connect(endpoint)
         import msgpack
 
-        frames = [b"\x00garbage", msgpack.packb([99, "Heartbeat", {}]), msgpack.packb([1, "Heartbeat", {"session": 5}]),
-                  msgpack.packb([1, "NoSuchMessage", {}]), msgpack.packb({"a": 1})]
+        payloads = [b"\x00garbage", msgpack.packb([99, "Heartbeat", {}]), msgpack.packb([1, "Heartbeat", {"session": 5}]),
+                    msgpack.packb([1, "NoSuchMessage", {}]), msgpack.packb({"a": 1})]
+        # Authenticated envelopes around malformed payloads (a key holder's bug), and one
+        # payload with no envelope at all (dropped before it is even decoded).
+        frames = [envelope.seal(c.pre[0].config.auth_key, "tester", i + 1, p, endpoint)
+                  for i, p in enumerate(payloads)]
         with caplog.at_level(logging.WARNING, logger="sglang_kvxfer.control"):
-            for f in frames:
+            for f in frames + [payloads[1]]:
                 sock.send(f)
-            wait_for(lambda: c.pre[0].control.bad_frames == len(frames))
+            wait_for(lambda: c.pre[0].control.bad_frames == len(frames) + 1)
         sock.close()
+        assert c.pre[0].control.dropped["malformed"] == len(frames)
+        assert c.pre[0].control.dropped["unauthenticated"] == 1
         text = caplog.text
-        assert "dropped a malformed control frame" in text
+        assert "dropped a control frame (malformed" in text
         assert "protocol version 99" in text and "NoSuchMessage" in text
         txs, rxs, dst = c.start(101, 10)
         assert wait_terminal(txs + rxs) == [KVPoll.Success] * 2

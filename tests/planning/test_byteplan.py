@@ -116,10 +116,16 @@ def test_fragmented_direct_plans_go_staged_under_auto():
     assert forced.path == "direct"
 
 
-def test_path_env_var_forces_staging(monkeypatch):
+def test_path_argument_forces_staging_and_the_engine_takes_it_from_the_env_var(monkeypatch):
+    from sglang_kvxfer.engine.config import EngineConfig
+
     t, src, dst = _pair(p=2, d=2)
+    assert plan_pair(t, src, dst, [0, 1], [0, 1]).path == "direct"
+    assert plan_pair(t, src, dst, [0, 1], [0, 1], path="staged").path == "staged"
     monkeypatch.setenv("KVXFER_DATA_PATH", "staged")
-    assert plan_pair(t, src, dst, [0, 1], [0, 1]).path == "staged"
+    assert plan_pair(t, src, dst, [0, 1], [0, 1]).path == "direct"  # planning reads no environment
+    cfg = EngineConfig("decode", src.geometry, 2, 0, "127.0.0.1:1", auth_key="off")
+    assert cfg.data_path == "staged"
 
 
 def test_coalesce_merges_only_runs_contiguous_on_both_sides():

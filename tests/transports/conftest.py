@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from sglang_kvxfer.transports import available_transports, get_transport
-from transport_peer import PeerProcess
+from transport_peer import WRITER_SECRET, PeerProcess
 
 REGION_BYTES = 4 << 20
 
@@ -90,7 +90,7 @@ class Writer:
         self.transport = get_transport(name, **options)
         self.src = np.random.default_rng(12345).integers(0, 256, src_bytes, dtype=np.uint8)
         self.local = self.transport.register(self.src.ctypes.data, src_bytes)
-        self.transport.add_peer("peer", peer.agent)
+        self.transport.add_peer("peer", peer.agent, secret=WRITER_SECRET)
         self.remote = self.transport.import_region("peer", peer.region)
 
     def write(self, lo, ro, sz):

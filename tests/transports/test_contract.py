@@ -13,7 +13,7 @@ import pytest
 from conftest import REGION_BYTES, Writer, apply
 from sglang_kvxfer.errors import PeerGoneError, TransferTimeoutError, TransportError
 from sglang_kvxfer.transports import RemoteRegion, TicketState, wait_all
-from transport_peer import wait_until
+from transport_peer import WRITER_SECRET, wait_until
 
 TIMEOUT_S = 10.0
 
@@ -117,13 +117,25 @@ def test_removed_peer_cannot_be_written(writer, peer):
     writer.transport.remove_peer("peer")
     with pytest.raises(ValueError, match="unknown peer 'peer'"):
         writer.write([0], [0], [8])
-    writer.transport.add_peer("peer", peer.agent)  # and it can come back
+    writer.transport.add_peer("peer", peer.agent, secret=WRITER_SECRET)  # and it can come back
     with pytest.raises(ValueError, match="not imported"):
         writer.write([0], [0], [8])
     writer.remote = writer.transport.import_region("peer", peer.region)
     model = peer.fill(8)
     writer.write([0], [0], [8]).wait(TIMEOUT_S)
     apply(model, writer.src, [0], [0], [8])
+    np.testing.assert_array_equal(peer.read(), model)
+
+
+def test_add_peer_again_replaces_the_peer(writer, peer):
+    # a peer that restarts or re-registers is never refused as "already added"
+    writer.transport.add_peer("peer", peer.agent, secret=WRITER_SECRET)
+    with pytest.raises(ValueError, match="not imported"):  # the old record's imports are gone
+        writer.write([0], [0], [8])
+    writer.remote = writer.transport.import_region("peer", peer.region)
+    model = peer.fill(10)
+    writer.write([16], [32], [64]).wait(TIMEOUT_S)
+    apply(model, writer.src, [16], [32], [64])
     np.testing.assert_array_equal(peer.read(), model)
 
 

@@ -213,13 +213,32 @@ def test_region_of_another_agent_is_refused(shm_peer):
             t.import_region("p", shm_peer.region)
 
 
-def test_duplicate_peer_is_refused(shm_peer):
+def test_adding_a_peer_again_replaces_it(shm_peer):
     with LocalTransport() as t:
         t.add_peer("p", shm_peer.agent)
-        with pytest.raises(ValueError, match="peer 'p' is already added; remove_peer it first"):
-            t.add_peer("p", shm_peer.agent)
+        t.import_region("p", shm_peer.region)
+        t.add_peer("p", shm_peer.agent)  # a restarted peer is not refused as a duplicate
+        assert list(t._peers) == ["p"] and t._targets.items() == []  # old imports dropped
+        t.import_region("p", shm_peer.region)
         with pytest.raises(ValueError, match="unknown peer 'q'"):
             t.remove_peer("q")
+
+
+def test_local_records_grants_and_checks_secrets(shm_peer):
+    with LocalTransport() as t:
+        with pytest.raises(ValueError, match="secret must be 32 bytes, got 3"):
+            t.add_peer("p", shm_peer.agent, secret=b"abc")
+        t.add_peer("p", shm_peer.agent, secret=b"x" * 32)
+        assert not t.caps.authenticates_peers  # the trust boundary is the Unix user
+        buf = alloc_shared(4096)
+        region = t.register(buf.ptr, 4096)
+        t.authorize_peer("w", b"y" * 32, [region])
+        assert t._grants == {"w": frozenset({region.region_id})}
+        t.revoke_peer("w")
+        t.revoke_peer("never-seen")
+        assert t._grants == {}
+        t.deregister(region)
+        buf.close()
 
 
 def test_cpu_and_cuda_regions_cannot_be_mixed(shm_peer):

@@ -448,3 +448,10 @@ def test_importing_the_module_loads_no_mori_and_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_adding_a_peer_again_replaces_it(pair):
+    pair.a.add_peer("b", pair.b.agent_descriptor(), secret=bytes(32))  # not "already added"
+    pair.remote = pair.a.import_region("b", pair.target.descriptor)
+    pair.post([0], [0], [64]).wait(TIMEOUT_S)
+    assert pair.landed([0], [0], [64])

@@ -123,8 +123,6 @@ def test_descriptors_are_checked(pair):
         tcp.close()
     with pytest.raises(ValueError, match="peer 'me' is this agent itself"):
         pair.a.add_peer("me", pair.a.agent_descriptor())
-    with pytest.raises(ValueError, match="peer 'b' is already added"):
-        pair.a.add_peer("b", pair.b.agent_descriptor())
     own = pair.a.register(pair.src.ctypes.data, 4096)  # a's region, offered as b's
     with pytest.raises(ValueError, match="region descriptor belongs to agent 'nixl-.*', but "
                                          "peer 'b' is agent"):
@@ -190,3 +188,13 @@ def test_importing_the_module_loads_no_nixl_and_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+@needs_nixl
+def test_adding_a_peer_again_replaces_it(pair):
+    pair.write([0], [0], [64])
+    pair.a.add_peer("b", pair.b.agent_descriptor(), secret=bytes(32))  # not "already added"
+    with pytest.raises(ValueError, match="not imported"):  # the old record's imports are gone
+        pair.write([0], [0], [64])
+    pair.remote = pair.a.import_region("b", pair.target.descriptor)
+    pair.write([64], [128], [64])

@@ -1,5 +1,6 @@
 """The ``tcp`` transport beyond the shared contract: the receiver's own checks (forged
-descriptors, raw malformed frames), connection loss, stalls, splitting over connections."""
+descriptors, raw malformed frames, grants), connection loss, stalls, splitting over
+connections. Attacks on the listening port are in tests/faults/test_tcp_port_abuse.py."""
 from __future__ import annotations
 
 import socket
@@ -13,13 +14,15 @@ from sglang_kvxfer.errors import PeerGoneError, TransferTimeoutError, TransportE
 from sglang_kvxfer.transports import TicketState
 from sglang_kvxfer.transports._common import pack_descriptor, unpack_descriptor
 from sglang_kvxfer.transports.base import Entries
-from sglang_kvxfer.transports._tcp_conn import (ACK, HEADER, HELLO, HELLO_REPLY, MAGIC,
-                                                T_WRITE, WIRE_VERSION, _recv_exact)
+from sglang_kvxfer.transports._tcp_conn import (ACK, CHALLENGE, HEADER, HELLO, HELLO_OK, MAGIC,
+                                                T_BYE, T_WRITE, WIRE_VERSION, _recv_exact,
+                                                hello_mac, key_id)
 from sglang_kvxfer.transports.tcp import TcpTransport, _split
 from transport_peer import wait_until
 
 TIMEOUT_S = 10.0
 N = 1 << 20
+SECRET, RAW_SECRET = b"s" * 32, b"r" * 32  # what the receiver grants "s" and "raw-test"
 
 
 @pytest.fixture
@@ -27,6 +30,8 @@ def receiver():
     t = TcpTransport()
     mem = np.random.default_rng(1).integers(0, 256, N, dtype=np.uint8)
     region = t.register(mem.ctypes.data, N)
+    t.authorize_peer("s", SECRET, [region])
+    t.authorize_peer("raw-test", RAW_SECRET, [region])
     yield t, mem, region
     t.close()
 
@@ -51,7 +56,7 @@ def test_receiver_refuses_a_write_past_its_region_and_keeps_serving(receiver, se
     rt, mem, rregion = receiver
     st, src, sregion = sender
     before = mem.copy()
-    st.add_peer("r", rt.agent_descriptor())
+    st.add_peer("r", rt.agent_descriptor(), secret=SECRET)
     inflated = st.import_region("r", _forge(rregion.descriptor, "region", nbytes=4 * N))
     ticket = st.write(sregion, inflated, np.array([0]), np.array([N - 10]), np.array([100]))
     with pytest.raises(TransportError, match=f"refused the write: entry 0: offset {N - 10} \\+ "
@@ -67,21 +72,25 @@ def test_receiver_refuses_a_write_past_its_region_and_keeps_serving(receiver, se
 def test_write_to_a_deregistered_region_is_refused_by_the_receiver(receiver, sender):
     rt, mem, rregion = receiver
     st, _, sregion = sender
-    st.add_peer("r", rt.agent_descriptor())
+    st.add_peer("r", rt.agent_descriptor(), secret=SECRET)
     remote = st.import_region("r", rregion.descriptor)
     rt.deregister(rregion)
     before = mem.copy()
     ticket = st.write(sregion, remote, np.array([0]), np.array([0]), np.array([64]))
-    with pytest.raises(TransportError, match=f"unknown region {rregion.region_id} \\(not "
-                                             "registered with agent"):
+    with pytest.raises(TransportError, match=f"region {rregion.region_id} is not open to this "
+                                             "writer"):
         ticket.wait(TIMEOUT_S)
     np.testing.assert_array_equal(mem, before)
 
 
-def _raw_connect(t: TcpTransport, agent: str | None = None) -> socket.socket:
+def _raw_connect(t: TcpTransport, secret: bytes = RAW_SECRET) -> socket.socket:
+    """A raw connection past the handshake, as the writer granted ``secret``."""
     sock = socket.create_connection(t.address, timeout=TIMEOUT_S)
-    me, them = b"raw-test", (agent or t._agent).encode()
-    sock.sendall(HELLO.pack(MAGIC, WIRE_VERSION, len(me), len(them)) + me + them)
+    magic, version, nonce = CHALLENGE.unpack(_recv_exact(sock, CHALLENGE.size))
+    assert (magic, version) == (MAGIC, WIRE_VERSION)
+    kid = key_id(secret)
+    sock.sendall(HELLO.pack(MAGIC, WIRE_VERSION, kid, hello_mac(secret, nonce, t._agent, kid)))
+    assert HELLO_OK.unpack(_recv_exact(sock, HELLO_OK.size)) == (MAGIC, WIRE_VERSION)
     return sock
 
 
@@ -108,14 +117,13 @@ def test_raw_out_of_range_frame_is_acked_as_refused_and_not_performed(receiver):
     rt, mem, rregion = receiver
     before = mem.copy()
     with _raw_connect(rt) as sock:
-        assert HELLO_REPLY.unpack(_recv_exact(sock, HELLO_REPLY.size))[2] == 0
         # entry 1 runs past the end: the whole frame is refused, entry 0 is not performed
         _write_frame(sock, 41, rregion.region_id, [(0, 4), (N - 2, 4)], b"\xaa" * 8)
         assert _read_ack(sock) == (1, 41, f"entry 1: offset {N - 2} + size 4 = {N + 2} exceeds "
                                           f"region {rregion.region_id} of {N} bytes")
         _write_frame(sock, 42, 999, [(0, 4)], b"\xbb" * 4)
         status, xfer_id, reason = _read_ack(sock)
-        assert (status, xfer_id) == (1, 42) and "unknown region 999" in reason
+        assert (status, xfer_id) == (1, 42) and "region 999 is not open to this writer" in reason
         np.testing.assert_array_equal(mem, before)
         _write_frame(sock, 43, rregion.region_id, [(100, 3), (7, 2)], b"xyzuv")
         assert _read_ack(sock) == (0, 43, "")
@@ -125,7 +133,6 @@ def test_raw_out_of_range_frame_is_acked_as_refused_and_not_performed(receiver):
 def test_raw_frame_whose_sizes_do_not_add_up_closes_the_connection(receiver):
     rt, _, rregion = receiver
     with _raw_connect(rt) as sock:
-        _recv_exact(sock, HELLO_REPLY.size)
         _write_frame(sock, 1, rregion.region_id, [(0, 4)], b"", total=9)
         assert _closed_by_peer(sock)
     failures = []
@@ -136,22 +143,101 @@ def test_raw_frame_whose_sizes_do_not_add_up_closes_the_connection(receiver):
 def test_bad_magic_is_dropped_and_the_listener_keeps_serving(receiver, sender):
     rt, mem, rregion = receiver
     with socket.create_connection(rt.address, timeout=TIMEOUT_S) as sock:
-        sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"x" * (HELLO.size - 18))
+        _recv_exact(sock, CHALLENGE.size)
         assert _closed_by_peer(sock)
     st, src, sregion = sender
-    st.add_peer("r", rt.agent_descriptor())
+    st.add_peer("r", rt.agent_descriptor(), secret=SECRET)
     remote = st.import_region("r", rregion.descriptor)
     st.write(sregion, remote, np.array([0]), np.array([0]), np.array([32])).wait(TIMEOUT_S)
     np.testing.assert_array_equal(mem[:32], src[:32])
-    assert any("bad HELLO" in f.reason for f in rt.peer_failures())
+    assert rt.refused_connections == 1
+    assert rt.peer_failures() == []  # a refused stranger is not a peer failure
 
 
-def test_hello_for_another_agent_is_refused_with_a_reason(receiver):
-    rt, _, _ = receiver
-    with _raw_connect(rt, agent="someone-else") as sock:
-        magic, _, status, n = HELLO_REPLY.unpack(_recv_exact(sock, HELLO_REPLY.size))
-        assert (magic, status) == (MAGIC, 1)
-        assert _recv_exact(sock, n).decode() == f"this is agent {rt._agent!r}, not 'someone-else'"
+def test_writer_with_a_wrong_secret_is_refused_and_told_why_locally(receiver, sender):
+    rt, mem, rregion = receiver
+    st, _, sregion = sender
+    before = mem.copy()
+    st.add_peer("r", rt.agent_descriptor(), secret=b"w" * 32)
+    remote = st.import_region("r", rregion.descriptor)
+    ticket = st.write(sregion, remote, np.array([0]), np.array([0]), np.array([64]))
+    with pytest.raises(PeerGoneError, match="closed the connection at the handshake: it has no "
+                                            "grant for this writer's secret"):
+        ticket.wait(TIMEOUT_S)
+    assert wait_until(lambda: rt.refused_connections == 1, TIMEOUT_S)
+    np.testing.assert_array_equal(mem, before)
+
+
+def test_add_peer_needs_a_secret_of_32_bytes(sender):
+    st, _, _ = sender
+    with TcpTransport() as rt:
+        with pytest.raises(ValueError, match="add_peer\\('r'\\) needs secret="):
+            st.add_peer("r", rt.agent_descriptor())
+        with pytest.raises(ValueError, match="secret must be 32 bytes, got 5"):
+            st.add_peer("r", rt.agent_descriptor(), secret=b"short")
+        with pytest.raises(TypeError, match="secret must be 32 bytes, got str"):
+            st.add_peer("r", rt.agent_descriptor(), secret="x" * 32)
+
+
+def test_authorize_peer_checks_its_arguments(receiver):
+    rt, mem, rregion = receiver
+    with pytest.raises(ValueError, match="already granted to peer 's'; each writer needs"):
+        rt.authorize_peer("other", SECRET, [rregion])
+    with pytest.raises(ValueError, match="region 77 is not registered here"):
+        from sglang_kvxfer.transports.base import Region
+
+        rt.authorize_peer("other", b"o" * 32, [Region(77, mem.ctypes.data, 8, "cpu", b"")])
+    with pytest.raises(TypeError, match="regions must hold Region objects, got int"):
+        rt.authorize_peer("other", b"o" * 32, [rregion.region_id])
+    rt.authorize_peer("s", SECRET, [rregion])  # the same grant again: replaced, no error
+    rt.revoke_peer("nobody")  # unknown: no error
+
+
+def test_revoke_peer_closes_its_connections_and_refuses_reconnects(receiver, sender):
+    rt, mem, rregion = receiver
+    st, src, sregion = sender
+    st.add_peer("r", rt.agent_descriptor(), secret=SECRET)
+    remote = st.import_region("r", rregion.descriptor)
+    st.write(sregion, remote, np.array([0]), np.array([0]), np.array([64])).wait(TIMEOUT_S)
+    rt.revoke_peer("s")
+    assert wait_until(lambda: not rt._inbound, TIMEOUT_S)
+    before = mem.copy()
+    st.remove_peer("r")
+    st.add_peer("r", rt.agent_descriptor(), secret=SECRET)
+    remote = st.import_region("r", rregion.descriptor)
+    with pytest.raises(PeerGoneError, match="no grant for this writer's secret"):
+        st.write(sregion, remote, np.array([0]), np.array([0]), np.array([64])).wait(TIMEOUT_S)
+    np.testing.assert_array_equal(mem, before)
+    assert rt.peer_failures() == []  # closing a revoked peer is not a failure of it
+
+
+def test_secret_changed_by_authorize_peer_cuts_old_connections(receiver):
+    rt, _, rregion = receiver
+    with _raw_connect(rt) as sock:
+        rt.authorize_peer("raw-test", b"n" * 32, [rregion])
+        assert _closed_by_peer(sock)
+    with _raw_connect(rt, b"n" * 32) as sock:  # the new secret works
+        _write_frame(sock, 5, rregion.region_id, [(0, 2)], b"ok")
+        assert _read_ack(sock) == (0, 5, "")
+
+
+def test_idle_connection_gets_bye_and_the_writer_reconnects():
+    mem, src = np.zeros(N, np.uint8), np.random.default_rng(3).integers(0, 256, N, np.uint8)
+    with TcpTransport(idle_timeout_s=0.3) as rt, TcpTransport() as st:
+        rregion = rt.register(mem.ctypes.data, N)
+        rt.authorize_peer("s", SECRET, [rregion])
+        rt.authorize_peer("raw-test", RAW_SECRET, [rregion])
+        sregion = st.register(src.ctypes.data, N)
+        st.add_peer("r", rt.agent_descriptor(), secret=SECRET)
+        remote = st.import_region("r", rregion.descriptor)
+        st.write(sregion, remote, np.array([0]), np.array([0]), np.array([64])).wait(TIMEOUT_S)
+        with _raw_connect(rt) as sock:  # a raw writer sees the BYE frame itself
+            assert ACK.unpack(_recv_exact(sock, ACK.size)) == (T_BYE, 0, 0, 0)
+        assert wait_until(lambda: not rt._inbound, TIMEOUT_S)  # both closed
+        st.write(sregion, remote, np.array([64]), np.array([64]), np.array([64])).wait(TIMEOUT_S)
+        np.testing.assert_array_equal(mem[:128], src[:128])
+        assert st.peer_failures() == [] and rt.peer_failures() == []
 
 
 class _StallingReceiver:
@@ -169,9 +255,9 @@ class _StallingReceiver:
         except OSError:
             return
         self.conns.append(sock)
-        magic, version, n1, n2 = HELLO.unpack(_recv_exact(sock, HELLO.size))
-        _recv_exact(sock, n1 + n2)
-        sock.sendall(HELLO_REPLY.pack(MAGIC, WIRE_VERSION, 0, 0))
+        sock.sendall(CHALLENGE.pack(MAGIC, WIRE_VERSION, bytes(32)))
+        _recv_exact(sock, HELLO.size)
+        sock.sendall(HELLO_OK.pack(MAGIC, WIRE_VERSION))
 
     def descriptor(self) -> bytes:
         return pack_descriptor("tcp", "agent", agent="staller", host="127.0.0.1",
@@ -194,7 +280,7 @@ def test_stalled_peer_fails_the_connection_after_io_timeout(sender):
     src = np.zeros(N, np.uint8)
     try:
         region = st.register(src.ctypes.data, N)
-        st.add_peer("s", staller.descriptor())
+        st.add_peer("s", staller.descriptor(), secret=SECRET)
         remote = st.import_region("s", pack_descriptor("tcp", "region", agent="staller",
                                                        region=1, nbytes=N, device="cpu"))
         tickets = [st.write(region, remote, *_big_batch()) for _ in range(16)]  # > socket buffers
@@ -214,7 +300,7 @@ def test_close_fails_pending_tickets_in_bounded_time():
     src = np.zeros(N, np.uint8)
     try:
         region = st.register(src.ctypes.data, N)
-        st.add_peer("s", staller.descriptor())
+        st.add_peer("s", staller.descriptor(), secret=SECRET)
         remote = st.import_region("s", pack_descriptor("tcp", "region", agent="staller",
                                                        region=1, nbytes=N, device="cpu"))
         tickets = [st.write(region, remote, *_big_batch()) for _ in range(16)]
@@ -236,7 +322,8 @@ def test_unreachable_peer_fails_the_ticket_and_is_reported(sender):
     dead = socket.create_server(("127.0.0.1", 0))
     port = dead.getsockname()[1]
     dead.close()  # nothing listens there now
-    st.add_peer("gone", pack_descriptor("tcp", "agent", agent="x", host="127.0.0.1", port=port))
+    st.add_peer("gone", pack_descriptor("tcp", "agent", agent="x", host="127.0.0.1", port=port),
+                secret=SECRET)
     remote = st.import_region("gone", pack_descriptor("tcp", "region", agent="x", region=1,
                                                       nbytes=N, device="cpu"))
     ticket = st.write(sregion, remote, np.array([0]), np.array([0]), np.array([8]))
@@ -253,7 +340,7 @@ def test_batch_is_split_over_connections_and_lands(receiver):
     src = np.random.default_rng(5).integers(0, 256, N, dtype=np.uint8)
     try:
         region = st.register(src.ctypes.data, N)
-        st.add_peer("r", rt.agent_descriptor())
+        st.add_peer("r", rt.agent_descriptor(), secret=SECRET)
         remote = st.import_region("r", rregion.descriptor)
         st.write(region, remote, np.array([0]), np.array([0]), np.array([N])).wait(TIMEOUT_S)
         np.testing.assert_array_equal(mem, src)
@@ -269,8 +356,8 @@ def test_deregister_during_a_torn_frame_stops_the_receive():
     mem = np.zeros(N, np.uint8)
     with TcpTransport(close_timeout_s=0.2) as rt, _raw_connect_later() as connect:
         rregion = rt.register(mem.ctypes.data, N)
+        rt.authorize_peer("raw-test", RAW_SECRET, [rregion])
         sock = connect(rt)
-        _recv_exact(sock, HELLO_REPLY.size)
         sock.sendall(HEADER.pack(T_WRITE, 1, 1, rregion.region_id, 4096)
                      + np.array([[0, 4096]], "<u8").tobytes() + b"\x01" * 100)
         assert wait_until(lambda: any(c.region_id == rregion.region_id for c in rt._inbound),
@@ -300,7 +387,7 @@ def test_share_with_more_entries_than_a_frame_holds_goes_as_several_frames(recei
     monkeypatch.setattr(tcp, "_FRAME_ENTRIES", 7)
     rt, mem, rregion = receiver
     st, src, sregion = sender
-    st.add_peer("r", rt.agent_descriptor())
+    st.add_peer("r", rt.agent_descriptor(), secret=SECRET)
     remote = st.import_region("r", rregion.descriptor)
     ro = np.arange(50, dtype=np.int64) * 100  # 50 entries that cannot be merged: 8 frames
     lo = ro[::-1].copy()
@@ -338,6 +425,12 @@ def test_constructor_and_register_checks():
         TcpTransport(num_connections=0)
     with pytest.raises(ValueError, match="io_timeout_s must be > 0, got -1"):
         TcpTransport(io_timeout_s=-1)
+    with pytest.raises(ValueError, match="handshake_timeout_s must be > 0, got 0"):
+        TcpTransport(handshake_timeout_s=0)
+    with pytest.raises(ValueError, match="idle_timeout_s must be > 0, got -2"):
+        TcpTransport(idle_timeout_s=-2)
+    with pytest.raises(ValueError, match="max_handshakes must be an int >= 1, got 0"):
+        TcpTransport(max_handshakes=0)
     with TcpTransport() as t:
         with pytest.raises(TransportError, match="tcp moves host memory only, got device "
                                                  "'cuda:0'"):

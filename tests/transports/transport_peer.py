@@ -16,6 +16,9 @@ import time
 import numpy as np
 
 PEER_TIMEOUT_S = 20.0  # the longest any single command may take
+# What the peer grants the test's writer (``authorize_peer``) and the writer proves
+# (``add_peer(..., secret=)``), as the engine would do with its per-session secrets.
+WRITER_ID, WRITER_SECRET = "writer", bytes(range(32))
 
 
 def pattern(seed: int, nbytes: int) -> np.ndarray:
@@ -48,6 +51,7 @@ def _serve_commands(conn, name, options, memory, nbytes, hook) -> None:
         else:
             arr = np.zeros(nbytes, dtype=np.uint8)
         region = transport.register(arr.ctypes.data, nbytes)
+        transport.authorize_peer(WRITER_ID, WRITER_SECRET, [region])
     except Exception as exc:  # the test reads the setup error (e.g. CMA refused)
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
