@@ -25,8 +25,8 @@ import timeit
 
 
 def engine_round(layers: int, tokens: int, requests: int, concurrency: int, auth_on: bool) -> dict:
-    from sglang_kvxfer.cli.group import open_groups, make_spec
-    from sglang_kvxfer.cli.workload import make_requests, run_workload, summarize
+    from sglang_kvxfer.cluster.group import make_spec, open_groups
+    from sglang_kvxfer.cluster.workload import make_requests, run_workload, summarize
     from sglang_kvxfer.engine import BootstrapServer
     from sglang_kvxfer.geometry import KVGeometry
 

@@ -93,8 +93,8 @@ def socket_baseline(total: int, senders: int) -> float:
 
 
 def engine_rounds(args, path: str, rounds: int, requests: int, verify: bool = False):
-    from sglang_kvxfer.cli.group import RankGroup, make_spec
-    from sglang_kvxfer.cli.workload import make_requests, run_workload, summarize
+    from sglang_kvxfer.cluster.group import RankGroup, make_spec
+    from sglang_kvxfer.cluster.workload import make_requests, run_workload, summarize
     from sglang_kvxfer.engine import BootstrapServer
     from sglang_kvxfer.geometry import KVGeometry
 

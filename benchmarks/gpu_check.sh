@@ -47,8 +47,8 @@ raise SystemExit(0 if status["cuda"].startswith("loaded") else 1)
 '
 
 step pytest 420 "$OUT/pytest.txt" "$PY" -m pytest -q -rs -p no:cacheprovider \
-  tests/test_ops_gpu.py tests/test_ops.py \
-  tests/test_ops_errors.py tests/test_csrc_build.py
+  tests/ops/test_ops_gpu.py tests/ops/test_ops.py \
+  tests/ops/test_ops_errors.py tests/native/test_csrc_build.py
 
 step bench_gpu 300 "$OUT/bench.log" sh -c \
   "'$PY' benchmarks/bench_kernels.py --device cuda > '$OUT/bench_gpu.json'"
@@ -60,7 +60,7 @@ step bench_cpu 180 "$OUT/bench.log" sh -c \
 # (informational: its absence or refusal does not fail the check).
 if command -v compute-sanitizer >/dev/null; then
   step memcheck 240 "$OUT/memcheck.txt" compute-sanitizer --tool memcheck --error-exitcode 9 \
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py -k "vector_width or many_layers"
+    "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_ops_gpu.py -k "vector_width or many_layers"
 fi
 
 "$PY" - "$OUT/bench_gpu.json" <<'PYEOF' | tee -a "$OUT/summary.txt"

@@ -88,8 +88,8 @@ KVXFER_API int kvxfer_gather_cpu(const kvxfer_pool_t* pool, void* const* layer_p
                                  int64_t streaming_min_bytes);
 KVXFER_API int kvxfer_scatter_cpu(const kvxfer_pool_t* pool, void* const* layer_ptrs,
                                   const int64_t* page_ids, const kvxfer_slice_t* slice,
-                                  const void* staging, int64_t staging_bytes,
-                                  int32_t num_threads, int64_t streaming_min_bytes);
+                                  const void* staging, int64_t staging_bytes, int32_t num_threads,
+                                  int64_t streaming_min_bytes);
 
 /* Test hook: runs the CUDA kernel's exact work decomposition (launch_shape, tiles, per-token
  * offsets, width-byte vectors; kvxfer_index.h) serially on the host, with host pointers in
@@ -115,8 +115,8 @@ KVXFER_API const char* kvxfer_cuda_last_error(void);
 KVXFER_API int kvxfer_cuda_probe(void);
 KVXFER_API int kvxfer_gather_cuda(const kvxfer_pool_t* pool, const uint64_t* dev_table,
                                   int64_t layer_ptr_align, const int64_t* dev_page_ids,
-                                  const kvxfer_slice_t* slice, void* staging,
-                                  int64_t staging_bytes, void* stream);
+                                  const kvxfer_slice_t* slice, void* staging, int64_t staging_bytes,
+                                  void* stream);
 KVXFER_API int kvxfer_scatter_cuda(const kvxfer_pool_t* pool, const uint64_t* dev_table,
                                    int64_t layer_ptr_align, const int64_t* dev_page_ids,
                                    const kvxfer_slice_t* slice, const void* staging,

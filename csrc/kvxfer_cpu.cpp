@@ -47,8 +47,7 @@ int fail(int status, const std::string& message) {
  * Measured on an AVX-512 EPYC: a 256-byte-row gather goes from ~0.35x to ~0.7x of a plain
  * copy with these stores plus the prefetching in copy_items. */
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) void copy_streaming_avx2(char* dst, const char* src,
-                                                         size_t len) {
+__attribute__((target("avx2"))) void copy_streaming_avx2(char* dst, const char* src, size_t len) {
   for (size_t off = 0; off < len; off += 64) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + off));
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + off + 32));
@@ -169,8 +168,8 @@ struct Cursor {
 /* Byte offset of the cursor's token's first sliced head in a layer buffer. */
 inline int64_t cur_row(const kvxfer_pool_t& p, const kvxfer_slice_t& s, const int64_t* page_ids,
                        const Cursor& c, int64_t row) {
-  return kvxfer::pool_row_offset(p.layout, page_ids[c.pos.page_index], c.pos.slot,
-                                 s.head_start, p.page_size, p.pool_heads, row);
+  return kvxfer::pool_row_offset(p.layout, page_ids[c.pos.page_index], c.pos.slot, s.head_start,
+                                 p.page_size, p.pool_heads, row);
 }
 
 /* Tokens to prefetch ahead, between 2 and 32: about 16 KiB of rows in flight for NHD pools
@@ -202,9 +201,9 @@ void copy_items(const Job& job, int64_t begin, int64_t end) {
     char* buffer = job.layers[kv * p.num_layers + layer];
     const int64_t row = kv == 0 ? p.k_row_bytes : p.v_row_bytes;
     const int64_t head_stride = kvxfer::pool_head_stride(p.layout, p.page_size, row);
-    char* block = job.staging + kvxfer::staging_block_offset(layer, kv, p.num_kv, num_tokens,
-                                                             s.num_heads, p.k_row_bytes,
-                                                             p.v_row_bytes);
+    char* block =
+        job.staging + kvxfer::staging_block_offset(layer, kv, p.num_kv, num_tokens, s.num_heads,
+                                                   p.k_row_bytes, p.v_row_bytes);
     // NHD: a token's slice of heads is one contiguous run; HND: one row per head.
     const bool nhd = p.layout == KVXFER_LAYOUT_NHD;
     const int64_t run_bytes = nhd ? s.num_heads * row : row;
@@ -248,8 +247,8 @@ int check_page_ids(const kvxfer_pool_t& p, const kvxfer_slice_t& s, const int64_
   const int64_t last = (s.token_offset + s.num_tokens - 1) / p.page_size;
   for (int64_t k = first; k <= last; ++k) {
     if (page_ids[k] < 0 || page_ids[k] >= p.num_pages) {
-      return fail(KVXFER_ERR_INVALID, "page_ids[" + std::to_string(k) + "]=" +
-                                          std::to_string(page_ids[k]) + " is outside [0, " +
+      return fail(KVXFER_ERR_INVALID, "page_ids[" + std::to_string(k) +
+                                          "]=" + std::to_string(page_ids[k]) + " is outside [0, " +
                                           std::to_string(p.num_pages) + ")");
     }
   }
@@ -283,8 +282,8 @@ int run(const kvxfer_pool_t* pool, void* const* layer_ptrs, const int64_t* page_
         int64_t streaming_min_bytes, bool gather) {
   try {
     char msg[512];
-    int status = kvxfer::check_args(pool, slice, layer_ptrs, page_ids, staging, staging_bytes,
-                                    msg, sizeof msg);
+    int status = kvxfer::check_args(pool, slice, layer_ptrs, page_ids, staging, staging_bytes, msg,
+                                    sizeof msg);
     if (status != KVXFER_OK) return fail(status, msg);
     if (slice->num_tokens == 0) return KVXFER_OK;
     for (int64_t k = 0; k < pool->num_kv * pool->num_layers; ++k) {
@@ -297,8 +296,13 @@ int run(const kvxfer_pool_t* pool, void* const* layer_ptrs, const int64_t* page_
     // Past a few tens of MiB the destination would not stay cached anyway.
     if (streaming_min_bytes < 0) streaming_min_bytes = KVXFER_CPU_STREAMING_MIN_BYTES_DEFAULT;
     const bool streaming = kvxfer::staging_nbytes(*pool, *slice) >= streaming_min_bytes;
-    Job job{*pool, *slice, reinterpret_cast<char* const*>(layer_ptrs), page_ids,
-            static_cast<char*>(staging), gather, streaming};
+    Job job{*pool,
+            *slice,
+            reinterpret_cast<char* const*>(layer_ptrs),
+            page_ids,
+            static_cast<char*>(staging),
+            gather,
+            streaming};
     return run_job(job, num_threads);
   } catch (const std::exception& exc) {
     return fail(KVXFER_ERR_INTERNAL, exc.what());
@@ -328,8 +332,7 @@ void emulate_cuda(bool gather, const kvxfer_pool_t& p, const kvxfer_slice_t& s,
     const uint32_t row_vecs = static_cast<uint32_t>(row / w);
     const uint32_t token_vecs = static_cast<uint32_t>(s.num_heads) * row_vecs;
     char* block = staging + kvxfer::staging_block_offset(layer, kv, p.num_kv, s.num_tokens,
-                                                         s.num_heads, p.k_row_bytes,
-                                                         p.v_row_bytes);
+                                                         s.num_heads, p.k_row_bytes, p.v_row_bytes);
     for (int64_t tile = 0; tile < shape.num_tiles; ++tile) {
       const int64_t first = tile * shape.tile_tokens;
       const int64_t tile_n = std::min(shape.tile_tokens, s.num_tokens - first);
@@ -366,27 +369,28 @@ KVXFER_API int kvxfer_emulate_cuda_cpu(int32_t gather, const kvxfer_pool_t* pool
                                        void* staging, int64_t staging_bytes) {
   try {
     char msg[512];
-    if (kvxfer::check_args(pool, slice, table, page_ids, staging, staging_bytes, msg,
-                           sizeof msg) != KVXFER_OK ||
+    if (kvxfer::check_args(pool, slice, table, page_ids, staging, staging_bytes, msg, sizeof msg) !=
+            KVXFER_OK ||
         kvxfer::check_launch(*pool, *slice, layer_ptr_align, staging, msg, sizeof msg) !=
             KVXFER_OK) {
       return fail(KVXFER_ERR_INVALID, msg);
     }
     if (slice->num_tokens == 0) return KVXFER_OK;
-    const kvxfer::LaunchShape shape =
-        kvxfer::launch_shape(*pool, *slice, layer_ptr_align, staging);
-    emulate_cuda(gather != 0, *pool, *slice, table, page_ids, static_cast<char*>(staging),
-                 shape);
+    const kvxfer::LaunchShape shape = kvxfer::launch_shape(*pool, *slice, layer_ptr_align, staging);
+    emulate_cuda(gather != 0, *pool, *slice, table, page_ids, static_cast<char*>(staging), shape);
     return KVXFER_OK;
   } catch (const std::exception& exc) {
     return fail(KVXFER_ERR_INTERNAL, exc.what());
   }
 }
 
+KVXFER_API int kvxfer_cpu_abi_version(void) {
+  return KVXFER_ABI_VERSION;
+}
 
-KVXFER_API int kvxfer_cpu_abi_version(void) { return KVXFER_ABI_VERSION; }
-
-KVXFER_API const char* kvxfer_cpu_last_error(void) { return g_last_error.c_str(); }
+KVXFER_API const char* kvxfer_cpu_last_error(void) {
+  return g_last_error.c_str();
+}
 
 KVXFER_API int kvxfer_gather_cpu(const kvxfer_pool_t* pool, void* const* layer_ptrs,
                                  const int64_t* page_ids, const kvxfer_slice_t* slice,
@@ -398,8 +402,8 @@ KVXFER_API int kvxfer_gather_cpu(const kvxfer_pool_t* pool, void* const* layer_p
 
 KVXFER_API int kvxfer_scatter_cpu(const kvxfer_pool_t* pool, void* const* layer_ptrs,
                                   const int64_t* page_ids, const kvxfer_slice_t* slice,
-                                  const void* staging, int64_t staging_bytes,
-                                  int32_t num_threads, int64_t streaming_min_bytes) {
+                                  const void* staging, int64_t staging_bytes, int32_t num_threads,
+                                  int64_t streaming_min_bytes) {
   // Scatter only reads staging; the Job is shared with gather, hence the const_cast.
   return run(pool, layer_ptrs, page_ids, slice, const_cast<void*>(staging), staging_bytes,
              num_threads, streaming_min_bytes, false);

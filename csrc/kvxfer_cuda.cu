@@ -82,10 +82,9 @@ __global__ void __launch_bounds__(kCudaThreads) KvxferCopyKernel(const Params p)
   const int64_t head_stride = kvxfer::pool_head_stride(p.pool.layout, p.pool.page_size, row);
   const uint32_t row_vecs = static_cast<uint32_t>(row / VEC);
   const uint32_t token_vecs = static_cast<uint32_t>(p.slice.num_heads) * row_vecs;
-  char* const block =
-      p.staging + kvxfer::staging_block_offset(layer, kv, p.pool.num_kv, p.slice.num_tokens,
-                                               p.slice.num_heads, p.pool.k_row_bytes,
-                                               p.pool.v_row_bytes);
+  char* const block = p.staging + kvxfer::staging_block_offset(
+                                      layer, kv, p.pool.num_kv, p.slice.num_tokens,
+                                      p.slice.num_heads, p.pool.k_row_bytes, p.pool.v_row_bytes);
 
   for (int64_t tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x) {
     const int64_t first = tile * p.tile_tokens;
@@ -135,11 +134,21 @@ __global__ void __launch_bounds__(kCudaThreads) KvxferCopyKernel(const Params p)
 template <bool GATHER>
 int launch(const Params& params, int64_t width, dim3 grid, cudaStream_t stream) {
   switch (width) {
-    case 16: KvxferCopyKernel<16, GATHER><<<grid, kCudaThreads, 0, stream>>>(params); break;
-    case 8: KvxferCopyKernel<8, GATHER><<<grid, kCudaThreads, 0, stream>>>(params); break;
-    case 4: KvxferCopyKernel<4, GATHER><<<grid, kCudaThreads, 0, stream>>>(params); break;
-    case 2: KvxferCopyKernel<2, GATHER><<<grid, kCudaThreads, 0, stream>>>(params); break;
-    default: KvxferCopyKernel<1, GATHER><<<grid, kCudaThreads, 0, stream>>>(params); break;
+    case 16:
+      KvxferCopyKernel<16, GATHER><<<grid, kCudaThreads, 0, stream>>>(params);
+      break;
+    case 8:
+      KvxferCopyKernel<8, GATHER><<<grid, kCudaThreads, 0, stream>>>(params);
+      break;
+    case 4:
+      KvxferCopyKernel<4, GATHER><<<grid, kCudaThreads, 0, stream>>>(params);
+      break;
+    case 2:
+      KvxferCopyKernel<2, GATHER><<<grid, kCudaThreads, 0, stream>>>(params);
+      break;
+    default:
+      KvxferCopyKernel<1, GATHER><<<grid, kCudaThreads, 0, stream>>>(params);
+      break;
   }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
@@ -156,8 +165,7 @@ int run(const kvxfer_pool_t* pool, const uint64_t* dev_table, int64_t layer_ptr_
   const int status = kvxfer::check_args(pool, slice, dev_table, dev_page_ids, staging,
                                         staging_bytes, msg, sizeof msg);
   if (status != KVXFER_OK) return fail(status, msg);
-  if (kvxfer::check_launch(*pool, *slice, layer_ptr_align, staging, msg, sizeof msg) !=
-      KVXFER_OK) {
+  if (kvxfer::check_launch(*pool, *slice, layer_ptr_align, staging, msg, sizeof msg) != KVXFER_OK) {
     return fail(KVXFER_ERR_INVALID, msg);
   }
   if (slice->num_tokens == 0) return KVXFER_OK;
@@ -179,9 +187,13 @@ int run(const kvxfer_pool_t* pool, const uint64_t* dev_table, int64_t layer_ptr_
 
 extern "C" {
 
-KVXFER_API int kvxfer_cuda_abi_version(void) { return KVXFER_ABI_VERSION; }
+KVXFER_API int kvxfer_cuda_abi_version(void) {
+  return KVXFER_ABI_VERSION;
+}
 
-KVXFER_API const char* kvxfer_cuda_last_error(void) { return g_last_error.c_str(); }
+KVXFER_API const char* kvxfer_cuda_last_error(void) {
+  return g_last_error.c_str();
+}
 
 KVXFER_API int kvxfer_cuda_probe(void) {
   int count = 0;
@@ -195,8 +207,8 @@ KVXFER_API int kvxfer_cuda_probe(void) {
 
 KVXFER_API int kvxfer_gather_cuda(const kvxfer_pool_t* pool, const uint64_t* dev_table,
                                   int64_t layer_ptr_align, const int64_t* dev_page_ids,
-                                  const kvxfer_slice_t* slice, void* staging,
-                                  int64_t staging_bytes, void* stream) {
+                                  const kvxfer_slice_t* slice, void* staging, int64_t staging_bytes,
+                                  void* stream) {
   try {
     return run<true>(pool, dev_table, layer_ptr_align, dev_page_ids, slice,
                      static_cast<char*>(staging), staging_bytes, stream);

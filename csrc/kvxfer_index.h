@@ -49,8 +49,8 @@ KVXFER_HD int64_t staging_layer_bytes(int64_t num_kv, int64_t num_tokens, int64_
 
 /* Staging byte offset of the first row of the (layer, kv) block; kv 0 is K, 1 is V. */
 KVXFER_HD int64_t staging_block_offset(int64_t layer, int64_t kv, int64_t num_kv,
-                                       int64_t num_tokens, int64_t num_heads,
-                                       int64_t k_row_bytes, int64_t v_row_bytes) {
+                                       int64_t num_tokens, int64_t num_heads, int64_t k_row_bytes,
+                                       int64_t v_row_bytes) {
   return layer * staging_layer_bytes(num_kv, num_tokens, num_heads, k_row_bytes, v_row_bytes) +
          kv * num_tokens * num_heads * k_row_bytes;
 }
@@ -116,8 +116,8 @@ constexpr int64_t kCudaTileVectors = kCudaThreads * kCudaUnroll * 4;
 constexpr int64_t kCudaMaxGridX = 1 << 20;
 
 struct LaunchShape {
-  int64_t width;        /* bytes per vector access */
-  int64_t tile_tokens;  /* tokens per tile (per CTA iteration) */
+  int64_t width;       /* bytes per vector access */
+  int64_t tile_tokens; /* tokens per tile (per CTA iteration) */
   int64_t num_tiles;
   int64_t max_token_vecs; /* vectors of one token's slice for the wider of K/V */
 };
@@ -158,12 +158,12 @@ inline int64_t staging_nbytes(const kvxfer_pool_t& p, const kvxfer_slice_t& s) {
   return per_layer < 0 ? -1 : checked_mul(per_layer, p.num_layers);
 }
 
-#define KVXFER_CHECK(cond, ...)                   \
-  do {                                            \
-    if (!(cond)) {                                \
-      snprintf(msg, msg_size, __VA_ARGS__);       \
-      return KVXFER_ERR_INVALID;                  \
-    }                                             \
+#define KVXFER_CHECK(cond, ...)             \
+  do {                                      \
+    if (!(cond)) {                          \
+      snprintf(msg, msg_size, __VA_ARGS__); \
+      return KVXFER_ERR_INVALID;            \
+    }                                       \
   } while (0)
 
 /* Everything about a call that can be checked without reading page ids. On failure it
@@ -175,8 +175,7 @@ inline int check_args(const kvxfer_pool_t* pool, const kvxfer_slice_t* slice,
   const kvxfer_pool_t& p = *pool;
   const kvxfer_slice_t& s = *slice;
   KVXFER_CHECK(p.num_layers >= 1, "num_layers=%lld must be >= 1", (long long)p.num_layers);
-  KVXFER_CHECK(p.num_kv == 1 || p.num_kv == 2, "num_kv=%lld must be 1 or 2",
-               (long long)p.num_kv);
+  KVXFER_CHECK(p.num_kv == 1 || p.num_kv == 2, "num_kv=%lld must be 1 or 2", (long long)p.num_kv);
   KVXFER_CHECK(p.num_pages >= 1, "num_pages=%lld must be >= 1", (long long)p.num_pages);
   KVXFER_CHECK(p.page_size >= 1, "page_size=%lld must be >= 1", (long long)p.page_size);
   KVXFER_CHECK(p.pool_heads >= 1, "pool_heads=%lld must be >= 1", (long long)p.pool_heads);
@@ -193,29 +192,25 @@ inline int check_args(const kvxfer_pool_t* pool, const kvxfer_slice_t* slice,
                KVXFER_LAYOUT_HND);
   KVXFER_CHECK(p.reserved == 0, "reserved=%d must be 0", (int)p.reserved);
   // The largest offset inside a layer buffer must fit in int64.
-  int64_t row_max = p.k_row_bytes > p.v_row_bytes || p.num_kv == 1 ? p.k_row_bytes
-                                                                     : p.v_row_bytes;
-  KVXFER_CHECK(checked_mul(checked_mul(checked_mul(p.num_pages, p.page_size), p.pool_heads),
-                           row_max) >= 0,
-               "pool of %lld pages x %lld tokens x %lld heads x %lld bytes overflows int64",
-               (long long)p.num_pages, (long long)p.page_size, (long long)p.pool_heads,
-               (long long)row_max);
+  int64_t row_max = p.k_row_bytes > p.v_row_bytes || p.num_kv == 1 ? p.k_row_bytes : p.v_row_bytes;
+  KVXFER_CHECK(
+      checked_mul(checked_mul(checked_mul(p.num_pages, p.page_size), p.pool_heads), row_max) >= 0,
+      "pool of %lld pages x %lld tokens x %lld heads x %lld bytes overflows int64",
+      (long long)p.num_pages, (long long)p.page_size, (long long)p.pool_heads, (long long)row_max);
   KVXFER_CHECK(s.head_start >= 0 && s.num_heads >= 1 && s.head_start <= p.pool_heads &&
                    s.num_heads <= p.pool_heads - s.head_start,
                "heads [%lld, %lld + %lld) are not inside the pool's %lld heads",
                (long long)s.head_start, (long long)s.head_start, (long long)s.num_heads,
                (long long)p.pool_heads);
-  KVXFER_CHECK(s.token_offset >= 0, "token_offset=%lld must be >= 0",
-               (long long)s.token_offset);
+  KVXFER_CHECK(s.token_offset >= 0, "token_offset=%lld must be >= 0", (long long)s.token_offset);
   KVXFER_CHECK(s.num_tokens >= 0, "num_tokens=%lld must be >= 0", (long long)s.num_tokens);
-  KVXFER_CHECK(s.num_page_ids >= 0, "num_page_ids=%lld must be >= 0",
-               (long long)s.num_page_ids);
+  KVXFER_CHECK(s.num_page_ids >= 0, "num_page_ids=%lld must be >= 0", (long long)s.num_page_ids);
   int64_t capacity = checked_mul(s.num_page_ids, p.page_size);
-  KVXFER_CHECK(capacity >= 0 && s.token_offset <= capacity &&
-                   s.num_tokens <= capacity - s.token_offset,
-               "tokens [%lld, %lld + %lld) exceed %lld page ids x page_size %lld",
-               (long long)s.token_offset, (long long)s.token_offset, (long long)s.num_tokens,
-               (long long)s.num_page_ids, (long long)p.page_size);
+  KVXFER_CHECK(
+      capacity >= 0 && s.token_offset <= capacity && s.num_tokens <= capacity - s.token_offset,
+      "tokens [%lld, %lld + %lld) exceed %lld page ids x page_size %lld", (long long)s.token_offset,
+      (long long)s.token_offset, (long long)s.num_tokens, (long long)s.num_page_ids,
+      (long long)p.page_size);
   int64_t need = staging_nbytes(p, s);
   KVXFER_CHECK(need >= 0, "staging size overflows int64");
   KVXFER_CHECK(staging_bytes >= need, "staging_bytes=%lld is smaller than the %lld needed",
@@ -229,9 +224,8 @@ inline int check_args(const kvxfer_pool_t* pool, const kvxfer_slice_t* slice,
 }
 
 /* The CUDA launcher's own limits, on top of check_args (also run by the emulator). */
-inline int check_launch(const kvxfer_pool_t& p, const kvxfer_slice_t& s,
-                        int64_t layer_ptr_align, const void* staging, char* msg,
-                        size_t msg_size) {
+inline int check_launch(const kvxfer_pool_t& p, const kvxfer_slice_t& s, int64_t layer_ptr_align,
+                        const void* staging, char* msg, size_t msg_size) {
   KVXFER_CHECK(layer_ptr_align >= 1 && (layer_ptr_align & (layer_ptr_align - 1)) == 0,
                "layer_ptr_align=%lld must be a power of two", (long long)layer_ptr_align);
   KVXFER_CHECK(p.num_layers * p.num_kv <= 65535,

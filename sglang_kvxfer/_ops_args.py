@@ -1,7 +1,8 @@
 """Argument checks of ``sglang_kvxfer.ops``: everything is validated here, before any copy.
 
-Owns: turning the public arguments of ``gather_kv_heads`` / ``scatter_kv_heads`` into one
-frozen ``KVCall`` (the layer list, geometry, slice, page ids and staging size), and
+Owns: turning the public arguments of ``gather_kv_heads`` / ``scatter_kv_heads`` (a
+``KVSlice`` from a plan, or the same fields as keywords) into one frozen ``KVCall`` (the
+layer list, geometry, slice, page ids and staging size), and
 checking a staging tensor against it. Every rejection is a ``ValueError`` whose message
 names the argument and the offending value(s); nothing is copied before all checks pass.
 Must not: copy KV bytes, call native code, or synchronize a GPU except to range-check page
@@ -17,8 +18,9 @@ import numpy as np
 import torch
 
 from sglang_kvxfer.geometry import Layout
+from sglang_kvxfer.planning.kvslice import KVSlice
 
-__all__ = ["KVCall", "parse_call", "staging_bytes_view", "staging_nbytes"]
+__all__ = ["KVCall", "parse_call", "slice_fields", "staging_bytes_view", "staging_nbytes"]
 
 _ITEMSIZES = (1, 2, 4)
 
@@ -62,9 +64,39 @@ def staging_nbytes(num_layers: int, num_tokens: int, num_heads: int, k_dim: int,
     return num_layers * num_tokens * num_heads * (k_dim + v) * itemsize
 
 
-def parse_call(k_buffers, v_buffers, page_ids, *, page_size, head_start, num_heads, layout,
-               token_offset, num_tokens, unique_pages: bool) -> KVCall:
-    """Validates every argument of a gather/scatter and returns the resolved ``KVCall``."""
+def slice_fields(page_ids, page_size=None, head_start=None, num_heads=None, layout=None,
+                 token_offset=None, num_tokens=None) -> dict[str, Any]:
+    """The slice keywords of one op call: a ``KVSlice``'s fields, or the keywords given.
+
+    A ``KVSlice`` passed as ``page_ids`` carries the whole slice, so passing any slice
+    keyword with it is a ``ValueError``; without one, ``page_size``, ``head_start`` and
+    ``num_heads`` are required (``TypeError``, as for any missing argument).
+    """
+    given = {"page_size": page_size, "head_start": head_start, "num_heads": num_heads, "layout": layout,
+             "token_offset": token_offset, "num_tokens": num_tokens}
+    if isinstance(page_ids, KVSlice):
+        extra = [name for name, value in given.items() if value is not None]
+        if extra:
+            raise ValueError(f"page_ids is a KVSlice, which holds the whole slice; do not also pass "
+                             f"{', '.join(extra)}")
+        return page_ids.op_kwargs()
+    missing = [name for name in ("page_size", "head_start", "num_heads") if given[name] is None]
+    if missing:
+        raise TypeError(f"missing required keyword argument(s): {', '.join(missing)} (or pass a KVSlice "
+                        f"as page_ids)")
+    given["page_ids"] = page_ids
+    given["layout"] = "NHD" if layout is None else layout
+    given["token_offset"] = 0 if token_offset is None else token_offset
+    return given
+
+
+def parse_call(k_buffers, v_buffers, page_ids, *, page_size=None, head_start=None, num_heads=None,
+               layout=None, token_offset=None, num_tokens=None, unique_pages: bool) -> KVCall:
+    """Validates every argument of a gather/scatter and returns the resolved ``KVCall``.
+    ``page_ids`` may be a ``KVSlice`` (then no other slice keyword)."""
+    f = slice_fields(page_ids, page_size, head_start, num_heads, layout, token_offset, num_tokens)
+    page_ids, page_size, head_start, num_heads = f["page_ids"], f["page_size"], f["head_start"], f["num_heads"]
+    layout, token_offset, num_tokens = f["layout"], f["token_offset"], f["num_tokens"]
     lay = str(Layout.parse(layout))
     page_size = _int("page_size", page_size, 1)
     k_layers = _layer_list(k_buffers, "k_buffers")

@@ -50,8 +50,8 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _warned_fallback: set[str] = set()
 
 
-def gather_kv_heads(k_buffers, v_buffers, page_ids, *, page_size, head_start, num_heads,
-                    layout="NHD", token_offset=0, num_tokens=None, out=None) -> torch.Tensor:
+def gather_kv_heads(k_buffers, v_buffers, page_ids, *, page_size=None, head_start=None, num_heads=None,
+                    layout=None, token_offset=None, num_tokens=None, out=None) -> torch.Tensor:
     """Copy heads ``[head_start, head_start + num_heads)`` of a request's tokens, in all layers,
     from a paged KV pool into one contiguous staging buffer.
 
@@ -64,14 +64,16 @@ def gather_kv_heads(k_buffers, v_buffers, page_ids, *, page_size, head_start, nu
     v_buffers : sequence of L torch.Tensor, or None
         Per-layer V buffers shaped like ``k_buffers`` but with ``v_dim`` last. None for MLA
         (one buffer per layer): the staging then has no V blocks.
-    page_ids : list, numpy array or int32/int64 tensor, ``[num_page_ids]``
-        The request's pages, in token order. Each in ``[0, num_pages)``.
+    page_ids : list, numpy array or int32/int64 tensor, ``[num_page_ids]``; or a ``KVSlice``
+        The request's pages, in token order. Each in ``[0, num_pages)``. A
+        ``sglang_kvxfer.planning.KVSlice`` (what ``RequestPlan.gather_slice`` returns)
+        carries the pages and every slice field below, which must then be left out.
     page_size : int
-        Tokens per page of this pool.
+        Tokens per page of this pool (required unless ``page_ids`` is a ``KVSlice``).
     head_start, num_heads : int
-        The pool heads to copy.
-    layout : {"NHD", "HND"}
-    token_offset : int
+        The pool heads to copy (required unless ``page_ids`` is a ``KVSlice``).
+    layout : {"NHD", "HND"}, default "NHD"
+    token_offset : int, default 0
         Request token of staging token 0 (send a request in chunks with it).
     num_tokens : int, optional
         Tokens to copy; default ``len(page_ids) * page_size - token_offset``.
@@ -90,6 +92,8 @@ def gather_kv_heads(k_buffers, v_buffers, page_ids, *, page_size, head_start, nu
     ValueError
         Any bad argument (dtype, shapes, contiguity, devices, page id range, head range,
         token range, staging size); the message names the argument. Nothing is copied.
+    TypeError
+        ``page_size``, ``head_start`` or ``num_heads`` missing (and ``page_ids`` no ``KVSlice``).
 
     Examples
     --------
@@ -116,8 +120,8 @@ def _gather_call(k_buffers, v_buffers, page_ids, page_size, head_start, num_head
     return call, staging_bytes_view(out, "out", call)
 
 
-def scatter_kv_heads(staging, k_buffers, v_buffers, page_ids, *, page_size, head_start,
-                     num_heads, layout="NHD", token_offset=0, num_tokens=None) -> None:
+def scatter_kv_heads(staging, k_buffers, v_buffers, page_ids, *, page_size=None, head_start=None,
+                     num_heads=None, layout=None, token_offset=None, num_tokens=None) -> None:
     """Copy a staging buffer (as written by ``gather_kv_heads``) into heads
     ``[head_start, head_start + num_heads)`` of a request's tokens in a paged KV pool.
 
@@ -132,8 +136,9 @@ def scatter_kv_heads(staging, k_buffers, v_buffers, page_ids, *, page_size, head
         ``[layer][K|V][token][head][dim]``.
     k_buffers, v_buffers, page_ids, page_size, head_start, num_heads, layout, token_offset,
     num_tokens
-        As in ``gather_kv_heads``, for the destination pool. ``page_ids`` must not repeat a
-        page (two tokens would race for one slot).
+        As in ``gather_kv_heads``, for the destination pool (``page_ids`` may again be a
+        ``KVSlice``, e.g. ``RequestPlan.scatter_slice``). The pages must not repeat a page
+        (two tokens would race for one slot).
 
     Raises
     ------
@@ -146,8 +151,8 @@ def scatter_kv_heads(staging, k_buffers, v_buffers, page_ids, *, page_size, head
     _dispatch(call, staging_bytes_view(staging, "staging", call), gather=False)
 
 
-def gather_kv_heads_reference(k_buffers, v_buffers, page_ids, *, page_size, head_start,
-                              num_heads, layout="NHD", token_offset=0, num_tokens=None,
+def gather_kv_heads_reference(k_buffers, v_buffers, page_ids, *, page_size=None, head_start=None,
+                              num_heads=None, layout=None, token_offset=None, num_tokens=None,
                               out=None) -> torch.Tensor:
     """``gather_kv_heads`` in plain torch indexing (any device); the ground truth of tests."""
     call, staging = _gather_call(k_buffers, v_buffers, page_ids, page_size, head_start,
@@ -156,8 +161,8 @@ def gather_kv_heads_reference(k_buffers, v_buffers, page_ids, *, page_size, head
     return staging
 
 
-def scatter_kv_heads_reference(staging, k_buffers, v_buffers, page_ids, *, page_size,
-                               head_start, num_heads, layout="NHD", token_offset=0,
+def scatter_kv_heads_reference(staging, k_buffers, v_buffers, page_ids, *, page_size=None,
+                               head_start=None, num_heads=None, layout=None, token_offset=None,
                                num_tokens=None) -> None:
     """``scatter_kv_heads`` in plain torch indexing (any device); the ground truth of tests."""
     call = parse_call(k_buffers, v_buffers, page_ids, page_size=page_size,

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from sglang_kvxfer.cli.workload import busy_seconds, percentiles_ms
+from sglang_kvxfer.cluster.workload import busy_seconds, percentiles_ms
 from sglang_kvxfer.metrics import (
     FAILURE_KINDS,
     SINCE_FIRST_BYTE,

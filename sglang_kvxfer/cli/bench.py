@@ -10,17 +10,17 @@ the baseline on the bytes it moved) and the records: one JSON object per configu
 The numbers come from the ranks' ``RequestRecord``s (``metrics.py``): a request's
 transfer window runs from its first byte being ready on the prefill to the last notice
 processed on the decode. ``gbps`` is bytes over busy time (while any window was open),
-median over repeats; ``ratio`` divides it by the baseline's median (``baseline.py``).
+median over repeats; ``ratio`` divides it by the baseline's median (``cluster/baseline.py``).
 ``benchmarks/bench_transfer.py`` runs the same code.
 """
 from __future__ import annotations
 
 import argparse
-import secrets
 import itertools
 import json
 import os
 import platform
+import secrets
 import statistics
 import sys
 import time
@@ -206,9 +206,9 @@ def run_shape(args, shape: Shape, points: list[tuple], bar, next_seed) -> list[d
 
 
 def _run_points(args, shape: Shape, points: list[tuple], boot, bar, next_seed, key: bytes) -> list[dict]:
-    from sglang_kvxfer.cli.baseline import measure_baseline
-    from sglang_kvxfer.cli.group import make_spec, open_groups
-    from sglang_kvxfer.cli.workload import make_requests, run_workload, summarize
+    from sglang_kvxfer.cluster.baseline import measure_baseline
+    from sglang_kvxfer.cluster.group import make_spec, open_groups
+    from sglang_kvxfer.cluster.workload import make_requests, run_workload, summarize
 
     gp, gd = geometries(args, shape)
     opts = dict(engine_options(args), auth_key=key)
@@ -293,7 +293,7 @@ DEFINITIONS = {
 
 
 def run_bench(args: argparse.Namespace) -> dict:
-    from sglang_kvxfer.cli.workload import Progress
+    from sglang_kvxfer.cli.progress import Progress
 
     t0 = time.monotonic()
     _resolve(args)
@@ -320,7 +320,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         with open(args.output, "w") as f:
             json.dump(out, f, indent=1, allow_nan=False)
     if args.plot:
-        from sglang_kvxfer.cli.plot import plot_records
+        from sglang_kvxfer.cluster.plot import plot_records
 
         title = (f"kvxfer bench{' --quick' if args.quick else ''} ({os.cpu_count()} CPUs, "
                  f"{'unverified' if args.no_verify else 'verified'})")

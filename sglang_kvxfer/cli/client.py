@@ -12,18 +12,32 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
+import os
+import secrets
 import threading
+import time
 from concurrent.futures import Future
 
 import msgpack
 import zmq
 
-from sglang_kvxfer.cli.common import COMMON_RANGES, check_pool_fits, check_ranges
+from sglang_kvxfer import auth
+from sglang_kvxfer.cli.common import (
+    COMMON_RANGES,
+    check_pool_fits,
+    check_ranges,
+    parse_tokens,
+)
 from sglang_kvxfer.cli.demo import render
-from sglang_kvxfer.cli.workload import make_requests, parse_tokens, run_workload, summarize
+from sglang_kvxfer.cli.progress import Progress
+from sglang_kvxfer.cluster.workload import make_requests, run_workload, summarize
 from sglang_kvxfer.engine.config import parse_host_port
-from sglang_kvxfer.errors import TransferTimeoutError
+from sglang_kvxfer.errors import AuthenticationError, TransferTimeoutError
+from sglang_kvxfer.protocol import envelope
 from sglang_kvxfer.geometry import KVGeometry
+
+log = logging.getLogger("sglang_kvxfer.client")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,11 +57,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class RemoteGroup:
-    """A server's client port: ``submit(job) -> Future[list of per-rank results]``."""
+    """A server's client port: ``submit(job) -> Future[list of per-rank results]``.
 
-    def __init__(self, address: str):
+    Requests are sealed with the shared key (``key``; None: from the environment) and a
+    fresh sequence number; a reply counts only if it verifies and answers that number."""
+
+    def __init__(self, address: str, key: bytes | None = None):
         host, port = parse_host_port(address, "server")
         self.address = address
+        self._key = auth.resolve_key() if key is None else key
+        self._session = f"client-{os.getpid()}-{secrets.token_hex(4)}"
+        self._seqs: dict[int, int] = {}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -65,7 +85,9 @@ class RemoteGroup:
         with self._lock:
             rid = next(self._ids)
             self._pending[rid] = fut
-            self._outbox.append(msgpack.packb(dict(obj, id=rid), use_bin_type=True))
+            seq = self._seqs[rid] = envelope.fresh_seq(time.time())
+            self._outbox.append(envelope.seal(self._key, self._session, seq,
+                                              msgpack.packb(dict(obj, id=rid), use_bin_type=True)))
         return fut
 
     def info(self, timeout_s: float) -> dict:
@@ -94,9 +116,19 @@ class RemoteGroup:
             for data in out:
                 self._sock.send_multipart([b"", data])
             if self._sock.poll(20):
-                reply = msgpack.unpackb(self._sock.recv_multipart()[-1], raw=False)
+                try:
+                    sender, seq, payload = envelope.open_frame(self._key, self._sock.recv_multipart()[-1])
+                    reply = msgpack.unpackb(payload, raw=False)
+                    rid = reply.get("id")
+                except (AuthenticationError, ValueError, msgpack.UnpackException, AttributeError) as exc:
+                    log.warning("dropped a reply from %s: %s", self.address, exc)
+                    continue
                 with self._lock:
-                    fut = self._pending.pop(reply.get("id"), None)
+                    if sender != "launcher" or self._seqs.get(rid) != seq:
+                        log.warning("dropped a reply from %s that answers no request of this client", self.address)
+                        continue
+                    self._seqs.pop(rid, None)
+                    fut = self._pending.pop(rid, None)
                 if fut is not None:
                     fut.set_result(reply)
 
@@ -126,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
         check_pool_fits(max(tokens), gd, f"decode server's ({args.decode})")
         jobs = make_requests(args.requests, tokens, args.chunk_tokens, gp.page_size, None,
                              not args.no_verify, args.chunk_delay_ms / 1e3)
-        results, wall = run_workload(pre, dec, jobs, args.concurrency, args.timeout, progress=not args.quiet)
+        results, wall = run_workload(pre, dec, jobs, args.concurrency, args.timeout,
+                                     progress=Progress(len(jobs), not args.quiet))
     finally:
         pre.close()
         dec.close()

@@ -16,7 +16,7 @@ from sglang_kvxfer import envs
 from sglang_kvxfer.geometry import KVGeometry
 
 __all__ = ["add_model_args", "add_side_args", "add_deadline_args", "side_geometry", "engine_options",
-           "int_list", "str_list", "pool_pages", "check_ranges", "check_pool_fits", "PORT", "OPTIONAL_PORT",
+           "int_list", "str_list", "parse_tokens", "pool_pages", "check_ranges", "check_pool_fits", "PORT", "OPTIONAL_PORT",
            "COMMON_RANGES", "MAX_CHUNK_DELAY_S"]
 
 PORT = (1, 65535)
@@ -84,6 +84,17 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if not values:
         raise argparse.ArgumentTypeError(f"{text!r} lists no value")
+    return values
+
+
+def parse_tokens(text: str) -> list[int]:
+    """``--tokens`` text -> positive token counts (a ``ValueError`` names the flag)."""
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--tokens={text!r} must be a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"--tokens={text!r} must list positive token counts")
     return values
 
 

@@ -9,8 +9,8 @@ range-checked first; SIGTERM stops the rank processes like Ctrl-C does.
 from __future__ import annotations
 
 import argparse
-import secrets
 import json
+import secrets
 import signal
 import sys
 
@@ -22,10 +22,12 @@ from sglang_kvxfer.cli.common import (
     check_pool_fits,
     check_ranges,
     engine_options,
+    parse_tokens,
     pool_pages,
     side_geometry,
 )
-from sglang_kvxfer.cli.workload import make_requests, parse_tokens, run_workload, summarize
+from sglang_kvxfer.cli.progress import Progress
+from sglang_kvxfer.cluster.workload import make_requests, run_workload, summarize
 from sglang_kvxfer.geometry import check_compatible
 
 
@@ -53,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> dict:
-    from sglang_kvxfer.cli.group import make_spec, open_groups
+    from sglang_kvxfer.cluster.group import make_spec, open_groups
     from sglang_kvxfer.engine.bootstrap import BootstrapServer
 
     check_ranges(args, {**COMMON_RANGES, "prefill_tp": (1, 1024), "decode_tp": (1, 1024)})
@@ -87,7 +89,8 @@ def run_demo(args: argparse.Namespace) -> dict:
             say(f"kvxfer demo: {len(jobs)} requests of {','.join(map(str, tokens))} tokens, "
                 f"{args.chunk_tokens or 'one'}-token chunks, {args.concurrency} in flight")
             timeout = args.bootstrap_timeout + args.waiting_timeout + args.transfer_timeout + 30
-            results, wall = run_workload(pre, dec, jobs, args.concurrency, timeout, progress=not args.quiet)
+            results, wall = run_workload(pre, dec, jobs, args.concurrency, timeout,
+                                         progress=Progress(len(jobs), not args.quiet))
     return summarize(results, wall, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                      transport=args.transport, total_kv_heads=gp.total_kv_heads, mla=gp.mla,
                      layers=gp.num_layers, head_dim=gp.head_dim, dtype=gp.dtype,

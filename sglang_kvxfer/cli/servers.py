@@ -12,19 +12,21 @@ the group cleanly.
 from __future__ import annotations
 
 import argparse
-import os
 import ipaddress
 import logging
 import math
+import os
 import queue
 import signal
 import socket
 import sys
 import threading
+import time
 
 import msgpack
 import zmq
 
+from sglang_kvxfer import auth
 from sglang_kvxfer.cli.common import (
     COMMON_RANGES,
     MAX_CHUNK_DELAY_S,
@@ -36,9 +38,9 @@ from sglang_kvxfer.cli.common import (
     engine_options,
     side_geometry,
 )
-from sglang_kvxfer import auth
 from sglang_kvxfer.engine.config import parse_host_port
-from sglang_kvxfer.errors import KVXferError
+from sglang_kvxfer.protocol import envelope
+from sglang_kvxfer.errors import AuthenticationError, KVXferError
 
 log = logging.getLogger("sglang_kvxfer.server")
 
@@ -110,7 +112,14 @@ def _devices(text: str, tp: int) -> list[str]:
 class _ClientPort:
     """The launcher's client socket: one thread owns it; replies come back through a queue."""
 
-    def __init__(self, host: str, port: int):
+    SENDER = "launcher"
+
+    def __init__(self, host: str, port: int, key: bytes):
+        # Requests and replies travel in the authenticated envelope, like the bootstrap's:
+        # a request must carry a valid tag and be fresh; a reply is bound to its request.
+        self._key, self._fresh = key, envelope.FreshnessGuard()
+        self._seqs: dict[tuple[bytes, object], int] = {}
+        self.dropped = 0
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -126,19 +135,29 @@ class _ClientPort:
         self._stop = threading.Event()
 
     def reply(self, ident: bytes, obj: dict) -> None:
-        self._replies.put((ident, msgpack.packb(obj, use_bin_type=True)))
+        seq = self._seqs.pop((ident, obj.get("id")), 0)
+        self._replies.put((ident, envelope.seal(self._key, self.SENDER, seq,
+                                                msgpack.packb(obj, use_bin_type=True))))
 
     def serve(self) -> None:
         while not self._stop.is_set():
             if self._sock.poll(50):
                 try:
                     ident, _, data = self._sock.recv_multipart(zmq.NOBLOCK)
-                    req = msgpack.unpackb(data, raw=False)
+                    sender, seq, payload = envelope.open_frame(self._key, data)
+                    stale = self._fresh.accept(sender, seq, time.time())
+                    if stale:
+                        raise AuthenticationError(stale)
+                    req = msgpack.unpackb(payload, raw=False)
                     if not isinstance(req, dict):
                         raise ValueError("a request must be a map")
-                except (ValueError, zmq.ZMQError, msgpack.UnpackException) as exc:
-                    log.warning("dropped a malformed client request: %s", exc)
+                except (ValueError, zmq.ZMQError, msgpack.UnpackException, AuthenticationError) as exc:
+                    self.dropped += 1
+                    if self.dropped <= 10 or self.dropped % 1000 == 0:
+                        log.warning("dropped a client request (%d so far): %s", self.dropped, exc)
                 else:
+                    if len(self._seqs) < 100_000:  # replies bound to requests; bounded
+                        self._seqs[(ident, req.get("id"))] = seq
                     self.handler(ident, req)
             while True:
                 try:
@@ -156,7 +175,7 @@ class _ClientPort:
 
 
 def serve(args: argparse.Namespace, role: str) -> int:
-    from sglang_kvxfer.cli.group import RankGroup, make_spec
+    from sglang_kvxfer.cluster.group import RankGroup, make_spec
     from sglang_kvxfer.engine import BootstrapServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -164,7 +183,7 @@ def serve(args: argparse.Namespace, role: str) -> int:
                         "restart_ranks": (0, 1000)})
     geometry = side_geometry(args, None, args.num_pages or 512)
     geometry.placement(args.tp, 0)
-    auth.resolve_key(args.host)  # no usable key (e.g. a non-loopback --host without one): one line, exit 2
+    key = auth.resolve_key(args.host)  # none usable (a non-loopback --host without one): one line, exit 2
     boot = None
     if role == "prefill" and not args.bootstrap:
         boot = BootstrapServer(args.host, args.bootstrap_port)
@@ -182,7 +201,7 @@ def serve(args: argparse.Namespace, role: str) -> int:
         log.info("starting %d %s rank(s), transport %s", args.tp, role, transport)
         info = {"op": "info", "role": role, "tp_size": args.tp, "geometry": geometry.to_dict(),
                 "transport": transport, "bootstrap": bootstrap}
-        port = _ClientPort(args.host, args.port)  # bind first: a busy port fails before any spawn
+        port = _ClientPort(args.host, args.port, key)  # bind first: a busy port fails before any spawn
         try:
             with RankGroup(spec, max_restarts=args.restart_ranks, max_jobs=args.concurrency) as group:
 

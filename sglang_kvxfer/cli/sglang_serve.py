@@ -63,7 +63,7 @@ STOP_GRACE_S = 15.0
 def _supervise(cmd: list[str]) -> int:
     """Run ``cmd`` in a new process group; forward SIGTERM/SIGINT to the group; return its
     exit status (128 + signal when a signal ended it)."""
-    from sglang_kvxfer.cli.group import arm_parent_death_signal
+    from sglang_kvxfer.cluster.group import arm_parent_death_signal
 
     parent = os.getpid()
     child = subprocess.Popen(cmd, start_new_session=True,

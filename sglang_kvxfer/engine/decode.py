@@ -8,6 +8,11 @@ pool) or a window of two staging slots. It scatters each staged chunk as its
 ``ChunkReady`` arrives and returns the slot, and reports Success only when every expected
 writer has sent ``TransferDone``. Deadlines, aborts and peer death fail a request and free
 its staging windows; the next request to a live peer works.
+
+This module owns the decode manager's flow: lookup and registration, metadata, messages,
+scatter, failures. The records it drives are ``decode_rooms.py``.
+Must not: write into prefill memory, or act on a data message from a session other than
+the one its room expects (``_from_expected``).
 """
 from __future__ import annotations
 
@@ -18,11 +23,12 @@ import numpy as np
 
 from sglang_kvxfer.engine import bootstrap
 from sglang_kvxfer.engine.config import ENGINE_VERSION
+from sglang_kvxfer.engine.decode_rooms import DecodeRoom, GroupStatus, PrefillGroup
 from sglang_kvxfer.engine.manager import Peer, RankBase, RequestHandle
 from sglang_kvxfer.errors import IncompatibleGeometryError, KVXferError, TransferFailedError
 from sglang_kvxfer.geometry import check_compatible
-from sglang_kvxfer.metrics import RequestRecord, note_writer_done
-from sglang_kvxfer.planning import candidate_prefill_ranks, plan_pair, plan_tp
+from sglang_kvxfer.metrics import note_writer_done
+from sglang_kvxfer.planning import HeadTransfer, RequestPlan, candidate_prefill_ranks, plan_tp
 from sglang_kvxfer.protocol.envelope import peer_secret
 from sglang_kvxfer.protocol.fields import STAGING_SLOTS, Side
 from sglang_kvxfer.protocol.messages import (
@@ -45,59 +51,11 @@ log = logging.getLogger("sglang_kvxfer.decode")
 
 
 
-class PrefillGroup:
-    """What one bootstrap told us, and our registration with each candidate prefill rank."""
-
-    def __init__(self, address: str):
-        self.address = address
-        self.status = "resolving"  # -> "registering" -> "ready" | "failed"
-        self.error = ""
-        self.reply = None
-        self.placements: dict[int, object] = {}
-        self.peers: dict[int, Peer] = {}  # prefill tp_rank -> peer (its endpoint and session)
-        self.acks: dict[int, bool] = {}
-
-
-class DecodeRoom:
-    """One request on this decode rank."""
-
-    def __init__(self, room: int, state, group: str):
-        self.room = room
-        self.state = state
-        self.group = group
-        self.pages: np.ndarray | None = None
-        self.num_tokens = 0
-        self.aux_slot = -1
-        self.meta_pending = False
-        self.meta_sent = False
-        self.writers: dict[int, object] = {}  # prefill rank -> HeadTransfer
-        self.windows: dict[int, tuple[int, int]] = {}  # prefill rank -> (offset, capacity)
-        self.candidates: tuple[int, ...] = ()
-        self.aux_payload = b""
-        self.bytes = 0
-        self.timings: dict[str, float] = {}
-        self.first_notice: float | None = None
-        self.last_notice: float | None = None
-        self.finished_at: float | None = None
-        self.waiting_for = ""
-        self.untold: tuple[type, str] | None = None  # failure the prefill ranks have not heard yet
-        self.ops = 0
-        self.marks: dict[str, float] = {}  # transfer-window estimates on this clock (metrics.py)
-
-    def record(self, tp_rank: int) -> RequestRecord:
-        ok = self.state.poll is KVPoll.Success
-        return RequestRecord(room=self.room, side="decode", tp_rank=tp_rank, ok=ok, reason=self.state.reason or "",
-                             bytes=self.bytes, ops=self.ops, phases=dict(self.timings),
-                             first_byte_ready=self.marks.get("first_byte_ready"),
-                             last_chunk_ready=self.marks.get("last_chunk_ready"),
-                             last_notice=self.finished_at if ok else None,
-                             failure_kind="aborted" if "aborted" in self.marks else "")
-
-
 class DecodeManager(RankBase):
     """One decode TP rank."""
 
     side = Side.DECODE
+    _rooms: dict[int, DecodeRoom]
 
     def __init__(self, config, pool=None):
         self._groups: dict[str, PrefillGroup] = {}  # before the I/O thread starts
@@ -107,7 +65,7 @@ class DecodeManager(RankBase):
     def _group(self, address: str) -> PrefillGroup:
         with self._lock:
             group = self._groups.get(address)
-            if group is None or group.status == "failed":
+            if group is None or group.status is GroupStatus.FAILED:
                 group = self._groups[address] = PrefillGroup(address)
                 self.start_thread(self._resolve, f"kvxfer-decode{self.tp_rank}-resolve", group)
             return group
@@ -156,7 +114,7 @@ class DecodeManager(RankBase):
         now = time.monotonic()
         with self._lock:
             group.reply = reply
-            group.status = "registering"
+            group.status = GroupStatus.REGISTERING
             for info in reply.ranks:
                 if info.tp_rank in candidates:
                     group.peers[info.tp_rank] = Peer(info.session, info.tp_rank, info.endpoint, now)
@@ -183,7 +141,7 @@ class DecodeManager(RankBase):
     def _group_failed(self, group: PrefillGroup, reason: str) -> None:
         log.error("decode rank %d: %s", self.tp_rank, reason)
         with self._lock:
-            group.status, group.error = "failed", reason
+            group.status, group.error = GroupStatus.FAILED, reason
             rooms = [r for r in self._rooms.values() if r.group == group.address and not r.state.is_terminal]
         for rec in rooms:
             self._fail_room(rec, reason)
@@ -205,9 +163,9 @@ class DecodeManager(RankBase):
         with self._lock:
             group.acks[msg.tp_rank] = True
             group.peers[msg.tp_rank].last_seen = time.monotonic()
-            if set(group.acks) != set(group.peers) or group.status != "registering":
+            if set(group.acks) != set(group.peers) or group.status is not GroupStatus.REGISTERING:
                 return
-            group.status = "ready"
+            group.status = GroupStatus.READY
             rooms = [r for r in self._rooms.values() if r.group == group.address]
             for rec in rooms:
                 if rec.state.poll is KVPoll.Bootstrapping:
@@ -231,9 +189,9 @@ class DecodeManager(RankBase):
             if old is not None and not old.state.is_terminal:
                 raise ValueError(f"room {room} is already in flight on decode rank {self.tp_rank}")
             rec = self._rooms[room] = DecodeRoom(room, self.new_state(room), address)
-            if group.status == "ready":
+            if group.status is GroupStatus.READY:
                 rec.state.handle(Event.BOOTSTRAPPED, time.monotonic())
-            failed = group.error if group.status == "failed" else ""
+            failed = group.error if group.status is GroupStatus.FAILED else ""
         if failed:
             self._fail_room(rec, failed)
         return rec
@@ -253,13 +211,14 @@ class DecodeManager(RankBase):
             if not rec.meta_pending or rec.meta_sent or rec.state.is_terminal:
                 return
             group = self._groups.get(rec.group)
-            if group is None or group.status != "ready":
+            if group is None or group.status is not GroupStatus.READY:
                 return  # the group was lost; the room fails through _peer_lost or its deadline
             reply = group.reply
             try:
                 plan = plan_tp(g.total_kv_heads, reply.tp_size, self.config.tp_size, g.mla, salt=rec.room)
                 writers = {t.prefill_rank: t for t in plan.writers_of(self.tp_rank)}
-                windows = self._lend_windows(rec, writers, group)
+                plans = self._plan_writers(rec, writers, group)
+                windows = self._lend_windows(rec, plans)
             except KVXferError as exc:
                 windows, problem = None, str(exc)
             else:
@@ -268,7 +227,8 @@ class DecodeManager(RankBase):
                 rec.waiting_for = "staging space on this decode rank (KVXFER_STAGING_BYTES)"
                 return  # retried on the next tick, within the request's deadline
             if not problem:
-                rec.writers, rec.windows, rec.candidates = writers, windows, tuple(group.peers)
+                rec.writers, rec.plans, rec.windows = writers, plans, windows
+                rec.candidates = tuple(group.peers)
                 rec.state.expect_writers(list(writers))
                 rec.meta_sent, rec.meta_pending, rec.waiting_for = True, False, ""
         if problem:
@@ -280,9 +240,11 @@ class DecodeManager(RankBase):
                 num_tokens=rec.num_tokens, dst_page_ids=rec.pages, aux_slot=rec.aux_slot,
                 elected=p in writers, staging_offset=offset, staging_capacity_bytes=capacity))
 
-    def _lend_windows(self, rec: DecodeRoom, writers, group: PrefillGroup):
-        """Staging windows for the writers whose pair is staged; None if space is short now."""
-        lent: dict[int, tuple[int, int]] = {}
+    def _plan_writers(self, rec: DecodeRoom, writers: dict[int, HeadTransfer],
+                      group: PrefillGroup) -> dict[int, RequestPlan]:
+        """One ``RequestPlan`` per writer, built once per request: it picks the pair's path
+        and cuts every staged chunk's scatter slice."""
+        plans: dict[int, RequestPlan] = {}
         for p, t in writers.items():
             src = group.placements[p]
             n_src = -(-rec.num_tokens // src.geometry.page_size)
@@ -291,12 +253,20 @@ class DecodeManager(RankBase):
                                           f"prefill pools hold {src.geometry.num_pages}", rec.room)
             # Path choice with the real decode pages, assuming prefill pages are contiguous
             # (decode cannot know them); prefill follows this choice.
-            pair = plan_pair(t, src, self.placement, np.arange(n_src), rec.pages, num_tokens=rec.num_tokens,
-                             path=self.config.data_path, direct_min_op_bytes=self.config.direct_min_op_bytes)
-            if pair.path == "direct" or pair.nbytes == 0:
+            plans[p] = RequestPlan.build(t, src, self.placement, np.arange(n_src), rec.pages,
+                                         num_tokens=rec.num_tokens, path=self.config.data_path,
+                                         direct_min_op_bytes=self.config.direct_min_op_bytes)
+        return plans
+
+    def _lend_windows(self, rec: DecodeRoom, plans: dict[int, RequestPlan]) -> dict[int, tuple[int, int]] | None:
+        """Staging windows for the writers whose pair is staged; None if space is short now."""
+        lent: dict[int, tuple[int, int]] = {}
+        for p, plan in plans.items():
+            nbytes = plan.nbytes()
+            if not plan.staged or nbytes == 0:
                 continue
-            per_token = pair.nbytes // rec.num_tokens
-            slot = max(per_token, min(self.config.staging_slot_bytes, pair.nbytes))
+            per_token = nbytes // rec.num_tokens
+            slot = max(per_token, min(self.config.staging_slot_bytes, nbytes))
             offset = self.staging.alloc(STAGING_SLOTS * slot)
             if offset is None:
                 for off, _ in lent.values():
@@ -349,12 +319,13 @@ class DecodeManager(RankBase):
                 if peer is not None and (session is None or peer.session == session):
                     peer.last_seen = now
 
-    def _writer(self, rec: DecodeRoom, tp_rank: int):
-        t = rec.writers.get(tp_rank)
-        if t is None:
+    def _writer(self, rec: DecodeRoom, tp_rank: int) -> RequestPlan:
+        """The plan of writer ``tp_rank`` of this request (a ``TransferFailedError`` if none)."""
+        plan = rec.plans.get(tp_rank)
+        if plan is None:
             raise TransferFailedError(f"prefill rank {tp_rank} is not a writer of this request "
                                       f"(writers: {sorted(rec.writers)})", rec.room)
-        return t
+        return plan
 
     def _on_chunk(self, msg: ChunkReady) -> None:
         rec = self.room(msg.room)
@@ -363,7 +334,7 @@ class DecodeManager(RankBase):
         self._touch(msg.tp_rank)
         now = time.monotonic()
         try:
-            t = self._writer(rec, msg.tp_rank)
+            plan = self._writer(rec, msg.tp_rank)
             offset, capacity = rec.windows.get(msg.tp_rank, (-1, 0))
             if not (offset <= msg.staging_offset and msg.staging_offset + msg.chunk_bytes <= offset + capacity):
                 raise TransferFailedError(f"ChunkReady from prefill rank {msg.tp_rank} points outside its "
@@ -376,9 +347,9 @@ class DecodeManager(RankBase):
                 rec.state.handle(Event.CHUNK_STARTED, now)
         except KVXferError as exc:
             return self._fail_room(rec, str(exc))
-        self.worker_for(rec.room).submit(lambda: self._scatter(rec, t, msg))
+        self.worker_for(rec.room).submit(lambda: self._scatter(rec, plan, msg))
 
-    def _scatter(self, rec: DecodeRoom, t, msg: ChunkReady) -> None:
+    def _scatter(self, rec: DecodeRoom, plan: RequestPlan, msg: ChunkReady) -> None:
         from sglang_kvxfer import ops
 
         if rec.state.is_terminal:
@@ -386,11 +357,11 @@ class DecodeManager(RankBase):
         g = self.config.geometry
         t0 = time.perf_counter()
         try:
+            piece = plan.scatter_slice(msg.token_start, msg.token_start + msg.num_tokens)
             ops.scatter_kv_heads(
                 self.staging.view(msg.staging_offset, msg.chunk_bytes),
                 self.pool.buffers[: g.num_layers], self.pool.buffers[g.num_layers:] if g.has_v else None,
-                rec.pages, page_size=g.page_size, head_start=t.dst_head_start, num_heads=t.num_heads,
-                layout=g.layout.value, token_offset=msg.token_start, num_tokens=msg.num_tokens)
+                piece)
             if self.config.device.startswith("cuda"):
                 import torch
 
@@ -485,14 +456,14 @@ class DecodeManager(RankBase):
 
     def _peers(self):
         with self._lock:
-            return [p for g in self._groups.values() if g.status in ("registering", "ready")
+            return [p for g in self._groups.values() if g.status in (GroupStatus.REGISTERING, GroupStatus.READY)
                     for p in g.peers.values()]
 
     def _peer_lost(self, peer, reason: str) -> None:
         with self._lock:
             groups = [g for g in self._groups.values() if peer in g.peers.values()]
             for g in groups:
-                g.status, g.error = "failed", reason
+                g.status, g.error = GroupStatus.FAILED, reason
             rooms = [r for r in self._rooms.values() if not r.state.is_terminal
                      and any(r.group == g.address for g in groups)]
         for rec in rooms:  # the other prefill ranks of the room hear of it too

@@ -3,32 +3,34 @@
 Owns ``RankBase``: the transport, the registered KV pool and staging arena, the control
 channel, the worker threads, the table of rooms (one ``RequestState`` each), deadline
 checks, and heartbeats with peer-death detection. The two roles (``prefill.py``,
-``decode.py``) add their message handlers and data path. ``KVManager`` builds the right
-one from an ``EngineConfig``.
+``decode.py``) implement its abstract hooks (``_on_message``, ``_peers``, ``_peer_lost``,
+``_fail_room``, ``abort``, ``release``) and add their data path. ``KVManager``
+(``factory.py``) builds the right one from an ``EngineConfig``.
+Must not: import the roles (they import this module), or know a role's messages.
 
 Locking: ``self._lock`` guards the room and peer tables; it is never held while waiting
 on a transport, a socket or another thread.
 """
 from __future__ import annotations
 
+import abc
 import collections
 import logging
 import queue
 import secrets
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 from sglang_kvxfer.engine.config import EngineConfig
 from sglang_kvxfer.engine.control import ControlChannel
 from sglang_kvxfer.engine.pool import KVPool, StagingArena
-from sglang_kvxfer.errors import LocalProtocolError
 from sglang_kvxfer.protocol.fields import Side
 from sglang_kvxfer.protocol.messages import Heartbeat
 from sglang_kvxfer.protocol.state import Deadlines, KVPoll, RequestState
 from sglang_kvxfer.transports import get_transport
 
-__all__ = ["RankBase", "KVManager", "Worker", "Peer"]
+__all__ = ["RankBase", "RoomRecord", "Worker", "Peer", "RequestHandle"]
 
 log = logging.getLogger("sglang_kvxfer.engine")
 
@@ -68,10 +70,20 @@ class Peer:
         self.alive = True
 
 
-class RankBase:
+class RoomRecord(Protocol):
+    """What ``RankBase`` needs of a role's room record (``PrefillRoom``, ``DecodeRoom``)."""
+
+    room: int
+    state: RequestState
+
+    def record(self, tp_rank: int): ...
+
+
+class RankBase(abc.ABC):
     """Resources and bookkeeping of one rank; see ``PrefillManager`` / ``DecodeManager``."""
 
     side: Side
+    _rooms: dict[int, RoomRecord]
 
     def __init__(self, config: EngineConfig, pool: KVPool | None = None):
         if not isinstance(config, EngineConfig):
@@ -84,7 +96,7 @@ class RankBase:
         self.deadlines = Deadlines(config.bootstrap_timeout_s, config.waiting_timeout_s,
                                    config.transfer_timeout_s)
         self._lock = threading.RLock()
-        self._rooms: dict[int, object] = {}
+        self._rooms = {}
         self._closed = False
         # Security events by kind (room_conflict, unexpected_sender, ...): Prometheus counts them.
         self.security_events: dict[str, int] = collections.defaultdict(int)
@@ -152,18 +164,30 @@ class RankBase:
             except Exception:
                 log.exception("request listener failed for room %d", rec.room)
 
+    # -- the hooks each role implements ----------------------------------------------------------
+    @abc.abstractmethod
+    def _on_message(self, msg, sender: str) -> None:
+        """One authenticated control message from session ``sender`` (I/O thread)."""
+
+    @abc.abstractmethod
     def _peers(self) -> list[Peer]:
-        """Peers to send heartbeats to and watch (overridden)."""
-        return []
+        """Peers to send heartbeats to and watch."""
 
+    @abc.abstractmethod
     def _peer_lost(self, peer: Peer, reason: str) -> None:
-        """A peer stopped answering (overridden)."""
+        """A peer stopped answering."""
 
+    @abc.abstractmethod
     def _fail_room(self, rec, reason: str, notify: bool = True, already_failed: bool = False) -> None:
-        """Fail a room here and, when ``notify``, tell the peers involved (overridden)."""
+        """Fail a room here and, when ``notify``, tell the peers involved."""
 
-    def _on_message(self, msg, sender: str) -> None:  # overridden
-        raise LocalProtocolError(f"{type(self).__name__} cannot handle {type(msg).__name__}")
+    @abc.abstractmethod
+    def abort(self, rec, reason: str) -> None:
+        """Abort a room on behalf of this side's caller and tell the peers involved."""
+
+    @abc.abstractmethod
+    def release(self, room: int) -> None:
+        """The caller is done with ``room``: forget it once it has ended."""
 
     def security_event(self, kind: str, text: str, *args) -> None:
         """Count a security event and log it at ERROR (rate-limited per kind)."""
@@ -272,13 +296,3 @@ class RequestHandle:
         """Forget the request on this rank (after it ended)."""
         self.mgr.release(self.room)
 
-
-def KVManager(config: EngineConfig, pool: KVPool | None = None, **kwargs):
-    """The manager of ``config.role``: a ``PrefillManager`` or a ``DecodeManager``."""
-    if config.role == "prefill":
-        from sglang_kvxfer.engine.prefill import PrefillManager
-
-        return PrefillManager(config, pool, **kwargs)
-    from sglang_kvxfer.engine.decode import DecodeManager
-
-    return DecodeManager(config, pool, **kwargs)

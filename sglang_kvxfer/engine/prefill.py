@@ -8,6 +8,12 @@ otherwise gather -> one write per staging slot -> ``ChunkReady`` (the decode ran
 scatters and returns the slot with ``ChunkAck``). After the last chunk every reader gets a
 ``TransferDone`` carrying the aux payload. Every wait has a deadline; a failure fails only
 its room and is reported to the decode ranks involved.
+
+This module owns registration (bootstrap, decode registrations and forgotten sessions),
+the control messages, room ownership (the first decode session to claim a room for a
+decode rank wins; a conflicting claim fails the room on both sides) and failure handling.
+The room table is ``prefill_rooms.py``; the bytes are ``prefill_datapath.py``.
+Must not: move KV bytes or plan them (the data path does), or block the I/O thread.
 """
 from __future__ import annotations
 
@@ -15,7 +21,6 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,26 +28,24 @@ from sglang_kvxfer.engine import bootstrap
 from sglang_kvxfer.engine.config import ENGINE_VERSION
 from sglang_kvxfer.engine.manager import Peer, RankBase, RequestHandle
 from sglang_kvxfer.engine.pool import BufferLoc
+from sglang_kvxfer.engine.prefill_datapath import PrefillDataPath
+from sglang_kvxfer.engine.prefill_rooms import Chunk, PrefillRoom, PrefillRoomTable
 from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeoutError
 from sglang_kvxfer.geometry import check_compatible
-from sglang_kvxfer.metrics import SINCE_FIRST_BYTE, SINCE_LAST_CHUNK, RequestRecord
-from sglang_kvxfer.planning import candidate_decode_ranks, plan_pair, plan_tp
+from sglang_kvxfer.planning import DataPath, candidate_decode_ranks, plan_tp
 from sglang_kvxfer.protocol.envelope import peer_secret
-from sglang_kvxfer.protocol.fields import STAGING_SLOTS, Side
+from sglang_kvxfer.protocol.fields import Side
 from sglang_kvxfer.protocol.messages import (
     Abort,
     ChunkAck,
-    ChunkReady,
     DecodeRegister,
     Heartbeat,
     PrefillRegister,
     RegisterReply,
     RequestMeta,
-    TransferDone,
     TransferFailed,
 )
 from sglang_kvxfer.protocol.state import Event, KVPoll
-from sglang_kvxfer.transports.base import Ticket, TicketState, wait_all
 
 __all__ = ["PrefillManager", "KVSender"]
 
@@ -61,65 +64,13 @@ class DecodePeer(Peer):
         self.staging = staging
 
 
-@dataclass
-class _Chunk:
-    pages: np.ndarray
-    last: bool
-    aux: bytes
-    ready: object = None  # has .synchronize(): the pages' KV is written once it returns
-
-
-class PrefillRoom:
-    """One request on this prefill rank."""
-
-    def __init__(self, room: int, state):
-        self.room = room
-        self.state = state
-        self.metas: dict[int, RequestMeta] = {}
-        self.expected: tuple[int, ...] | None = None
-        self.plan = None
-        self.num_tokens: int | None = None
-        self.src_pages = np.zeros(0, dtype=np.int64)
-        self.pending: collections.deque[_Chunk] = collections.deque()
-        self.scheduled = False
-        self.tokens_sent = 0
-        self.inflight: dict[int, set[int]] = collections.defaultdict(set)  # reader -> slot offsets
-        self.cond = threading.Condition()
-        self.bytes = 0
-        self.ops = 0
-        self.reader_bytes: dict[int, int] = collections.defaultdict(int)
-        self.reader_ops: dict[int, int] = collections.defaultdict(int)
-        self.timings: dict[str, float] = collections.defaultdict(float)
-        self.sender_attached = False
-        self.unattached = False  # created by a frame, no sender yet (capped, see PrefillManager)
-        self.finished_at: float | None = None
-        self.marks: dict[str, float] = {}  # monotonic times of the transfer window (metrics.py)
-
-    def window(self) -> tuple[float | None, float | None]:
-        """(first byte ready, last chunk ready): handed over and destinations known."""
-        known = self.marks.get("dest_known")
-        if known is None or "first_chunk" not in self.marks:
-            return None, None
-        last = self.marks.get("last_chunk")
-        return max(known, self.marks["first_chunk"]), (max(known, last) if last is not None else None)
-
-    def record(self, tp_rank: int) -> RequestRecord:
-        first, last = self.window()
-        return RequestRecord(room=self.room, side="prefill", tp_rank=tp_rank, ok=self.state.poll is KVPoll.Success,
-                             reason=self.state.reason or "", bytes=self.bytes, ops=self.ops,
-                             phases=dict(self.timings), first_byte_ready=first, last_chunk_ready=last,
-                             last_notice=self.marks.get("done"),
-                             failure_kind="aborted" if "aborted" in self.marks else "")
-
-
-class PrefillManager(RankBase):
+class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
     """One prefill TP rank. Registers with the bootstrap at construction (with retries
-    until ``bootstrap_timeout_s``; ``wait_registered`` blocks on it)."""
+    until ``bootstrap_timeout_s``; ``wait_registered`` blocks on it). The room table
+    (``MAX_UNATTACHED_ROOMS``, ``ROOM_RETENTION_S``) and the data path are mixins."""
 
     side = Side.PREFILL
-
-    MAX_UNATTACHED_ROOMS = 4096  # records created by frames before a sender holds the room
-    ROOM_RETENTION_S = 60.0      # a finished room nobody holds is forgotten after this
+    _rooms: dict[int, PrefillRoom]
 
     def __init__(self, config, pool=None):
         self._decode_peers: dict[str, DecodePeer] = {}  # before the I/O thread starts
@@ -348,300 +299,6 @@ class PrefillManager(RankBase):
             rec.cond.notify_all()
 
     # -- rooms ---------------------------------------------------------------------------------
-    def _create_unattached(self, room: int) -> PrefillRoom | None:
-        """A record for a room no sender holds yet (its metadata or abort came first), or None
-        when ``MAX_UNATTACHED_ROOMS`` of them exist (call with the lock held). They end by
-        their deadline and are forgotten ``ROOM_RETENTION_S`` later, or taken by a sender."""
-        if self._num_unattached >= self.MAX_UNATTACHED_ROOMS:
-            self.security_event("room_cap", "no record for room %d: %d rooms wait for a sender already",
-                                room, self._num_unattached)
-            return None
-        rec = self._rooms[room] = PrefillRoom(room, self.new_state(room))
-        rec.unattached = True
-        self._num_unattached += 1
-        return rec
-
-    def attach_sender(self, room: int) -> PrefillRoom:
-        with self._lock:
-            rec = self._rooms.get(room)
-            if rec is None:
-                rec = self._rooms[room] = PrefillRoom(room, self.new_state(room))
-            elif rec.unattached:
-                rec.unattached = False
-                self._num_unattached -= 1
-            rec.sender_attached = True
-            return rec
-
-    def _forget(self, room: int) -> None:
-        rec = self._rooms.pop(room, None)
-        if rec is not None and rec.unattached:
-            self._num_unattached -= 1
-
-    def submit_chunk(self, rec: PrefillRoom, chunk: _Chunk) -> None:
-        with self._lock:
-            if rec.state.is_terminal:
-                return
-            now = time.monotonic()
-            rec.marks.setdefault("first_chunk", now)
-            if chunk.last:
-                rec.marks["last_chunk"] = now
-            rec.pending.append(chunk)
-            ready = rec.state.poll in (KVPoll.WaitingForInput, KVPoll.Transferring)
-        if ready:
-            self._schedule(rec)
-
-    def _schedule(self, rec: PrefillRoom) -> None:
-        with self._lock:
-            if rec.scheduled or not rec.pending:
-                return
-            rec.scheduled = True
-        self.worker_for(rec.room).submit(lambda: self._drain(rec))
-
-    def _drain(self, rec: PrefillRoom) -> None:
-        while True:
-            with self._lock:
-                if rec.state.is_terminal or not rec.pending:
-                    rec.scheduled = False
-                    return
-                chunk = rec.pending.popleft()
-            try:
-                self._send_chunk(rec, chunk)
-            except Exception as exc:
-                reason = str(exc) if isinstance(exc, KVXferError) else f"{type(exc).__name__}: {exc}"
-                if not isinstance(exc, KVXferError):
-                    log.exception("prefill rank %d room %d: chunk failed", self.tp_rank, rec.room)
-                self._fail_room(rec, reason)
-
-    # -- the data path (worker thread) -----------------------------------------------------------
-    def _send_chunk(self, rec: PrefillRoom, chunk: _Chunk) -> None:
-        g = self.config.geometry
-        if chunk.ready is not None:
-            chunk.ready.synchronize()  # the forward that writes these pages may still run
-        rec.src_pages = np.concatenate([rec.src_pages, chunk.pages])
-        total = rec.num_tokens
-        start = rec.tokens_sent
-        need = -(-total // g.page_size)
-        if len(rec.src_pages) > need:
-            raise TransferFailedError(f"prefill sent {len(rec.src_pages)} pages for a {total}-token request "
-                                      f"(page_size {g.page_size} needs {need})", rec.room)
-        if chunk.last and len(rec.src_pages) != need:
-            raise TransferFailedError(f"last chunk leaves {len(rec.src_pages)} pages for a {total}-token "
-                                      f"request (page_size {g.page_size} needs {need})", rec.room)
-        stop = total if chunk.last else min(total, len(rec.src_pages) * g.page_size)
-        readers = rec.plan.readers_of(self.tp_rank)
-        if stop > start and readers:
-            with self._lock:
-                if rec.state.poll is not KVPoll.Transferring:
-                    rec.state.handle(Event.CHUNK_STARTED, time.monotonic())
-            tickets = []
-            for t in readers:
-                meta = rec.metas[t.decode_rank]
-                peer = self._peer_of(meta)
-                if meta.staging_offset < 0:
-                    tickets += self._write_direct(rec, t, peer, meta, start, stop)
-                else:
-                    self._write_staged(rec, t, peer, meta, start, stop)
-            if tickets:
-                t0 = time.perf_counter()
-                wait_all(tickets, self.config.transfer_timeout_s)
-                rec.timings["wire"] += time.perf_counter() - t0
-            with self._lock:
-                if not rec.state.is_terminal:
-                    rec.state.handle(Event.CHUNK_STARTED, time.monotonic())  # progress
-        rec.tokens_sent = stop
-        if chunk.last:
-            self._finish(rec, readers, chunk.aux)
-
-    def _peer_of(self, meta: RequestMeta) -> DecodePeer:
-        peer = self._decode_peers.get(meta.session)
-        if peer is None or not peer.alive:
-            raise TransferFailedError(f"decode rank {meta.tp_rank} (session {meta.session}) is gone", meta.room)
-        return peer
-
-    def _write_direct(self, rec, t, peer: DecodePeer, meta: RequestMeta, start: int, stop: int):
-        t0 = time.perf_counter()
-        path = "per_token" if self.config.data_path == "per_token" else "direct"
-        pair = plan_pair(t, self.placement, peer.placement, rec.src_pages, meta.dst_page_ids,
-                         num_tokens=rec.num_tokens, token_start=start, token_stop=stop, path=path)
-        if pair.path != "direct":
-            raise TransferFailedError(f"decode rank {t.decode_rank} asked for direct writes but the bytes "
-                                      f"are not contiguous ({pair.reason})", rec.room)
-        groups: dict[tuple[int, int], list[np.ndarray]] = collections.defaultdict(list)
-        for b in range(self.config.geometry.num_buffers):
-            ops = pair.buffer_ops(b)
-            if len(ops):
-                mine, theirs = self.pool.locs[b], peer.locs[b]
-                shifted = ops + np.array([mine.offset, theirs.offset, 0], dtype=np.int64)
-                groups[(mine.region, theirs.region)].append(shifted)
-        rec.timings["plan"] += time.perf_counter() - t0
-        tickets = []
-        for (lr, rr), parts in groups.items():
-            ops = np.concatenate(parts)
-            tickets.append(self.transport.write(self.pool.regions[lr], peer.regions[rr],
-                                                ops[:, 0], ops[:, 1], ops[:, 2]))
-            rec.ops += len(ops)
-            rec.reader_ops[t.decode_rank] += len(ops)
-        rec.bytes += pair.nbytes
-        rec.reader_bytes[t.decode_rank] += pair.nbytes
-        return tickets
-
-    def _write_staged(self, rec, t, peer: DecodePeer, meta: RequestMeta, start: int, stop: int) -> None:
-        """Stream tokens [start, stop) through the reader's two staging slots: gather slot
-        k+1 while slot k is on the wire; announce each slot once its write completed."""
-        g = self.config.geometry
-        if peer.staging is None:
-            raise TransferFailedError(f"decode rank {t.decode_rank} registered no staging region", rec.room)
-        slot_bytes = meta.staging_capacity_bytes // STAGING_SLOTS
-        per_token = g.num_layers * t.num_heads * (g.head_dim + g.v_head_dim) * g.itemsize
-        step = slot_bytes // per_token
-        if step < 1:
-            raise TransferFailedError(f"decode staging slot of {slot_bytes} B cannot hold one token "
-                                      f"({per_token} B)", rec.room)
-        inflight: collections.deque = collections.deque()
-        a = start
-        try:
-            while a < stop or inflight:
-                if a < stop and len(inflight) < STAGING_SLOTS:
-                    b = min(stop, a + step)
-                    inflight.append(self._post_slot(rec, t, peer, meta, a, b, slot_bytes))
-                    a = b
-                    continue
-                self._complete_slot(rec, t, peer, inflight.popleft())
-        except BaseException:
-            for ticket, local_off, remote_off, *_ in inflight:
-                if ticket.poll() is TicketState.PENDING:
-                    try:  # the bytes may still be read from local staging: let the write end
-                        ticket.wait(self.config.transfer_timeout_s)
-                    except KVXferError:
-                        pass
-                if local_off is not None:
-                    self.staging.free(local_off)
-                with rec.cond:
-                    rec.inflight[t.decode_rank].discard(remote_off)
-            raise
-
-    def _post_slot(self, rec, t, peer: DecodePeer, meta: RequestMeta, a: int, b: int, slot_bytes: int):
-        """Gather tokens [a, b) for one staging slot and start moving it. Where the transport
-        maps the reader's staging here (``local`` shared memory, CUDA IPC) the gather writes
-        straight into the slot: no local staging and no transport write."""
-        t0 = time.perf_counter()
-        pair = plan_pair(t, self.placement, peer.placement, rec.src_pages, meta.dst_page_ids,
-                         num_tokens=rec.num_tokens, token_start=a, token_stop=b, path="staged")
-        t_planned = time.perf_counter()
-        remote_off = self._acquire_slot(rec, t.decode_rank, meta, slot_bytes)
-        local_off = None
-        try:
-            with self.transport.remote_view(peer.staging, remote_off, pair.staging_nbytes) as view:
-                if view is not None:
-                    t1 = time.perf_counter()
-                    self._gather(pair, view)
-                    ticket = Ticket.completed(f"room {rec.room}: gathered into the reader's slot")
-            if view is None:
-                local_off = self._alloc_local(rec, pair.staging_nbytes)
-                t1 = time.perf_counter()
-                self._gather(pair, self.staging.view(local_off, pair.staging_nbytes))
-                ticket = self.transport.write(self.staging.region, peer.staging, [local_off], [remote_off],
-                                              [pair.staging_nbytes])
-        except BaseException:
-            if local_off is not None:
-                self.staging.free(local_off)
-            with rec.cond:
-                rec.inflight[t.decode_rank].discard(remote_off)
-            raise
-        t2 = time.perf_counter()
-        rec.timings["plan"] += t_planned - t0
-        rec.timings["wait"] += t1 - t_planned  # flow control: a free staging slot on both sides
-        rec.timings["gather"] += t2 - t1
-        return ticket, local_off, remote_off, pair, a, b, t2
-
-    def _gather(self, pair, out) -> None:
-        from sglang_kvxfer import ops
-
-        g = self.config.geometry
-        ops.gather_kv_heads(self.pool.buffers[: g.num_layers],
-                            self.pool.buffers[g.num_layers:] if g.has_v else None,
-                            out=out, **pair.gather_kwargs())
-        self._sync_device()
-
-    def _complete_slot(self, rec, t, peer: DecodePeer, entry) -> None:
-        ticket, local_off, remote_off, pair, a, b, t_posted = entry
-        ops = pair.staged_op_count  # one bulk move into the reader's slot (a write, or in place)
-        try:
-            ticket.wait(self.config.transfer_timeout_s)
-        except BaseException:
-            with rec.cond:
-                rec.inflight[t.decode_rank].discard(remote_off)
-            raise
-        finally:
-            if local_off is not None:
-                self.staging.free(local_off)
-        t3 = time.perf_counter()
-        self.control.send(peer.endpoint, ChunkReady(
-            room=rec.room, tp_rank=self.tp_rank, token_start=a, num_tokens=b - a,
-            staging_offset=remote_off, chunk_bytes=pair.staging_nbytes))
-        rec.timings["wire"] += t3 - t_posted
-        rec.timings["notify"] += time.perf_counter() - t3
-        rec.bytes += pair.nbytes
-        rec.ops += ops
-        rec.reader_bytes[t.decode_rank] += pair.nbytes
-        rec.reader_ops[t.decode_rank] += ops
-
-    def _acquire_slot(self, rec: PrefillRoom, reader: int, meta: RequestMeta, slot_bytes: int) -> int:
-        """Wait (bounded) until one of the reader's staging slots has been scattered."""
-        deadline = time.monotonic() + self.config.transfer_timeout_s
-        slots = [meta.staging_offset + i * slot_bytes for i in range(STAGING_SLOTS)]
-        with rec.cond:
-            while True:
-                if rec.state.is_terminal:
-                    raise TransferFailedError(rec.state.reason or "request ended", rec.room)
-                for off in slots:
-                    if off not in rec.inflight[reader]:
-                        rec.inflight[reader].add(off)
-                        return off
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransferTimeoutError(f"room {rec.room}: decode rank {reader} returned no staging "
-                                               f"slot within {self.config.transfer_timeout_s} s")
-                rec.cond.wait(min(left, 0.1))
-
-    def _alloc_local(self, rec: PrefillRoom, nbytes: int) -> int:
-        deadline = time.monotonic() + self.config.transfer_timeout_s
-        while True:
-            off = self.staging.alloc(nbytes)
-            if off is not None:
-                return off
-            if rec.state.is_terminal:
-                raise TransferFailedError(rec.state.reason or "request ended", rec.room)
-            if time.monotonic() > deadline:
-                raise TransferTimeoutError(f"room {rec.room}: no {nbytes} B free in the prefill staging "
-                                           f"arena ({self.staging.nbytes} B, KVXFER_STAGING_BYTES)")
-            time.sleep(0.001)
-
-    def _sync_device(self) -> None:
-        if self.config.device.startswith("cuda"):
-            import torch
-
-            torch.cuda.current_stream(self.config.device).synchronize()
-
-    def _finish(self, rec: PrefillRoom, readers, aux: bytes) -> None:
-        timings = {k: round(v, 6) for k, v in rec.timings.items()}
-        now = rec.marks["done"] = time.monotonic()  # before the notices: they may land at once
-        for key, mark in zip((SINCE_FIRST_BYTE, SINCE_LAST_CHUNK), rec.window()):
-            if mark is not None:  # ages, so the decode rank can place the window on its own clock
-                timings[key] = max(0.0, now - mark)
-        for t in readers:
-            meta = rec.metas[t.decode_rank]
-            self.control.send(self._peer_of(meta).endpoint, TransferDone(
-                room=rec.room, tp_rank=self.tp_rank, total_bytes=rec.reader_bytes[t.decode_rank],
-                num_ops=rec.reader_ops[t.decode_rank],
-                aux_payload=aux, timings=timings))
-        with self._lock:
-            if rec.state.is_terminal:
-                return
-            rec.state.handle(Event.TRANSFER_DONE, time.monotonic())
-            rec.finished_at = time.monotonic()
-        self._request_ended(rec)
-
     # -- failures --------------------------------------------------------------------------------
     def _fail_room(self, rec, reason: str, notify: bool = True, already_failed: bool = False,
                    extra_sessions: tuple[str, ...] = ()) -> None:
@@ -719,20 +376,7 @@ class PrefillManager(RankBase):
 
     def _on_tick(self, now: float) -> None:
         super()._on_tick(now)
-        with self._lock:  # forget finished rooms nobody holds a sender for
-            stale = [r for r, rec in self._rooms.items() if rec.finished_at is not None
-                     and not rec.sender_attached and now - rec.finished_at > self.ROOM_RETENTION_S]
-            for r in stale:
-                self._forget(r)
-
-    def release(self, room: int) -> None:
-        """Forget a room (the sender is done with it)."""
-        with self._lock:
-            rec = self._rooms.get(room)
-            if rec is not None and rec.state.is_terminal:
-                self._forget(room)
-            elif rec is not None:
-                rec.sender_attached = False
+        self._forget_stale(now)
 
 
 class KVSender(RequestHandle):
@@ -772,7 +416,7 @@ class KVSender(RequestHandle):
         if ready is not None and not callable(getattr(ready, "synchronize", None)):
             raise TypeError(f"ready must have a synchronize() method, got {type(ready).__name__}")
         self._finished = bool(last_chunk)
-        self.mgr.submit_chunk(self._rec, _Chunk(pages, bool(last_chunk), bytes(aux), ready))
+        self.mgr.submit_chunk(self._rec, Chunk(pages, bool(last_chunk), bytes(aux), ready))
 
     @property
     def bytes_sent(self) -> int:
@@ -789,7 +433,7 @@ class KVSender(RequestHandle):
         out: dict[str, int] = {}
         for meta in self._rec.metas.values():
             if meta.elected:
-                key = "direct" if meta.staging_offset < 0 else "staged"
+                key = DataPath.DIRECT.value if meta.staging_offset < 0 else DataPath.STAGED.value
                 out[key] = out.get(key, 0) + 1
         return out
 

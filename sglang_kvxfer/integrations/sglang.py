@@ -3,7 +3,7 @@
 Owns ``KVXferKVManager``, ``KVXferKVSender``, ``KVXferKVReceiver`` and
 ``KVXferKVBootstrapServer``: subclasses of SGLang's real base classes
 (``sglang.srt.disaggregation.base.conn``) that SGLang's prefill and decode event loops drive
-exactly as they drive mooncake or mori (research/sglang.md §2-§3). Each SGLang rank's
+exactly as they drive mooncake or mori. Each SGLang rank's
 manager wraps one engine ``PrefillManager``/``DecodeManager`` over SGLang's own KV pool
 memory (no copy); senders and receivers wrap the engine's ``KVSender``/``KVReceiver``.
 
@@ -221,7 +221,7 @@ class KVXferKVManager(BaseKVManager):
         ours = self.layout.geometry.page_size
         if geometry is not None and geometry.page_size != ours:
             # The scheduler counts whole pages on both sides (as SGLang's own backends
-            # require, research/sglang.md §3.1 step 5): the page sizes must agree.
+            # require): the page sizes must agree.
             problem = (f"page_size: prefill={geometry.page_size} decode={ours} (start both servers "
                        "with the same --page-size)")
         self.prefill_info_table[bootstrap_addr] = PrefillInfo(attn_tp_size=tp_size, problem=problem)

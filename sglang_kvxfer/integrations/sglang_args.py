@@ -1,7 +1,6 @@
 """SGLang's ``KVArgs`` and ``ServerArgs`` -> this engine's geometry, placement and buffers.
 
-Owns the translation of the attribute bag SGLang hands every transfer backend
-(research/sglang.md §2.1) into a full ``KVGeometry`` with the buffer addresses, the aux
+Owns the translation of the attribute bag SGLang hands every transfer backend into a full ``KVGeometry`` with the buffer addresses, the aux
 (metadata) buffer layout and the packing of one aux slot, and the reading of the few
 ``ServerArgs`` fields that decide the attention TP size and the bootstrap address. Every
 feature this backend does not carry (PP, attention DP/CP, extra per-request state,

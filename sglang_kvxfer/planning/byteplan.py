@@ -23,10 +23,11 @@ import numpy as np
 
 from sglang_kvxfer.errors import PlanError
 from sglang_kvxfer.geometry import Layout, RankPlacement, check_compatible
+from sglang_kvxfer.planning.kvslice import DataPath, KVSlice
 from sglang_kvxfer.planning.tp import HeadTransfer
 
 __all__ = ["PairPlan", "DirectPlan", "StagedPlan", "plan_pair", "coalesce", "MAX_WRITE_BYTES",
-           "per_token_op_count"]
+           "per_token_op_count", "staged_op_count"]
 
 # One staged write never exceeds this (MORI and most verbs stacks cap a WR below 4 GiB).
 MAX_WRITE_BYTES = 1 << 30
@@ -51,12 +52,12 @@ class PairPlan:
     direct_op_count: int | None
     staged_op_count: int
     reason: str
-    path: ClassVar[str] = ""
+    path: ClassVar[DataPath | None] = None
 
     @property
     def op_count(self) -> int:
         """Transport ops this plan posts."""
-        return self.direct_op_count if self.path == "direct" else self.staged_op_count
+        return self.direct_op_count if self.path is DataPath.DIRECT else self.staged_op_count
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class DirectPlan(PairPlan):
 
     k_ops: np.ndarray = None
     v_ops: np.ndarray | None = None
-    path: ClassVar[str] = "direct"
+    path: ClassVar[DataPath] = DataPath.DIRECT
 
     def buffer_ops(self, buffer_index: int) -> np.ndarray:
         """``(src_offset, dst_offset, nbytes)`` rows for buffer ``buffer_index``."""
@@ -85,26 +86,42 @@ class StagedPlan(PairPlan):
     src_pages: np.ndarray = None
     dst_pages: np.ndarray = None
     staging_nbytes: int = 0
-    path: ClassVar[str] = "staged"
+    path: ClassVar[DataPath] = DataPath.STAGED
+
+    def gather_slice(self) -> KVSlice:
+        """What ``ops.gather_kv_heads`` reads from the writer's pool."""
+        return side_slice(self.src, self.src_pages, self.transfer.src_head_start, self.transfer.num_heads,
+                          self.token_start, self.token_start + self.num_tokens)
+
+    def scatter_slice(self) -> KVSlice:
+        """What ``ops.scatter_kv_heads`` writes into the reader's pool."""
+        return side_slice(self.dst, self.dst_pages, self.transfer.dst_head_start, self.transfer.num_heads,
+                          self.token_start, self.token_start + self.num_tokens)
 
     def gather_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``ops.gather_kv_heads`` on the writer's pool."""
-        return self._side_kwargs(self.src, self.src_pages, self.transfer.src_head_start)
+        return self.gather_slice().op_kwargs()
 
     def scatter_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``ops.scatter_kv_heads`` on the reader's pool."""
-        return self._side_kwargs(self.dst, self.dst_pages, self.transfer.dst_head_start)
+        return self.scatter_slice().op_kwargs()
 
-    def _side_kwargs(self, side: RankPlacement, pages: np.ndarray, head_start: int) -> dict[str, Any]:
-        return {
-            "page_ids": pages,
-            "page_size": side.geometry.page_size,
-            "head_start": head_start,
-            "num_heads": self.transfer.num_heads,
-            "layout": side.geometry.layout.value,
-            "token_offset": self.token_start,
-            "num_tokens": self.num_tokens,
-        }
+
+def side_slice(side: RankPlacement, pages: np.ndarray, head_start: int, num_heads: int,
+               start: int, stop: int) -> KVSlice:
+    """Tokens ``[start, stop)`` of one side as a ``KVSlice`` over only the pages they touch
+    (a view of ``pages``: O(1), and the kernels check O(pages in the slice))."""
+    size = side.geometry.page_size
+    first = start // size if stop > start else 0
+    last = -(-stop // size) if stop > start else 0
+    return KVSlice(pages=pages[first:last], page_size=size, head_start=head_start, num_heads=num_heads,
+                   layout=side.geometry.layout.value, token_offset=start - first * size if stop > start else 0,
+                   num_tokens=stop - start)
+
+
+def staged_op_count(nbytes: int) -> int:
+    """Wire writes of a staged move of ``nbytes`` (split only above ``MAX_WRITE_BYTES``)."""
+    return -(-nbytes // MAX_WRITE_BYTES)
 
 
 def per_token_op_count(num_layers: int, num_tokens: int, has_v: bool = True) -> int:
@@ -166,7 +183,7 @@ def plan_pair(
     num_tokens: int | None = None,
     token_start: int = 0,
     token_stop: int | None = None,
-    path: str | None = "auto",
+    path: DataPath | str | None = "auto",
     direct_min_op_bytes: int = DIRECT_MIN_OP_BYTES,
 ) -> PairPlan:
     """Byte plan of one (writer, reader) pair for one request or one chunk of it.
@@ -200,11 +217,26 @@ def plan_pair(
     total = _resolve_num_tokens(num_tokens, src_arr, dst_arr, gs.page_size, gd.page_size)
     start, stop = _resolve_range(token_start, token_stop, total)
     _check_coverage(src_arr, dst_arr, gs.page_size, gd.page_size, stop)
+    return _plan_range(transfer, src, dst, src_arr, dst_arr, start, stop, _parse_path(path),
+                       direct_min_op_bytes, compat)
+
+
+def _parse_path(path) -> DataPath:
+    try:
+        return DataPath.parse(path)
+    except ValueError:
+        raise PlanError(f"path={path!r} must be one of auto, direct, staged, per_token") from None
+
+
+def _plan_range(transfer: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_arr: np.ndarray,
+                dst_arr: np.ndarray, start: int, stop: int, choice: DataPath, direct_min_op_bytes: int,
+                compat) -> PairPlan:
+    """``plan_pair`` on page lists and a token range already checked."""
+    gs = src.geometry
     count = stop - start
     n = transfer.num_heads
-    itemsize = gs.itemsize
-    nbytes = gs.num_layers * count * n * (gs.head_dim + gs.v_head_dim) * itemsize
-    staged_ops = -(-nbytes // MAX_WRITE_BYTES)
+    nbytes = gs.num_layers * count * n * (gs.head_dim + gs.v_head_dim) * gs.itemsize
+    staged_ops = staged_op_count(nbytes)
 
     direct = _direct_ops(transfer, src, dst, src_arr, dst_arr, start, stop)
     direct_count = None
@@ -212,19 +244,16 @@ def plan_pair(
         k_ops, v_ops = direct
         direct_count = gs.num_layers * (len(k_ops) + (len(v_ops) if v_ops is not None else 0))
 
-    choice = str(path or "auto").lower()
-    if choice not in ("auto", "direct", "staged", "per_token"):
-        raise PlanError(f"path={path!r} must be one of auto, direct, staged, per_token")
     common = dict(transfer=transfer, src=src, dst=dst, token_start=start, num_tokens=count,
                   nbytes=nbytes, direct_op_count=direct_count, staged_op_count=staged_ops)
-    if choice == "per_token":
+    if choice is DataPath.PER_TOKEN:
         k_ops, v_ops = _per_token_ops(transfer, src, dst, src_arr, dst_arr, start, stop)
         common["direct_op_count"] = gs.num_layers * (len(k_ops) + (len(v_ops) if v_ops is not None else 0))
         return DirectPlan(**common, reason="one op per token (SGLang's pattern; benchmark baseline)",
                           k_ops=k_ops, v_ops=v_ops)
-    if direct is not None and choice != "staged":
+    if direct is not None and choice is not DataPath.STAGED:
         use_direct, why = True, "contiguous on both sides"
-        if choice == "auto":
+        if choice is DataPath.AUTO:
             use_direct, why = _auto_prefers_direct(direct_count, nbytes, len(direct[0]), direct_min_op_bytes)
         if use_direct or count == 0:
             return DirectPlan(**common, reason=why, k_ops=direct[0], v_ops=direct[1])

@@ -487,7 +487,17 @@ class Record:
         return f"{type(self).__name__}({parts})"
 
 
-def record(cls: type) -> type:
+_R = typing.TypeVar("_R")
+
+if typing.TYPE_CHECKING:
+    from typing_extensions import dataclass_transform
+else:
+    def dataclass_transform(**_kwargs):  # only type checkers need it (PEP 681)
+        return lambda fn: fn
+
+
+@dataclass_transform(frozen_default=True, eq_default=False)
+def record(cls: type[_R]) -> type[_R]:
     """Make ``cls`` a frozen, slotted dataclass whose fields validate themselves."""
     cls = dataclass(frozen=True, slots=True, eq=False, repr=False)(cls)
     hints = typing.get_type_hints(cls, include_extras=True)
@@ -498,5 +508,5 @@ def record(cls: type) -> type:
         if len(found) != 1:
             raise TypeError(f"{cls.__name__}.{name} needs exactly one Kind in its Annotated type")
         kinds[name] = found[0]
-    cls._kinds = kinds
+    cls._kinds = kinds  # type: ignore[attr-defined]
     return cls

@@ -9,6 +9,7 @@ Must not: open sockets, start threads, read clocks, import zmq or torch.
 """
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Mapping, Optional
 
 import numpy as np
@@ -41,6 +42,7 @@ from sglang_kvxfer.protocol.fields import (
     SideKind,
     Text,
     Timings,
+    dataclass_transform,
     record,
 )
 
@@ -97,7 +99,11 @@ class Message(Record):
     __slots__ = ()
 
 
-def message(cls: type) -> type:
+_M = typing.TypeVar("_M", bound="Message")
+
+
+@dataclass_transform(frozen_default=True, eq_default=False)
+def message(cls: type[_M]) -> type[_M]:
     cls = record(cls)
     if cls.__name__ in MESSAGE_TYPES:
         raise TypeError(f"message type {cls.__name__} is defined twice")

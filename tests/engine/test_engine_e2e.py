@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from sglang_kvxfer.cli.group import RankGroup, make_spec
-from sglang_kvxfer.cli.workload import make_requests, run_workload
+from sglang_kvxfer.cluster.group import RankGroup, make_spec
+from sglang_kvxfer.cluster.workload import make_requests, run_workload
 from sglang_kvxfer.engine import BootstrapServer
 
 from .harness import FAST, geometry

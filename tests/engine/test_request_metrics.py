@@ -10,8 +10,8 @@ import urllib.request
 
 import pytest
 
-from sglang_kvxfer.cli.group import make_spec, open_groups
-from sglang_kvxfer.cli.workload import make_requests, run_workload
+from sglang_kvxfer.cluster.group import make_spec, open_groups
+from sglang_kvxfer.cluster.workload import make_requests, run_workload
 from sglang_kvxfer.engine import BootstrapServer, KVPoll, KVReceiver, KVSender
 from sglang_kvxfer.engine.synthetic import fill_request
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.test_cli_servers import free_port, kvxfer
+from tests.cli.test_cli_servers import free_port, kvxfer
 
 TINY = ["--layers", "2", "--total-kv-heads", "2", "--head-dim", "16", "--page-size", "8"]
 

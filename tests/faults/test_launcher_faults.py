@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.test_cli_servers import free_port
+from tests.cli.test_cli_servers import free_port
 
 GEOMETRY = ["--layers", "2", "--total-kv-heads", "4", "--head-dim", "16", "--page-size", "8", "--num-pages", "64"]
 DEADLINES = ["--bootstrap-timeout", "20", "--waiting-timeout", "30", "--transfer-timeout", "30",
@@ -129,7 +129,7 @@ def pair():
 
 
 def run_one(rp, rd, one: dict):
-    from sglang_kvxfer.cli.workload import run_workload
+    from sglang_kvxfer.cluster.workload import run_workload
 
     results, _ = run_workload(rp, rd, [one], 1, 60.0, progress=False)
     return results[0]
@@ -285,11 +285,53 @@ def test_a_full_group_answers_busy_at_once(lone_prefill):
     assert pre.proc.poll() is None
 
 
+def test_the_client_port_drops_requests_without_the_key_and_replays(lone_prefill):
+    """Another key (or none) gets no answer at all, and a captured request replayed gets
+    none either; the launcher counts nothing it acted on and keeps serving its client."""
+    import zmq
+
+    from sglang_kvxfer import auth
+    from sglang_kvxfer.cli.client import RemoteGroup
+    from sglang_kvxfer.errors import TransferTimeoutError
+    from sglang_kvxfer.protocol import envelope
+
+    pre, rp = lone_prefill
+    stranger = RemoteGroup(pre.address, key=auth.key_from_secret("not-the-key-of-this-user-at-all"))
+    try:
+        with pytest.raises(TransferTimeoutError):
+            stranger.info(2)
+        aborted = stranger.submit(job(41))  # would abort nothing, would run nothing
+        time.sleep(0.5)
+        assert not aborted.done()
+    finally:
+        stranger.close()
+    # A request sealed with the right key, sent twice: the second copy is a replay.
+    import msgpack
+
+    frame = envelope.seal(auth.resolve_key(), "replayer", envelope.fresh_seq(time.time()),
+                          msgpack.packb({"op": "info", "id": 7}))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{pre.address}")
+    try:
+        sock.send_multipart([b"", frame])
+        assert sock.poll(5000), "the first copy must be answered"
+        sock.recv_multipart()
+        sock.send_multipart([b"", frame])
+        assert not sock.poll(1500), "a replayed request must not be answered"
+    finally:
+        sock.close(0)
+        ctx.term()
+    assert rp.info(10)["role"] == "prefill"
+    assert "dropped a client request" in pre.stderr()
+
+
 def test_a_job_that_fails_part_way_aborts_its_peer_at_once():
     """The prefill rank fails after its first chunk (``chunk_delay_s=-1`` reaches the rank
     unchecked when a ``RankGroup`` is driven directly); the decode rank must learn now, not
     at its 30 s waiting deadline."""
-    from sglang_kvxfer.cli.group import RankGroup, make_spec
+    from sglang_kvxfer.cluster.group import RankGroup, make_spec
     from sglang_kvxfer.engine.bootstrap import BootstrapServer
     from sglang_kvxfer.geometry import KVGeometry
 

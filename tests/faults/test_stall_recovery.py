@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from sglang_kvxfer.cli.group import make_spec, open_groups
+from sglang_kvxfer.cluster.group import make_spec, open_groups
 from sglang_kvxfer.engine import BootstrapServer
 from tests.engine.harness import geometry
 

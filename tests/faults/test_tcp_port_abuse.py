@@ -19,8 +19,8 @@ import pytest
 
 from sglang_kvxfer.errors import TransportError
 from sglang_kvxfer.transports import _memory
-from sglang_kvxfer.transports._tcp_conn import (CHALLENGE, HELLO, MAGIC, WIRE_VERSION,
-                                                hello_mac, key_id)
+from sglang_kvxfer.transports.tcp.wire import (CHALLENGE, HELLO, MAGIC, WIRE_VERSION, hello_mac,
+                                               key_id)
 from sglang_kvxfer.transports.local import LocalTransport, alloc_shared
 from sglang_kvxfer.transports.tcp import TcpTransport
 

@@ -4,7 +4,7 @@ SGLang classes the way SGLang 0.5.23's event loops drive a transfer backend.
 Each side runs every TP rank of its server in one process (one manager per rank, over that
 rank's own KV pool and metadata buffers) and reduces the ranks' polls with MIN, as
 ``poll_and_all_reduce`` does over the attention-TP group. The call order follows
-``disaggregation/prefill.py`` and ``decode.py`` (research/sglang.md §3.1):
+``disaggregation/prefill.py`` and ``decode.py``:
 
 prefill: bootstrap server (``start_disagg_service``); manager per rank, then
 ``register_to_bootstrap``; ``KVSender(mgr, bootstrap_addr, bootstrap_room)`` per request;
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .sglang_env import Model, import_sglang_base, load_utils_defs, model_geometry, rank_memory, server_args
+from tests.integrations.sglang_env import Model, import_sglang_base, load_utils_defs, model_geometry, rank_memory, server_args
 
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
 CHUNK_TOKENS = 16          # chunked prefill size (a multiple of the page size)

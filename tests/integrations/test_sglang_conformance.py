@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from .sglang_env import import_sglang_base
+from tests.integrations.sglang_env import import_sglang_base
 
 base, _reason = import_sglang_base()
 pytestmark = pytest.mark.skipif(base is None, reason=_reason)

@@ -3,7 +3,6 @@ KVClassType / get_kv_class definitions (loaded from its own utils.py source), it
 loader; and ``kvxfer sglang-serve``."""
 from __future__ import annotations
 
-import importlib.util
 import logging
 import subprocess
 import sys
@@ -12,8 +11,8 @@ import types
 import pytest
 
 from sglang_kvxfer.integrations import sglang_install
-
-from .sglang_env import import_sglang_base, load_utils_defs
+from tests.facts import needs_sglang_installed
+from tests.integrations.sglang_env import import_sglang_base, load_utils_defs
 
 base, _reason = import_sglang_base()
 needs_sglang = pytest.mark.skipif(base is None, reason=_reason)
@@ -115,7 +114,7 @@ def test_sglang_serve_without_arguments_prints_usage():
     assert out.returncode == 0 and out.stdout.startswith("usage: kvxfer sglang-serve"), out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
+@needs_sglang_installed
 def test_sglang_serve_says_what_is_missing_when_sglangs_server_cannot_import():
     if _server_modules_import():
         pytest.skip("SGLang's server modules import here: sglang-serve would start a real server")

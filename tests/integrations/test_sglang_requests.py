@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from .sglang_env import Model, import_sglang_base, load_utils_defs, rank_memory, server_args
+from tests.integrations.sglang_env import Model, import_sglang_base, load_utils_defs, rank_memory, server_args
 
 base, _reason = import_sglang_base()
 pytestmark = pytest.mark.skipif(base is None, reason=_reason)

@@ -11,8 +11,8 @@ import socket
 
 import pytest
 
-from . import sglang_sides as sides
-from .sglang_env import Model, import_sglang_base
+from tests.integrations import sglang_sides as sides
+from tests.integrations.sglang_env import Model, import_sglang_base
 
 _base, _reason = import_sglang_base()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_base is None, reason=_reason)]

@@ -25,7 +25,7 @@ MHA_CASES = [
     if valid(h, p) and valid(h, d)
 ]
 
-# research/sglang.md §8.2: the closed-form formula gave the wrong head in exactly these
+# SGLang's closed-form formula gave the wrong head in exactly these
 # (P, D, H) configurations, all with P < H < D.
 SGLANG_WRONG = [(1, 4, 2), (1, 8, 2), (1, 8, 4), (1, 16, 2), (1, 16, 4), (1, 16, 8), (2, 8, 4),
                 (2, 16, 4), (2, 16, 8), (4, 16, 8)]

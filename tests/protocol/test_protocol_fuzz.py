@@ -8,7 +8,6 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol_strategies import MESSAGE_STRATEGIES, any_message, msgpack_objects
 from sglang_kvxfer.protocol import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -16,6 +15,11 @@ from sglang_kvxfer.protocol import (
     RemoteProtocolError,
     decode,
     encode,
+)
+from tests.protocol.protocol_strategies import (
+    MESSAGE_STRATEGIES,
+    any_message,
+    msgpack_objects,
 )
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from protocol_strategies import MESSAGE_STRATEGIES, any_message
 from sglang_kvxfer.geometry import KVGeometry
 from sglang_kvxfer.protocol import (
     MAX_PAGE_IDS,
@@ -28,6 +27,7 @@ from sglang_kvxfer.protocol import (
     decode,
     encode,
 )
+from tests.protocol.protocol_strategies import MESSAGE_STRATEGIES, any_message
 
 GEO = KVGeometry(num_layers=2, total_kv_heads=8, head_dim=64)
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

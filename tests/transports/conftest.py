@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from sglang_kvxfer.transports import available_transports, get_transport
-from transport_peer import WRITER_SECRET, PeerProcess
+from tests.transports.transport_peer import WRITER_SECRET, PeerProcess
 
 REGION_BYTES = 4 << 20
 
@@ -31,7 +31,7 @@ CASES = {
     "mori-fake": ("mori", {"probe": False, "host": "127.0.0.1"}, "private"),
 }
 # case id -> "module:function" that installs a stand-in and returns a function undoing it
-HOOKS = {"mori-fake": "fake_mori:install"}
+HOOKS = {"mori-fake": "tests.transports.fake_mori:install"}
 
 
 def selected_cases(config) -> list[str]:

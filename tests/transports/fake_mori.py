@@ -1,6 +1,5 @@
 """A stand-in for MORI-IO (``mori``, ``mori.io``, ``mori.cpp``) that follows its documented
-contract (research/mori.md section 1, checked against ROCm/mori ``src/io`` and the pybind
-module), so the ``mori`` transport's logic is tested without ROCm, an AMD GPU or a NIC.
+contract, so the ``mori`` transport's logic is tested without ROCm, an AMD GPU or a NIC.
 
 What it keeps from MORI:
 * the Python surface: ``IOEngine`` (snake_case wrapper), ``IOEngineSession``,

@@ -10,10 +10,10 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import REGION_BYTES, Writer, apply
+from tests.transports.conftest import REGION_BYTES, Writer, apply
 from sglang_kvxfer.errors import PeerGoneError, TransferTimeoutError, TransportError
 from sglang_kvxfer.transports import RemoteRegion, TicketState, wait_all
-from transport_peer import WRITER_SECRET, wait_until
+from tests.transports.transport_peer import WRITER_SECRET, wait_until
 
 TIMEOUT_S = 10.0
 

@@ -12,7 +12,8 @@ from sglang_kvxfer.errors import PeerGoneError, TransportError
 from sglang_kvxfer.transports import _memory
 from sglang_kvxfer.transports._common import pack_descriptor, unpack_descriptor
 from sglang_kvxfer.transports.local import LocalTransport, alloc_shared
-from transport_peer import PeerProcess
+from tests.facts import needs_root
+from tests.transports.transport_peer import PeerProcess
 
 TIMEOUT_S = 10.0
 
@@ -129,7 +130,7 @@ def _unprivileged_writer(conn, agent, region):
         conn.send(f"{type(exc).__name__}: {exc}")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another user")
+@needs_root
 def test_cma_refused_by_the_kernel_says_why_and_suggests_tcp():
     peer = PeerProcess("local", {}, "private", 4096)
     try:
@@ -243,8 +244,8 @@ def test_local_records_grants_and_checks_secrets(shm_peer):
 
 def test_cpu_and_cuda_regions_cannot_be_mixed(shm_peer):
     # A remote region that claims to be CUDA is refused at write time before anything moves.
-    from sglang_kvxfer.transports.local import _Target
     from sglang_kvxfer.transports.base import RemoteRegion
+    from sglang_kvxfer.transports.local.transport import _Target
 
     src = np.zeros(64, np.uint8)
     with LocalTransport() as t:

@@ -6,10 +6,12 @@ import multiprocessing as mp
 
 import pytest
 
+from tests.facts import needs_cuda
+
 torch = pytest.importorskip("torch")
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    needs_cuda,
 ]
 
 TIMEOUT_S = 30.0

@@ -20,12 +20,13 @@ import msgpack
 import numpy as np
 import pytest
 
-import fake_mori
+from tests.transports import fake_mori
 from sglang_kvxfer import transports
 from sglang_kvxfer.errors import (PeerGoneError, TransferTimeoutError, TransportError,
                                   TransportUnavailableError)
 from sglang_kvxfer.transports import TicketState, get_transport
-from sglang_kvxfer.transports import _mori_probe, mori
+from sglang_kvxfer.transports.mori import probe as _mori_probe
+from sglang_kvxfer.transports.mori import transport as mori
 from sglang_kvxfer.transports.mori import MoriTransport
 
 TIMEOUT_S = 10.0
@@ -435,7 +436,7 @@ def test_probe_reports_mori_missing_and_caches_its_verdict(tmp_path, monkeypatch
 
 
 def test_probe_runs_as_a_module(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "sglang_kvxfer.transports._mori_probe",
+    out = subprocess.run([sys.executable, "-m", "sglang_kvxfer.transports.mori.probe",
                           "--root", str(tmp_path), "--no-backend"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0

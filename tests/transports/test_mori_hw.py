@@ -7,32 +7,19 @@ the target a spawned peer with its own engine, as in the contract suite.
 """
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 
-from sglang_kvxfer.errors import TransportError, TransportUnavailableError
+from sglang_kvxfer.errors import TransportError
 from sglang_kvxfer.transports import TicketState, get_transport
-from sglang_kvxfer.transports import _mori_probe
-from transport_peer import PeerProcess
+from tests.facts import needs_cuda, needs_mori_hw
+from tests.transports.transport_peer import PeerProcess
 
 REGION_BYTES = 8 << 20
 TIMEOUT_S = 30.0  # MORI's own retry budget (QP timeout x retries) is a few seconds
 
 
-def _why_not() -> str | None:
-    if importlib.util.find_spec("mori") is None:
-        return "mori (pip package amd-mori) is not installed"
-    try:
-        _mori_probe.check()
-    except TransportUnavailableError as exc:
-        return str(exc)
-    return None
-
-
-REASON = _why_not()
-pytestmark = [pytest.mark.mori_hw, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+pytestmark = [pytest.mark.mori_hw, needs_mori_hw]
 
 
 @pytest.fixture
@@ -71,10 +58,10 @@ def test_host_memory_batches_land_byte_exact(writer, peer):
     np.testing.assert_array_equal(peer.read(), model)
 
 
+@needs_cuda  # ROCm builds of torch expose HIP devices as "cuda"
 def test_gpu_memory_is_written_into_host_memory(writer, peer):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():  # ROCm builds of torch expose HIP devices as "cuda"
-        pytest.skip("torch sees no GPU (needs a ROCm build of torch)")
+    import torch
+
     src = torch.randint(0, 256, (REGION_BYTES,), dtype=torch.uint8, device="cuda:0")
     local = writer.register_tensor(src)
     assert local.device == "cuda:0"

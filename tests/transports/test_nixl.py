@@ -17,8 +17,9 @@ import pytest
 
 from sglang_kvxfer import transports
 from sglang_kvxfer.errors import TransportError, TransportUnavailableError
-from sglang_kvxfer.transports import TicketState, available_transports, get_transport
-from transport_peer import PeerProcess
+from sglang_kvxfer.transports import TicketState, get_transport
+from tests.facts import needs_nixl
+from tests.transports.transport_peer import PeerProcess
 
 TIMEOUT_S = 10.0
 
@@ -29,10 +30,6 @@ def test_missing_nixl_names_the_package(monkeypatch):
         get_transport("nixl")
     assert "'nixl-cu12' (module 'nixl_cu12' or 'nixl')" in str(info.value)
     assert "pip install nixl-cu12" in str(info.value)
-
-
-needs_nixl = pytest.mark.skipif("nixl" not in available_transports(),
-                                     reason="nixl-cu12 is not installed")
 
 
 @needs_nixl

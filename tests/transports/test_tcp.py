@@ -14,11 +14,12 @@ from sglang_kvxfer.errors import PeerGoneError, TransferTimeoutError, TransportE
 from sglang_kvxfer.transports import TicketState
 from sglang_kvxfer.transports._common import pack_descriptor, unpack_descriptor
 from sglang_kvxfer.transports.base import Entries
-from sglang_kvxfer.transports._tcp_conn import (ACK, CHALLENGE, HEADER, HELLO, HELLO_OK, MAGIC,
-                                                T_BYE, T_WRITE, WIRE_VERSION, _recv_exact,
-                                                hello_mac, key_id)
-from sglang_kvxfer.transports.tcp import TcpTransport, _split
-from transport_peer import wait_until
+from sglang_kvxfer.transports.tcp import TcpTransport
+from sglang_kvxfer.transports.tcp.conn import _recv_exact
+from sglang_kvxfer.transports.tcp.transport import _split
+from sglang_kvxfer.transports.tcp.wire import (ACK, CHALLENGE, HEADER, HELLO, HELLO_OK, MAGIC,
+                                               T_BYE, T_WRITE, WIRE_VERSION, hello_mac, key_id)
+from tests.transports.transport_peer import wait_until
 
 TIMEOUT_S = 10.0
 N = 1 << 20
@@ -382,7 +383,7 @@ class _raw_connect_later:
 
 def test_share_with_more_entries_than_a_frame_holds_goes_as_several_frames(receiver, sender,
                                                                           monkeypatch):
-    from sglang_kvxfer.transports import tcp
+    from sglang_kvxfer.transports.tcp import transport as tcp
 
     monkeypatch.setattr(tcp, "_FRAME_ENTRIES", 7)
     rt, mem, rregion = receiver

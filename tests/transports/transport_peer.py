@@ -39,7 +39,7 @@ def _serve_commands(conn, name, options, memory, nbytes, hook) -> None:
     from sglang_kvxfer.transports import get_transport
     from sglang_kvxfer.transports.local import alloc_shared
 
-    if hook is not None:  # e.g. "fake_mori:install": runs before the transport is created
+    if hook is not None:  # e.g. "tests.transports.fake_mori:install": runs before the transport is created
         module, _, func = hook.partition(":")
         getattr(importlib.import_module(module), func)()
     parent = os.getppid()

@@ -1,0 +1,84 @@
+"""Decode room records and prefill-group records.
+
+Owns ``GroupStatus``, ``PrefillGroup`` (what one bootstrap said about a prefill group, and
+this rank's registration with each of its candidate ranks) and ``DecodeRoom`` (one request
+on a decode rank: its pages, writers and their ``RequestPlan``s, staging windows, metrics).
+Must not: send messages or touch memory; ``decode.py`` drives these records.
+"""
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from sglang_kvxfer.engine.manager import Peer
+from sglang_kvxfer.geometry import RankPlacement
+from sglang_kvxfer.metrics import RequestRecord
+from sglang_kvxfer.planning import HeadTransfer, RequestPlan
+from sglang_kvxfer.protocol.messages import BootstrapReply
+from sglang_kvxfer.protocol.state import KVPoll, RequestState
+
+__all__ = ["GroupStatus", "PrefillGroup", "DecodeRoom"]
+
+
+class GroupStatus(str, enum.Enum):
+    """Where this decode rank stands with one prefill group. A ``str`` enum:
+    ``prefill_group_status`` callers compare it with the plain names."""
+
+    RESOLVING = "resolving"      # asking the bootstrap
+    REGISTERING = "registering"  # registered with the candidates, waiting for their replies
+    READY = "ready"              # every candidate accepted this rank
+    FAILED = "failed"            # see PrefillGroup.error; the next request looks it up again
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PrefillGroup:
+    """What one bootstrap told us, and our registration with each candidate prefill rank."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.status = GroupStatus.RESOLVING  # -> REGISTERING -> READY | FAILED
+        self.error = ""
+        self.reply: BootstrapReply | None = None
+        self.placements: dict[int, RankPlacement] = {}
+        self.peers: dict[int, Peer] = {}  # prefill tp_rank -> peer (its endpoint and session)
+        self.acks: dict[int, bool] = {}
+
+
+class DecodeRoom:
+    """One request on this decode rank."""
+
+    def __init__(self, room: int, state: RequestState, group: str):
+        self.room = room
+        self.state = state
+        self.group = group
+        self.pages: np.ndarray | None = None
+        self.num_tokens = 0
+        self.aux_slot = -1
+        self.meta_pending = False
+        self.meta_sent = False
+        self.writers: dict[int, HeadTransfer] = {}  # prefill rank -> its heads
+        self.plans: dict[int, RequestPlan] = {}  # prefill rank -> the pair's plan (scatter slices)
+        self.windows: dict[int, tuple[int, int]] = {}  # prefill rank -> (offset, capacity)
+        self.candidates: tuple[int, ...] = ()
+        self.aux_payload = b""
+        self.bytes = 0
+        self.timings: dict[str, float] = {}
+        self.first_notice: float | None = None
+        self.last_notice: float | None = None
+        self.finished_at: float | None = None
+        self.waiting_for = ""
+        self.untold: tuple[type, str] | None = None  # failure the prefill ranks have not heard yet
+        self.ops = 0
+        self.marks: dict[str, float] = {}  # transfer-window estimates on this clock (metrics.py)
+
+    def record(self, tp_rank: int) -> RequestRecord:
+        ok = self.state.poll is KVPoll.Success
+        return RequestRecord(room=self.room, side="decode", tp_rank=tp_rank, ok=ok, reason=self.state.reason or "",
+                             bytes=self.bytes, ops=self.ops, phases=dict(self.timings),
+                             first_byte_ready=self.marks.get("first_byte_ready"),
+                             last_chunk_ready=self.marks.get("last_chunk_ready"),
+                             last_notice=self.finished_at if ok else None,
+                             failure_kind="aborted" if "aborted" in self.marks else "")

@@ -1,0 +1,339 @@
+"""The prefill data path: chunks in, bytes to every reader out (worker threads).
+
+Owns ``PrefillDataPath``, the part of ``PrefillManager`` that queues a sender's chunks,
+keeps one ``RequestPlan`` per reader of a room (built at the reader's first chunk,
+extended chunk by chunk, cut per staging slot or direct write), writes direct page runs,
+streams staged tokens through the reader's two staging slots (gather -> one write ->
+``ChunkReady``, waiting for ``ChunkAck`` before a slot is reused), and sends
+``TransferDone`` after the last chunk.
+Must not: handle control messages other than sending its own, decide room ownership, or
+fail a room itself (it raises; ``_drain`` hands the error to ``_fail_room``).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from sglang_kvxfer.engine.prefill_rooms import Chunk, PrefillRoom
+from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeoutError
+from sglang_kvxfer.metrics import SINCE_FIRST_BYTE, SINCE_LAST_CHUNK
+from sglang_kvxfer.planning import DataPath, HeadTransfer, KVSlice, RequestPlan
+from sglang_kvxfer.planning.byteplan import staged_op_count
+from sglang_kvxfer.protocol.fields import STAGING_SLOTS
+from sglang_kvxfer.protocol.messages import ChunkReady, RequestMeta, TransferDone
+from sglang_kvxfer.protocol.state import Event, KVPoll
+from sglang_kvxfer.transports.base import Ticket, TicketState, wait_all
+
+if TYPE_CHECKING:
+    from sglang_kvxfer.engine.prefill import DecodePeer
+
+__all__ = ["PrefillDataPath"]
+
+log = logging.getLogger("sglang_kvxfer.prefill")
+
+
+class _Slot(NamedTuple):
+    """One staging slot on its way: its write, both offsets, its bytes and tokens."""
+
+    ticket: Ticket
+    local_off: int | None
+    remote_off: int
+    nbytes: int
+    a: int
+    b: int
+    t_posted: float
+
+
+class PrefillDataPath:
+    """Data path of ``PrefillManager`` (a mixin over ``RankBase``; ``DecodePeer`` and
+    ``_fail_room`` come from ``prefill.py``)."""
+
+    def submit_chunk(self, rec: PrefillRoom, chunk: Chunk) -> None:
+        with self._lock:
+            if rec.state.is_terminal:
+                return
+            now = time.monotonic()
+            rec.marks.setdefault("first_chunk", now)
+            if chunk.last:
+                rec.marks["last_chunk"] = now
+            rec.pending.append(chunk)
+            ready = rec.state.poll in (KVPoll.WaitingForInput, KVPoll.Transferring)
+        if ready:
+            self._schedule(rec)
+
+    def _schedule(self, rec: PrefillRoom) -> None:
+        with self._lock:
+            if rec.scheduled or not rec.pending:
+                return
+            rec.scheduled = True
+        self.worker_for(rec.room).submit(lambda: self._drain(rec))
+
+    def _drain(self, rec: PrefillRoom) -> None:
+        while True:
+            with self._lock:
+                if rec.state.is_terminal or not rec.pending:
+                    rec.scheduled = False
+                    return
+                chunk = rec.pending.popleft()
+            try:
+                self._send_chunk(rec, chunk)
+            except Exception as exc:
+                reason = str(exc) if isinstance(exc, KVXferError) else f"{type(exc).__name__}: {exc}"
+                if not isinstance(exc, KVXferError):
+                    log.exception("prefill rank %d room %d: chunk failed", self.tp_rank, rec.room)
+                self._fail_room(rec, reason)
+
+    # -- the data path (worker thread) -----------------------------------------------------------
+    def _send_chunk(self, rec: PrefillRoom, chunk: Chunk) -> None:
+        g = self.config.geometry
+        if chunk.ready is not None:
+            chunk.ready.synchronize()  # the forward that writes these pages may still run
+        rec.src_pages = np.concatenate([rec.src_pages, chunk.pages])
+        total = rec.num_tokens
+        start = rec.tokens_sent
+        need = -(-total // g.page_size)
+        if len(rec.src_pages) > need:
+            raise TransferFailedError(f"prefill sent {len(rec.src_pages)} pages for a {total}-token request "
+                                      f"(page_size {g.page_size} needs {need})", rec.room)
+        if chunk.last and len(rec.src_pages) != need:
+            raise TransferFailedError(f"last chunk leaves {len(rec.src_pages)} pages for a {total}-token "
+                                      f"request (page_size {g.page_size} needs {need})", rec.room)
+        stop = total if chunk.last else min(total, len(rec.src_pages) * g.page_size)
+        readers = rec.plan.readers_of(self.tp_rank)
+        if stop > start and readers:
+            with self._lock:
+                if rec.state.poll is not KVPoll.Transferring:
+                    rec.state.handle(Event.CHUNK_STARTED, time.monotonic())
+            tickets = []
+            for t in readers:
+                meta = rec.metas[t.decode_rank]
+                peer = self._peer_of(meta)
+                plan = self._reader_plan(rec, t, peer, meta)
+                if meta.staging_offset < 0:
+                    tickets += self._write_direct(rec, plan, peer, start, stop)
+                else:
+                    self._write_staged(rec, plan, peer, meta, start, stop)
+            if tickets:
+                t0 = time.perf_counter()
+                wait_all(tickets, self.config.transfer_timeout_s)
+                rec.timings["wire"] += time.perf_counter() - t0
+            with self._lock:
+                if not rec.state.is_terminal:
+                    rec.state.handle(Event.CHUNK_STARTED, time.monotonic())  # progress
+        rec.tokens_sent = stop
+        if chunk.last:
+            self._finish(rec, readers, chunk.aux)
+
+    def _peer_of(self, meta: RequestMeta) -> "DecodePeer":
+        peer = self._decode_peers.get(meta.session)
+        if peer is None or not peer.alive:
+            raise TransferFailedError(f"decode rank {meta.tp_rank} (session {meta.session}) is gone", meta.room)
+        return peer
+
+    def _reader_plan(self, rec: PrefillRoom, t: HeadTransfer, peer: "DecodePeer", meta: RequestMeta) -> RequestPlan:
+        """The reader's ``RequestPlan``: built at its first chunk, then extended by the pages
+        handed over since (only those are checked). Decode chose the path: no staging window
+        means direct writes (or per-token ones, the benchmark baseline)."""
+        t0 = time.perf_counter()
+        plan = rec.readers.get(t.decode_rank)
+        if plan is None:
+            if meta.staging_offset >= 0:
+                path = DataPath.STAGED
+            else:
+                path = DataPath.PER_TOKEN if self.config.data_path == DataPath.PER_TOKEN else DataPath.DIRECT
+            plan = RequestPlan.build(t, self.placement, peer.placement, rec.src_pages, meta.dst_page_ids,
+                                     num_tokens=rec.num_tokens, path=path)
+            if meta.staging_offset < 0 and plan.staged:
+                raise TransferFailedError(f"decode rank {t.decode_rank} asked for direct writes but the bytes "
+                                          f"are not contiguous ({plan.reason})", rec.room)
+        elif len(plan.src_pages) < len(rec.src_pages):
+            plan = plan.extend(rec.src_pages[len(plan.src_pages):])
+        rec.readers[t.decode_rank] = plan
+        rec.timings["plan"] += time.perf_counter() - t0
+        return plan
+
+    def _write_direct(self, rec: PrefillRoom, plan: RequestPlan, peer: "DecodePeer", start: int, stop: int):
+        t0 = time.perf_counter()
+        t = plan.transfer
+        pair = plan.direct(start, stop)
+        groups: dict[tuple[int, int], list[np.ndarray]] = collections.defaultdict(list)
+        for b in range(self.config.geometry.num_buffers):
+            ops = pair.buffer_ops(b)
+            if len(ops):
+                mine, theirs = self.pool.locs[b], peer.locs[b]
+                shifted = ops + np.array([mine.offset, theirs.offset, 0], dtype=np.int64)
+                groups[(mine.region, theirs.region)].append(shifted)
+        rec.timings["plan"] += time.perf_counter() - t0
+        tickets = []
+        for (lr, rr), parts in groups.items():
+            ops = np.concatenate(parts)
+            tickets.append(self.transport.write(self.pool.regions[lr], peer.regions[rr],
+                                                ops[:, 0], ops[:, 1], ops[:, 2]))
+            rec.ops += len(ops)
+            rec.reader_ops[t.decode_rank] += len(ops)
+        rec.bytes += pair.nbytes
+        rec.reader_bytes[t.decode_rank] += pair.nbytes
+        return tickets
+
+    def _write_staged(self, rec: PrefillRoom, plan: RequestPlan, peer: "DecodePeer", meta: RequestMeta,
+                      start: int, stop: int) -> None:
+        """Stream tokens [start, stop) through the reader's two staging slots: gather slot
+        k+1 while slot k is on the wire; announce each slot once its write completed."""
+        t = plan.transfer
+        if peer.staging is None:
+            raise TransferFailedError(f"decode rank {t.decode_rank} registered no staging region", rec.room)
+        slot_bytes = meta.staging_capacity_bytes // STAGING_SLOTS
+        per_token = plan.token_nbytes
+        step = slot_bytes // per_token
+        if step < 1:
+            raise TransferFailedError(f"decode staging slot of {slot_bytes} B cannot hold one token "
+                                      f"({per_token} B)", rec.room)
+        inflight: collections.deque = collections.deque()
+        a = start
+        try:
+            while a < stop or inflight:
+                if a < stop and len(inflight) < STAGING_SLOTS:
+                    b = min(stop, a + step)
+                    inflight.append(self._post_slot(rec, plan, peer, meta, a, b, slot_bytes))
+                    a = b
+                    continue
+                self._complete_slot(rec, t, peer, inflight.popleft())
+        except BaseException:
+            for ticket, local_off, remote_off, *_ in inflight:
+                if ticket.poll() is TicketState.PENDING:
+                    try:  # the bytes may still be read from local staging: let the write end
+                        ticket.wait(self.config.transfer_timeout_s)
+                    except KVXferError:
+                        pass
+                if local_off is not None:
+                    self.staging.free(local_off)
+                with rec.cond:
+                    rec.inflight[t.decode_rank].discard(remote_off)
+            raise
+
+    def _post_slot(self, rec: PrefillRoom, plan: RequestPlan, peer: "DecodePeer", meta: RequestMeta, a: int,
+                   b: int, slot_bytes: int) -> _Slot:
+        """Gather tokens [a, b) for one staging slot and start moving it. Where the transport
+        maps the reader's staging here (``local`` shared memory, CUDA IPC) the gather writes
+        straight into the slot: no local staging and no transport write."""
+        t = plan.transfer
+        t0 = time.perf_counter()
+        piece = plan.gather_slice(a, b)  # a view of the plan's pages: nothing is planned again
+        nbytes = plan.nbytes(a, b)
+        t_planned = time.perf_counter()
+        remote_off = self._acquire_slot(rec, t.decode_rank, meta, slot_bytes)
+        local_off = None
+        try:
+            with self.transport.remote_view(peer.staging, remote_off, nbytes) as view:
+                if view is not None:
+                    t1 = time.perf_counter()
+                    self._gather(piece, view)
+                    ticket = Ticket.completed(f"room {rec.room}: gathered into the reader's slot")
+            if view is None:
+                local_off = self._alloc_local(rec, nbytes)
+                t1 = time.perf_counter()
+                self._gather(piece, self.staging.view(local_off, nbytes))
+                ticket = self.transport.write(self.staging.region, peer.staging, [local_off], [remote_off],
+                                              [nbytes])
+        except BaseException:
+            if local_off is not None:
+                self.staging.free(local_off)
+            with rec.cond:
+                rec.inflight[t.decode_rank].discard(remote_off)
+            raise
+        t2 = time.perf_counter()
+        rec.timings["plan"] += t_planned - t0
+        rec.timings["wait"] += t1 - t_planned  # flow control: a free staging slot on both sides
+        rec.timings["gather"] += t2 - t1
+        return _Slot(ticket, local_off, remote_off, nbytes, a, b, t2)
+
+    def _gather(self, piece: KVSlice, out) -> None:
+        from sglang_kvxfer import ops
+
+        g = self.config.geometry
+        ops.gather_kv_heads(self.pool.buffers[: g.num_layers],
+                            self.pool.buffers[g.num_layers:] if g.has_v else None, piece, out=out)
+        self._sync_device()
+
+    def _complete_slot(self, rec: PrefillRoom, t: HeadTransfer, peer: "DecodePeer", entry: _Slot) -> None:
+        ticket, local_off, remote_off, nbytes, a, b, t_posted = entry
+        ops = staged_op_count(nbytes)  # one bulk move into the reader's slot (a write, or in place)
+        try:
+            ticket.wait(self.config.transfer_timeout_s)
+        except BaseException:
+            with rec.cond:
+                rec.inflight[t.decode_rank].discard(remote_off)
+            raise
+        finally:
+            if local_off is not None:
+                self.staging.free(local_off)
+        t3 = time.perf_counter()
+        self.control.send(peer.endpoint, ChunkReady(
+            room=rec.room, tp_rank=self.tp_rank, token_start=a, num_tokens=b - a,
+            staging_offset=remote_off, chunk_bytes=nbytes))
+        rec.timings["wire"] += t3 - t_posted
+        rec.timings["notify"] += time.perf_counter() - t3
+        rec.bytes += nbytes
+        rec.ops += ops
+        rec.reader_bytes[t.decode_rank] += nbytes
+        rec.reader_ops[t.decode_rank] += ops
+
+    def _acquire_slot(self, rec: PrefillRoom, reader: int, meta: RequestMeta, slot_bytes: int) -> int:
+        """Wait (bounded) until one of the reader's staging slots has been scattered."""
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        slots = [meta.staging_offset + i * slot_bytes for i in range(STAGING_SLOTS)]
+        with rec.cond:
+            while True:
+                if rec.state.is_terminal:
+                    raise TransferFailedError(rec.state.reason or "request ended", rec.room)
+                for off in slots:
+                    if off not in rec.inflight[reader]:
+                        rec.inflight[reader].add(off)
+                        return off
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeoutError(f"room {rec.room}: decode rank {reader} returned no staging "
+                                               f"slot within {self.config.transfer_timeout_s} s")
+                rec.cond.wait(min(left, 0.1))
+
+    def _alloc_local(self, rec: PrefillRoom, nbytes: int) -> int:
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        while True:
+            off = self.staging.alloc(nbytes)
+            if off is not None:
+                return off
+            if rec.state.is_terminal:
+                raise TransferFailedError(rec.state.reason or "request ended", rec.room)
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(f"room {rec.room}: no {nbytes} B free in the prefill staging "
+                                           f"arena ({self.staging.nbytes} B, KVXFER_STAGING_BYTES)")
+            time.sleep(0.001)
+
+    def _sync_device(self) -> None:
+        if self.config.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.current_stream(self.config.device).synchronize()
+
+    def _finish(self, rec: PrefillRoom, readers, aux: bytes) -> None:
+        timings = {k: round(v, 6) for k, v in rec.timings.items()}
+        now = rec.marks["done"] = time.monotonic()  # before the notices: they may land at once
+        for key, mark in zip((SINCE_FIRST_BYTE, SINCE_LAST_CHUNK), rec.window()):
+            if mark is not None:  # ages, so the decode rank can place the window on its own clock
+                timings[key] = max(0.0, now - mark)
+        for t in readers:
+            meta = rec.metas[t.decode_rank]
+            self.control.send(self._peer_of(meta).endpoint, TransferDone(
+                room=rec.room, tp_rank=self.tp_rank, total_bytes=rec.reader_bytes[t.decode_rank],
+                num_ops=rec.reader_ops[t.decode_rank],
+                aux_payload=aux, timings=timings))
+        with self._lock:
+            if rec.state.is_terminal:
+                return
+            rec.state.handle(Event.TRANSFER_DONE, time.monotonic())
+            rec.finished_at = time.monotonic()
+        self._request_ended(rec)

@@ -1,0 +1,138 @@
+"""Prefill room records and the room table with its cap.
+
+Owns ``PrefillRoom`` (one request on a prefill rank: its decode metadata, its TP plan and
+per-reader ``RequestPlan``s, pending chunks, flow-control slots and metrics), ``Chunk``,
+and ``PrefillRoomTable``, the part of ``PrefillManager`` that creates, attaches, releases
+and forgets rooms: a frame may create a record before any sender holds the room
+(``_create_unattached``), at most ``MAX_UNATTACHED_ROOMS`` of them, and a finished room
+nobody holds is forgotten ``ROOM_RETENTION_S`` after it ended.
+Must not: send messages, touch the transport, or decide who may claim a room (that is
+``prefill.py``'s metadata handling).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from sglang_kvxfer.metrics import RequestRecord
+from sglang_kvxfer.planning import RequestPlan, TPPlan
+from sglang_kvxfer.protocol.messages import RequestMeta
+from sglang_kvxfer.protocol.state import KVPoll, RequestState
+
+__all__ = ["Chunk", "PrefillRoom", "PrefillRoomTable"]
+
+
+@dataclass
+class Chunk:
+    """Pages a sender handed over, in request order (``ready``: see ``KVSender.send``)."""
+
+    pages: np.ndarray
+    last: bool
+    aux: bytes
+    ready: object = None  # has .synchronize(): the pages' KV is written once it returns
+
+
+class PrefillRoom:
+    """One request on this prefill rank."""
+
+    def __init__(self, room: int, state: RequestState):
+        self.room = room
+        self.state = state
+        self.metas: dict[int, RequestMeta] = {}  # decode rank -> its metadata (its claim on the room)
+        self.expected: tuple[int, ...] | None = None
+        self.plan: TPPlan | None = None
+        self.readers: dict[int, RequestPlan] = {}  # decode rank -> this pair's plan (data path)
+        self.num_tokens: int | None = None
+        self.src_pages = np.zeros(0, dtype=np.int64)
+        self.pending: collections.deque[Chunk] = collections.deque()
+        self.scheduled = False
+        self.tokens_sent = 0
+        self.inflight: dict[int, set[int]] = collections.defaultdict(set)  # reader -> slot offsets
+        self.cond = threading.Condition()
+        self.bytes = 0
+        self.ops = 0
+        self.reader_bytes: dict[int, int] = collections.defaultdict(int)
+        self.reader_ops: dict[int, int] = collections.defaultdict(int)
+        self.timings: dict[str, float] = collections.defaultdict(float)
+        self.sender_attached = False
+        self.unattached = False  # created by a frame, no sender yet (capped, see PrefillManager)
+        self.finished_at: float | None = None
+        self.marks: dict[str, float] = {}  # monotonic times of the transfer window (metrics.py)
+
+    def window(self) -> tuple[float | None, float | None]:
+        """(first byte ready, last chunk ready): handed over and destinations known."""
+        known = self.marks.get("dest_known")
+        if known is None or "first_chunk" not in self.marks:
+            return None, None
+        last = self.marks.get("last_chunk")
+        return max(known, self.marks["first_chunk"]), (max(known, last) if last is not None else None)
+
+    def record(self, tp_rank: int) -> RequestRecord:
+        first, last = self.window()
+        return RequestRecord(room=self.room, side="prefill", tp_rank=tp_rank, ok=self.state.poll is KVPoll.Success,
+                             reason=self.state.reason or "", bytes=self.bytes, ops=self.ops,
+                             phases=dict(self.timings), first_byte_ready=first, last_chunk_ready=last,
+                             last_notice=self.marks.get("done"),
+                             failure_kind="aborted" if "aborted" in self.marks else "")
+
+
+
+class PrefillRoomTable:
+    """Room bookkeeping of ``PrefillManager`` (a mixin over ``RankBase``: it uses
+    ``self._lock``, ``self._rooms``, ``new_state`` and ``security_event``)."""
+
+    MAX_UNATTACHED_ROOMS = 4096  # records created by frames before a sender holds the room
+    ROOM_RETENTION_S = 60.0      # a finished room nobody holds is forgotten after this
+
+    _rooms: dict[int, PrefillRoom]
+    _num_unattached: int
+
+    def _create_unattached(self, room: int) -> PrefillRoom | None:
+        """A record for a room no sender holds yet (its metadata or abort came first), or None
+        when ``MAX_UNATTACHED_ROOMS`` of them exist (call with the lock held). They end by
+        their deadline and are forgotten ``ROOM_RETENTION_S`` later, or taken by a sender."""
+        if self._num_unattached >= self.MAX_UNATTACHED_ROOMS:
+            self.security_event("room_cap", "no record for room %d: %d rooms wait for a sender already",
+                                room, self._num_unattached)
+            return None
+        rec = self._rooms[room] = PrefillRoom(room, self.new_state(room))
+        rec.unattached = True
+        self._num_unattached += 1
+        return rec
+
+    def attach_sender(self, room: int) -> PrefillRoom:
+        with self._lock:
+            rec = self._rooms.get(room)
+            if rec is None:
+                rec = self._rooms[room] = PrefillRoom(room, self.new_state(room))
+            elif rec.unattached:
+                rec.unattached = False
+                self._num_unattached -= 1
+            rec.sender_attached = True
+            return rec
+
+    def _forget(self, room: int) -> None:
+        rec = self._rooms.pop(room, None)
+        if rec is not None and rec.unattached:
+            self._num_unattached -= 1
+
+    def release(self, room: int) -> None:
+        """Forget a room (the sender is done with it)."""
+        with self._lock:
+            rec = self._rooms.get(room)
+            if rec is not None and rec.state.is_terminal:
+                self._forget(room)
+            elif rec is not None:
+                rec.sender_attached = False
+
+
+    def _forget_stale(self, now: float) -> None:
+        """Forget finished rooms nobody holds a sender for (I/O thread, each tick)."""
+        with self._lock:
+            stale = [r for r, rec in self._rooms.items() if rec.finished_at is not None
+                     and not rec.sender_attached and now - rec.finished_at > self.ROOM_RETENTION_S]
+            for r in stale:
+                self._forget(r)

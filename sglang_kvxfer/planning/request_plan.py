@@ -1,0 +1,156 @@
+"""One request's plan for one (writer, reader) pair, built once and sliced per chunk.
+
+Owns ``RequestPlan``: the pair's head transfer, both placements, the request length, the
+resolved data path, and both page lists, each page checked once (range; uniqueness on
+the reader's side). The engine builds it when a reader's first chunk is known, extends it
+as the writer hands over more pages (checking only the new ones), and cuts it by token
+range for every staging slot or direct write: a ``KVSlice`` costs a view of the page
+list, a direct op list costs the pages of the range. ``plan_pair`` (``byteplan.py``) is
+the one-shot form of the same planning.
+Must not: do I/O, import torch, or re-check pages it already holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sglang_kvxfer.errors import PlanError
+from sglang_kvxfer.geometry import RankPlacement, check_compatible
+from sglang_kvxfer.planning.byteplan import (
+    DIRECT_MIN_OP_BYTES,
+    DirectPlan,
+    _as_pages,
+    _check_coverage,
+    _check_transfer,
+    _pages_needed,
+    _parse_path,
+    _plan_range,
+    _resolve_num_tokens,
+    _resolve_range,
+    side_slice,
+    staged_op_count,
+)
+from sglang_kvxfer.planning.kvslice import DataPath, KVSlice
+from sglang_kvxfer.planning.tp import HeadTransfer
+
+__all__ = ["RequestPlan"]
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """What one writer moves to one reader for one whole request.
+
+    ``path`` is resolved: ``DIRECT``, ``STAGED`` or ``PER_TOKEN`` (never ``AUTO``).
+    ``src_pages`` may cover fewer tokens than ``num_tokens`` while the writer's chunks
+    arrive (``extend``); ``dst_pages`` is the reader's whole list. Both are read-only
+    ``int64`` arrays. ``token_nbytes`` is the payload of one token (all layers, K and V).
+    """
+
+    transfer: HeadTransfer
+    src: RankPlacement
+    dst: RankPlacement
+    num_tokens: int
+    path: DataPath
+    reason: str
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    token_nbytes: int
+
+    @classmethod
+    def build(cls, transfer: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_pages: Any,
+              dst_pages: Any, *, num_tokens: int, path: DataPath | str | None = DataPath.AUTO,
+              direct_min_op_bytes: int = DIRECT_MIN_OP_BYTES) -> "RequestPlan":
+        """Check the pair and both page lists and resolve the path.
+
+        ``auto`` applies ``plan_pair``'s rule to the tokens the page lists cover now (the
+        engine's reader plans with the whole request); ``direct`` falls back to staged
+        where the bytes are not contiguous, with the reason in ``reason``.
+
+        Raises:
+            PlanError, IncompatibleGeometryError: as ``plan_pair``.
+        """
+        compat = check_compatible(src.geometry, dst.geometry)
+        _check_transfer(transfer, src, dst)
+        gs, gd = src.geometry, dst.geometry
+        src_arr = _as_pages("src_pages", src_pages, gs.num_pages, unique=False)
+        dst_arr = _as_pages("dst_pages", dst_pages, gd.num_pages, unique=True)
+        total = _resolve_num_tokens(num_tokens, src_arr, dst_arr, gs.page_size, gd.page_size)
+        choice = _parse_path(path)
+        if choice is DataPath.PER_TOKEN:
+            resolved, reason = DataPath.PER_TOKEN, "one op per token (SGLang's pattern; benchmark baseline)"
+        else:
+            covered = min(total, len(src_arr) * gs.page_size, len(dst_arr) * gd.page_size)
+            pair = _plan_range(transfer, src, dst, src_arr, dst_arr, 0, covered, choice,
+                               direct_min_op_bytes, compat)
+            resolved, reason = pair.path, pair.reason
+        token_nbytes = gs.num_layers * transfer.num_heads * (gs.head_dim + gs.v_head_dim) * gs.itemsize
+        return cls(transfer=transfer, src=src, dst=dst, num_tokens=total, path=resolved, reason=reason,
+                   src_pages=src_arr, dst_pages=dst_arr, token_nbytes=token_nbytes)
+
+    def extend(self, pages: Any) -> "RequestPlan":
+        """This plan with the writer's next ``pages`` appended (only they are checked)."""
+        gs = self.src.geometry
+        new = np.asarray(pages)
+        if new.ndim != 1 or (new.size and not np.issubdtype(new.dtype, np.integer)):
+            raise PlanError(f"src_pages must be a 1-D list of integer page ids, got {new.dtype} {new.shape}")
+        new = new.astype(np.int64)
+        bad = np.flatnonzero((new < 0) | (new >= gs.num_pages))
+        if bad.size:
+            i = int(bad[0])
+            raise PlanError(f"src_pages[{len(self.src_pages) + i}]={int(new[i])} is outside the pool's "
+                            f"pages [0, {gs.num_pages})")
+        need = _pages_needed(self.num_tokens, gs.page_size)
+        if len(self.src_pages) + new.size > need:
+            raise PlanError(f"prefill page list has {len(self.src_pages) + new.size} page(s) but "
+                            f"{self.num_tokens} tokens at page_size {gs.page_size} need at most {need}")
+        merged = np.concatenate([self.src_pages, new])
+        merged.setflags(write=False)
+        return dataclasses.replace(self, src_pages=merged)
+
+    @property
+    def staged(self) -> bool:
+        return self.path is DataPath.STAGED
+
+    def nbytes(self, start: int = 0, stop: int | None = None) -> int:
+        """Payload bytes of tokens ``[start, stop)`` (default: the whole request)."""
+        stop = self.num_tokens if stop is None else stop
+        return self.token_nbytes * (stop - start)
+
+    @staticmethod
+    def staged_op_count(nbytes: int) -> int:
+        return staged_op_count(nbytes)
+
+    def _range(self, start: int, stop: int) -> tuple[int, int]:
+        start, stop = _resolve_range(start, stop, self.num_tokens)
+        _check_coverage(self.src_pages, self.dst_pages, self.src.geometry.page_size,
+                        self.dst.geometry.page_size, stop)
+        return start, stop
+
+    def gather_slice(self, start: int, stop: int) -> KVSlice:
+        """Tokens ``[start, stop)`` of the writer's pool, for ``ops.gather_kv_heads``."""
+        start, stop = self._range(start, stop)
+        return side_slice(self.src, self.src_pages, self.transfer.src_head_start, self.transfer.num_heads,
+                          start, stop)
+
+    def scatter_slice(self, start: int, stop: int) -> KVSlice:
+        """Tokens ``[start, stop)`` of the reader's pool, for ``ops.scatter_kv_heads``."""
+        start, stop = self._range(start, stop)
+        return side_slice(self.dst, self.dst_pages, self.transfer.dst_head_start, self.transfer.num_heads,
+                          start, stop)
+
+    def direct(self, start: int, stop: int) -> DirectPlan:
+        """The direct (or per-token) ops of tokens ``[start, stop)``; the pages are not re-checked.
+
+        Raises:
+            PlanError: the plan is staged, or the range is outside the request or the pages.
+        """
+        if self.path is DataPath.STAGED:
+            raise PlanError(f"the plan of prefill rank {self.transfer.prefill_rank} -> decode rank "
+                            f"{self.transfer.decode_rank} is staged ({self.reason}), not direct")
+        start, stop = self._range(start, stop)
+        compat = check_compatible(self.src.geometry, self.dst.geometry)
+        return _plan_range(self.transfer, self.src, self.dst, self.src_pages, self.dst_pages, start, stop,
+                           self.path, DIRECT_MIN_OP_BYTES, compat)
