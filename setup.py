@@ -10,6 +10,7 @@ the CUDA one) but never torch. The compiler commands live in
 * ``libkvxfer_cuda.so``: when ``nvcc`` is found (it compiles in a few seconds), unless
   ``KVXFER_BUILD_CUDA=0``; with ``KVXFER_BUILD_CUDA=1`` a failure fails the install.
 """
+
 import shutil
 import sys
 from pathlib import Path
@@ -47,8 +48,10 @@ class BuildNative(build_ext):
         except native_build.BuildError as exc:
             if ext.kind == "cuda" and envs.KVXFER_BUILD_CUDA.get() == "1":
                 raise
-            print(f"WARNING: sglang_kvxfer: {out.name} was not built; ops fall back to the "
-                  f"torch reference.\n{exc}", file=sys.stderr)
+            print(
+                f"WARNING: sglang_kvxfer: {out.name} was not built; ops fall back to the torch reference.\n{exc}",
+                file=sys.stderr,
+            )
             return
         print(f"sglang_kvxfer: built {out}")
 

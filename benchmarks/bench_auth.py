@@ -13,6 +13,7 @@ Prints one JSON object with medians and the ratios ``on / off``.
 
     python benchmarks/bench_auth.py [--rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,7 @@ def engine_round(layers: int, tokens: int, requests: int, concurrency: int, auth
 
     os.environ["KVXFER_AUTH"] = "on" if auth_on else "off"  # inherited by the rank processes
     pages = -(-tokens // 16) * (concurrency + 2)
-    g = KVGeometry(num_layers=layers, total_kv_heads=8, head_dim=128, dtype="bf16", page_size=16,
-                   num_pages=pages)
+    g = KVGeometry(num_layers=layers, total_kv_heads=8, head_dim=128, dtype="bf16", page_size=16, num_pages=pages)
     with BootstrapServer() as boot:
         spec_p = make_spec("prefill", g, 2, boot.address, "tcp", concurrency=concurrency + 1)
         spec_d = make_spec("decode", g, 1, boot.address, "tcp", concurrency=concurrency + 1)
@@ -55,9 +55,18 @@ def frame_costs(n: int = 20000) -> dict:
     from sglang_kvxfer.protocol import codec, envelope
     from sglang_kvxfer.protocol.messages import RequestMeta
 
-    msg = RequestMeta(room=1, session="0123456789abcdef", tp_rank=0, tp_size=1, num_tokens=2048,
-                      dst_page_ids=np.arange(128, dtype=np.int32), aux_slot=-1, elected=True,
-                      staging_offset=0, staging_capacity_bytes=1 << 20)
+    msg = RequestMeta(
+        room=1,
+        session="0123456789abcdef",
+        tp_rank=0,
+        tp_size=1,
+        num_tokens=2048,
+        dst_page_ids=np.arange(128, dtype=np.int32),
+        aux_slot=-1,
+        elected=True,
+        staging_offset=0,
+        staging_capacity_bytes=1 << 20,
+    )
     key = secrets.token_bytes(32)
     payload = codec.encode(msg)
     frame = envelope.seal(key, msg.session, 1, payload, "tcp://127.0.0.1:5555")
@@ -83,27 +92,48 @@ def main() -> None:
         for on in (True, False):
             big[on].append(engine_round(32, 2048, args.requests, 2, on))
             small[on].append(engine_round(1, 16, args.small_requests, 1, on))
-            print(f"  round {r + 1}/{args.rounds} auth {'on ' if on else 'off'}: {big[on][-1]['gbps']:.2f} GB/s, "
-                  f"small p50 {small[on][-1]['p50_ms']:.3f} ms", file=sys.stderr, flush=True)
+            print(
+                f"  round {r + 1}/{args.rounds} auth {'on ' if on else 'off'}: {big[on][-1]['gbps']:.2f} GB/s, "
+                f"small p50 {small[on][-1]['p50_ms']:.3f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
     os.environ.pop("KVXFER_AUTH", None)
 
     med = lambda xs: round(statistics.median(xs), 4)  # noqa: E731
     gb = {on: med([x["gbps"] for x in big[on]]) for on in (True, False)}
     p50 = {on: med([x["p50_ms"] for x in small[on]]) for on in (True, False)}
-    print(json.dumps({
-        "benchmark": "auth",
-        "config": {"transport": "tcp", "prefill_tp": 2, "decode_tp": 1, "rounds": args.rounds,
-                   "throughput": {"layers": 32, "tokens": 2048, "requests": args.requests},
-                   "small": {"layers": 1, "tokens": 16, "requests": args.small_requests}},
-        "throughput_gbps": {"on": gb[True], "off": gb[False],
-                            "on_rounds": [x["gbps"] for x in big[True]], "off_rounds": [x["gbps"] for x in big[False]]},
-        "throughput_ratio_on_vs_off": round(gb[True] / gb[False], 3),
-        "small_p50_ms": {"on": p50[True], "off": p50[False],
-                         "on_rounds": [x["p50_ms"] for x in small[True]],
-                         "off_rounds": [x["p50_ms"] for x in small[False]]},
-        "small_p50_added_ms": round(p50[True] - p50[False], 4),
-        "frame": frame_costs(),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "auth",
+                "config": {
+                    "transport": "tcp",
+                    "prefill_tp": 2,
+                    "decode_tp": 1,
+                    "rounds": args.rounds,
+                    "throughput": {"layers": 32, "tokens": 2048, "requests": args.requests},
+                    "small": {"layers": 1, "tokens": 16, "requests": args.small_requests},
+                },
+                "throughput_gbps": {
+                    "on": gb[True],
+                    "off": gb[False],
+                    "on_rounds": [x["gbps"] for x in big[True]],
+                    "off_rounds": [x["gbps"] for x in big[False]],
+                },
+                "throughput_ratio_on_vs_off": round(gb[True] / gb[False], 3),
+                "small_p50_ms": {
+                    "on": p50[True],
+                    "off": p50[False],
+                    "on_rounds": [x["p50_ms"] for x in small[True]],
+                    "off_rounds": [x["p50_ms"] for x in small[False]],
+                },
+                "small_p50_added_ms": round(p50[True] - p50[False], 4),
+                "frame": frame_costs(),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

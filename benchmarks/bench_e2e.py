@@ -19,6 +19,7 @@ Prints one JSON object. Medians over ``--rounds``.
 
     python benchmarks/bench_e2e.py [--rounds 3] [--requests 8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,12 +101,13 @@ def engine_rounds(args, path: str, rounds: int, requests: int, verify: bool = Fa
 
     os.environ["KVXFER_DATA_PATH"] = path  # inherited by the spawned rank processes
     pages = -(-args.tokens // 16) * (args.concurrency + 2)
-    g = KVGeometry(num_layers=args.layers, total_kv_heads=8, head_dim=128, dtype="bf16", page_size=16,
-                   num_pages=pages)
+    g = KVGeometry(num_layers=args.layers, total_kv_heads=8, head_dim=128, dtype="bf16", page_size=16, num_pages=pages)
     out = []
     with BootstrapServer() as boot:
-        with RankGroup(make_spec("prefill", g, 2, boot.address, "tcp", concurrency=args.concurrency + 1)) as pre, \
-                RankGroup(make_spec("decode", g, 1, boot.address, "tcp", concurrency=args.concurrency + 1)) as dec:
+        with (
+            RankGroup(make_spec("prefill", g, 2, boot.address, "tcp", concurrency=args.concurrency + 1)) as pre,
+            RankGroup(make_spec("decode", g, 1, boot.address, "tcp", concurrency=args.concurrency + 1)) as dec,
+        ):
             warm = make_requests(2, [args.tokens], 0, 16, seed=99, verify=False)
             run_workload(pre, dec, warm, args.concurrency, 300, progress=False)  # connect, fault pages in
             for r in range(rounds):
@@ -143,25 +145,52 @@ def main() -> None:
     eng = med([r["gbps"] for r in engine])
     pt = med([r["gbps"] for r in per_token])
     baseline = med(base1)
-    print(json.dumps({
-        "benchmark": "e2e",
-        "config": {"transport": "tcp", "prefill_tp": 2, "decode_tp": 1, "total_kv_heads": 8, "head_dim": 128,
-                   "dtype": "bf16", "layers": args.layers, "tokens": args.tokens, "request_bytes": request_bytes,
-                   "requests_per_round": args.requests, "concurrency": args.concurrency, "rounds": args.rounds},
-        "verified": check["verified_requests"] == check["requests"] and check["requests"] > 0,
-        "baseline_socket_gbps": {"one_sender": [round(x, 3) for x in base1], "one_sender_median": baseline,
-                                 "two_senders": [round(x, 3) for x in base2], "two_senders_median": med(base2)},
-        "engine": {"gbps_rounds": [r["gbps"] for r in engine], "gbps": eng,
-                   "ops_per_request": engine[0]["ops_per_request"], "data_path": engine[0]["data_path"],
-                   "p50_ms": med([r["p50_ms"] for r in engine])},
-        "per_token": {"gbps_rounds": [r["gbps"] for r in per_token], "gbps": pt,
-                      "ops_per_request": per_token[0]["ops_per_request"],
-                      "p50_ms": med([r["p50_ms"] for r in per_token])},
-        "ratio_engine_vs_socket": round(eng / baseline, 3),
-        "target_ratio": 0.6,
-        "ratio_engine_vs_two_sockets": round(eng / med(base2), 3),
-        "ratio_engine_vs_per_token": round(eng / pt, 2) if pt else None,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "e2e",
+                "config": {
+                    "transport": "tcp",
+                    "prefill_tp": 2,
+                    "decode_tp": 1,
+                    "total_kv_heads": 8,
+                    "head_dim": 128,
+                    "dtype": "bf16",
+                    "layers": args.layers,
+                    "tokens": args.tokens,
+                    "request_bytes": request_bytes,
+                    "requests_per_round": args.requests,
+                    "concurrency": args.concurrency,
+                    "rounds": args.rounds,
+                },
+                "verified": check["verified_requests"] == check["requests"] and check["requests"] > 0,
+                "baseline_socket_gbps": {
+                    "one_sender": [round(x, 3) for x in base1],
+                    "one_sender_median": baseline,
+                    "two_senders": [round(x, 3) for x in base2],
+                    "two_senders_median": med(base2),
+                },
+                "engine": {
+                    "gbps_rounds": [r["gbps"] for r in engine],
+                    "gbps": eng,
+                    "ops_per_request": engine[0]["ops_per_request"],
+                    "data_path": engine[0]["data_path"],
+                    "p50_ms": med([r["p50_ms"] for r in engine]),
+                },
+                "per_token": {
+                    "gbps_rounds": [r["gbps"] for r in per_token],
+                    "gbps": pt,
+                    "ops_per_request": per_token[0]["ops_per_request"],
+                    "p50_ms": med([r["p50_ms"] for r in per_token]),
+                },
+                "ratio_engine_vs_socket": round(eng / baseline, 3),
+                "target_ratio": 0.6,
+                "ratio_engine_vs_two_sockets": round(eng / med(base2), 3),
+                "ratio_engine_vs_per_token": round(eng / pt, 2) if pt else None,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

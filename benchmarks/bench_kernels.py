@@ -14,6 +14,7 @@ of a request whose pages are a random permutation of the pool (as after a busy s
     python benchmarks/bench_kernels.py --quick               # CPU, a few configs
     python benchmarks/bench_kernels.py --device cuda         # full sweep on the GPU
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,7 @@ import torch  # noqa: E402
 
 from sglang_kvxfer import ops  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-          "fp8": torch.uint8}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.uint8}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,9 +48,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", default="1,2,4,8", help="num_heads moved per config")
     p.add_argument("--pool-heads", type=int, default=8)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--staging-mib", type=float, default=None,
-                   help="staging bytes per call (default 128 on CPU, 512 on GPU; quick: 64/128); "
-                        "keep it well above the last-level cache so both sides hit DRAM")
+    p.add_argument(
+        "--staging-mib",
+        type=float,
+        default=None,
+        help="staging bytes per call (default 128 on CPU, 512 on GPU; quick: 64/128); "
+        "keep it well above the last-level cache so both sides hit DRAM",
+    )
     p.add_argument("--repeats", type=int, default=None, help="default 7 (quick: 5)")
     return p.parse_args(argv)
 
@@ -78,14 +82,16 @@ class Timer:
         return time.perf_counter() - t0
 
 
-def bench_config(device, dtype, layout, head_dim, page_size, num_heads, args, staging_bytes,
-                 repeats, timer) -> dict:
+def bench_config(device, dtype, layout, head_dim, page_size, num_heads, args, staging_bytes, repeats, timer) -> dict:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     per_token = args.layers * 2 * num_heads * head_dim * itemsize
     num_pages = max(1, staging_bytes // (per_token * page_size))
     num_tokens = num_pages * page_size
-    shape = ((num_pages * page_size, args.pool_heads, head_dim) if layout == "NHD"
-             else (num_pages, args.pool_heads, page_size, head_dim))
+    shape = (
+        (num_pages * page_size, args.pool_heads, head_dim)
+        if layout == "NHD"
+        else (num_pages, args.pool_heads, page_size, head_dim)
+    )
     gen = torch.Generator().manual_seed(0)
 
     def pool():
@@ -112,15 +118,22 @@ def bench_config(device, dtype, layout, head_dim, page_size, num_heads, args, st
         for name, fn in runs.items():
             times[name].append(timer(fn))
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    del k, v, staging, src, dst
+    del runs  # free the pools before the next config (the closures held them)
+    k = v = staging = src = dst = None
     if device.type == "cuda":
         torch.cuda.empty_cache()  # pools of the next config differ in size
     gbps = {name: 2 * nbytes / t / 1e9 for name, t in med.items()}
     return {
-        "layout": layout, "head_dim": head_dim, "page_size": page_size, "num_heads": num_heads,
-        "pool_heads": args.pool_heads, "layers": args.layers, "num_tokens": num_tokens,
+        "layout": layout,
+        "head_dim": head_dim,
+        "page_size": page_size,
+        "num_heads": num_heads,
+        "pool_heads": args.pool_heads,
+        "layers": args.layers,
+        "num_tokens": num_tokens,
         "staging_bytes": nbytes,
-        "gather_gbps": round(gbps["gather"], 2), "scatter_gbps": round(gbps["scatter"], 2),
+        "gather_gbps": round(gbps["gather"], 2),
+        "scatter_gbps": round(gbps["scatter"], 2),
         "copy_gbps": round(gbps["copy"], 2),
         "gather_ratio": round(gbps["gather"] / gbps["copy"], 3),
         "scatter_ratio": round(gbps["scatter"] / gbps["copy"], 3),
@@ -155,12 +168,27 @@ def main(argv=None) -> int:
                 for num_heads in heads:
                     if num_heads > args.pool_heads:
                         continue
-                    results.append(bench_config(device, DTYPES[args.dtype], layout, head_dim,
-                                                page_size, num_heads, args,
-                                                int(mib * 2**20), repeats, timer))
-                    print(f"# {results[-1]['layout']} d={head_dim} ps={page_size} "
-                          f"n={num_heads}: gather x{results[-1]['gather_ratio']} scatter "
-                          f"x{results[-1]['scatter_ratio']}", file=sys.stderr, flush=True)
+                    results.append(
+                        bench_config(
+                            device,
+                            DTYPES[args.dtype],
+                            layout,
+                            head_dim,
+                            page_size,
+                            num_heads,
+                            args,
+                            int(mib * 2**20),
+                            repeats,
+                            timer,
+                        )
+                    )
+                    print(
+                        f"# {results[-1]['layout']} d={head_dim} ps={page_size} "
+                        f"n={num_heads}: gather x{results[-1]['gather_ratio']} scatter "
+                        f"x{results[-1]['scatter_ratio']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     target = [r for r in results if r["page_size"] == 16 and r["head_dim"] == 128]
     doc = {
         "device": str(device),

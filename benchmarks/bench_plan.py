@@ -8,6 +8,7 @@ and K/V, vectorised with numpy (kinder to the baseline than a Python loop). Prin
 
     python benchmarks/bench_plan.py [--repeats 30] [--tokens 32768]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,15 @@ def plan_request(h, p, d, gp, gd, src_pages, dst_pages, tokens, path):
     plan = plan_tp(h, p, d, salt=0)
     ops = 0
     for t in plan.transfers:
-        pair = plan_pair(t, gp.placement(p, t.prefill_rank), gd.placement(d, t.decode_rank),
-                         src_pages, dst_pages, num_tokens=tokens, path=path)
+        pair = plan_pair(
+            t,
+            gp.placement(p, t.prefill_rank),
+            gd.placement(d, t.decode_rank),
+            src_pages,
+            dst_pages,
+            num_tokens=tokens,
+            path=path,
+        )
         ops += pair.op_count
     return ops, {pair.path}
 
@@ -64,8 +72,11 @@ def timed(fn, repeats):
 
 
 def summary_ms(samples):
-    return {"median_ms": round(statistics.median(samples) * 1e3, 4),
-            "min_ms": round(min(samples) * 1e3, 4), "max_ms": round(max(samples) * 1e3, 4)}
+    return {
+        "median_ms": round(statistics.median(samples) * 1e3, 4),
+        "min_ms": round(min(samples) * 1e3, 4),
+        "max_ms": round(max(samples) * 1e3, 4),
+    }
 
 
 def main() -> None:
@@ -91,28 +102,51 @@ def main() -> None:
     ]
     baseline = None
     for name, p, d, layout, path in cases:
-        common = dict(num_layers=args.layers, total_kv_heads=h, head_dim=128, dtype="bf16",
-                      page_size=size, layout=layout)
+        common = dict(
+            num_layers=args.layers, total_kv_heads=h, head_dim=128, dtype="bf16", page_size=size, layout=layout
+        )
         gp = KVGeometry(**common, num_pages=npages)
         gd = KVGeometry(**common, num_pages=npages * 4)
-        (ops, paths), ours = timed(lambda: plan_request(h, p, d, gp, gd, src_pages, dst_pages, tokens, path), args.repeats)
-        entries, base = timed(lambda: per_token_plan(h, p, d, gp, src_pages, dst_pages, tokens),
-                              max(3, args.repeats // 10))
+        (ops, paths), ours = timed(
+            lambda p=p, d=d, gp=gp, gd=gd, path=path: plan_request(h, p, d, gp, gd, src_pages, dst_pages, tokens, path),
+            args.repeats,
+        )
+        entries, base = timed(
+            lambda p=p, d=d, gp=gp: per_token_plan(h, p, d, gp, src_pages, dst_pages, tokens),
+            max(3, args.repeats // 10),
+        )
         rec = {
-            "case": name, "prefill_tp": p, "decode_tp": d, "layout": layout, "path": sorted(paths)[0],
-            "tokens": tokens, "layers": args.layers, "page_size": size, "total_kv_heads": h,
-            "plan": summary_ms(ours), "plan_ops": ops,
-            "per_token_plan": summary_ms(base), "per_token_entries": entries,
+            "case": name,
+            "prefill_tp": p,
+            "decode_tp": d,
+            "layout": layout,
+            "path": sorted(paths)[0],
+            "tokens": tokens,
+            "layers": args.layers,
+            "page_size": size,
+            "total_kv_heads": h,
+            "plan": summary_ms(ours),
+            "plan_ops": ops,
+            "per_token_plan": summary_ms(base),
+            "per_token_entries": entries,
             "speedup_median": round(statistics.median(base) / statistics.median(ours), 1),
         }
         records.append(rec)
         if baseline is None:
             baseline = rec
-    print(json.dumps({
-        "benchmark": "plan", "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "target_ms": 5.0, "headline_median_ms": baseline["plan"]["median_ms"],
-        "headline_vs_per_token": baseline["speedup_median"], "records": records,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "plan",
+                "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                "target_ms": 5.0,
+                "headline_median_ms": baseline["plan"]["median_ms"],
+                "headline_vs_per_token": baseline["speedup_median"],
+                "records": records,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

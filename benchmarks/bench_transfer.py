@@ -10,6 +10,7 @@ run (copy for ``local``, one socket per stream for ``tcp``, device-to-device cop
     python benchmarks/bench_transfer.py --transport local --prefill-devices cuda:0,cuda:1 \\
         --decode-devices cuda:2,cuda:3 --prefill-tp 1,2 --decode-tp 1,2 --tokens 1024,4096,16384,65536
 """
+
 from __future__ import annotations
 
 import sys

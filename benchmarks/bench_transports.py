@@ -27,18 +27,19 @@ Values are medians over repeats with [min, max]; GB/s is decimal.
 
     python benchmarks/bench_transports.py [--quick] [--transport local,tcp,nixl,mori]
 """
+
 from __future__ import annotations
 
 import argparse
 import ctypes
 import hashlib
-import struct
 import json
 import multiprocessing as mp
 import os
 import platform
 import socket
 import statistics
+import struct
 import sys
 import time
 
@@ -58,7 +59,7 @@ VARIANTS = {
     "local": ("local", {}, "shm"),
     "local_cma": ("local", {}, "private"),
     "tcp": ("tcp", {}, "private"),
-    "nixl": ("nixl", {}, "private"),            # UCX's choice: cma on one host
+    "nixl": ("nixl", {}, "private"),  # UCX's choice: cma on one host
     "nixl_tcp": ("nixl", {"ucx_tls": "tcp"}, "private"),  # the path between hosts without RDMA
     "mori": ("mori", {}, "private"),
 }
@@ -80,7 +81,7 @@ def make_entries(workload: str, seed: int = 0):
 def digest(arr: np.ndarray, offsets, sizes) -> str:
     h = hashlib.blake2b(digest_size=16)
     for o, n in zip(offsets.tolist(), sizes.tolist()):
-        h.update(arr[o:o + n])
+        h.update(arr[o : o + n])
     return h.hexdigest()
 
 
@@ -113,9 +114,16 @@ def target_main(conn, name: str, options: dict, memory: str, stage_bytes: int) -
     if name in ("nixl", "mori"):
         _memory.allow_ptrace_writes()  # the process_vm_writev baseline writes plain_dst
     listener = socket.create_server(("127.0.0.1", 0))
-    conn.send((transport.agent_descriptor(), region.descriptor,
-               stage_region.descriptor if stage_region else None, listener.getsockname()[1],
-               os.getpid(), plain_dst.ctypes.data))
+    conn.send(
+        (
+            transport.agent_descriptor(),
+            region.descriptor,
+            stage_region.descriptor if stage_region else None,
+            listener.getsockname()[1],
+            os.getpid(),
+            plain_dst.ctypes.data,
+        )
+    )
     plain = None
     while conn.poll(600):
         cmd, *args = conn.recv()
@@ -129,8 +137,7 @@ def target_main(conn, name: str, options: dict, memory: str, stage_bytes: int) -
             if plain is None:
                 plain, _ = listener.accept()
                 plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            views = [memoryview(plain_dst)[o:o + n] for o, n in zip(args[0].tolist(),
-                                                                      args[1].tolist())]
+            views = [memoryview(plain_dst)[o : o + n] for o, n in zip(args[0].tolist(), args[1].tolist())]
             while plain.recv(1) == b"B":
                 for v in views:
                     got = 0
@@ -160,11 +167,9 @@ def gather(slot: np.ndarray, src: np.ndarray, offsets: np.ndarray, sizes: np.nda
     used = int(sizes.sum())
     row = int(np.gcd.reduce(np.concatenate((offsets, sizes, [src.nbytes, slot.nbytes]))))
     if row < 64:
-        plain_copy_batch(slot.ctypes.data, src.ctypes.data, offsets,
-                         np.cumsum(sizes) - sizes, sizes)()
+        plain_copy_batch(slot.ctypes.data, src.ctypes.data, offsets, np.cumsum(sizes) - sizes, sizes)()
     else:
-        np.take(src.reshape(-1, row), _rows(offsets, sizes, row), axis=0,
-                out=slot[:used].reshape(-1, row))
+        np.take(src.reshape(-1, row), _rows(offsets, sizes, row), axis=0, out=slot[:used].reshape(-1, row))
     return used
 
 
@@ -173,8 +178,7 @@ def scatter(dst: np.ndarray, slot: np.ndarray, offsets: np.ndarray, sizes: np.nd
     used = int(sizes.sum())
     row = int(np.gcd.reduce(np.concatenate((offsets, sizes, [dst.nbytes, slot.nbytes]))))
     if row < 64:
-        plain_copy_batch(dst.ctypes.data, slot.ctypes.data, np.cumsum(sizes) - sizes,
-                         offsets, sizes)()
+        plain_copy_batch(dst.ctypes.data, slot.ctypes.data, np.cumsum(sizes) - sizes, offsets, sizes)()
     else:
         dst.reshape(-1, row)[_rows(offsets, sizes, row)] = slot[:used].reshape(-1, row)
 
@@ -191,7 +195,7 @@ def stage_serve(conn, stage: np.ndarray, dst: np.ndarray, chunks: list) -> float
         t = time.perf_counter()
         remote_offsets, sizes = chunks[i]
         base = (i % STAGE_SLOTS) * slot_bytes
-        scatter(dst, stage[base:base + slot_bytes], remote_offsets, sizes)
+        scatter(dst, stage[base : base + slot_bytes], remote_offsets, sizes)
         spent += time.perf_counter() - t
         conn.send_bytes(struct.pack("<i", i))
 
@@ -200,11 +204,9 @@ class Target:
     def __init__(self, name: str, options: dict, memory: str, stage_bytes: int = 0):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target_main, args=(child, name, options, memory,
-                                                          stage_bytes), daemon=True)
+        self.proc = ctx.Process(target=target_main, args=(child, name, options, memory, stage_bytes), daemon=True)
         self.proc.start()
-        (self.agent, self.region, self.stage_region, self.plain_port, self.pid,
-         self.plain_addr) = self.call_reply()
+        (self.agent, self.region, self.stage_region, self.plain_port, self.pid, self.plain_addr) = self.call_reply()
         self.plain_sock = None
 
     def call_reply(self):
@@ -243,11 +245,12 @@ def plain_copy_batch(dst_base: int, src_base: int, lo, ro, sz):
     def run():
         for d, s, n in pairs:
             move(d, s, n)
+
     return run
 
 
 def plain_socket_batch(sock: socket.socket, src: np.ndarray, lo, sz):
-    views = [memoryview(src)[o:o + n] for o, n in zip(lo.tolist(), sz.tolist())]
+    views = [memoryview(src)[o : o + n] for o, n in zip(lo.tolist(), sz.tolist())]
     ack = bytearray(1)
 
     def run():
@@ -256,6 +259,7 @@ def plain_socket_batch(sock: socket.socket, src: np.ndarray, lo, sz):
             sock.sendall(v)
         if sock.recv_into(ack) != 1:
             raise ConnectionError("plain-socket receiver closed")
+
     return run
 
 
@@ -264,16 +268,19 @@ def cma_batch(pid: int, dst_addr: int, src: np.ndarray, lo, ro, sz):
 
     def run():
         cma_write(pid, src.ctypes.data + lo, dst_addr + ro, sz)
+
     return run
 
 
 def summarize(seconds: list[float], nbytes: int, entries: int) -> dict:
     gbps = [nbytes / s / 1e9 for s in seconds]
     ops = [entries / s for s in seconds]
-    return {"gbps": round(statistics.median(gbps), 3),
-            "gbps_range": [round(min(gbps), 3), round(max(gbps), 3)],
-            "ops_per_s": round(statistics.median(ops)),
-            "ms_per_batch": round(statistics.median(seconds) * 1e3, 3)}
+    return {
+        "gbps": round(statistics.median(gbps), 3),
+        "gbps_range": [round(min(gbps), 3), round(max(gbps), 3)],
+        "ops_per_s": round(statistics.median(ops)),
+        "ms_per_batch": round(statistics.median(seconds) * 1e3, 3),
+    }
 
 
 def bench_variant(variant: str, args) -> tuple[list[dict], dict | None]:
@@ -326,15 +333,24 @@ def bench_variant(variant: str, args) -> tuple[list[dict], dict | None]:
                 target.plain_sock.sendall(b"E")
                 target.call_reply()
                 base_ok = target.call("digest", True, ro, sz) == want
-            row = {"transport": name, "variant": variant, "memory": memory,
-                   "workload": workload, "entries": len(sz), "bytes": nbytes,
-                   "verified": bool(verified), **summarize(own, nbytes, len(sz)),
-                   "baseline": {"name": base_name, "verified": bool(base_ok),
-                                **summarize(base, nbytes, len(sz))}}
+            row = {
+                "transport": name,
+                "variant": variant,
+                "memory": memory,
+                "workload": workload,
+                "entries": len(sz),
+                "bytes": nbytes,
+                "verified": bool(verified),
+                **summarize(own, nbytes, len(sz)),
+                "baseline": {"name": base_name, "verified": bool(base_ok), **summarize(base, nbytes, len(sz))},
+            }
             row["ratio"] = round(row["gbps"] / row["baseline"]["gbps"], 3)
             results.append(row)
-            print(f"{variant:10s} {workload:16s} {row['gbps']:7.2f} GB/s  baseline "
-                  f"{row['baseline']['gbps']:7.2f}  ratio {row['ratio']:.2f}", file=sys.stderr)
+            print(
+                f"{variant:10s} {workload:16s} {row['gbps']:7.2f} GB/s  baseline "
+                f"{row['baseline']['gbps']:7.2f}  ratio {row['ratio']:.2f}",
+                file=sys.stderr,
+            )
         if staging:
             stage_row = bench_staging(variant, transport, local, remote, src, target, args)
     finally:
@@ -380,7 +396,7 @@ def bench_staging(variant, transport, local, remote, src, target, args) -> dict:
         for i, (c_lo, _, c_sz) in enumerate(plan):
             t = time.perf_counter()
             base = (i % STAGE_SLOTS) * slot
-            used = gather(stage[base:base + slot], src, c_lo, c_sz)
+            used = gather(stage[base : base + slot], src, c_lo, c_sz)
             gather_s[0] += time.perf_counter() - t
             if sent is not None:
                 sent[1].wait(TIMEOUT_S)
@@ -411,16 +427,30 @@ def bench_staging(variant, transport, local, remote, src, target, args) -> dict:
         staged_ok = target.call("digest", False, ro, sz) == want
     finally:
         transport.deregister(stage_local)
-    row = {"transport": VARIANTS[variant][0], "variant": variant,
-           "options": VARIANTS[variant][1], "workload": "kv_4096x1-8KiB", "entries": len(sz),
-           "bytes": nbytes, "chunk_bytes": slot, "chunks": len(plan), "slots": STAGE_SLOTS,
-           "direct": {"verified": bool(direct_ok), **summarize(direct_s, nbytes, len(sz))},
-           "staged": {"verified": bool(staged_ok), **summarize(staged_s, nbytes, len(sz)),
-                      "gather_ms": round(gather_s[0] / runs[0] * 1e3, 3),
-                      "scatter_ms": round(scatter_total / runs[0] * 1e3, 3)}}
+    row = {
+        "transport": VARIANTS[variant][0],
+        "variant": variant,
+        "options": VARIANTS[variant][1],
+        "workload": "kv_4096x1-8KiB",
+        "entries": len(sz),
+        "bytes": nbytes,
+        "chunk_bytes": slot,
+        "chunks": len(plan),
+        "slots": STAGE_SLOTS,
+        "direct": {"verified": bool(direct_ok), **summarize(direct_s, nbytes, len(sz))},
+        "staged": {
+            "verified": bool(staged_ok),
+            **summarize(staged_s, nbytes, len(sz)),
+            "gather_ms": round(gather_s[0] / runs[0] * 1e3, 3),
+            "scatter_ms": round(scatter_total / runs[0] * 1e3, 3),
+        },
+    }
     row["speedup"] = round(row["staged"]["gbps"] / row["direct"]["gbps"], 3)
-    print(f"{variant:10s} staged kv       {row['staged']['gbps']:7.2f} GB/s  direct "
-          f"{row['direct']['gbps']:7.2f}  speedup {row['speedup']:.2f}", file=sys.stderr)
+    print(
+        f"{variant:10s} staged kv       {row['staged']['gbps']:7.2f} GB/s  direct "
+        f"{row['direct']['gbps']:7.2f}  speedup {row['speedup']:.2f}",
+        file=sys.stderr,
+    )
     return row
 
 
@@ -451,17 +481,22 @@ def pick_variants(wanted: list[str], explicit: bool, parser) -> tuple[list[str],
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 short repeats per workload")
-    parser.add_argument("--transport", default=None,
-                        help="comma-separated: local, tcp, nixl, mori (local also runs "
-                             "local_cma; default: every one installed)")
-    parser.add_argument("--workload", default=",".join(WORKLOADS),
-                        help=f"comma-separated subset of {', '.join(WORKLOADS)}")
+    parser.add_argument(
+        "--transport",
+        default=None,
+        help="comma-separated: local, tcp, nixl, mori (local also runs local_cma; default: every one installed)",
+    )
+    parser.add_argument(
+        "--workload", default=",".join(WORKLOADS), help=f"comma-separated subset of {', '.join(WORKLOADS)}"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="repeats per workload")
     parser.add_argument("--min-time", type=float, default=None, help="seconds per repeat")
-    parser.add_argument("--tcp-connections", type=int, default=None,
-                        help="tcp connections per peer (default KVXFER_TCP_CONNECTIONS)")
-    parser.add_argument("--stage-chunk", type=int, default=2 << 20,
-                        help="bytes per staging slot in the staged KV comparison")
+    parser.add_argument(
+        "--tcp-connections", type=int, default=None, help="tcp connections per peer (default KVXFER_TCP_CONNECTIONS)"
+    )
+    parser.add_argument(
+        "--stage-chunk", type=int, default=2 << 20, help="bytes per staging slot in the staged KV comparison"
+    )
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (3 if args.quick else 7)
     args.min_time = args.min_time or (0.05 if args.quick else 0.3)
@@ -490,17 +525,24 @@ def main(argv=None) -> int:
         checks[f"{row['variant']}_staged_speedup_kv"] = row["speedup"]
     report = {
         "benchmark": "bench_transports",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform()},
-        "config": {"region_bytes": REGION, "repeats": args.repeats,
-                   "min_time_s": args.min_time, "quick": args.quick,
-                   "stage_chunk_bytes": args.stage_chunk, "skipped": skipped},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "config": {
+            "region_bytes": REGION,
+            "repeats": args.repeats,
+            "min_time_s": args.min_time,
+            "quick": args.quick,
+            "stage_chunk_bytes": args.stage_chunk,
+            "skipped": skipped,
+        },
         "results": results,
         "staging": staging,
-        "targets": {"needed_ratio": 0.8, "needed_staged_speedup": 5.0, **checks,
-                    "all_verified": all(r["verified"] and r["baseline"]["verified"]
-                                        for r in results) and
-                    all(r["direct"]["verified"] and r["staged"]["verified"] for r in staging)},
+        "targets": {
+            "needed_ratio": 0.8,
+            "needed_staged_speedup": 5.0,
+            **checks,
+            "all_verified": all(r["verified"] and r["baseline"]["verified"] for r in results)
+            and all(r["direct"]["verified"] and r["staged"]["verified"] for r in staging),
+        },
     }
     json.dump(report, sys.stdout, indent=2)
     print()

@@ -3,6 +3,7 @@
 Importing this package is cheap and needs no GPU, compiler, mori or nixl: heavy and
 optional parts (torch ops, native kernels, RDMA transports) load lazily on first use.
 """
+
 from __future__ import annotations
 
 from sglang_kvxfer.errors import (  # noqa: F401

@@ -8,6 +8,7 @@ names the argument and the offending value(s); nothing is copied before all chec
 Must not: copy KV bytes, call native code, or synchronize a GPU except to range-check page
 ids that already live on it.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -48,8 +49,9 @@ class KVCall:
     staging_nbytes: int
 
 
-def staging_nbytes(num_layers: int, num_tokens: int, num_heads: int, k_dim: int,
-                   v_dim: int | None, itemsize: int) -> int:
+def staging_nbytes(
+    num_layers: int, num_tokens: int, num_heads: int, k_dim: int, v_dim: int | None, itemsize: int
+) -> int:
     """Bytes of a staging buffer: ``num_layers * num_tokens * num_heads * (k_dim + v_dim) * itemsize``.
 
     ``v_dim`` is 0 or None for MLA (one buffer per layer, no V block).
@@ -64,34 +66,50 @@ def staging_nbytes(num_layers: int, num_tokens: int, num_heads: int, k_dim: int,
     return num_layers * num_tokens * num_heads * (k_dim + v) * itemsize
 
 
-def slice_fields(page_ids, page_size=None, head_start=None, num_heads=None, layout=None,
-                 token_offset=None, num_tokens=None) -> dict[str, Any]:
+def slice_fields(
+    page_ids, page_size=None, head_start=None, num_heads=None, layout=None, token_offset=None, num_tokens=None
+) -> dict[str, Any]:
     """The slice keywords of one op call: a ``KVSlice``'s fields, or the keywords given.
 
     A ``KVSlice`` passed as ``page_ids`` carries the whole slice, so passing any slice
     keyword with it is a ``ValueError``; without one, ``page_size``, ``head_start`` and
     ``num_heads`` are required (``TypeError``, as for any missing argument).
     """
-    given = {"page_size": page_size, "head_start": head_start, "num_heads": num_heads, "layout": layout,
-             "token_offset": token_offset, "num_tokens": num_tokens}
+    given = {
+        "page_size": page_size,
+        "head_start": head_start,
+        "num_heads": num_heads,
+        "layout": layout,
+        "token_offset": token_offset,
+        "num_tokens": num_tokens,
+    }
     if isinstance(page_ids, KVSlice):
         extra = [name for name, value in given.items() if value is not None]
         if extra:
-            raise ValueError(f"page_ids is a KVSlice, which holds the whole slice; do not also pass "
-                             f"{', '.join(extra)}")
+            raise ValueError(f"page_ids is a KVSlice, which holds the whole slice; do not also pass {', '.join(extra)}")
         return page_ids.op_kwargs()
     missing = [name for name in ("page_size", "head_start", "num_heads") if given[name] is None]
     if missing:
-        raise TypeError(f"missing required keyword argument(s): {', '.join(missing)} (or pass a KVSlice "
-                        f"as page_ids)")
+        raise TypeError(f"missing required keyword argument(s): {', '.join(missing)} (or pass a KVSlice as page_ids)")
     given["page_ids"] = page_ids
     given["layout"] = "NHD" if layout is None else layout
     given["token_offset"] = 0 if token_offset is None else token_offset
     return given
 
 
-def parse_call(k_buffers, v_buffers, page_ids, *, page_size=None, head_start=None, num_heads=None,
-               layout=None, token_offset=None, num_tokens=None, unique_pages: bool) -> KVCall:
+def parse_call(
+    k_buffers,
+    v_buffers,
+    page_ids,
+    *,
+    page_size=None,
+    head_start=None,
+    num_heads=None,
+    layout=None,
+    token_offset=None,
+    num_tokens=None,
+    unique_pages: bool,
+) -> KVCall:
     """Validates every argument of a gather/scatter and returns the resolved ``KVCall``.
     ``page_ids`` may be a ``KVSlice`` (then no other slice keyword)."""
     f = slice_fields(page_ids, page_size, head_start, num_heads, layout, token_offset, num_tokens)
@@ -107,17 +125,17 @@ def parse_call(k_buffers, v_buffers, page_ids, *, page_size=None, head_start=Non
     if v_buffers is not None:
         v_layers = _layer_list(v_buffers, "v_buffers")
         if len(v_layers) != len(k_layers):
-            raise ValueError(f"v_buffers has {len(v_layers)} layers but k_buffers has "
-                             f"{len(k_layers)}")
+            raise ValueError(f"v_buffers has {len(v_layers)} layers but k_buffers has {len(k_layers)}")
         _check_layers(v_layers, "v_buffers", v_layers[0], lay)
         v0 = v_layers[0]
         if v0.dtype != ref.dtype or v0.device != ref.device:
-            raise ValueError(f"v_buffers are {v0.dtype} on {v0.device} but k_buffers are "
-                             f"{ref.dtype} on {ref.device}")
+            raise ValueError(f"v_buffers are {v0.dtype} on {v0.device} but k_buffers are {ref.dtype} on {ref.device}")
         if tuple(v0.shape[:-1]) != tuple(ref.shape[:-1]):
-            raise ValueError(f"v_buffers[0] has shape {tuple(v0.shape)}, which must match "
-                             f"k_buffers[0] {tuple(ref.shape)} in all but the last (head_dim) "
-                             "dimension")
+            raise ValueError(
+                f"v_buffers[0] has shape {tuple(v0.shape)}, which must match "
+                f"k_buffers[0] {tuple(ref.shape)} in all but the last (head_dim) "
+                "dimension"
+            )
         v_dim = int(v0.shape[-1])
         if v_dim < 1:
             raise ValueError(f"v_buffers[0] has head_dim {v_dim}; it must be >= 1")
@@ -125,29 +143,45 @@ def parse_call(k_buffers, v_buffers, page_ids, *, page_size=None, head_start=Non
     head_start = _int("head_start", head_start, 0)
     num_heads = _int("num_heads", num_heads, 1)
     if head_start + num_heads > pool_heads:
-        raise ValueError(f"heads [head_start={head_start}, head_start + num_heads="
-                         f"{head_start + num_heads}) are outside the pool's {pool_heads} heads")
+        raise ValueError(
+            f"heads [head_start={head_start}, head_start + num_heads="
+            f"{head_start + num_heads}) are outside the pool's {pool_heads} heads"
+        )
     ids = _page_ids(page_ids, ref.device, num_pages, unique_pages)
     capacity = int(ids.shape[0]) * page_size
     token_offset = _int("token_offset", token_offset, 0)
     if token_offset > capacity:
-        raise ValueError(f"token_offset={token_offset} is beyond the {capacity} tokens of "
-                         f"{ids.shape[0]} page ids x page_size {page_size}")
+        raise ValueError(
+            f"token_offset={token_offset} is beyond the {capacity} tokens of "
+            f"{ids.shape[0]} page ids x page_size {page_size}"
+        )
     if num_tokens is None:
         num_tokens = capacity - token_offset
     num_tokens = _int("num_tokens", num_tokens, 0)
     if token_offset + num_tokens > capacity:
-        raise ValueError(f"token_offset={token_offset} + num_tokens={num_tokens} exceeds the "
-                         f"{capacity} tokens of {ids.shape[0]} page ids x page_size {page_size}")
+        raise ValueError(
+            f"token_offset={token_offset} + num_tokens={num_tokens} exceeds the "
+            f"{capacity} tokens of {ids.shape[0]} page ids x page_size {page_size}"
+        )
     num_layers = len(k_layers)
     return KVCall(
-        layers=tuple(layers), num_layers=num_layers, num_kv=2 if v_dim else 1, layout=lay,
-        device=ref.device, itemsize=ref.element_size(), num_pages=num_pages,
-        page_size=page_size, pool_heads=pool_heads, k_dim=k_dim, v_dim=v_dim,
-        head_start=head_start, num_heads=num_heads, token_offset=token_offset,
-        num_tokens=num_tokens, page_ids=ids,
-        staging_nbytes=staging_nbytes(num_layers, num_tokens, num_heads, k_dim, v_dim,
-                                      ref.element_size()),
+        layers=tuple(layers),
+        num_layers=num_layers,
+        num_kv=2 if v_dim else 1,
+        layout=lay,
+        device=ref.device,
+        itemsize=ref.element_size(),
+        num_pages=num_pages,
+        page_size=page_size,
+        pool_heads=pool_heads,
+        k_dim=k_dim,
+        v_dim=v_dim,
+        head_start=head_start,
+        num_heads=num_heads,
+        token_offset=token_offset,
+        num_tokens=num_tokens,
+        page_ids=ids,
+        staging_nbytes=staging_nbytes(num_layers, num_tokens, num_heads, k_dim, v_dim, ref.element_size()),
     )
 
 
@@ -158,12 +192,10 @@ def staging_bytes_view(staging, name: str, call: KVCall) -> torch.Tensor:
     if staging.device != call.device:
         raise ValueError(f"{name} is on {staging.device} but the KV buffers are on {call.device}")
     if not staging.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (shape {tuple(staging.shape)}, strides "
-                         f"{staging.stride()})")
+        raise ValueError(f"{name} must be contiguous (shape {tuple(staging.shape)}, strides {staging.stride()})")
     nbytes = staging.numel() * staging.element_size()
     if nbytes < call.staging_nbytes:
-        raise ValueError(f"{name} holds {nbytes} bytes but the slice needs {call.staging_nbytes} "
-                         "(see staging_nbytes)")
+        raise ValueError(f"{name} holds {nbytes} bytes but the slice needs {call.staging_nbytes} (see staging_nbytes)")
     return staging.reshape(-1).view(torch.uint8)[: call.staging_nbytes]
 
 
@@ -181,8 +213,7 @@ def _layer_list(buffers, name: str) -> list[torch.Tensor]:
             raise ValueError(f"{name} is a 0-d tensor; pass one tensor per layer")
         return list(buffers.unbind(0))  # a [num_layers, ...] stack
     if not isinstance(buffers, (list, tuple)):
-        raise ValueError(f"{name} must be a list of per-layer tensors, got "
-                         f"{type(buffers).__name__}")
+        raise ValueError(f"{name} must be a list of per-layer tensors, got {type(buffers).__name__}")
     if not buffers:
         raise ValueError(f"{name} is empty; pass one tensor per layer")
     for i, t in enumerate(buffers):
@@ -193,17 +224,22 @@ def _layer_list(buffers, name: str) -> list[torch.Tensor]:
 
 def _check_layers(layers: list[torch.Tensor], name: str, ref: torch.Tensor, layout: str) -> None:
     if ref.element_size() not in _ITEMSIZES or ref.is_complex():
-        raise ValueError(f"{name}[0] has dtype {ref.dtype} ({ref.element_size()} bytes); "
-                         "use a 1-, 2- or 4-byte dtype (fp8/uint8, fp16/bf16, fp32)")
+        raise ValueError(
+            f"{name}[0] has dtype {ref.dtype} ({ref.element_size()} bytes); "
+            "use a 1-, 2- or 4-byte dtype (fp8/uint8, fp16/bf16, fp32)"
+        )
     want_dim = 3 if layout == "NHD" else 4
     if ref.dim() != want_dim:
-        form = ("[num_pages * page_size, heads, head_dim]" if layout == "NHD"
-                else "[num_pages, heads, page_size, head_dim]")
+        form = (
+            "[num_pages * page_size, heads, head_dim]" if layout == "NHD" else "[num_pages, heads, page_size, head_dim]"
+        )
         raise ValueError(f"{name}[0] has shape {tuple(ref.shape)}; layout {layout} needs {form}")
     for i, t in enumerate(layers):
         if t.dtype != ref.dtype or t.device != ref.device or t.shape != ref.shape:
-            raise ValueError(f"{name}[{i}] is {t.dtype} {tuple(t.shape)} on {t.device} but "
-                             f"{name}[0] is {ref.dtype} {tuple(ref.shape)} on {ref.device}")
+            raise ValueError(
+                f"{name}[{i}] is {t.dtype} {tuple(t.shape)} on {t.device} but "
+                f"{name}[0] is {ref.dtype} {tuple(ref.shape)} on {ref.device}"
+            )
         if not t.is_contiguous():
             raise ValueError(f"{name}[{i}] must be contiguous (strides {t.stride()})")
 
@@ -213,17 +249,14 @@ def _pool_shape(t: torch.Tensor, name: str, layout: str, page_size: int) -> tupl
     if layout == "NHD":
         rows, heads, dim = (int(x) for x in t.shape)
         if rows < page_size or rows % page_size:
-            raise ValueError(f"{name} has {rows} token rows, not a positive multiple of "
-                             f"page_size={page_size}")
+            raise ValueError(f"{name} has {rows} token rows, not a positive multiple of page_size={page_size}")
         num_pages = rows // page_size
     else:
         num_pages, heads, in_page, dim = (int(x) for x in t.shape)
         if in_page != page_size:
-            raise ValueError(f"{name} holds {in_page} tokens per page (dim 2) but "
-                             f"page_size={page_size}")
+            raise ValueError(f"{name} holds {in_page} tokens per page (dim 2) but page_size={page_size}")
     if num_pages < 1 or heads < 1 or dim < 1:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}: pages, heads and head_dim must "
-                         "all be >= 1")
+        raise ValueError(f"{name} has shape {tuple(t.shape)}: pages, heads and head_dim must all be >= 1")
     return num_pages, heads, dim
 
 
@@ -231,14 +264,12 @@ def _page_ids(page_ids, device: torch.device, num_pages: int, unique: bool):
     """Host int64 array (or the same ids as an int64 tensor when they live on the GPU)."""
     if isinstance(page_ids, torch.Tensor):
         if page_ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"page_ids has dtype {page_ids.dtype}; use torch.int32 or "
-                             "torch.int64")
+            raise ValueError(f"page_ids has dtype {page_ids.dtype}; use torch.int32 or torch.int64")
         if page_ids.dim() != 1:
             raise ValueError(f"page_ids must be 1-D, got shape {tuple(page_ids.shape)}")
         if page_ids.device.type != "cpu":
             if page_ids.device != device:
-                raise ValueError(f"page_ids is on {page_ids.device} but the KV buffers are on "
-                                 f"{device}")
+                raise ValueError(f"page_ids is on {page_ids.device} but the KV buffers are on {device}")
             return _device_page_ids(page_ids.to(torch.int64).contiguous(), num_pages, unique)
         arr = page_ids.numpy()
     else:
@@ -255,15 +286,13 @@ def _page_ids(page_ids, device: torch.device, num_pages: int, unique: bool):
     bad = np.flatnonzero((arr < 0) | (arr >= num_pages))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"page_ids[{i}]={arr[i]} is outside [0, {num_pages}) (the pool has "
-                         f"{num_pages} pages)")
+        raise ValueError(f"page_ids[{i}]={arr[i]} is outside [0, {num_pages}) (the pool has {num_pages} pages)")
     arr = np.ascontiguousarray(arr, dtype=np.int64)
     if unique and arr.size > 1:
         ordered = np.sort(arr)
         repeated = ordered[1:][ordered[1:] == ordered[:-1]]
         if repeated.size:
-            raise ValueError(f"page_ids repeats page {int(repeated[0])}; a scatter would write "
-                             "it twice")
+            raise ValueError(f"page_ids repeats page {int(repeated[0])}; a scatter would write it twice")
     return arr
 
 
@@ -273,8 +302,9 @@ def _device_page_ids(ids: torch.Tensor, num_pages: int, unique: bool) -> torch.T
         lo, hi = (int(x) for x in torch.aminmax(ids))
         if lo < 0 or hi >= num_pages:
             i = int(torch.nonzero((ids < 0) | (ids >= num_pages))[0])
-            raise ValueError(f"page_ids[{i}]={int(ids[i])} is outside [0, {num_pages}) (the "
-                             f"pool has {num_pages} pages)")
+            raise ValueError(
+                f"page_ids[{i}]={int(ids[i])} is outside [0, {num_pages}) (the pool has {num_pages} pages)"
+            )
         if unique and torch.unique(ids).numel() != ids.numel():
             ordered = torch.sort(ids).values
             page = int(ordered[1:][ordered[1:] == ordered[:-1]][0])

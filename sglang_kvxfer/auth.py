@@ -9,6 +9,7 @@ are ``SHA-256`` of the secret text, so any secret of 16 or more characters works
 
 Must not: open sockets or start threads. Frame sealing lives in ``protocol/envelope.py``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,8 +37,10 @@ def key_from_secret(secret: str | bytes) -> bytes:
     """The 32-byte HMAC key of a secret text (or raw bytes)."""
     raw = secret.encode() if isinstance(secret, str) else bytes(secret)
     if len(raw.strip()) < MIN_SECRET_CHARS:
-        raise AuthenticationError(f"the authentication secret has {len(raw.strip())} characters; "
-                                  f"use at least {MIN_SECRET_CHARS} (e.g. `openssl rand -hex 32`)")
+        raise AuthenticationError(
+            f"the authentication secret has {len(raw.strip())} characters; "
+            f"use at least {MIN_SECRET_CHARS} (e.g. `openssl rand -hex 32`)"
+        )
     return hashlib.sha256(b"sglang_kvxfer key v1\x00" + raw.strip()).digest()
 
 
@@ -67,11 +70,13 @@ def _read_key_file(path: Path, created_here: bool = False) -> bytes:
     except OSError as exc:
         raise AuthenticationError(f"cannot read key file {path}: {exc.strerror}") from None
     if st.st_uid != os.geteuid():
-        raise AuthenticationError(f"key file {path} is owned by uid {st.st_uid}, not this user "
-                                  f"({os.geteuid()}); use your own key file")
+        raise AuthenticationError(
+            f"key file {path} is owned by uid {st.st_uid}, not this user ({os.geteuid()}); use your own key file"
+        )
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise AuthenticationError(f"key file {path} has mode {stat.S_IMODE(st.st_mode):o}; other users "
-                                  f"could read it: chmod 600 {path}")
+        raise AuthenticationError(
+            f"key file {path} has mode {stat.S_IMODE(st.st_mode):o}; other users could read it: chmod 600 {path}"
+        )
     text = path.read_bytes().strip()
     return key_from_secret(text)
 
@@ -104,8 +109,10 @@ def resolve_key(bind_host: str | None = None) -> bytes:
     if envs.KVXFER_AUTH.get() == "off":
         if not _warned_off:
             _warned_off = True
-            log.warning("KVXFER_AUTH=off: control frames are not authenticated; any process that "
-                        "can reach this engine's ports can read, redirect or fake KV transfers")
+            log.warning(
+                "KVXFER_AUTH=off: control frames are not authenticated; any process that "
+                "can reach this engine's ports can read, redirect or fake KV transfers"
+            )
         return OFF
     if envs.KVXFER_AUTH_KEY.is_set():
         return key_from_secret(envs.KVXFER_AUTH_KEY.get())
@@ -115,5 +122,6 @@ def resolve_key(bind_host: str | None = None) -> bytes:
         raise AuthenticationError(
             f"binding {bind_host} (not loopback) needs an explicit key: set KVXFER_AUTH_KEY (the same "
             f"secret on every prefill and decode process) or KVXFER_AUTH_KEY_FILE; KVXFER_AUTH=off "
-            f"disables authentication")
+            f"disables authentication"
+        )
     return _per_user_key()

@@ -4,6 +4,7 @@ Every failure the engine reports is a ``KVXferError`` (or, for bad arguments, a
 ``ValueError``/``TypeError`` subclass that is *also* a ``KVXferError`` where that helps
 callers). Messages name the field and the values involved; nothing here logs or swallows.
 """
+
 from __future__ import annotations
 
 __all__ = [
@@ -39,9 +40,7 @@ class IncompatibleGeometryError(KVXferError, ValueError):
 
     def __init__(self, mismatches):
         self.mismatches = list(mismatches)
-        lines = [
-            f"{field}: prefill={p!r} decode={d!r} ({hint})" for field, p, d, hint in self.mismatches
-        ]
+        lines = [f"{field}: prefill={p!r} decode={d!r} ({hint})" for field, p, d, hint in self.mismatches]
         super().__init__("incompatible KV geometry: " + "; ".join(lines))
 
 

@@ -9,11 +9,13 @@ Sizes are always *derived from the geometry*, never inferred from byte lengths: 
 what makes SGLang's "Head slice size evaluates to zero" impossible here. This module
 imports nothing heavy (no torch, no numpy).
 """
+
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from sglang_kvxfer.errors import GeometryError, IncompatibleGeometryError
 
@@ -67,7 +69,7 @@ def normalize_dtype(name: Any) -> str:
     """Canonical dtype name for ``name`` (a string such as ``"bf16"`` or a ``torch.dtype``)."""
     text = str(name)
     if text.startswith("torch."):
-        text = text[len("torch."):]
+        text = text[len("torch.") :]
     key = text.strip().lower()
     key = _DTYPE_ALIASES.get(key, key)
     if key not in DTYPE_ITEMSIZE:
@@ -87,7 +89,7 @@ class Layout(str, enum.Enum):
     HND = "HND"
 
     @classmethod
-    def parse(cls, value: Any) -> "Layout":
+    def parse(cls, value: Any) -> Layout:
         if isinstance(value, Layout):
             return value
         text = str(value).strip().upper()
@@ -194,9 +196,7 @@ class KVGeometry:
         object.__setattr__(self, "itemsize", DTYPE_ITEMSIZE[self.dtype])
         if self.mla:
             if self.total_kv_heads != 1:
-                raise GeometryError(
-                    f"total_kv_heads={self.total_kv_heads} must be 1 for MLA (one latent head)"
-                )
+                raise GeometryError(f"total_kv_heads={self.total_kv_heads} must be 1 for MLA (one latent head)")
             if self.v_head_dim is None:
                 object.__setattr__(self, "v_head_dim", 0)
             elif self.v_head_dim != 0:
@@ -210,8 +210,16 @@ class KVGeometry:
 
     # -- derived sizes -------------------------------------------------------------------
     @property
+    def _v_dim(self) -> int:
+        """``v_head_dim`` as resolved by ``__post_init__`` (never None after construction)."""
+        v = self.v_head_dim
+        if v is None:
+            raise GeometryError("v_head_dim was not resolved; construct KVGeometry normally")
+        return v
+
+    @property
     def has_v(self) -> bool:
-        return self.v_head_dim > 0
+        return self._v_dim > 0
 
     @property
     def num_buffers(self) -> int:
@@ -222,9 +230,9 @@ class KVGeometry:
         """Head dim of buffer ``buffer_index`` (K buffers first, then V)."""
         if not 0 <= buffer_index < self.num_buffers:
             raise GeometryError(f"buffer_index={buffer_index} must be in [0, {self.num_buffers})")
-        return self.head_dim if buffer_index < self.num_layers else self.v_head_dim
+        return self.head_dim if buffer_index < self.num_layers else self._v_dim
 
-    def placement(self, tp_size: int, tp_rank: int) -> "RankPlacement":
+    def placement(self, tp_size: int, tp_rank: int) -> RankPlacement:
         return RankPlacement(self, tp_size, tp_rank)
 
     # -- serialisation -------------------------------------------------------------------
@@ -243,14 +251,21 @@ class KVGeometry:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "KVGeometry":
+    def from_dict(cls, data: Mapping[str, Any]) -> KVGeometry:
         fields = _check_schema("KVGeometry", data, _GEOMETRY_FIELDS)
         return cls(**fields)
 
 
 _GEOMETRY_FIELDS = (
-    "num_layers", "total_kv_heads", "head_dim", "v_head_dim", "dtype", "page_size", "layout",
-    "mla", "num_pages",
+    "num_layers",
+    "total_kv_heads",
+    "head_dim",
+    "v_head_dim",
+    "dtype",
+    "page_size",
+    "layout",
+    "mla",
+    "num_pages",
 )
 
 
@@ -324,7 +339,7 @@ class RankPlacement:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RankPlacement":
+    def from_dict(cls, data: Mapping[str, Any]) -> RankPlacement:
         fields = _check_schema("RankPlacement", data, ("geometry", "tp_size", "tp_rank"))
         return cls(KVGeometry.from_dict(fields["geometry"]), fields["tp_size"], fields["tp_rank"])
 

@@ -34,15 +34,25 @@ done), ``scatter`` (decode) and ``notify`` (sending ``ChunkReady``). They may ov
 other (the staged path gathers slot k+1 while slot k is on the wire), so they need not
 add up to the window.
 """
+
 from __future__ import annotations
 
 import re
 import threading
+import typing
 from dataclasses import asdict, dataclass, field
 
+if typing.TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
 __all__ = [
-    "PHASES", "FAILURE_KINDS", "RequestRecord", "classify_failure", "note_writer_done",
-    "MetricsServer", "serve_metrics",
+    "PHASES",
+    "FAILURE_KINDS",
+    "RequestRecord",
+    "classify_failure",
+    "note_writer_done",
+    "MetricsServer",
+    "serve_metrics",
 ]
 
 PHASES = ("plan", "wait", "gather", "wire", "scatter", "notify")
@@ -57,8 +67,14 @@ SINCE_LAST_CHUNK = "since_last_chunk"
 _KIND_PATTERNS = [
     ("aborted", re.compile(r"\babort", re.I)),
     ("geometry", re.compile(r"geometry|refused this decode rank|not divisible|kv_buffer_locs", re.I)),
-    ("peer_gone", re.compile(r"is gone|sent nothing for|peer .*(exited|died|gone)|closed by the peer|"
-                             r"process exited|connection .*lost", re.I)),
+    (
+        "peer_gone",
+        re.compile(
+            r"is gone|sent nothing for|peer .*(exited|died|gone)|closed by the peer|"
+            r"process exited|connection .*lost",
+            re.I,
+        ),
+    ),
     ("timeout", re.compile(r"timed out|time-?out|deadline|within [\d.]+ ?s|after [\d.]+ ?s", re.I)),
     ("transport", re.compile(r"transport|tcp|cma|process_vm|ipc|write|scatter|gather|staging|connection", re.I)),
 ]
@@ -121,7 +137,7 @@ class RequestRecord:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RequestRecord":
+    def from_dict(cls, d: dict) -> RequestRecord:
         names = cls.__dataclass_fields__
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -141,8 +157,26 @@ def note_writer_done(marks: dict, timings, arrived: float) -> dict:
 
 # -- Prometheus -----------------------------------------------------------------------------------
 
-_SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                    1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_SECONDS_BUCKETS = (
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 _BYTES_BUCKETS = tuple(float(1 << s) for s in range(12, 37, 2))  # 4 KiB .. 64 GiB
 
 
@@ -169,8 +203,10 @@ class MetricsServer:
         try:
             import prometheus_client as prom
         except ImportError:
-            raise ImportError("the metrics endpoint needs prometheus_client: "
-                              "pip install 'sglang_kvxfer[metrics]' (or prometheus_client)") from None
+            raise ImportError(
+                "the metrics endpoint needs prometheus_client: "
+                "pip install 'sglang_kvxfer[metrics]' (or prometheus_client)"
+            ) from None
         self._mgr = mgr
         self.registry = reg = prom.CollectorRegistry()
         ids = {"role": mgr.side.value, "tp_rank": str(mgr.tp_rank)}
@@ -179,37 +215,63 @@ class MetricsServer:
         def child(metric):
             return metric.labels(**ids)
 
-        self._seconds = child(prom.Histogram(
-            "kvxfer_transfer_seconds", "Transfer window of a successful request: first byte ready on "
-            "the prefill to the last notice processed (decode) or to sending TransferDone (prefill)",
-            names, registry=reg, buckets=_SECONDS_BUCKETS))
-        self._tail = child(prom.Histogram(
-            "kvxfer_transfer_tail_seconds", "Latency after the last chunk was ready until the last notice",
-            names, registry=reg, buckets=_SECONDS_BUCKETS))
-        self._bytes = child(prom.Histogram(
-            "kvxfer_transfer_bytes", "KV bytes of a successful request on this rank (written or received)",
-            names, registry=reg, buckets=_BYTES_BUCKETS))
-        self._ops = child(prom.Counter(
-            "kvxfer_transfer_ops", "Transport descriptors of successful requests", names, registry=reg))
-        phase = prom.Counter("kvxfer_transfer_phase_seconds", "Busy time per transfer phase",
-                             names + ["phase"], registry=reg)
+        self._seconds = child(
+            prom.Histogram(
+                "kvxfer_transfer_seconds",
+                "Transfer window of a successful request: first byte ready on "
+                "the prefill to the last notice processed (decode) or to sending TransferDone (prefill)",
+                names,
+                registry=reg,
+                buckets=_SECONDS_BUCKETS,
+            )
+        )
+        self._tail = child(
+            prom.Histogram(
+                "kvxfer_transfer_tail_seconds",
+                "Latency after the last chunk was ready until the last notice",
+                names,
+                registry=reg,
+                buckets=_SECONDS_BUCKETS,
+            )
+        )
+        self._bytes = child(
+            prom.Histogram(
+                "kvxfer_transfer_bytes",
+                "KV bytes of a successful request on this rank (written or received)",
+                names,
+                registry=reg,
+                buckets=_BYTES_BUCKETS,
+            )
+        )
+        self._ops = child(
+            prom.Counter("kvxfer_transfer_ops", "Transport descriptors of successful requests", names, registry=reg)
+        )
+        phase = prom.Counter(
+            "kvxfer_transfer_phase_seconds", "Busy time per transfer phase", names + ["phase"], registry=reg
+        )
         self._phases = {p: phase.labels(phase=p, **ids) for p in PHASES}
-        failures = prom.Counter("kvxfer_transfer_failures", "Failed requests by kind of reason",
-                                names + ["reason"], registry=reg)
+        failures = prom.Counter(
+            "kvxfer_transfer_failures", "Failed requests by kind of reason", names + ["reason"], registry=reg
+        )
         self._failures = {k: failures.labels(reason=k, **ids) for k in FAILURE_KINDS}
-        child(prom.Gauge("kvxfer_requests_in_flight", "Requests not yet succeeded or failed",
-                         names, registry=reg)).set_function(self._inflight)
-        child(prom.Gauge("kvxfer_staging_bytes_in_use", "Bytes of the staging arena allocated now",
-                         names, registry=reg)).set_function(self._staging_used)
-        child(prom.Gauge("kvxfer_staging_bytes_capacity", "Size of the staging arena",
-                         names, registry=reg)).set_function(self._staging_size)
+        child(
+            prom.Gauge("kvxfer_requests_in_flight", "Requests not yet succeeded or failed", names, registry=reg)
+        ).set_function(self._inflight)
+        child(
+            prom.Gauge("kvxfer_staging_bytes_in_use", "Bytes of the staging arena allocated now", names, registry=reg)
+        ).set_function(self._staging_used)
+        child(
+            prom.Gauge("kvxfer_staging_bytes_capacity", "Size of the staging arena", names, registry=reg)
+        ).set_function(self._staging_size)
         reg.register(_SecurityCollector(mgr, ids))
         self._lock = threading.Lock()
+        self._httpd: WSGIServer | None
         try:
-            self._httpd, self._thread = prom.start_http_server(port, addr=host, registry=reg)
+            httpd, self._thread = prom.start_http_server(port, addr=host, registry=reg)
         except OSError as exc:
             raise OSError(exc.errno, f"metrics endpoint cannot listen on {host}:{port}: {exc.strerror}") from None
-        self.port = self._httpd.server_port
+        self._httpd = httpd
+        self.port = httpd.server_port
         self.host = host
         mgr.request_listeners.append(self.observe)
 
@@ -275,12 +337,14 @@ class _SecurityCollector:
         from prometheus_client.core import CounterMetricFamily
 
         labels = list(self._ids)
-        events = CounterMetricFamily("kvxfer_security_events", "Security events by kind",
-                                     labels=labels + ["kind"])
+        events = CounterMetricFamily("kvxfer_security_events", "Security events by kind", labels=labels + ["kind"])
         for kind, count in sorted(dict(getattr(self._mgr, "security_events", {})).items()):
             events.add_metric(list(self._ids.values()) + [kind], count)
-        dropped = CounterMetricFamily("kvxfer_control_frames_dropped", "Control frames dropped before "
-                                      "handling, by reason", labels=labels + ["reason"])
+        dropped = CounterMetricFamily(
+            "kvxfer_control_frames_dropped",
+            "Control frames dropped before handling, by reason",
+            labels=labels + ["reason"],
+        )
         control = getattr(self._mgr, "control", None)
         for reason, count in sorted(dict(control.dropped if control is not None else {}).items()):
             dropped.add_metric(list(self._ids.values()) + [reason], count)
@@ -294,4 +358,3 @@ def serve_metrics(mgr, port: int, host: str = "127.0.0.1") -> MetricsServer:
     port; ``.port`` tells which). Close it before the manager.
     """
     return MetricsServer(mgr, port, host)
-

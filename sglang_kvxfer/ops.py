@@ -20,6 +20,7 @@ cached) for CPU and CUDA tensors; the torch reference when a library is unavaila
 Must not: import at package import time (torch is heavy), or let a bad argument reach
 native code: ``_ops_args`` validates everything first and raises ``ValueError``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,8 +51,19 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _warned_fallback: set[str] = set()
 
 
-def gather_kv_heads(k_buffers, v_buffers, page_ids, *, page_size=None, head_start=None, num_heads=None,
-                    layout=None, token_offset=None, num_tokens=None, out=None) -> torch.Tensor:
+def gather_kv_heads(
+    k_buffers,
+    v_buffers,
+    page_ids,
+    *,
+    page_size=None,
+    head_start=None,
+    num_heads=None,
+    layout=None,
+    token_offset=None,
+    num_tokens=None,
+    out=None,
+) -> torch.Tensor:
     """Copy heads ``[head_start, head_start + num_heads)`` of a request's tokens, in all layers,
     from a paged KV pool into one contiguous staging buffer.
 
@@ -103,25 +115,47 @@ def gather_kv_heads(k_buffers, v_buffers, page_ids, *, page_size=None, head_star
     >>> staging.numel() == staging_nbytes(2, 32, 2, 128, 128, 2)
     True
     """
-    call, staging = _gather_call(k_buffers, v_buffers, page_ids, page_size, head_start,
-                                 num_heads, layout, token_offset, num_tokens, out)
+    call, staging = _gather_call(
+        k_buffers, v_buffers, page_ids, page_size, head_start, num_heads, layout, token_offset, num_tokens, out
+    )
     _dispatch(call, staging, gather=True)
     return staging
 
 
-def _gather_call(k_buffers, v_buffers, page_ids, page_size, head_start, num_heads, layout,
-                 token_offset, num_tokens, out):
+def _gather_call(
+    k_buffers, v_buffers, page_ids, page_size, head_start, num_heads, layout, token_offset, num_tokens, out
+):
     """Validated arguments of a gather and its staging bytes (allocated when ``out`` is None)."""
-    call = parse_call(k_buffers, v_buffers, page_ids, page_size=page_size,
-                      head_start=head_start, num_heads=num_heads, layout=layout,
-                      token_offset=token_offset, num_tokens=num_tokens, unique_pages=False)
+    call = parse_call(
+        k_buffers,
+        v_buffers,
+        page_ids,
+        page_size=page_size,
+        head_start=head_start,
+        num_heads=num_heads,
+        layout=layout,
+        token_offset=token_offset,
+        num_tokens=num_tokens,
+        unique_pages=False,
+    )
     if out is None:
         out = torch.empty(call.staging_nbytes, dtype=torch.uint8, device=call.device)
     return call, staging_bytes_view(out, "out", call)
 
 
-def scatter_kv_heads(staging, k_buffers, v_buffers, page_ids, *, page_size=None, head_start=None,
-                     num_heads=None, layout=None, token_offset=None, num_tokens=None) -> None:
+def scatter_kv_heads(
+    staging,
+    k_buffers,
+    v_buffers,
+    page_ids,
+    *,
+    page_size=None,
+    head_start=None,
+    num_heads=None,
+    layout=None,
+    token_offset=None,
+    num_tokens=None,
+) -> None:
     """Copy a staging buffer (as written by ``gather_kv_heads``) into heads
     ``[head_start, head_start + num_heads)`` of a request's tokens in a paged KV pool.
 
@@ -145,29 +179,68 @@ def scatter_kv_heads(staging, k_buffers, v_buffers, page_ids, *, page_size=None,
     ValueError
         Any bad argument; nothing is written.
     """
-    call = parse_call(k_buffers, v_buffers, page_ids, page_size=page_size,
-                      head_start=head_start, num_heads=num_heads, layout=layout,
-                      token_offset=token_offset, num_tokens=num_tokens, unique_pages=True)
+    call = parse_call(
+        k_buffers,
+        v_buffers,
+        page_ids,
+        page_size=page_size,
+        head_start=head_start,
+        num_heads=num_heads,
+        layout=layout,
+        token_offset=token_offset,
+        num_tokens=num_tokens,
+        unique_pages=True,
+    )
     _dispatch(call, staging_bytes_view(staging, "staging", call), gather=False)
 
 
-def gather_kv_heads_reference(k_buffers, v_buffers, page_ids, *, page_size=None, head_start=None,
-                              num_heads=None, layout=None, token_offset=None, num_tokens=None,
-                              out=None) -> torch.Tensor:
+def gather_kv_heads_reference(
+    k_buffers,
+    v_buffers,
+    page_ids,
+    *,
+    page_size=None,
+    head_start=None,
+    num_heads=None,
+    layout=None,
+    token_offset=None,
+    num_tokens=None,
+    out=None,
+) -> torch.Tensor:
     """``gather_kv_heads`` in plain torch indexing (any device); the ground truth of tests."""
-    call, staging = _gather_call(k_buffers, v_buffers, page_ids, page_size, head_start,
-                                 num_heads, layout, token_offset, num_tokens, out)
+    call, staging = _gather_call(
+        k_buffers, v_buffers, page_ids, page_size, head_start, num_heads, layout, token_offset, num_tokens, out
+    )
     _reference(call, staging, gather=True)
     return staging
 
 
-def scatter_kv_heads_reference(staging, k_buffers, v_buffers, page_ids, *, page_size=None,
-                               head_start=None, num_heads=None, layout=None, token_offset=None,
-                               num_tokens=None) -> None:
+def scatter_kv_heads_reference(
+    staging,
+    k_buffers,
+    v_buffers,
+    page_ids,
+    *,
+    page_size=None,
+    head_start=None,
+    num_heads=None,
+    layout=None,
+    token_offset=None,
+    num_tokens=None,
+) -> None:
     """``scatter_kv_heads`` in plain torch indexing (any device); the ground truth of tests."""
-    call = parse_call(k_buffers, v_buffers, page_ids, page_size=page_size,
-                      head_start=head_start, num_heads=num_heads, layout=layout,
-                      token_offset=token_offset, num_tokens=num_tokens, unique_pages=True)
+    call = parse_call(
+        k_buffers,
+        v_buffers,
+        page_ids,
+        page_size=page_size,
+        head_start=head_start,
+        num_heads=num_heads,
+        layout=layout,
+        token_offset=token_offset,
+        num_tokens=num_tokens,
+        unique_pages=True,
+    )
     _reference(call, staging_bytes_view(staging, "staging", call), gather=False)
 
 
@@ -179,6 +252,7 @@ def backend_for(device) -> str:
 
 
 # ---- dispatch ----------------------------------------------------------------------------
+
 
 def _library(kind: str):
     if kind == "cpu":
@@ -196,8 +270,11 @@ def _dispatch(call: KVCall, staging: torch.Tensor, gather: bool) -> None:
     if lib is None:
         if kind not in _warned_fallback and not envs.KVXFER_DISABLE_NATIVE.get():
             _warned_fallback.add(kind)
-            logger.warning("no native %s gather/scatter (%s); using the torch reference",
-                           kind, _native.status().get(kind, "unsupported device"))
+            logger.warning(
+                "no native %s gather/scatter (%s); using the torch reference",
+                kind,
+                _native.status().get(kind, "unsupported device"),
+            )
         _reference(call, staging, gather)
     elif kind == "cpu":
         _run_cpu(lib, call, staging, gather)
@@ -207,13 +284,24 @@ def _dispatch(call: KVCall, staging: torch.Tensor, gather: bool) -> None:
 
 def _descs(call: KVCall) -> tuple[_native.PoolDesc, _native.SliceDesc]:
     pool = _native.PoolDesc(
-        num_layers=call.num_layers, num_kv=call.num_kv, num_pages=call.num_pages,
-        page_size=call.page_size, pool_heads=call.pool_heads, itemsize=call.itemsize,
-        k_row_bytes=call.k_dim * call.itemsize, v_row_bytes=call.v_dim * call.itemsize,
-        layout=_native.LAYOUT_CODES[call.layout], reserved=0)
-    sl = _native.SliceDesc(head_start=call.head_start, num_heads=call.num_heads,
-                           token_offset=call.token_offset, num_tokens=call.num_tokens,
-                           num_page_ids=int(call.page_ids.shape[0]))
+        num_layers=call.num_layers,
+        num_kv=call.num_kv,
+        num_pages=call.num_pages,
+        page_size=call.page_size,
+        pool_heads=call.pool_heads,
+        itemsize=call.itemsize,
+        k_row_bytes=call.k_dim * call.itemsize,
+        v_row_bytes=call.v_dim * call.itemsize,
+        layout=_native.LAYOUT_CODES[call.layout],
+        reserved=0,
+    )
+    sl = _native.SliceDesc(
+        head_start=call.head_start,
+        num_heads=call.num_heads,
+        token_offset=call.token_offset,
+        num_tokens=call.num_tokens,
+        num_page_ids=int(call.page_ids.shape[0]),
+    )
     return pool, sl
 
 
@@ -225,14 +313,22 @@ def _cpu_threads(nbytes: int) -> int:
     return max(1, min(cores or 1, nbytes // _MIN_BYTES_PER_THREAD, _MAX_THREADS))
 
 
-def _run_cpu(lib: _native.Library, call: KVCall, staging: torch.Tensor, gather: bool,
-             streaming_min_bytes: int = -1) -> None:
+def _run_cpu(
+    lib: _native.Library, call: KVCall, staging: torch.Tensor, gather: bool, streaming_min_bytes: int = -1
+) -> None:
     pool, sl = _descs(call)
     ptrs = np.array([t.data_ptr() for t in call.layers], dtype=np.uint64)
     name = "kvxfer_gather_cpu" if gather else "kvxfer_scatter_cpu"
-    code = getattr(lib.handle, name)(pool, ptrs.ctypes.data, call.page_ids.ctypes.data, sl,
-                                     staging.data_ptr(), staging.numel(),
-                                     _cpu_threads(call.staging_nbytes), streaming_min_bytes)
+    code = getattr(lib.handle, name)(
+        pool,
+        ptrs.ctypes.data,
+        call.page_ids.ctypes.data,
+        sl,
+        staging.data_ptr(),
+        staging.numel(),
+        _cpu_threads(call.staging_nbytes),
+        streaming_min_bytes,
+    )
     _native.check_status(lib, code, name)
 
 
@@ -253,14 +349,23 @@ def _run_cuda(lib: _native.Library, call: KVCall, staging: torch.Tensor, gather:
         if host_ids is not None:
             packed = np.concatenate([packed, host_ids])
         table = torch.from_numpy(packed).pin_memory().to(call.device, non_blocking=True)
-        dev_ids = call.page_ids if host_ids is None else table[len(ptrs):]
+        dev_ids = call.page_ids if host_ids is None else table[len(ptrs) :]
         name = "kvxfer_gather_cuda" if gather else "kvxfer_scatter_cuda"
-        code = getattr(lib.handle, name)(pool, table.data_ptr(), align, dev_ids.data_ptr(), sl,
-                                         staging.data_ptr(), staging.numel(), stream.cuda_stream)
+        code = getattr(lib.handle, name)(
+            pool,
+            table.data_ptr(),
+            align,
+            dev_ids.data_ptr(),
+            sl,
+            staging.data_ptr(),
+            staging.numel(),
+            stream.cuda_stream,
+        )
     _native.check_status(lib, code, name)
 
 
 # ---- reference ---------------------------------------------------------------------------
+
 
 def _reference(call: KVCall, staging: torch.Tensor, gather: bool) -> None:
     """Bitwise copies through integer views, so NaN payloads and fp8 survive unchanged."""
@@ -276,8 +381,8 @@ def _reference(call: KVCall, staging: torch.Tensor, gather: bool) -> None:
     dev = call.device
     ids = torch.as_tensor(call.page_ids, dtype=torch.int64, device=dev)
     tokens = torch.arange(call.token_offset, call.token_offset + call.num_tokens, device=dev)
-    pages = ids[tokens // call.page_size][:, None]           # [T, 1]
-    slots = (tokens % call.page_size)[:, None]               # [T, 1]
+    pages = ids[tokens // call.page_size][:, None]  # [T, 1]
+    slots = (tokens % call.page_size)[:, None]  # [T, 1]
     heads = torch.arange(call.head_start, call.head_start + call.num_heads, device=dev)[None, :]
     int_type = _INT_OF_SIZE[call.itemsize]
     offset = 0
@@ -286,12 +391,12 @@ def _reference(call: KVCall, staging: torch.Tensor, gather: bool) -> None:
             buffer = call.layers[kv * call.num_layers + layer].view(int_type)
             dim = call.k_dim if kv == 0 else call.v_dim
             nbytes = call.num_tokens * call.num_heads * dim * call.itemsize
-            block = staging[offset:offset + nbytes].view(int_type).view(
-                call.num_tokens, call.num_heads, dim)
+            block = staging[offset : offset + nbytes].view(int_type).view(call.num_tokens, call.num_heads, dim)
+            index: tuple[torch.Tensor, ...]
             if call.layout == "NHD":
-                index = (pages * call.page_size + slots, heads)       # -> [T, n, dim]
+                index = (pages * call.page_size + slots, heads)  # -> [T, n, dim]
             else:
-                index = (pages, heads, slots)                         # -> [T, n, dim]
+                index = (pages, heads, slots)  # -> [T, n, dim]
             if gather:
                 block.copy_(buffer[index])
             else:

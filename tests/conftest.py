@@ -1,14 +1,18 @@
 """Command-line options of the test suite (they must live in the top-level conftest), and
 the guard that ends a test run which created a NIXL UCX backend in this process."""
+
 import sys
 
 import pytest
 
 
 def pytest_addoption(parser):
-    parser.addoption("--transport", action="store", default=None,
-                     help="comma-separated transports the transport contract suite runs "
-                          "(default: every available one)")
+    parser.addoption(
+        "--transport",
+        action="store",
+        default=None,
+        help="comma-separated transports the transport contract suite runs (default: every available one)",
+    )
 
 
 def pytest_sessionstart(session):

@@ -7,6 +7,7 @@ such condition lives here: a test file writes ``@needs_cuda`` (or lists it in
 importing this module probes nothing, and ``from tests.facts import needs_cuda`` probes
 only CUDA (when the importing test module is collected).
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,9 +16,20 @@ import os
 
 import pytest
 
-__all__ = ["cuda_available", "cuda_device_count", "nixl_available", "mori_hw_missing", "sglang_installed",
-           "needs_cuda", "needs_nixl", "needs_mori_hw", "needs_sglang_installed", "needs_root", "needs_cxx",
-           "needs_nvcc"]
+__all__ = [
+    "cuda_available",
+    "cuda_device_count",
+    "nixl_available",
+    "mori_hw_missing",
+    "sglang_installed",
+    "needs_cuda",
+    "needs_nixl",
+    "needs_mori_hw",
+    "needs_sglang_installed",
+    "needs_root",
+    "needs_cxx",
+    "needs_nvcc",
+]
 
 
 @functools.cache

@@ -1,4 +1,5 @@
 """Where the key comes from: environment, key file, the per-user file, the loopback rule."""
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,7 @@ def test_a_readable_key_file_is_refused_with_the_fix(clean_env):
 
 
 def test_a_non_loopback_bind_without_an_explicit_key_refuses_to_start(clean_env):
-    with pytest.raises(AuthenticationError, match="10.1.2.3 .not loopback. needs an explicit key: "
-                                                  "set KVXFER_AUTH_KEY"):
+    with pytest.raises(AuthenticationError, match="10.1.2.3 .not loopback. needs an explicit key: set KVXFER_AUTH_KEY"):
         auth.resolve_key("10.1.2.3")
     with pytest.raises(AuthenticationError, match="KVXFER_AUTH=off"):
         EngineConfig("prefill", geometry(), 1, 0, "127.0.0.1:1", host="10.1.2.3")
@@ -87,8 +87,13 @@ def test_a_launcher_on_a_non_loopback_address_without_a_key_exits_2_with_one_lin
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVXFER_AUTH")}
     # Refused before any socket is opened: nothing is sent to that address.
-    out = subprocess.run([sys.executable, "-m", "sglang_kvxfer", "prefill", "--host", "10.255.255.1",
-                          "--port", "30999"], capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_kvxfer", "prefill", "--host", "10.255.255.1", "--port", "30999"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr

@@ -1,4 +1,5 @@
 """KVGeometry and RankPlacement: validation messages, serialisation, compatibility."""
+
 from __future__ import annotations
 
 import msgpack
@@ -19,20 +20,23 @@ from sglang_kvxfer.geometry import (
 BASE = dict(num_layers=4, total_kv_heads=8, head_dim=128)
 
 
-@pytest.mark.parametrize("field,value,words", [
-    ("num_layers", 0, "num_layers=0 must be >= 1"),
-    ("num_layers", "4", "num_layers='4' must be an integer"),
-    ("total_kv_heads", 0, "total_kv_heads=0 must be >= 1"),
-    ("head_dim", -1, "head_dim=-1 must be >= 1"),
-    ("head_dim", 1.5, "head_dim=1.5 must be an integer"),
-    ("v_head_dim", 0, "v_head_dim=0 must be >= 1"),
-    ("page_size", 0, "page_size=0 must be >= 1"),
-    ("num_pages", 0, "num_pages=0 must be >= 1"),
-    ("dtype", "int4", "dtype='int4' is not supported"),
-    ("layout", "NDH", "layout='NDH' is not supported; use NHD or HND"),
-    ("mla", "yes", "mla='yes' must be a bool"),
-    ("num_layers", True, "num_layers=True must be an integer"),
-])
+@pytest.mark.parametrize(
+    "field,value,words",
+    [
+        ("num_layers", 0, "num_layers=0 must be >= 1"),
+        ("num_layers", "4", "num_layers='4' must be an integer"),
+        ("total_kv_heads", 0, "total_kv_heads=0 must be >= 1"),
+        ("head_dim", -1, "head_dim=-1 must be >= 1"),
+        ("head_dim", 1.5, "head_dim=1.5 must be an integer"),
+        ("v_head_dim", 0, "v_head_dim=0 must be >= 1"),
+        ("page_size", 0, "page_size=0 must be >= 1"),
+        ("num_pages", 0, "num_pages=0 must be >= 1"),
+        ("dtype", "int4", "dtype='int4' is not supported"),
+        ("layout", "NDH", "layout='NDH' is not supported; use NHD or HND"),
+        ("mla", "yes", "mla='yes' must be a bool"),
+        ("num_layers", True, "num_layers=True must be an integer"),
+    ],
+)
 def test_each_invalid_field_is_named_with_its_value(field, value, words):
     with pytest.raises(GeometryError) as exc:
         KVGeometry(**{**BASE, field: value})
@@ -48,10 +52,17 @@ def test_mla_rules():
         KVGeometry(num_layers=2, total_kv_heads=1, head_dim=576, mla=True, v_head_dim=64)
 
 
-@pytest.mark.parametrize("alias,name,size", [
-    ("bf16", "bfloat16", 2), ("fp16", "float16", 2), ("torch.float32", "float32", 4),
-    ("fp8", "float8_e4m3fn", 1), ("fp8_e5m2", "float8_e5m2", 1), ("uint8", "uint8", 1),
-])
+@pytest.mark.parametrize(
+    "alias,name,size",
+    [
+        ("bf16", "bfloat16", 2),
+        ("fp16", "float16", 2),
+        ("torch.float32", "float32", 4),
+        ("fp8", "float8_e4m3fn", 1),
+        ("fp8_e5m2", "float8_e5m2", 1),
+        ("uint8", "uint8", 1),
+    ],
+)
 def test_dtype_aliases(alias, name, size):
     g = KVGeometry(**BASE, dtype=alias)
     assert (g.dtype, g.itemsize) == (name, size)
@@ -125,13 +136,16 @@ def test_from_dict_rejections():
         KVGeometry.from_dict({**d, "head_dim": "x"})
 
 
-@pytest.mark.parametrize("field,p_value,d_value,hint", [
-    ("total_kv_heads", 8, 4, "un-sharded KV head count"),
-    ("head_dim", 128, 64, "same K head dim"),
-    ("v_head_dim", 128, 64, "same V head dim"),
-    ("dtype", "bfloat16", "float16", "same KV cache dtype"),
-    ("num_layers", 4, 2, "same number of KV layers"),
-])
+@pytest.mark.parametrize(
+    "field,p_value,d_value,hint",
+    [
+        ("total_kv_heads", 8, 4, "un-sharded KV head count"),
+        ("head_dim", 128, 64, "same K head dim"),
+        ("v_head_dim", 128, 64, "same V head dim"),
+        ("dtype", "bfloat16", "float16", "same KV cache dtype"),
+        ("num_layers", 4, 2, "same number of KV layers"),
+    ],
+)
 def test_each_mismatch_names_field_both_values_and_a_fix(field, p_value, d_value, hint):
     pre = KVGeometry(**{**BASE, "v_head_dim": 128, field: p_value})
     dec = KVGeometry(**{**BASE, "v_head_dim": 128, field: d_value})

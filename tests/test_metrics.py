@@ -1,5 +1,6 @@
 """metrics.py without processes: failure kinds, records, the decode-side window estimate,
 and the refusals of the Prometheus endpoint."""
+
 from __future__ import annotations
 
 import sys
@@ -22,11 +23,17 @@ REASONS = [
     ("timed out after 10.0 s in Transferring without progress", "timeout"),
     ("prefill rank 0 failed the request: timed out after 60.0 s in Bootstrapping", "timeout"),
     ("room 7: decode rank 1 returned no staging slot within 120.0 s", "timeout"),
-    ("prefill rank 1 is gone: peer tcp://127.0.0.1:5 (session ab) sent nothing for 2.1 s "
-     "(KVXFER_HEARTBEAT_TIMEOUT_S=2.0)", "peer_gone"),
+    (
+        "prefill rank 1 is gone: peer tcp://127.0.0.1:5 (session ab) sent nothing for 2.1 s "
+        "(KVXFER_HEARTBEAT_TIMEOUT_S=2.0)",
+        "peer_gone",
+    ),
     ("peer 'f24d' (pid 123) has exited", "peer_gone"),
-    ("prefill rank 0 refused this decode rank: incompatible KV geometry: head_dim: prefill=16 decode=8 "
-     "(use the same model on both sides)", "geometry"),
+    (
+        "prefill rank 0 refused this decode rank: incompatible KV geometry: head_dim: prefill=16 decode=8 "
+        "(use the same model on both sides)",
+        "geometry",
+    ),
     ("decode rank 0 aborted the request: the rank server gave up after 60 s", "aborted"),
     ("aborted by the decode side", "aborted"),
     ("tcp: 127.0.0.1:4000 refused the write: entry 3 outside region 1", "transport"),
@@ -44,8 +51,18 @@ def test_failure_reasons_fall_into_a_fixed_set_of_kinds(reason, kind):
 
 
 def test_record_window_tail_and_round_trip():
-    rec = RequestRecord(room=5, side="decode", tp_rank=1, ok=True, bytes=4096, ops=2,
-                        phases={"scatter": 0.25}, first_byte_ready=10.0, last_chunk_ready=10.5, last_notice=11.5)
+    rec = RequestRecord(
+        room=5,
+        side="decode",
+        tp_rank=1,
+        ok=True,
+        bytes=4096,
+        ops=2,
+        phases={"scatter": 0.25},
+        first_byte_ready=10.0,
+        last_chunk_ready=10.5,
+        last_notice=11.5,
+    )
     assert rec.transfer_s == pytest.approx(1.5)
     assert rec.tail_s == pytest.approx(1.0)
     assert rec.failure_kind == ""
@@ -56,8 +73,9 @@ def test_record_window_tail_and_round_trip():
     assert unfinished.transfer_s is None and unfinished.tail_s is None
     assert unfinished.failure_kind == "aborted"
     # the engine knows a local abort whatever its caller wrote as the reason
-    told = RequestRecord(room=6, side="decode", tp_rank=0, ok=False, reason="the client went away",
-                         failure_kind="aborted")
+    told = RequestRecord(
+        room=6, side="decode", tp_rank=0, ok=False, reason="the client went away", failure_kind="aborted"
+    )
     assert told.failure_kind == "aborted"
     untold = RequestRecord(room=6, side="decode", tp_rank=0, ok=False, reason="the client went away")
     assert untold.failure_kind == "other"

@@ -1,4 +1,5 @@
 """The package imports cheaply and its environment variables are all documented."""
+
 import re
 import subprocess
 import sys
@@ -24,8 +25,7 @@ def test_env_doc_table_matches_the_registry():
     block = re.search(r"<!-- envs:begin -->\n(.*?)\n?<!-- envs:end -->", doc, re.S)
     assert block, "docs/environment.md lost its envs:begin/envs:end markers"
     assert block.group(1).strip() == envs.markdown_table(), (
-        "docs/environment.md env table is stale: regenerate it with "
-        "`python -m sglang_kvxfer.envs`"
+        "docs/environment.md env table is stale: regenerate it with `python -m sglang_kvxfer.envs`"
     )
     for var in envs.all_vars():
         assert var.name.startswith("KVXFER_")

@@ -8,6 +8,7 @@ A library that cannot be loaded is reported as unavailable, with the reason kept
 Must not: import torch or numpy at import time, validate tensors (``ops`` does that before
 anything reaches native code), or retry a failed load within a process.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -79,21 +80,16 @@ _SIGNATURES = {
     "cpu": {
         "kvxfer_cpu_abi_version": ([], ctypes.c_int),
         "kvxfer_cpu_last_error": ([], ctypes.c_char_p),
-        "kvxfer_gather_cpu": ([_P(PoolDesc), _VP, _VP, _P(SliceDesc), _VP, _I64, _I32, _I64],
-                              ctypes.c_int),
-        "kvxfer_scatter_cpu": ([_P(PoolDesc), _VP, _VP, _P(SliceDesc), _VP, _I64, _I32, _I64],
-                               ctypes.c_int),
-        "kvxfer_emulate_cuda_cpu": ([_I32, _P(PoolDesc), _VP, _I64, _VP, _P(SliceDesc), _VP,
-                                     _I64], ctypes.c_int),
+        "kvxfer_gather_cpu": ([_P(PoolDesc), _VP, _VP, _P(SliceDesc), _VP, _I64, _I32, _I64], ctypes.c_int),
+        "kvxfer_scatter_cpu": ([_P(PoolDesc), _VP, _VP, _P(SliceDesc), _VP, _I64, _I32, _I64], ctypes.c_int),
+        "kvxfer_emulate_cuda_cpu": ([_I32, _P(PoolDesc), _VP, _I64, _VP, _P(SliceDesc), _VP, _I64], ctypes.c_int),
     },
     "cuda": {
         "kvxfer_cuda_abi_version": ([], ctypes.c_int),
         "kvxfer_cuda_last_error": ([], ctypes.c_char_p),
         "kvxfer_cuda_probe": ([], ctypes.c_int),
-        "kvxfer_gather_cuda": ([_P(PoolDesc), _VP, _I64, _VP, _P(SliceDesc), _VP, _I64, _VP],
-                               ctypes.c_int),
-        "kvxfer_scatter_cuda": ([_P(PoolDesc), _VP, _I64, _VP, _P(SliceDesc), _VP, _I64, _VP],
-                                ctypes.c_int),
+        "kvxfer_gather_cuda": ([_P(PoolDesc), _VP, _I64, _VP, _P(SliceDesc), _VP, _I64, _VP], ctypes.c_int),
+        "kvxfer_scatter_cuda": ([_P(PoolDesc), _VP, _I64, _VP, _P(SliceDesc), _VP, _I64, _VP], ctypes.c_int),
     },
 }
 _FILENAMES = {"cpu": build.CPU_LIBRARY, "cuda": build.CUDA_LIBRARY}
@@ -170,8 +166,9 @@ def _load(kind: str) -> Library:
     lib = Library(kind, path, handle)
     version = getattr(handle, f"kvxfer_{kind}_abi_version")()
     if version != ABI_VERSION:
-        raise KVXferError(f"{path} has ABI version {version}, this package needs "
-                          f"{ABI_VERSION}: rebuild it (pip install -e .)")
+        raise KVXferError(
+            f"{path} has ABI version {version}, this package needs {ABI_VERSION}: rebuild it (pip install -e .)"
+        )
     if kind == "cuda" and handle.kvxfer_cuda_probe() != 0:
         raise KVXferError(f"{path} cannot use CUDA: {lib.last_error()}")
     return lib
@@ -195,8 +192,9 @@ def _build_on_demand(kind: str) -> Path:
     else:
         tool, archs = build.find_nvcc(), envs.KVXFER_CUDA_ARCHS.get().split(",")
     if tool is None:
-        raise build.BuildError(f"{_FILENAMES[kind]} is not installed and no "
-                               f"{'C++ compiler' if kind == 'cpu' else 'nvcc'} to build it")
+        raise build.BuildError(
+            f"{_FILENAMES[kind]} is not installed and no {'C++ compiler' if kind == 'cpu' else 'nvcc'} to build it"
+        )
     out = _cache_dir() / f"{kind}-{build.source_digest(src, kind, tool, *archs)}" / _FILENAMES[kind]
     if out.is_file():
         return out
@@ -217,7 +215,7 @@ class _file_lock:
     def __init__(self, path: Path, timeout_s: float):
         self.path, self.timeout_s, self.fd = path, timeout_s, -1
 
-    def __enter__(self) -> "_file_lock":
+    def __enter__(self) -> _file_lock:
         self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -227,8 +225,10 @@ class _file_lock:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     os.close(self.fd)
-                    raise build.BuildError(f"{self.path} stayed locked for {self.timeout_s:.0f} s "
-                                           "(another build hung?); remove it to retry") from None
+                    raise build.BuildError(
+                        f"{self.path} stayed locked for {self.timeout_s:.0f} s "
+                        "(another build hung?); remove it to retry"
+                    ) from None
                 time.sleep(0.1)
 
     def __exit__(self, *exc) -> None:

@@ -8,6 +8,7 @@ Used by ``setup.py`` at install time and by the loader for on-demand builds.
 Must not: import torch or anything outside the standard library (setup.py imports it
 before the package's dependencies exist), or decide *whether* to build.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -91,8 +92,19 @@ def find_nvcc() -> str | None:
 
 def cpu_command(cxx: str, src_dir: Path, out: Path) -> list[str]:
     return [
-        cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-pthread",
-        "-Wall", "-Wextra", f"-I{src_dir}", str(src_dir / "kvxfer_cpu.cpp"), "-o", str(out),
+        cxx,
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-fvisibility=hidden",
+        "-pthread",
+        "-Wall",
+        "-Wextra",
+        f"-I{src_dir}",
+        str(src_dir / "kvxfer_cpu.cpp"),
+        "-o",
+        str(out),
     ]
 
 
@@ -107,8 +119,17 @@ def cuda_command(nvcc: str, src_dir: Path, out: Path, archs: list[str]) -> list[
     newest = max(int(a.rstrip("af")) for a in archs)
     gencode.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
     return [
-        nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden",
-        *gencode, f"-I{src_dir}", str(src_dir / "kvxfer_cuda.cu"), "-o", str(out),
+        nvcc,
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-Xcompiler",
+        "-fPIC,-fvisibility=hidden",
+        *gencode,
+        f"-I{src_dir}",
+        str(src_dir / "kvxfer_cuda.cu"),
+        "-o",
+        str(out),
     ]
 
 
@@ -145,8 +166,7 @@ def build_cpu(out: Path, src_dir: Path | None = None, timeout_s: float = BUILD_T
     return _run_atomic(lambda tmp: cpu_command(cxx, src_dir, tmp), Path(out), timeout_s)
 
 
-def build_cuda(out: Path, archs: list[str], src_dir: Path | None = None,
-               timeout_s: float = BUILD_TIMEOUT_S) -> Path:
+def build_cuda(out: Path, archs: list[str], src_dir: Path | None = None, timeout_s: float = BUILD_TIMEOUT_S) -> Path:
     """Builds ``libkvxfer_cuda.so`` at ``out`` for ``archs``; raises ``BuildError``."""
     src_dir = src_dir or find_sources()
     if src_dir is None:

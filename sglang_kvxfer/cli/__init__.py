@@ -5,6 +5,7 @@ Each sub-command is a module (or ``module:object``) exposing ``add_arguments(par
 and gets its arguments verbatim. Bad input exits with status 2 and a one-line message on
 stderr, never a traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,15 +16,22 @@ from sglang_kvxfer.errors import KVXferError
 
 # name -> (module or "module:object", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("sglang_kvxfer.cli.bench", "sweep prefill/decode configurations here; GB/s, latency, "
-                                         "descriptors/s against a same-run baseline"),
+    "bench": (
+        "sglang_kvxfer.cli.bench",
+        "sweep prefill/decode configurations here; GB/s, latency, descriptors/s against a same-run baseline",
+    ),
     "demo": ("sglang_kvxfer.cli.demo", "run a prefill group and a decode group here and move verified KV"),
     "plan": ("sglang_kvxfer.cli.plan", "show who sends which KV heads to whom for a TP pair"),
-    "prefill": ("sglang_kvxfer.cli.servers:PrefillCommand", "run a prefill TP group (and its bootstrap) serving clients"),
+    "prefill": (
+        "sglang_kvxfer.cli.servers:PrefillCommand",
+        "run a prefill TP group (and its bootstrap) serving clients",
+    ),
     "decode": ("sglang_kvxfer.cli.servers:DecodeCommand", "run a decode TP group serving clients"),
     "client": ("sglang_kvxfer.cli.client", "send verified requests to a prefill and a decode server"),
-    "sglang-serve": ("sglang_kvxfer.cli.sglang_serve",
-                     "run SGLang's server with this engine as --disaggregation-transfer-backend kvxfer"),
+    "sglang-serve": (
+        "sglang_kvxfer.cli.sglang_serve",
+        "run SGLang's server with this engine as --disaggregation-transfer-backend kvxfer",
+    ),
 }
 
 
@@ -41,9 +49,7 @@ def _load(target: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="kvxfer", description="KV-cache transfer engine for prefill/decode disaggregation"
-    )
+    parser = _Parser(prog="kvxfer", description="KV-cache transfer engine for prefill/decode disaggregation")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name, (target, help_text) in COMMANDS.items():

@@ -7,6 +7,7 @@ verified every byte, and prints the same summary as ``kvxfer demo``. Room ids ar
 dead rank costs a failed request within about a second, not a deadline. Flags are
 range-checked and a request larger than either server's pool is refused up front.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,8 @@ from sglang_kvxfer.cli.progress import Progress
 from sglang_kvxfer.cluster.workload import make_requests, run_workload, summarize
 from sglang_kvxfer.engine.config import parse_host_port
 from sglang_kvxfer.errors import AuthenticationError, TransferTimeoutError
-from sglang_kvxfer.protocol import envelope
 from sglang_kvxfer.geometry import KVGeometry
+from sglang_kvxfer.protocol import envelope
 
 log = logging.getLogger("sglang_kvxfer.client")
 
@@ -49,8 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-delay-ms", type=float, default=0.0, help="pause before each later chunk")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
     p.add_argument("--no-verify", action="store_true", help="skip filling and checking the bytes")
-    p.add_argument("--seed", type=int, default=0,
-                   help="unused: room ids are random 63-bit numbers so that runs never share a room")
+    p.add_argument(
+        "--seed", type=int, default=0, help="unused: room ids are random 63-bit numbers so that runs never share a room"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one request (default 600)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress line")
@@ -86,8 +88,9 @@ class RemoteGroup:
             rid = next(self._ids)
             self._pending[rid] = fut
             seq = self._seqs[rid] = envelope.fresh_seq(time.time())
-            self._outbox.append(envelope.seal(self._key, self._session, seq,
-                                              msgpack.packb(dict(obj, id=rid), use_bin_type=True)))
+            self._outbox.append(
+                envelope.seal(self._key, self._session, seq, msgpack.packb(dict(obj, id=rid), use_bin_type=True))
+            )
         return fut
 
     def info(self, timeout_s: float) -> dict:
@@ -156,19 +159,32 @@ def run(args: argparse.Namespace) -> int:
         gp, gd = KVGeometry.from_dict(ip["geometry"]), KVGeometry.from_dict(idc["geometry"])
         check_pool_fits(max(tokens), gp, f"prefill server's ({args.prefill})")
         check_pool_fits(max(tokens), gd, f"decode server's ({args.decode})")
-        jobs = make_requests(args.requests, tokens, args.chunk_tokens, gp.page_size, None,
-                             not args.no_verify, args.chunk_delay_ms / 1e3)
-        results, wall = run_workload(pre, dec, jobs, args.concurrency, args.timeout,
-                                     progress=Progress(len(jobs), not args.quiet))
+        jobs = make_requests(
+            args.requests, tokens, args.chunk_tokens, gp.page_size, None, not args.no_verify, args.chunk_delay_ms / 1e3
+        )
+        results, wall = run_workload(
+            pre, dec, jobs, args.concurrency, args.timeout, progress=Progress(len(jobs), not args.quiet)
+        )
     finally:
         pre.close()
         dec.close()
-    summary = summarize(results, wall, prefill_tp=ip["tp_size"], decode_tp=idc["tp_size"],
-                        transport=ip["transport"], total_kv_heads=gp.total_kv_heads, mla=gp.mla,
-                        layers=gp.num_layers, head_dim=gp.head_dim, dtype=gp.dtype,
-                        prefill_page_size=gp.page_size, decode_page_size=gd.page_size,
-                        prefill_layout=gp.layout.value, decode_layout=gd.layout.value,
-                        verify=not args.no_verify)
+    summary = summarize(
+        results,
+        wall,
+        prefill_tp=ip["tp_size"],
+        decode_tp=idc["tp_size"],
+        transport=ip["transport"],
+        total_kv_heads=gp.total_kv_heads,
+        mla=gp.mla,
+        layers=gp.num_layers,
+        head_dim=gp.head_dim,
+        dtype=gp.dtype,
+        prefill_page_size=gp.page_size,
+        decode_page_size=gd.page_size,
+        prefill_layout=gp.layout.value,
+        decode_layout=gd.layout.value,
+        verify=not args.no_verify,
+    )
     print(json.dumps(summary) if args.json else render(summary))
     ok = summary["succeeded_requests"] == summary["requests"]
     return 0 if ok and (args.no_verify or summary["verified_requests"] == summary["requests"]) else 1

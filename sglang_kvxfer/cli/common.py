@@ -7,6 +7,7 @@ reads one point of the sweep (a namespace with single values). ``check_ranges`` 
 numeric flags after parsing, so that a bad value exits 2 with one line naming the flag and
 the value (``--page-size=0 must be >= 1``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,9 +16,23 @@ import math
 from sglang_kvxfer import envs
 from sglang_kvxfer.geometry import KVGeometry
 
-__all__ = ["add_model_args", "add_side_args", "add_deadline_args", "side_geometry", "engine_options",
-           "int_list", "str_list", "parse_tokens", "pool_pages", "check_ranges", "check_pool_fits", "PORT", "OPTIONAL_PORT",
-           "COMMON_RANGES", "MAX_CHUNK_DELAY_S"]
+__all__ = [
+    "add_model_args",
+    "add_side_args",
+    "add_deadline_args",
+    "side_geometry",
+    "engine_options",
+    "int_list",
+    "str_list",
+    "parse_tokens",
+    "pool_pages",
+    "check_ranges",
+    "check_pool_fits",
+    "PORT",
+    "OPTIONAL_PORT",
+    "COMMON_RANGES",
+    "MAX_CHUNK_DELAY_S",
+]
 
 PORT = (1, 65535)
 OPTIONAL_PORT = (1, 65535, 0)  # 0 means "off"
@@ -25,12 +40,22 @@ MAX_CHUNK_DELAY_S = 60.0
 MAX_DEADLINE_S = 86400.0
 # dest -> (lowest, highest or None[, a value that means off]) for the flags every command shares
 COMMON_RANGES = {
-    "layers": (1, 4096), "total_kv_heads": (1, 65536), "head_dim": (1, 65536), "v_head_dim": (1, 65536),
-    "page_size": (1, 1 << 20), "num_pages": (1, 1 << 31), "prefill_page_size": (1, 1 << 20),
-    "decode_page_size": (1, 1 << 20), "bootstrap_timeout": (1e-3, MAX_DEADLINE_S),
-    "waiting_timeout": (1e-3, MAX_DEADLINE_S), "transfer_timeout": (1e-3, MAX_DEADLINE_S),
-    "heartbeat_timeout": (1e-3, MAX_DEADLINE_S), "chunk_tokens": (0, 1 << 31),
-    "chunk_delay_ms": (0, MAX_CHUNK_DELAY_S * 1e3), "concurrency": (1, None), "requests": (1, None),
+    "layers": (1, 4096),
+    "total_kv_heads": (1, 65536),
+    "head_dim": (1, 65536),
+    "v_head_dim": (1, 65536),
+    "page_size": (1, 1 << 20),
+    "num_pages": (1, 1 << 31),
+    "prefill_page_size": (1, 1 << 20),
+    "decode_page_size": (1, 1 << 20),
+    "bootstrap_timeout": (1e-3, MAX_DEADLINE_S),
+    "waiting_timeout": (1e-3, MAX_DEADLINE_S),
+    "transfer_timeout": (1e-3, MAX_DEADLINE_S),
+    "heartbeat_timeout": (1e-3, MAX_DEADLINE_S),
+    "chunk_tokens": (0, 1 << 31),
+    "chunk_delay_ms": (0, MAX_CHUNK_DELAY_S * 1e3),
+    "concurrency": (1, None),
+    "requests": (1, None),
     "metrics_port": OPTIONAL_PORT,
 }
 
@@ -72,8 +97,10 @@ def check_pool_fits(tokens: int, geometry: KVGeometry, side: str) -> None:
     """Refuse a request larger than ``side``'s whole pool up front (it could never run)."""
     capacity = geometry.num_pages * geometry.page_size
     if tokens > capacity:
-        raise ValueError(f"--tokens={tokens} is larger than the {side} pool: {geometry.num_pages} pages of "
-                         f"{geometry.page_size} tokens hold {capacity} tokens (raise --num-pages)")
+        raise ValueError(
+            f"--tokens={tokens} is larger than the {side} pool: {geometry.num_pages} pages of "
+            f"{geometry.page_size} tokens hold {capacity} tokens (raise --num-pages)"
+        )
 
 
 def int_list(text: str) -> list[int]:
@@ -118,15 +145,26 @@ def add_model_args(p: argparse.ArgumentParser, layers: int = 16, sweep: bool = F
     g = p.add_argument_group("model geometry (must match on both sides)" + ("; lists sweep" if sweep else ""))
     num, lst = (int_list, "comma list of ") if sweep else (int, "")
     g.add_argument("--layers", type=int, default=layers, help=f"KV layers (default {layers})")
-    g.add_argument("--total-kv-heads", type=num, default=None,
-                   help=f"{lst}un-sharded KV heads (default 8; 1 with --mla)")
-    g.add_argument("--head-dim", type=num, default=[128] if sweep else 128,
-                   help=f"{lst}K head dim (default 128; MLA latent e.g. 576)")
+    g.add_argument(
+        "--total-kv-heads", type=num, default=None, help=f"{lst}un-sharded KV heads (default 8; 1 with --mla)"
+    )
+    g.add_argument(
+        "--head-dim",
+        type=num,
+        default=[128] if sweep else 128,
+        help=f"{lst}K head dim (default 128; MLA latent e.g. 576)",
+    )
     g.add_argument("--v-head-dim", type=int, default=None, help="V head dim (default: --head-dim)")
     g.add_argument("--dtype", default="bf16", help="KV dtype: bf16, fp16, fp32, fp8_e4m3, fp8_e5m2 (default bf16)")
     if sweep:
-        g.add_argument("--mla", type=_mla_list, nargs="?", const=[True], default=[False],
-                       help="MLA latent cache; a list such as 'off,on' sweeps both")
+        g.add_argument(
+            "--mla",
+            type=_mla_list,
+            nargs="?",
+            const=[True],
+            default=[False],
+            help="MLA latent cache; a list such as 'off,on' sweeps both",
+        )
     else:
         g.add_argument("--mla", action="store_true", help="MLA latent cache (one head replicated on every rank)")
 
@@ -137,37 +175,63 @@ def add_side_args(p: argparse.ArgumentParser, both: bool, sweep: bool = False) -
     g = p.add_argument_group("pool format")
     g.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     g.add_argument("--layout", default="NHD", help="pool layout NHD or HND (default NHD)")
-    g.add_argument("--num-pages", type=int, default=None, help="pool capacity in pages (default: sized for the workload)")
+    g.add_argument(
+        "--num-pages", type=int, default=None, help="pool capacity in pages (default: sized for the workload)"
+    )
     if both:
         num, text, lst = (int_list, str_list, "comma list: ") if sweep else (int, str, "")
-        g.add_argument("--prefill-page-size", type=num, default=None,
-                       help=f"{lst}prefill page size (default --page-size)")
-        g.add_argument("--decode-page-size", type=num, default=None,
-                       help=f"{lst}decode page size (default --page-size)")
+        g.add_argument(
+            "--prefill-page-size", type=num, default=None, help=f"{lst}prefill page size (default --page-size)"
+        )
+        g.add_argument(
+            "--decode-page-size", type=num, default=None, help=f"{lst}decode page size (default --page-size)"
+        )
         g.add_argument("--prefill-layout", type=text, default=None, help=f"{lst}prefill layout (default --layout)")
         g.add_argument("--decode-layout", type=text, default=None, help=f"{lst}decode layout (default --layout)")
 
 
 def add_deadline_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("deadlines (seconds)")
-    g.add_argument("--bootstrap-timeout", type=float, default=envs.KVXFER_BOOTSTRAP_TIMEOUT_S.get(),
-                   help="deadline in Bootstrapping (KVXFER_BOOTSTRAP_TIMEOUT_S)")
-    g.add_argument("--waiting-timeout", type=float, default=envs.KVXFER_WAITING_TIMEOUT_S.get(),
-                   help="deadline in WaitingForInput (KVXFER_WAITING_TIMEOUT_S)")
-    g.add_argument("--transfer-timeout", type=float, default=envs.KVXFER_TRANSFER_TIMEOUT_S.get(),
-                   help="deadline in Transferring without progress (KVXFER_TRANSFER_TIMEOUT_S)")
-    g.add_argument("--heartbeat-timeout", type=float, default=envs.KVXFER_HEARTBEAT_TIMEOUT_S.get(),
-                   help="declare a silent peer dead after this long (KVXFER_HEARTBEAT_TIMEOUT_S)")
+    g.add_argument(
+        "--bootstrap-timeout",
+        type=float,
+        default=envs.KVXFER_BOOTSTRAP_TIMEOUT_S.get(),
+        help="deadline in Bootstrapping (KVXFER_BOOTSTRAP_TIMEOUT_S)",
+    )
+    g.add_argument(
+        "--waiting-timeout",
+        type=float,
+        default=envs.KVXFER_WAITING_TIMEOUT_S.get(),
+        help="deadline in WaitingForInput (KVXFER_WAITING_TIMEOUT_S)",
+    )
+    g.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=envs.KVXFER_TRANSFER_TIMEOUT_S.get(),
+        help="deadline in Transferring without progress (KVXFER_TRANSFER_TIMEOUT_S)",
+    )
+    g.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=envs.KVXFER_HEARTBEAT_TIMEOUT_S.get(),
+        help="declare a silent peer dead after this long (KVXFER_HEARTBEAT_TIMEOUT_S)",
+    )
 
 
 def side_geometry(args: argparse.Namespace, side: str | None, num_pages: int) -> KVGeometry:
     page = getattr(args, f"{side}_page_size", None) if side else None
     layout = getattr(args, f"{side}_layout", None) if side else None
     return KVGeometry(
-        num_layers=args.layers, total_kv_heads=args.total_kv_heads or (1 if args.mla else 8),
-        head_dim=args.head_dim, v_head_dim=args.v_head_dim, dtype=args.dtype, mla=args.mla,
-        page_size=page or args.page_size, layout=layout or args.layout,
-        num_pages=args.num_pages or num_pages)
+        num_layers=args.layers,
+        total_kv_heads=args.total_kv_heads or (1 if args.mla else 8),
+        head_dim=args.head_dim,
+        v_head_dim=args.v_head_dim,
+        dtype=args.dtype,
+        mla=args.mla,
+        page_size=page or args.page_size,
+        layout=layout or args.layout,
+        num_pages=args.num_pages or num_pages,
+    )
 
 
 def pool_pages(max_tokens: int, page_size: int, concurrency: int) -> int:
@@ -177,5 +241,9 @@ def pool_pages(max_tokens: int, page_size: int, concurrency: int) -> int:
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    return {"bootstrap_timeout_s": args.bootstrap_timeout, "waiting_timeout_s": args.waiting_timeout,
-            "transfer_timeout_s": args.transfer_timeout, "heartbeat_timeout_s": args.heartbeat_timeout}
+    return {
+        "bootstrap_timeout_s": args.bootstrap_timeout,
+        "waiting_timeout_s": args.waiting_timeout,
+        "transfer_timeout_s": args.transfer_timeout,
+        "heartbeat_timeout_s": args.heartbeat_timeout,
+    }

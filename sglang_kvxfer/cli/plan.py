@@ -4,6 +4,7 @@ Builds the TP plan and, for one example request, the byte plan of every (writer,
 pair, then prints a table (or one JSON object with ``--json``). Pure planning: no servers,
 no transport, no torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-layout", default="NHD", help="prefill pool layout, NHD or HND (default NHD)")
     p.add_argument("--decode-layout", default="NHD", help="decode pool layout, NHD or HND (default NHD)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens in the example request (default 8192)")
-    p.add_argument("--pages", choices=["scattered", "contiguous"], default="scattered",
-                   help="decode page ids of the example request (default scattered: every other page)")
+    p.add_argument(
+        "--pages",
+        choices=["scattered", "contiguous"],
+        default="scattered",
+        help="decode page ids of the example request (default scattered: every other page)",
+    )
     p.add_argument("--room", type=int, default=0, help="request id; rotates writer election among replicas")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -46,47 +51,73 @@ def build_report(args: argparse.Namespace) -> dict:
     pd = args.decode_page_size or args.page_size
     src_n, dst_n = -(-args.tokens // ps), -(-args.tokens // pd)
     step = 2 if args.pages == "scattered" else 1
-    common = dict(num_layers=args.layers, total_kv_heads=args.total_kv_heads, head_dim=args.head_dim,
-                  v_head_dim=args.v_head_dim, dtype=args.dtype, mla=args.mla)
+    common = dict(
+        num_layers=args.layers,
+        total_kv_heads=args.total_kv_heads,
+        head_dim=args.head_dim,
+        v_head_dim=args.v_head_dim,
+        dtype=args.dtype,
+        mla=args.mla,
+    )
     gp = KVGeometry(**common, page_size=ps, layout=args.prefill_layout, num_pages=src_n)
     gd = KVGeometry(**common, page_size=pd, layout=args.decode_layout, num_pages=dst_n * step)
     src_pages = np.arange(src_n)
     dst_pages = np.arange(0, dst_n * step, step)
     transfers = []
     for t in plan.transfers:
-        pair = plan_pair(t, gp.placement(args.prefill_tp, t.prefill_rank),
-                         gd.placement(args.decode_tp, t.decode_rank), src_pages, dst_pages,
-                         num_tokens=args.tokens, path=envs.KVXFER_DATA_PATH.get(),
-                         direct_min_op_bytes=envs.KVXFER_DIRECT_MIN_OP_BYTES.get())
-        transfers.append({
-            **t.to_dict(),
-            "global_heads": [t.global_head_start, t.global_head_start + t.num_heads],
-            "path": pair.path,
-            "reason": pair.reason,
-            "bytes": pair.nbytes,
-            "ops_direct": pair.direct_op_count,
-            "ops_staged": pair.staged_op_count,
-            "ops_per_token": per_token_op_count(args.layers, args.tokens, gp.has_v),
-        })
+        pair = plan_pair(
+            t,
+            gp.placement(args.prefill_tp, t.prefill_rank),
+            gd.placement(args.decode_tp, t.decode_rank),
+            src_pages,
+            dst_pages,
+            num_tokens=args.tokens,
+            path=envs.KVXFER_DATA_PATH.get(),
+            direct_min_op_bytes=envs.KVXFER_DIRECT_MIN_OP_BYTES.get(),
+        )
+        transfers.append(
+            {
+                **t.to_dict(),
+                "global_heads": [t.global_head_start, t.global_head_start + t.num_heads],
+                "path": pair.path,
+                "reason": pair.reason,
+                "bytes": pair.nbytes,
+                "ops_direct": pair.direct_op_count,
+                "ops_staged": pair.staged_op_count,
+                "ops_per_token": per_token_op_count(args.layers, args.tokens, gp.has_v),
+            }
+        )
     return {
         "total_kv_heads": args.total_kv_heads,
         "prefill_tp": args.prefill_tp,
         "decode_tp": args.decode_tp,
         "mla": args.mla,
         "room": args.room,
-        "request": {"tokens": args.tokens, "layers": args.layers, "dtype": gp.dtype,
-                    "prefill_page_size": ps, "decode_page_size": pd,
-                    "prefill_layout": gp.layout.value, "decode_layout": gd.layout.value,
-                    "decode_pages": args.pages},
+        "request": {
+            "tokens": args.tokens,
+            "layers": args.layers,
+            "dtype": gp.dtype,
+            "prefill_page_size": ps,
+            "decode_page_size": pd,
+            "prefill_layout": gp.layout.value,
+            "decode_layout": gd.layout.value,
+            "decode_pages": args.pages,
+        },
         "transfers": transfers,
         "decode_ranks": [
-            {"rank": d, "heads": _span(owned_heads(args.total_kv_heads, args.decode_tp, d, args.mla)),
-             "writers": [t.prefill_rank for t in plan.writers_of(d)]}
+            {
+                "rank": d,
+                "heads": _span(owned_heads(args.total_kv_heads, args.decode_tp, d, args.mla)),
+                "writers": [t.prefill_rank for t in plan.writers_of(d)],
+            }
             for d in range(args.decode_tp)
         ],
         "prefill_ranks": [
-            {"rank": p, "heads": _span(owned_heads(args.total_kv_heads, args.prefill_tp, p, args.mla)),
-             "targets": list(plan.decode_targets(p))}
+            {
+                "rank": p,
+                "heads": _span(owned_heads(args.total_kv_heads, args.prefill_tp, p, args.mla)),
+                "targets": list(plan.decode_targets(p)),
+            }
             for p in range(args.prefill_tp)
         ],
     }
@@ -97,11 +128,12 @@ def _span(r: range) -> list[int]:
 
 
 def _fmt_bytes(n: int) -> str:
+    size: float = n
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(size)
 
 
 def render(report: dict) -> str:
@@ -114,30 +146,50 @@ def render(report: dict) -> str:
         f"tokens, layout {req['prefill_layout']}/{req['decode_layout']}, {req['decode_pages']} decode pages",
         "",
     ]
-    header = ("prefill", "decode", "global heads", "src local", "dst local", "bytes", "path",
-              "ops direct", "ops staged", "ops per-token")
+    header = (
+        "prefill",
+        "decode",
+        "global heads",
+        "src local",
+        "dst local",
+        "bytes",
+        "path",
+        "ops direct",
+        "ops staged",
+        "ops per-token",
+    )
     rows = []
     for t in report["transfers"]:
         g0, g1 = t["global_heads"]
-        rows.append((
-            str(t["prefill_rank"]), str(t["decode_rank"]), f"[{g0}, {g1})",
-            f"[{t['src_head_start']}, {t['src_head_start'] + t['num_heads']})",
-            f"[{t['dst_head_start']}, {t['dst_head_start'] + t['num_heads']})",
-            _fmt_bytes(t["bytes"]), t["path"],
-            "-" if t["ops_direct"] is None else str(t["ops_direct"]),
-            str(t["ops_staged"]), str(t["ops_per_token"]),
-        ))
+        rows.append(
+            (
+                str(t["prefill_rank"]),
+                str(t["decode_rank"]),
+                f"[{g0}, {g1})",
+                f"[{t['src_head_start']}, {t['src_head_start'] + t['num_heads']})",
+                f"[{t['dst_head_start']}, {t['dst_head_start'] + t['num_heads']})",
+                _fmt_bytes(t["bytes"]),
+                t["path"],
+                "-" if t["ops_direct"] is None else str(t["ops_direct"]),
+                str(t["ops_staged"]),
+                str(t["ops_per_token"]),
+            )
+        )
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.append("")
     for d in report["decode_ranks"]:
-        lines.append(f"decode rank {d['rank']}: heads [{d['heads'][0]}, {d['heads'][1]}), "
-                     f"waits for {len(d['writers'])} writer(s): {d['writers']}")
+        lines.append(
+            f"decode rank {d['rank']}: heads [{d['heads'][0]}, {d['heads'][1]}), "
+            f"waits for {len(d['writers'])} writer(s): {d['writers']}"
+        )
     for p in report["prefill_ranks"]:
-        lines.append(f"prefill rank {p['rank']}: heads [{p['heads'][0]}, {p['heads'][1]}), "
-                     f"writes to decode rank(s) {p['targets'] or 'none (not elected for this room)'}")
+        lines.append(
+            f"prefill rank {p['rank']}: heads [{p['heads'][0]}, {p['heads'][1]}), "
+            f"writes to decode rank(s) {p['targets'] or 'none (not elected for this room)'}"
+        )
     reasons = sorted({(t["path"], t["reason"]) for t in report["transfers"]})
     lines.append("")
     lines += [f"{path}: {reason}" for path, reason in reasons]

@@ -3,6 +3,7 @@
 Owns ``Progress``: ``cluster.workload.run_workload`` calls its ``update`` once per finished
 request; the bar counts requests, failures and bytes. Output only; it runs nothing.
 """
+
 from __future__ import annotations
 
 import sys
@@ -38,8 +39,10 @@ class Progress:
         width = 24
         filled = int(width * self.done / self.total)
         rate = self.bytes / max(now - self.t0, 1e-9) / 1e9
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {self.label}, "
-                f"{self.bytes / 1e9:.2f} GB, {rate:.2f} GB/s, {self.failed} failed"
-                + (f" | {self.note}" if self.note else ""))
+        line = (
+            f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {self.label}, "
+            f"{self.bytes / 1e9:.2f} GB, {rate:.2f} GB/s, {self.failed} failed"
+            + (f" | {self.note}" if self.note else "")
+        )
         end = "\r" if self._tty and self.done < self.total else "\n"
         print(line, end=end, file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ range-checked first; past ``--concurrency`` jobs the answer is a "busy" result a
 is started again (``--restart-ranks``); the launcher keeps serving. Ctrl-C or SIGTERM stops
 the group cleanly.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import zmq
@@ -39,8 +42,8 @@ from sglang_kvxfer.cli.common import (
     side_geometry,
 )
 from sglang_kvxfer.engine.config import parse_host_port
-from sglang_kvxfer.protocol import envelope
 from sglang_kvxfer.errors import AuthenticationError, KVXferError
+from sglang_kvxfer.protocol import envelope
 
 log = logging.getLogger("sglang_kvxfer.server")
 
@@ -51,28 +54,46 @@ MAX_AUX_BYTES = 64 << 10  # a first token id and a little metadata; well below t
 def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--tp", type=int, default=1, help="TP size of this group: one process per rank (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=30000 if role == "prefill" else 30001,
-                   help="client port of this group (1-65535)")
+    p.add_argument(
+        "--port", type=int, default=30000 if role == "prefill" else 30001, help="client port of this group (1-65535)"
+    )
     if role == "prefill":
-        p.add_argument("--bootstrap-port", type=int, default=8998,
-                       help="host the bootstrap service on this port (default 8998)")
-        p.add_argument("--bootstrap", default=None,
-                       help="use an existing bootstrap service at host:port instead of hosting one")
+        p.add_argument(
+            "--bootstrap-port", type=int, default=8998, help="host the bootstrap service on this port (default 8998)"
+        )
+        p.add_argument(
+            "--bootstrap", default=None, help="use an existing bootstrap service at host:port instead of hosting one"
+        )
     else:
         p.add_argument("--bootstrap", required=True, help="the prefill group's bootstrap service, host:port")
-    p.add_argument("--transport", default="auto",
-                   help="local, tcp, nixl, mori or auto (default: prefill picks local on a loopback "
-                        "address and tcp otherwise; decode follows the prefill group)")
-    p.add_argument("--devices", default="cpu",
-                   help="pool device per rank: cpu, or a comma list like cuda:0,cuda:1 (default cpu)")
-    p.add_argument("--concurrency", type=int, default=8,
-                   help="requests the group runs at once; one more is answered 'busy' (default 8)")
-    p.add_argument("--restart-ranks", type=int, default=3,
-                   help="start a rank process that died again, up to N times in a row with backoff "
-                        "0.5 s doubling to 8 s; the count resets after 30 s healthy (default 3; 0: off)")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus metrics: rank r on PORT+r at --host (needs prometheus_client; "
-                        "default 0: off)")
+    p.add_argument(
+        "--transport",
+        default="auto",
+        help="local, tcp, nixl, mori or auto (default: prefill picks local on a loopback "
+        "address and tcp otherwise; decode follows the prefill group)",
+    )
+    p.add_argument(
+        "--devices", default="cpu", help="pool device per rank: cpu, or a comma list like cuda:0,cuda:1 (default cpu)"
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="requests the group runs at once; one more is answered 'busy' (default 8)",
+    )
+    p.add_argument(
+        "--restart-ranks",
+        type=int,
+        default=3,
+        help="start a rank process that died again, up to N times in a row with backoff "
+        "0.5 s doubling to 8 s; the count resets after 30 s healthy (default 3; 0: off)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics: rank r on PORT+r at --host (needs prometheus_client; default 0: off)",
+    )
     p.add_argument("--log-level", default="INFO", help="log level (default INFO)")
     add_model_args(p)
     add_side_args(p, both=False)
@@ -92,11 +113,14 @@ def resolve_transport(args: argparse.Namespace, role: str, bootstrap: str) -> st
     from sglang_kvxfer.engine import bootstrap as boot
     from sglang_kvxfer.protocol.messages import BootstrapQuery
 
-    reply = boot.request(bootstrap, BootstrapQuery(session=f"decode-launcher-{os.getpid()}", tp_rank=0),
-                         timeout_s=args.bootstrap_timeout)
+    reply = boot.request(
+        bootstrap, BootstrapQuery(session=f"decode-launcher-{os.getpid()}", tp_rank=0), timeout_s=args.bootstrap_timeout
+    )
     if not reply.transport:
-        raise ValueError(f"bootstrap {bootstrap} knows no prefill group yet ({reply.reason}); "
-                         f"start the prefill group first or pass --transport")
+        raise ValueError(
+            f"bootstrap {bootstrap} knows no prefill group yet ({reply.reason}); "
+            f"start the prefill group first or pass --transport"
+        )
     return reply.transport
 
 
@@ -130,14 +154,13 @@ class _ClientPort:
             self._sock.close(0)
             self._ctx.term()
             raise KVXferError(f"cannot listen for clients on {host}:{port}: {exc}") from None
-        self.handler = None
+        self.handler: Callable[[bytes, dict], None] | None = None
         self._replies: queue.Queue = queue.Queue()
         self._stop = threading.Event()
 
     def reply(self, ident: bytes, obj: dict) -> None:
         seq = self._seqs.pop((ident, obj.get("id")), 0)
-        self._replies.put((ident, envelope.seal(self._key, self.SENDER, seq,
-                                                msgpack.packb(obj, use_bin_type=True))))
+        self._replies.put((ident, envelope.seal(self._key, self.SENDER, seq, msgpack.packb(obj, use_bin_type=True))))
 
     def serve(self) -> None:
         while not self._stop.is_set():
@@ -158,7 +181,10 @@ class _ClientPort:
                 else:
                     if len(self._seqs) < 100_000:  # replies bound to requests; bounded
                         self._seqs[(ident, req.get("id"))] = seq
-                    self.handler(ident, req)
+                    handler = self.handler
+                    if handler is None:
+                        raise RuntimeError("_ClientPort.serve: set .handler before serving")
+                    handler(ident, req)
             while True:
                 try:
                     ident, data = self._replies.get_nowait()
@@ -179,8 +205,9 @@ def serve(args: argparse.Namespace, role: str) -> int:
     from sglang_kvxfer.engine import BootstrapServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    check_ranges(args, {**COMMON_RANGES, "tp": (1, 1024), "port": PORT, "bootstrap_port": PORT,
-                        "restart_ranks": (0, 1000)})
+    check_ranges(
+        args, {**COMMON_RANGES, "tp": (1, 1024), "port": PORT, "bootstrap_port": PORT, "restart_ranks": (0, 1000)}
+    )
     geometry = side_geometry(args, None, args.num_pages or 512)
     geometry.placement(args.tp, 0)
     key = auth.resolve_key(args.host)  # none usable (a non-loopback --host without one): one line, exit 2
@@ -194,13 +221,28 @@ def serve(args: argparse.Namespace, role: str) -> int:
         bootstrap = args.bootstrap
     try:
         transport = resolve_transport(args, role, bootstrap)
-        spec = make_spec(role, geometry, args.tp, bootstrap, transport, host=args.host,
-                         devices=_devices(args.devices, args.tp), options=engine_options(args),
-                         concurrency=args.concurrency, log_level=args.log_level.upper(),
-                         metrics_port=args.metrics_port)
+        spec = make_spec(
+            role,
+            geometry,
+            args.tp,
+            bootstrap,
+            transport,
+            host=args.host,
+            devices=_devices(args.devices, args.tp),
+            options=engine_options(args),
+            concurrency=args.concurrency,
+            log_level=args.log_level.upper(),
+            metrics_port=args.metrics_port,
+        )
         log.info("starting %d %s rank(s), transport %s", args.tp, role, transport)
-        info = {"op": "info", "role": role, "tp_size": args.tp, "geometry": geometry.to_dict(),
-                "transport": transport, "bootstrap": bootstrap}
+        info = {
+            "op": "info",
+            "role": role,
+            "tp_size": args.tp,
+            "geometry": geometry.to_dict(),
+            "transport": transport,
+            "bootstrap": bootstrap,
+        }
         port = _ClientPort(args.host, args.port, key)  # bind first: a busy port fails before any spawn
         try:
             with RankGroup(spec, max_restarts=args.restart_ranks, max_jobs=args.concurrency) as group:
@@ -208,8 +250,10 @@ def serve(args: argparse.Namespace, role: str) -> int:
                 def handle(ident: bytes, req: dict) -> None:
                     op = req.get("op")
                     if op == "info":
-                        port.reply(ident, dict(info, id=req.get("id"), pids=group.pids, states=group.states,
-                                               restarts=group.restarts))
+                        port.reply(
+                            ident,
+                            dict(info, id=req.get("id"), pids=group.pids, states=group.states, restarts=group.restarts),
+                        )
                     elif op == "transfer":
                         try:
                             job = _job(req, geometry, role)
@@ -217,7 +261,8 @@ def serve(args: argparse.Namespace, role: str) -> int:
                             port.reply(ident, {"op": "error", "id": req.get("id"), "reason": str(exc)})
                             return
                         group.submit(job).add_done_callback(
-                            lambda f: port.reply(ident, {"op": "result", "id": req.get("id"), "ranks": f.result()}))
+                            lambda f: port.reply(ident, {"op": "result", "id": req.get("id"), "ranks": f.result()})
+                        )
                     elif op == "abort" and isinstance(req.get("room"), int) and not isinstance(req["room"], bool):
                         group.abort(req["room"], str(req.get("reason") or "aborted by the client")[:500])
                         port.reply(ident, {"op": "aborted", "id": req.get("id")})
@@ -229,9 +274,12 @@ def serve(args: argparse.Namespace, role: str) -> int:
                 signal.signal(signal.SIGINT, stop)
                 signal.signal(signal.SIGTERM, stop)
                 metrics = "".join(f", metrics http://{args.host}:{p}/metrics" for p in group.metrics_ports if p)
-                print(f"kvxfer {role}: TP {args.tp} ready on tcp://{args.host}:{args.port} "
-                      f"(bootstrap {bootstrap}, transport {transport}{metrics}); Ctrl-C stops",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"kvxfer {role}: TP {args.tp} ready on tcp://{args.host}:{args.port} "
+                    f"(bootstrap {bootstrap}, transport {transport}{metrics}); Ctrl-C stops",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 port.serve()
         finally:
             port.close()
@@ -241,14 +289,20 @@ def serve(args: argparse.Namespace, role: str) -> int:
     return 0
 
 
-_JOB_FIELDS = {"room": int, "tokens": int, "chunk_tokens": int, "aux": bytes, "verify": bool,
-               "chunk_delay_s": (int, float)}
+_JOB_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "room": int,
+    "tokens": int,
+    "chunk_tokens": int,
+    "aux": bytes,
+    "verify": bool,
+    "chunk_delay_s": (int, float),
+}
 
 
 def _job(req: dict, geometry, role: str) -> dict:
     """The job of a ``transfer`` request, every field type- and range-checked (ValueError
     names the field, its value and the limit)."""
-    job = {}
+    job: dict[str, Any] = {}  # each value type-checked against _JOB_FIELDS below
     for name, kind in _JOB_FIELDS.items():
         if name not in req:
             raise ValueError(f"transfer request is missing {name!r}")
@@ -261,8 +315,10 @@ def _job(req: dict, geometry, role: str) -> dict:
     if not 0 <= job["room"] < 2**64:
         raise ValueError(f"transfer request room={job['room']} must be in 0..2**64-1")
     if not 1 <= job["tokens"] <= capacity:
-        raise ValueError(f"transfer request tokens={job['tokens']} must be in 1..{capacity}: the {role} pool holds "
-                         f"{geometry.num_pages} pages of {geometry.page_size} tokens = {capacity} tokens")
+        raise ValueError(
+            f"transfer request tokens={job['tokens']} must be in 1..{capacity}: the {role} pool holds "
+            f"{geometry.num_pages} pages of {geometry.page_size} tokens = {capacity} tokens"
+        )
     if not 0 <= job["chunk_tokens"] < 2**31:
         raise ValueError(f"transfer request chunk_tokens={job['chunk_tokens']} must be in 0..2**31-1 (0: one chunk)")
     if not (math.isfinite(delay) and 0 <= delay <= MAX_CHUNK_DELAY_S):

@@ -11,6 +11,7 @@ plain SIGTERM); whatever is left after a grace period is killed, and the child g
 SIGTERM if this process dies (``PR_SET_PDEATHSIG``). Every argument belongs to SGLang, so
 this command takes them verbatim (``run_argv``) instead of through argparse.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,9 @@ Starts SGLang's server with `--disaggregation-transfer-backend kvxfer` available
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("sglang_args", nargs=argparse.REMAINDER,
-                        help="arguments of `python -m sglang.launch_server`, passed verbatim")
+    parser.add_argument(
+        "sglang_args", nargs=argparse.REMAINDER, help="arguments of `python -m sglang.launch_server`, passed verbatim"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,8 +68,9 @@ def _supervise(cmd: list[str]) -> int:
     from sglang_kvxfer.cluster.group import arm_parent_death_signal
 
     parent = os.getpid()
-    child = subprocess.Popen(cmd, start_new_session=True,
-                             preexec_fn=lambda: arm_parent_death_signal(signal.SIGTERM, parent))
+    child = subprocess.Popen(
+        cmd, start_new_session=True, preexec_fn=lambda: arm_parent_death_signal(signal.SIGTERM, parent)
+    )
     stop_at: list[float] = []  # when the first stop signal came
 
     def forward(sig, _frame) -> None:

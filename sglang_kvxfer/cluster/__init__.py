@@ -8,19 +8,27 @@ same bytes) and ``plot.py`` (the benchmark figure). Must not parse command-line 
 or print: that is ``cli/``'s job. Names load on first use, so importing this package
 starts nothing and pulls in neither msgpack nor matplotlib.
 """
+
 from __future__ import annotations
 
 import importlib
 
 # name -> module that defines it
 _EXPORTS = {
-    "RankGroup": "group", "make_spec": "group", "open_groups": "group",
-    "arm_parent_death_signal": "group", "describe_exit": "group",
+    "RankGroup": "group",
+    "make_spec": "group",
+    "open_groups": "group",
+    "arm_parent_death_signal": "group",
+    "describe_exit": "group",
     "rank_main": "rank",
-    "make_requests": "workload", "run_workload": "workload", "summarize": "workload",
+    "make_requests": "workload",
+    "run_workload": "workload",
+    "summarize": "workload",
     "RequestResult": "workload",
-    "METHODS": "baseline", "measure_baseline": "baseline",
-    "plot_records": "plot", "config_label": "plot",
+    "METHODS": "baseline",
+    "measure_baseline": "baseline",
+    "plot_records": "plot",
+    "config_label": "plot",
 }
 
 __all__ = list(_EXPORTS)

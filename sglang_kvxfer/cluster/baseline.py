@@ -19,6 +19,7 @@ compared with its source (the pieces cover it), so a mover that lost bytes raise
 deadline. Must not start engine processes or import the engine, parse command-line
 arguments or print.
 """
+
 from __future__ import annotations
 
 import socket
@@ -76,8 +77,10 @@ def _timed_threads(targets: list, timeout_s: float) -> float:
         except BaseException as exc:  # re-raised on the caller's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=wrap, args=(fn,), daemon=True, name=f"kvxfer-baseline{i}")
-               for i, fn in enumerate(targets)]
+    threads = [
+        threading.Thread(target=wrap, args=(fn,), daemon=True, name=f"kvxfer-baseline{i}")
+        for i, fn in enumerate(targets)
+    ]
     for th in threads:
         th.start()
     gate.wait()
@@ -99,7 +102,8 @@ def _copy(lanes: list[list[int]], timeout_s: float) -> float:
     def mover(lane, src, dst):
         def run():
             for off, n in _pieces(lane):
-                np.copyto(dst[off:off + n], src[off:off + n])
+                np.copyto(dst[off : off + n], src[off : off + n])
+
         return run
 
     seconds = _timed_threads([mover(lane, *pair) for lane, pair in zip(lanes, pairs)], timeout_s)
@@ -121,11 +125,11 @@ def _socket(lanes: list[list[int]], timeout_s: float) -> float:
             for s in (out, inp):
                 s.settimeout(timeout_s)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            src, dst = memoryview(src_arr), memoryview(dst_arr)
+            src, dst = src_arr.data, dst_arr.data  # memoryviews of the (1-D uint8) arrays
 
             def send(lane=lane, out=out, src=src):
                 for off, n in _pieces(lane):
-                    out.sendall(src[off:off + n])
+                    out.sendall(src[off : off + n])
                 if out.recv(1) != b"A":
                     raise ConnectionError("baseline receiver closed before acknowledging")
 
@@ -133,7 +137,7 @@ def _socket(lanes: list[list[int]], timeout_s: float) -> float:
                 for off, n in _pieces(lane):
                     got = 0
                     while got < n:
-                        k = inp.recv_into(dst[off + got:off + n])
+                        k = inp.recv_into(dst[off + got : off + n])
                         if k == 0:
                             raise ConnectionError("baseline sender closed mid-item")
                         got += k
@@ -148,8 +152,7 @@ def _socket(lanes: list[list[int]], timeout_s: float) -> float:
     return seconds
 
 
-def _d2d(lanes: list[list[int]], timeout_s: float, prefill_devices: list[str],
-         decode_devices: list[str]) -> float:
+def _d2d(lanes: list[list[int]], timeout_s: float, prefill_devices: list[str], decode_devices: list[str]) -> float:
     import torch
 
     movers = []
@@ -165,7 +168,7 @@ def _d2d(lanes: list[list[int]], timeout_s: float, prefill_devices: list[str],
     for lane, src, dst, stream in movers:
         with torch.cuda.stream(stream):
             for off, n in _pieces(lane):
-                dst[off:off + n].copy_(src[off:off + n], non_blocking=True)
+                dst[off : off + n].copy_(src[off : off + n], non_blocking=True)
     for dev in devices:  # a device copy cannot be given a deadline; it ends or raises
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0
@@ -173,8 +176,14 @@ def _d2d(lanes: list[list[int]], timeout_s: float, prefill_devices: list[str],
     return seconds
 
 
-def measure_baseline(method: str, items: list[int], streams: int, timeout_s: float = 300.0,
-                     prefill_devices: list[str] | None = None, decode_devices: list[str] | None = None) -> float:
+def measure_baseline(
+    method: str,
+    items: list[int],
+    streams: int,
+    timeout_s: float = 300.0,
+    prefill_devices: list[str] | None = None,
+    decode_devices: list[str] | None = None,
+) -> float:
     """GB/s of moving ``items`` (byte counts) with ``streams`` parallel plain movers.
 
     Args:
@@ -191,8 +200,6 @@ def measure_baseline(method: str, items: list[int], streams: int, timeout_s: flo
     items = [int(n) for n in items]
     if not items or min(items) < 0 or sum(items) == 0:
         raise ValueError(f"baseline items must be non-negative byte counts with a positive total, got {items[:8]}")
-    if method == "d2d" and not (prefill_devices and decode_devices):
-        raise ValueError("the d2d baseline needs prefill_devices and decode_devices")
     lanes = [lane for lane in (items[i::streams] for i in range(streams)) if sum(lane)]
     lanes = [[n for n in lane if n] for lane in lanes]
     if method == "copy":
@@ -200,5 +207,7 @@ def measure_baseline(method: str, items: list[int], streams: int, timeout_s: flo
     elif method == "socket":
         seconds = _socket(lanes, timeout_s)
     else:
+        if not (prefill_devices and decode_devices):
+            raise ValueError("the d2d baseline needs prefill_devices and decode_devices")
         seconds = _d2d(lanes, timeout_s, prefill_devices, decode_devices)
     return sum(items) / max(seconds, 1e-9) / 1e9

@@ -13,6 +13,7 @@ which fires when the *thread* that spawned it ends, so the spawning thread must 
 long as the group. Must not parse command-line arguments or print: it reports through
 return values, exceptions and the ``sglang_kvxfer.group`` logger.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,7 +21,9 @@ import multiprocessing as mp
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import msgpack
 
@@ -28,27 +31,51 @@ from sglang_kvxfer.errors import KVXferError, TransferTimeoutError
 
 __all__ = ["RankGroup", "make_spec", "open_groups", "arm_parent_death_signal", "describe_exit"]
 
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.context import SpawnProcess
+
 log = logging.getLogger("sglang_kvxfer.group")
 
 RESTART_BACKOFF_S = (0.5, 8.0)  # first delay, cap; doubles per death in a row
 HEALTHY_AFTER_S = 30.0  # a rank up this long has its death-in-a-row count reset
 
 
-def make_spec(role: str, geometry, tp_size: int, bootstrap: str, transport: str, host: str = "127.0.0.1",
-              devices: list[str] | None = None, options: dict | None = None, concurrency: int = 4,
-              log_level: str = "WARNING", metrics_port: int = 0) -> dict:
+def make_spec(
+    role: str,
+    geometry,
+    tp_size: int,
+    bootstrap: str,
+    transport: str,
+    host: str = "127.0.0.1",
+    devices: list[str] | None = None,
+    options: dict | None = None,
+    concurrency: int = 4,
+    log_level: str = "WARNING",
+    metrics_port: int = 0,
+) -> dict:
     """The per-group part of a rank spec (``tp_rank`` and ``device`` are added per rank).
 
     ``metrics_port``: 0 = no metrics endpoint; otherwise rank ``r`` serves Prometheus
     metrics on ``metrics_port + r`` at ``host``.
     """
     if isinstance(metrics_port, bool) or not isinstance(metrics_port, int) or not 0 <= metrics_port < 65536 - tp_size:
-        raise ValueError(f"metrics_port={metrics_port!r} must be 0 (off) or a port with room for "
-                         f"{tp_size} rank(s) below 65536")
-    return {"role": role, "geometry": geometry.to_dict(), "tp_size": tp_size, "bootstrap": bootstrap,
-            "transport": transport, "host": host, "devices": devices or ["cpu"] * tp_size,
-            "options": options or {}, "concurrency": concurrency, "log_level": log_level,
-            "metrics_port": metrics_port}
+        raise ValueError(
+            f"metrics_port={metrics_port!r} must be 0 (off) or a port with room for {tp_size} rank(s) below 65536"
+        )
+    return {
+        "role": role,
+        "geometry": geometry.to_dict(),
+        "tp_size": tp_size,
+        "bootstrap": bootstrap,
+        "transport": transport,
+        "host": host,
+        "devices": devices or ["cpu"] * tp_size,
+        "options": options or {},
+        "concurrency": concurrency,
+        "log_level": log_level,
+        "metrics_port": metrics_port,
+    }
 
 
 def arm_parent_death_signal(sig: int = signal.SIGTERM, parent_pid: int | None = None) -> bool:
@@ -87,7 +114,8 @@ class _Slot:
     def __init__(self, specs: list[dict]):
         self.specs = specs
         self.ranks = [s["tp_rank"] for s in specs]
-        self.proc = self.conn = None
+        self.proc: SpawnProcess | None = None  # set by RankGroup._spawn, before any other use
+        self.conn: Connection | None = None
         self.state = "starting"  # starting -> up -> restarting | down
         self.reason = ""  # why it is not up
         self.num_ready = 0
@@ -95,6 +123,18 @@ class _Slot:
         self.up_since = 0.0
         self.deaths_in_a_row = 0
         self.restart_at = 0.0
+
+    @property
+    def process(self) -> SpawnProcess:
+        if self.proc is None:
+            raise RuntimeError(f"rank(s) {self.ranks}: no process was spawned yet")
+        return self.proc
+
+    @property
+    def pipe(self) -> Connection:
+        if self.conn is None:
+            raise RuntimeError(f"rank(s) {self.ranks}: no pipe was opened yet")
+        return self.conn
 
 
 class RankGroup:
@@ -107,8 +147,14 @@ class RankGroup:
     past it gets a "busy" result at once (None: no limit).
     """
 
-    def __init__(self, spec: dict, ready_timeout_s: float = 120.0, one_process: bool = False,
-                 max_restarts: int = 0, max_jobs: int | None = None):
+    def __init__(
+        self,
+        spec: dict,
+        ready_timeout_s: float = 120.0,
+        one_process: bool = False,
+        max_restarts: int = 0,
+        max_jobs: int | None = None,
+    ):
         self.role, self.tp_size = spec["role"], spec["tp_size"]
         devices = spec["devices"]
         if len(devices) != self.tp_size:
@@ -120,7 +166,8 @@ class RankGroup:
         self.max_restarts, self.max_jobs, self.ready_timeout_s = max_restarts, max_jobs, ready_timeout_s
         self.restarts = 0  # rank processes started again after a death
         self._ctx = mp.get_context("spawn")
-        self._pending: dict[int, tuple[Future, dict, int]] = {}  # job id -> (future, results by rank, room)
+        # job id -> (future, results by rank, room; None if the job named none)
+        self._pending: dict[int, tuple[Future, dict, int | None]] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._next_id = 0
@@ -146,8 +193,12 @@ class RankGroup:
         from sglang_kvxfer.cluster.rank import rank_main
 
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=rank_main, args=(msgpack.packb(slot.specs), child),
-                                 name=f"kvxfer-{self.role}{slot.ranks[0]}", daemon=True)
+        proc = self._ctx.Process(
+            target=rank_main,
+            args=(msgpack.packb(slot.specs), child),
+            name=f"kvxfer-{self.role}{slot.ranks[0]}",
+            daemon=True,
+        )
         proc.start()
         child.close()
         slot.proc, slot.conn, slot.state, slot.num_ready = proc, parent, "starting", 0
@@ -167,36 +218,39 @@ class RankGroup:
                     if slot.state == "restarting" and now >= slot.restart_at:
                         self._restart(slot)
                     elif slot.state == "starting" and now > slot.ready_deadline:
-                        slot.proc.kill()
+                        slot.process.kill()
                         self._died(slot, f"not ready after {self.ready_timeout_s:.0f} s")
                     elif slot.state == "up" and slot.deaths_in_a_row and now - slot.up_since > HEALTHY_AFTER_S:
                         slot.deaths_in_a_row = 0
-                watched = {}
+                watched: dict[object, _Slot] = {}  # pipe or process sentinel -> its slot
+                handles: list[Connection | int] = []  # the same, in order, for wait()
                 for slot in self._slots:
                     if slot.state in ("starting", "up"):
-                        watched[slot.conn] = slot
-                        watched[slot.proc.sentinel] = slot
+                        pipe, sentinel = slot.pipe, slot.process.sentinel
+                        watched[pipe] = watched[sentinel] = slot
+                        handles += [pipe, sentinel]
                 if not watched:
                     time.sleep(0.1)
                     continue
-                for obj in wait(list(watched), timeout=0.1):
+                for obj in wait(handles, timeout=0.1):
                     slot = watched[obj]
                     if slot.state not in ("starting", "up"):
                         continue  # already handled through its other handle
                     if obj is slot.conn:
                         try:
-                            msg = msgpack.unpackb(slot.conn.recv_bytes(), raw=False)
+                            msg = msgpack.unpackb(slot.pipe.recv_bytes(), raw=False)
                         except (EOFError, OSError):
                             self._died(slot)
                             continue
                         self._on_message(slot, msg)
-                    elif not slot.conn.poll():  # exited; read what it wrote first
+                    elif not slot.pipe.poll():  # exited; read what it wrote first
                         self._died(slot)
         except BaseException as exc:  # never let the group hang its callers
             log.exception("%s group watcher failed", self.role)
             self._start_error = self._start_error or exc
             self._started.set()
-            self._fail_pending(lambda r: f"{self.role} group watcher failed: {exc}")
+            why = f"{self.role} group watcher failed: {exc}"
+            self._fail_pending(lambda r: why)
 
     def _on_message(self, slot: _Slot, msg: dict) -> None:
         if msg.get("op") != "ready":
@@ -204,7 +258,7 @@ class RankGroup:
             return
         if not msg.get("ok"):
             reason = f"{self.role} rank {msg.get('rank')} failed to start: {msg.get('reason')}"
-            slot.proc.kill()
+            slot.process.kill()
             self._died(slot, reason, exact=True)
             return
         self.sessions[msg["rank"]] = msg["session"]
@@ -214,8 +268,13 @@ class RankGroup:
             with self._lock:
                 slot.state, slot.reason, slot.up_since = "up", "", time.monotonic()
             if self._started.is_set():
-                log.warning("%s rank %s is back (pid %d, session %s)", self.role, self._names(slot),
-                            slot.proc.pid, msg["session"])
+                log.warning(
+                    "%s rank %s is back (pid %d, session %s)",
+                    self.role,
+                    self._names(slot),
+                    slot.process.pid,
+                    msg["session"],
+                )
             elif all(s.state == "up" for s in self._slots):
                 self._started.set()
 
@@ -224,14 +283,14 @@ class RankGroup:
 
     def _died(self, slot: _Slot, how: str | None = None, exact: bool = False) -> None:
         """Fail ``slot``'s part of every pending job, then schedule its restart."""
-        proc = slot.proc
+        proc = slot.process
         proc.join(1.0)
         pid = proc.pid
         if not exact:
             how = how or describe_exit(proc.exitcode)
         reason = how if exact else f"{self.role} rank {self._names(slot)} (pid {pid}) died: {how}"
         try:
-            slot.conn.close()
+            slot.pipe.close()
         except OSError:
             pass
         if self._closed:
@@ -240,12 +299,14 @@ class RankGroup:
         if not self._started.is_set():  # during start-up: the group fails as a whole
             if exact:
                 self._start_error = KVXferError(reason)
-            elif how.startswith("not ready"):
-                self._start_error = TransferTimeoutError(f"{self.role} ranks not ready after "
-                                                         f"{self.ready_timeout_s:.0f} s")
+            elif how is not None and how.startswith("not ready"):  # not exact: ``how`` is set
+                self._start_error = TransferTimeoutError(
+                    f"{self.role} ranks not ready after {self.ready_timeout_s:.0f} s"
+                )
             else:
-                self._start_error = KVXferError(f"{self.role} rank process {proc.name} exited during start-up "
-                                                f"(exit code {proc.exitcode})")
+                self._start_error = KVXferError(
+                    f"{self.role} rank process {proc.name} exited during start-up (exit code {proc.exitcode})"
+                )
             slot.state = "down"
             self._started.set()
             return
@@ -257,13 +318,21 @@ class RankGroup:
                 slot.reason = f"{self.role} rank {self._names(slot)} is restarting after: {reason}"
             else:
                 slot.state = "down"
-                slot.reason = (f"{self.role} rank {self._names(slot)} is down after: {reason}"
-                               + (f" (not restarted: {self.max_restarts} restart(s) in a row used)"
-                                  if self.max_restarts else " (rank restarts are off)"))
+                slot.reason = f"{self.role} rank {self._names(slot)} is down after: {reason}" + (
+                    f" (not restarted: {self.max_restarts} restart(s) in a row used)"
+                    if self.max_restarts
+                    else " (rank restarts are off)"
+                )
         log.error("%s", reason)
         if slot.state == "restarting":
-            log.warning("restarting %s rank %s in %.1f s (restart %d of %d in a row)", self.role,
-                        self._names(slot), delay, slot.deaths_in_a_row, self.max_restarts)
+            log.warning(
+                "restarting %s rank %s in %.1f s (restart %d of %d in a row)",
+                self.role,
+                self._names(slot),
+                delay,
+                slot.deaths_in_a_row,
+                self.max_restarts,
+            )
         else:
             log.error("%s", slot.reason)
         # The group's other ranks keep their part of these jobs: they fail as the peer learns
@@ -278,13 +347,13 @@ class RankGroup:
             slot.restart_at = time.monotonic() + RESTART_BACKOFF_S[1]
             return
         self.restarts += 1
-        log.warning("%s rank %s restarted as pid %d", self.role, self._names(slot), slot.proc.pid)
+        log.warning("%s rank %s restarted as pid %d", self.role, self._names(slot), slot.process.pid)
 
     # -- jobs --------------------------------------------------------------------------------
 
     def _deliver(self, msg: dict) -> None:
         with self._lock:
-            entry = self._pending.get(msg.get("id"))
+            entry = self._pending.get(msg.get("id", -1))  # job ids are >= 0
             if entry is None:
                 return
             fut, results, _ = entry
@@ -294,10 +363,11 @@ class RankGroup:
             del self._pending[msg["id"]]
         fut.set_result([results[r] for r in range(self.tp_size)])
 
-    def _fail_pending(self, reason_of) -> list[int]:
+    def _fail_pending(self, reason_of: Callable[[int], str | None]) -> list[int | None]:
         """Give every pending job a failed result for each rank where ``reason_of(rank)``
         is a reason (and that has not answered yet); returns the rooms of the jobs hit."""
-        done, rooms = [], []
+        done: list[tuple[Future, dict]] = []
+        rooms: list[int | None] = []
         with self._lock:
             for job_id, (fut, results, room) in list(self._pending.items()):
                 hit = False
@@ -330,8 +400,10 @@ class RankGroup:
             if down:
                 return self._refused("; ".join(down))
             if self.max_jobs is not None and len(self._pending) >= self.max_jobs:
-                return self._refused(f"{self.role} group is busy: {len(self._pending)} job(s) in flight, "
-                                     f"its limit (--concurrency) is {self.max_jobs}")
+                return self._refused(
+                    f"{self.role} group is busy: {len(self._pending)} job(s) in flight, "
+                    f"its limit (--concurrency) is {self.max_jobs}"
+                )
             job_id = self._next_id
             self._next_id += 1
             fut: Future = Future()
@@ -360,7 +432,7 @@ class RankGroup:
         out = [0] * self.tp_size
         for slot in self._slots:
             for r in slot.ranks:
-                out[r] = slot.proc.pid if slot.proc is not None and slot.state in ("starting", "up") else 0
+                out[r] = (slot.proc.pid or 0) if slot.proc is not None and slot.state in ("starting", "up") else 0
         return out
 
     @property
@@ -375,7 +447,7 @@ class RankGroup:
     def kill_rank(self, rank: int) -> None:
         """Kill the process of ``rank`` (fault-injection tests; with ``one_process`` that is
         the whole group)."""
-        self._slots[0 if len(self._slots) == 1 else rank].proc.kill()
+        self._slots[0 if len(self._slots) == 1 else rank].process.kill()
 
     def close(self, timeout_s: float = 10.0) -> None:
         with self._lock:
@@ -387,15 +459,16 @@ class RankGroup:
         self._send_all([s.conn for s in slots], stop)
         deadline = time.monotonic() + timeout_s
         for slot in slots:
-            slot.proc.join(max(0.0, deadline - time.monotonic()))
-            if slot.proc.is_alive():
-                slot.proc.kill()
-                slot.proc.join(2)
+            proc = slot.process
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2)
         self._finished.set()
         if self._watcher is not threading.current_thread():
             self._watcher.join(2)
         for slot in slots:
-            slot.conn.close()
+            slot.pipe.close()
         self._fail_pending(lambda r: f"{self.role} group closed")
 
     def __enter__(self):
@@ -405,8 +478,9 @@ class RankGroup:
         self.close()
 
 
-def open_groups(spec_p: dict, spec_d: dict, one_process: bool = False,
-                ready_timeout_s: float = 120.0) -> tuple["RankGroup", "RankGroup"]:
+def open_groups(
+    spec_p: dict, spec_d: dict, one_process: bool = False, ready_timeout_s: float = 120.0
+) -> tuple[RankGroup, RankGroup]:
     """Start a prefill group and a decode group at the same time (process start-up is
     most of a short run); if either fails, both are closed and the first error raised."""
     from concurrent.futures import ThreadPoolExecutor

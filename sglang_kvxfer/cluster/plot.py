@@ -6,15 +6,22 @@ of the same colour, transfer latency p50 on the right with a p90 band. Needs mat
 (``pip install 'sglang_kvxfer[plot]'``), imported only here, with the file-only backend.
 Must not parse command-line arguments or print: it writes the file and nothing else.
 """
+
 from __future__ import annotations
 
 __all__ = ["plot_records", "config_label"]
 
 # Fields that may vary between records and then name a line (tokens is the x axis).
 _LABEL_FIELDS = [
-    ("total_kv_heads", "H{}"), ("head_dim", "d{}"), ("mla", "MLA={}"), ("prefill_page_size", "page {}"),
-    ("decode_page_size", "->{}"), ("prefill_layout", "{}"), ("decode_layout", "->{}"),
-    ("concurrency", "c{}"), ("chunk_tokens", "chunk {}"),
+    ("total_kv_heads", "H{}"),
+    ("head_dim", "d{}"),
+    ("mla", "MLA={}"),
+    ("prefill_page_size", "page {}"),
+    ("decode_page_size", "->{}"),
+    ("prefill_layout", "{}"),
+    ("decode_layout", "->{}"),
+    ("concurrency", "c{}"),
+    ("chunk_tokens", "chunk {}"),
 ]
 
 

@@ -18,6 +18,7 @@ received against the same function. Each result carries the rank's ``RequestReco
 importable on its own; it must not parse command-line arguments or print: a rank answers
 over its pipe and logs.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,9 +27,17 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import msgpack
 import numpy as np
+
+if TYPE_CHECKING:
+    from sglang_kvxfer.engine.decode import DecodeManager
+    from sglang_kvxfer.engine.manager import RankBase, RequestHandle
+    from sglang_kvxfer.engine.pool import KVPool
+    from sglang_kvxfer.engine.prefill import PrefillManager
+    from sglang_kvxfer.metrics import MetricsServer
 
 __all__ = ["rank_main"]
 
@@ -81,13 +90,21 @@ class RankServer:
 
         geometry = KVGeometry.from_dict(spec["geometry"])
         self.config = EngineConfig(
-            role=spec["role"], geometry=geometry, tp_size=spec["tp_size"], tp_rank=spec["tp_rank"],
-            bootstrap=spec["bootstrap"], transport=spec["transport"], host=spec["host"],
-            device=spec["device"], **spec.get("options", {}))
-        self.mgr = KVManager(self.config)
-        self.metrics = None
+            role=spec["role"],
+            geometry=geometry,
+            tp_size=spec["tp_size"],
+            tp_rank=spec["tp_rank"],
+            bootstrap=spec["bootstrap"],
+            transport=spec["transport"],
+            host=spec["host"],
+            device=spec["device"],
+            **spec.get("options", {}),
+        )
+        self.mgr: RankBase = KVManager(self.config)
+        self.metrics: MetricsServer | None = None
         self.concurrency = spec.get("concurrency", 4)
-        self._handles: dict[int, object] = {}  # room -> the running job's KVSender / KVReceiver
+        # room -> the running job's KVSender / KVReceiver (None while it is being set up)
+        self._handles: dict[int, RequestHandle | None] = {}
         self._early_aborts: dict[int, str] = {}  # room -> reason, for an abort before the handle exists
         self._lock = threading.Lock()
         try:
@@ -99,14 +116,37 @@ class RankServer:
             self.mgr.close()
             raise
         self.pages = PageAllocator(geometry.num_pages, seed=spec.get("seed", 0) + self.config.tp_rank)
-        self.job_timeout_s = (self.config.bootstrap_timeout_s + self.config.waiting_timeout_s
-                              + self.config.transfer_timeout_s)
+        self.job_timeout_s = (
+            self.config.bootstrap_timeout_s + self.config.waiting_timeout_s + self.config.transfer_timeout_s
+        )
         if spec["role"] == "prefill":
             try:
-                self.mgr.wait_registered(self.config.bootstrap_timeout_s + 5)
+                self._prefill_mgr().wait_registered(self.config.bootstrap_timeout_s + 5)
             except BaseException:
                 self.close()
                 raise
+
+    def _prefill_mgr(self) -> PrefillManager:
+        from sglang_kvxfer.engine.prefill import PrefillManager
+
+        mgr = self.mgr
+        if not isinstance(mgr, PrefillManager):
+            raise TypeError(f"{self.config.role} rank {self.config.tp_rank} has no prefill manager")
+        return mgr
+
+    def _decode_mgr(self) -> DecodeManager:
+        from sglang_kvxfer.engine.decode import DecodeManager
+
+        mgr = self.mgr
+        if not isinstance(mgr, DecodeManager):
+            raise TypeError(f"{self.config.role} rank {self.config.tp_rank} has no decode manager")
+        return mgr
+
+    def _pool(self) -> KVPool:
+        pool = self.mgr.pool
+        if pool is None:
+            raise RuntimeError(f"{self.config.role} rank {self.config.tp_rank} has no KV pool (manager closed)")
+        return pool
 
     def _alloc(self, n: int) -> np.ndarray:
         deadline = time.monotonic() + self.config.waiting_timeout_s
@@ -126,9 +166,16 @@ class RankServer:
             if len(self._handles) < self.concurrency and job["room"] not in self._handles:
                 self._handles[job["room"]] = None
                 return None
-        return self._result(job, {"ok": False, "reason": f"{self.config.role} rank {self.config.tp_rank} is busy: "
-                                                         f"it runs {self.concurrency} job(s) (its concurrency) or "
-                                                         f"room {job['room']} already"}, 0.0)
+        return self._result(
+            job,
+            {
+                "ok": False,
+                "reason": f"{self.config.role} rank {self.config.tp_rank} is busy: "
+                f"it runs {self.concurrency} job(s) (its concurrency) or "
+                f"room {job['room']} already",
+            },
+            0.0,
+        )
 
     def _result(self, job: dict, out: dict, t_job: float) -> dict:
         out.update(op="result", id=job["id"], rank=self.config.tp_rank, t_job=t_job)
@@ -156,14 +203,14 @@ class RankServer:
         if handle is not None:
             handle.abort(reason)
 
-    def _track(self, room: int, handle) -> None:
+    def _track(self, room: int, handle: RequestHandle) -> None:
         with self._lock:
             self._handles[room] = handle
             reason = self._early_aborts.pop(room, None)
         if reason is not None:
             handle.abort(reason)
 
-    def _failed_part_way(self, handle, exc: BaseException) -> None:
+    def _failed_part_way(self, handle: RequestHandle, exc: BaseException) -> None:
         """Abort ``handle`` so that the peer learns now, not at its deadline."""
         try:
             handle.abort(f"{self.config.role} rank {self.config.tp_rank} job failed: {type(exc).__name__}: {exc}")
@@ -179,11 +226,11 @@ class RankServer:
         tokens, chunk = job["tokens"], job["chunk_tokens"] or job["tokens"]
         pages = self._alloc(-(-tokens // g.page_size))
         try:
-            sender = KVSender(self.mgr, job["room"])
+            sender = KVSender(self._prefill_mgr(), job["room"])
             self._track(job["room"], sender)
             try:
                 if job["verify"]:
-                    fill_request(self.mgr.placement, self.mgr.pool.buffers, job["room"], pages, 0, tokens)
+                    fill_request(self.mgr.placement, self._pool().buffers, job["room"], pages, 0, tokens)
                 t_start = time.monotonic()
                 for a in range(0, tokens, chunk):
                     b = min(tokens, a + chunk)
@@ -192,16 +239,24 @@ class RankServer:
                         _pause(sender, job["chunk_delay_s"])  # stands in for the prefill forward of this chunk
                     if sender.poll() == KVPoll.Failed:
                         break  # aborted or the peer failed: no point in sending the rest
-                    sender.send(pages[a // g.page_size: -(-b // g.page_size)], last_chunk=last,
-                                aux=job["aux"] if last else b"")
+                    sender.send(
+                        pages[a // g.page_size : -(-b // g.page_size)], last_chunk=last, aux=job["aux"] if last else b""
+                    )
             except BaseException as exc:
                 self._failed_part_way(sender, exc)
                 raise
             poll = _wait_terminal(sender, self.job_timeout_s)
-            out = {"ok": poll == KVPoll.Success, "reason": sender.failure_reason or "",
-                   "bytes": sender.bytes_sent, "ops": sender.ops, "paths": sender.paths,
-                   "timings": sender.timings, "t_start": t_start, "t_end": time.monotonic(),
-                   "record": sender.record.to_dict()}
+            out = {
+                "ok": poll == KVPoll.Success,
+                "reason": sender.failure_reason or "",
+                "bytes": sender.bytes_sent,
+                "ops": sender.ops,
+                "paths": sender.paths,
+                "timings": sender.timings,
+                "t_start": t_start,
+                "t_end": time.monotonic(),
+                "record": sender.record.to_dict(),
+            }
             sender.clear()
             return out
         finally:
@@ -216,7 +271,7 @@ class RankServer:
         tokens = job["tokens"]
         pages = self._alloc(-(-tokens // g.page_size))
         try:
-            rx = KVReceiver(self.mgr, job["room"])
+            rx = KVReceiver(self._decode_mgr(), job["room"])
             self._track(job["room"], rx)
             t_start = time.monotonic()
             try:
@@ -229,12 +284,20 @@ class RankServer:
             ok = poll == KVPoll.Success
             problems = []
             if ok and job["verify"]:
-                problems = verify_request(self.mgr.placement, self.mgr.pool.buffers, job["room"], pages, tokens)
+                problems = verify_request(self.mgr.placement, self._pool().buffers, job["room"], pages, tokens)
             stats = rx.stats
-            out = {"ok": ok, "reason": rx.failure_reason or "", "verified": ok and job["verify"] and not problems,
-                   "problems": problems[:3], "bytes": stats["bytes"], "timings": stats["timings"],
-                   "aux_ok": (not ok) or rx.aux_payload == job["aux"],
-                   "t_start": t_start, "t_end": t_end, "record": rx.record.to_dict()}
+            out = {
+                "ok": ok,
+                "reason": rx.failure_reason or "",
+                "verified": ok and job["verify"] and not problems,
+                "problems": problems[:3],
+                "bytes": stats["bytes"],
+                "timings": stats["timings"],
+                "aux_ok": (not ok) or rx.aux_payload == job["aux"],
+                "t_start": t_start,
+                "t_end": t_end,
+                "record": rx.record.to_dict(),
+            }
             if ok and rx.aux_payload != job["aux"]:
                 out["problems"].append(f"aux payload {rx.aux_payload!r} != {job['aux']!r}")
                 out["verified"] = False
@@ -279,10 +342,12 @@ def rank_main(specs_bytes: bytes, conn) -> None:
     arm_parent_death_signal(signal.SIGTERM, parent.pid if parent is not None else None)
     specs = msgpack.unpackb(specs_bytes, raw=False)
     first = specs[0]
-    logging.basicConfig(level=first.get("log_level", "WARNING"),
-                        format=f"%(asctime)s {first['role']} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=first.get("log_level", "WARNING"),
+        format=f"%(asctime)s {first['role']} %(levelname)s %(name)s: %(message)s",
+    )
     lock = threading.Lock()
-    servers = []
+    servers: list[RankServer] = []
     close_s = EXIT_CLOSE_S[0]
     code = 0
     try:
@@ -290,14 +355,29 @@ def rank_main(specs_bytes: bytes, conn) -> None:
             try:
                 servers.append(RankServer(spec))
             except Exception as exc:
-                _send(conn, lock, {"op": "ready", "ok": False, "rank": spec["tp_rank"],
-                                   "reason": f"{type(exc).__name__}: {exc}"})
+                _send(
+                    conn,
+                    lock,
+                    {"op": "ready", "ok": False, "rank": spec["tp_rank"], "reason": f"{type(exc).__name__}: {exc}"},
+                )
                 code = 1
                 return
-            _send(conn, lock, {"op": "ready", "ok": True, "reason": "", "rank": spec["tp_rank"],
-                               "session": servers[-1].mgr.session,
-                               "endpoint": servers[-1].mgr.control.endpoint,
-                               "metrics_port": servers[-1].metrics.port if servers[-1].metrics else 0})
+            mgr, metrics = servers[-1].mgr, servers[-1].metrics
+            if mgr.control is None:
+                raise RuntimeError(f"rank {spec['tp_rank']}: the manager has no control channel")
+            _send(
+                conn,
+                lock,
+                {
+                    "op": "ready",
+                    "ok": True,
+                    "reason": "",
+                    "rank": spec["tp_rank"],
+                    "session": mgr.session,
+                    "endpoint": mgr.control.endpoint,
+                    "metrics_port": metrics.port if metrics else 0,
+                },
+            )
         serving.set()
         if _serve(servers, conn, lock, stop) == "stop":
             close_s = EXIT_CLOSE_S[1]
@@ -307,7 +387,7 @@ def rank_main(specs_bytes: bytes, conn) -> None:
         _leave(servers, close_s, code)
 
 
-def _leave(servers: list, close_s: float, code: int) -> None:
+def _leave(servers: list[RankServer], close_s: float, code: int) -> None:
     """Close the managers within a bounded time, then end the process without waiting for
     job threads (a job may be sleeping in a long chunk delay or waiting on a peer)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -334,7 +414,7 @@ def _leave_if_nixl() -> None:
         agent.exit_process(0)
 
 
-def _serve(servers: list, conn, lock: threading.Lock, stop: threading.Event) -> str:
+def _serve(servers: list[RankServer], conn, lock: threading.Lock, stop: threading.Event) -> str:
     """Run commands until told to stop; returns why: "stop", "eof", "parent" or "signal"."""
     parent = os.getppid()
     pool = ThreadPoolExecutor(max_workers=sum(s.concurrency for s in servers), thread_name_prefix="job")
@@ -344,6 +424,9 @@ def _serve(servers: list, conn, lock: threading.Lock, stop: threading.Event) -> 
             _send(conn, lock, obj)
         except (OSError, ValueError):
             pass  # the launcher is gone; the main loop notices and leaves
+
+    def run_job(server: RankServer, job: dict) -> None:
+        reply(server.run(job))
 
     try:
         while not stop.is_set():
@@ -367,7 +450,7 @@ def _serve(servers: list, conn, lock: threading.Lock, stop: threading.Event) -> 
                     if busy is not None:
                         reply(busy)
                     else:
-                        pool.submit(lambda c=cmd, s=server: reply(s.run(c)))
+                        pool.submit(run_job, server, cmd)
         return "signal"
     finally:
         pool.shutdown(wait=False, cancel_futures=True)

@@ -14,6 +14,7 @@ on that decode rank's own clock, so it is right across hosts too. Busy time and
 ``transfer_gbps`` use the union of the requests' windows, which assumes the decode ranks
 share a clock (one host: the demo and the benchmark).
 """
+
 from __future__ import annotations
 
 import secrets
@@ -30,8 +31,15 @@ from sglang_kvxfer.metrics import PHASES, RequestRecord
 __all__ = ["make_requests", "run_workload", "summarize", "RequestResult"]
 
 
-def make_requests(n: int, tokens: list[int], chunk_tokens: int, page_size: int, seed: int | None = 0,
-                  verify: bool = True, chunk_delay_s: float = 0.0) -> list[dict]:
+def make_requests(
+    n: int,
+    tokens: list[int],
+    chunk_tokens: int,
+    page_size: int,
+    seed: int | None = 0,
+    verify: bool = True,
+    chunk_delay_s: float = 0.0,
+) -> list[dict]:
     """``n`` jobs cycling through ``tokens``; chunks rounded down to whole prefill pages.
 
     Room ids come from ``seed``; with ``seed=None`` they are random 63-bit numbers (a
@@ -41,15 +49,24 @@ def make_requests(n: int, tokens: list[int], chunk_tokens: int, page_size: int, 
     if chunk_tokens < 0:
         raise ValueError(f"--chunk-tokens={chunk_tokens} must be >= 0")
     chunk = max(page_size, (chunk_tokens // page_size) * page_size) if chunk_tokens else 0
+    rooms: list[int] | np.ndarray
     if seed is None:
         rooms = list({secrets.randbits(63) or 1 for _ in range(n)})
         while len(rooms) < n:
             rooms = list({*rooms, secrets.randbits(63) or 1})
     else:
         rooms = np.random.default_rng(seed).choice(2**62, size=n, replace=False) + 1
-    return [{"room": int(rooms[i]), "tokens": tokens[i % len(tokens)], "chunk_tokens": chunk,
-             "aux": int(rooms[i] % 50000).to_bytes(4, "little"), "verify": verify,
-             "chunk_delay_s": chunk_delay_s} for i in range(n)]
+    return [
+        {
+            "room": int(rooms[i]),
+            "tokens": tokens[i % len(tokens)],
+            "chunk_tokens": chunk,
+            "aux": int(rooms[i] % 50000).to_bytes(4, "little"),
+            "verify": verify,
+            "chunk_delay_s": chunk_delay_s,
+        }
+        for i in range(n)
+    ]
 
 
 @dataclass
@@ -76,34 +93,52 @@ def _records(results: list[dict]) -> list[RequestRecord]:
 
 
 def _combine(job: dict, pre: list[dict], dec: list[dict], e2e: float) -> RequestResult:
-    reasons = [f"{side} rank {r.get('rank')}: {r.get('reason')}" for side, rs in (("prefill", pre), ("decode", dec))
-               for r in rs if not r.get("ok")]
+    reasons = [
+        f"{side} rank {r.get('rank')}: {r.get('reason')}"
+        for side, rs in (("prefill", pre), ("decode", dec))
+        for r in rs
+        if not r.get("ok")
+    ]
     problems = [p for r in dec for p in r.get("problems", [])]
     ok = not reasons
     nan = float("nan")
     pre_rec, dec_rec = _records(pre), _records(dec)
     timed = [r for r in dec_rec if r.transfer_s is not None]
     complete = ok and bool(timed) and len(timed) == len(dec)
-    transfer = max(r.transfer_s for r in timed) if complete else nan
-    tails = [r.tail_s for r in timed if r.tail_s is not None]
-    window = (min(r.first_byte_ready for r in timed), max(r.last_notice for r in timed)) if complete else (nan, nan)
-    phases = {p: max([r.phases.get(p, 0.0) for r in (dec_rec if p == "scatter" else pre_rec)] or [0.0])
-              for p in PHASES}
+    # A record in ``timed`` has first_byte_ready and last_notice (that is what transfer_s needs).
+    transfers = [t for r in timed if (t := r.transfer_s) is not None]
+    starts = [t for r in timed if (t := r.first_byte_ready) is not None]
+    ends = [t for r in timed if (t := r.last_notice) is not None]
+    transfer = max(transfers) if complete else nan
+    tails = [t for r in timed if (t := r.tail_s) is not None]
+    window = (min(starts), max(ends)) if complete else (nan, nan)
+    phases = {p: max([r.phases.get(p, 0.0) for r in (dec_rec if p == "scatter" else pre_rec)] or [0.0]) for p in PHASES}
     paths: dict[str, int] = {}
     for r in pre:
         for k, v in (r.get("paths") or {}).items():
             paths[k] = paths.get(k, 0) + v
     return RequestResult(
-        room=job["room"], tokens=job["tokens"], ok=ok,
+        room=job["room"],
+        tokens=job["tokens"],
+        ok=ok,
         verified=ok and job["verify"] and all(r.get("verified") for r in dec),
-        reason="; ".join(reasons + problems)[:2000], bytes=sum(r.get("bytes", 0) for r in dec),
-        ops=sum(r.get("ops", 0) for r in pre), paths=paths, transfer_s=transfer, e2e_s=e2e,
-        prefill=pre, decode=dec, tail_s=max(tails) if complete and tails else nan, window=window,
-        phases=phases)
+        reason="; ".join(reasons + problems)[:2000],
+        bytes=sum(r.get("bytes", 0) for r in dec),
+        ops=sum(r.get("ops", 0) for r in pre),
+        paths=paths,
+        transfer_s=transfer,
+        e2e_s=e2e,
+        prefill=pre,
+        decode=dec,
+        tail_s=max(tails) if complete and tails else nan,
+        window=window,
+        phases=phases,
+    )
 
 
-def run_workload(prefill, decode, jobs: list[dict], concurrency: int, timeout_s: float,
-                 progress=None) -> tuple[list[RequestResult], float]:
+def run_workload(
+    prefill, decode, jobs: list[dict], concurrency: int, timeout_s: float, progress=None
+) -> tuple[list[RequestResult], float]:
     """Run ``jobs`` with up to ``concurrency`` in flight; returns results (job order) and wall s.
 
     ``progress``: None (or False), or anything with ``update(RequestResult)``, called once
@@ -180,7 +215,8 @@ def percentiles_ms(seconds: list[float]) -> dict:
 
 def busy_seconds(windows: list[tuple[float, float]]) -> float:
     """Length of the union of ``(start, end)`` intervals (NaN ones skipped)."""
-    total, cur_start, cur_end = 0.0, None, None
+    total, cur_start = 0.0, 0.0
+    cur_end: float | None = None  # None until the first interval
     for a, b in sorted(w for w in windows if w[0] == w[0] and w[1] == w[1]):
         if cur_end is None or a > cur_end:
             total += (cur_end - cur_start) if cur_end is not None else 0.0
@@ -224,8 +260,11 @@ def summarize(results: list[RequestResult], wall_s: float, **meta) -> dict:
         "descriptors_per_s": round(sum(ops) / busy, 1) if busy > 0 else 0.0,
         "tail_ms": percentiles_ms([r.tail_s for r in ok]),
         "phases_ms": {p: percentiles_ms([r.phases.get(p, 0.0) for r in ok]) for p in PHASES},
-        "ops_per_request": {"min": min(ops) if ops else 0, "median": statistics.median(ops) if ops else 0,
-                            "max": max(ops) if ops else 0},
+        "ops_per_request": {
+            "min": min(ops) if ops else 0,
+            "median": statistics.median(ops) if ops else 0,
+            "max": max(ops) if ops else 0,
+        },
         "ops_by_tokens": sorted({(r.tokens, r.ops) for r in ok}),
         "data_path": paths,
         "failures": [f"room {r.room}: {r.reason}" for r in results if not r.ok or (r.reason and not r.verified)][:10],

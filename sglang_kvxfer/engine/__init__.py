@@ -11,6 +11,7 @@ Layout: ``manager.py`` (``RankBase``: what both roles share, with abstract role 
 ``decode_rooms.py`` (decode room and prefill-group records), ``factory.py``
 (``KVManager``).
 """
+
 from sglang_kvxfer.engine.bootstrap import BootstrapServer  # noqa: F401
 from sglang_kvxfer.engine.config import EngineConfig  # noqa: F401
 from sglang_kvxfer.engine.decode import DecodeManager, KVReceiver  # noqa: F401

@@ -10,6 +10,7 @@ request must carry a valid tag, be fresh (time-stamped sequence within the windo
 seen before) and name its envelope's sender as its session; anything else is dropped
 unanswered and counted. A reply is bound to its request's sequence number.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,8 @@ import time
 import zmq
 
 from sglang_kvxfer import auth
-from sglang_kvxfer.errors import AuthenticationError, KVXferError, RemoteProtocolError, TransferTimeoutError
 from sglang_kvxfer.engine.config import config_key, parse_host_port
+from sglang_kvxfer.errors import AuthenticationError, KVXferError, RemoteProtocolError, TransferTimeoutError
 from sglang_kvxfer.protocol import codec, envelope
 from sglang_kvxfer.protocol.fields import MAX_FRAME_BYTES
 from sglang_kvxfer.protocol.messages import (
@@ -90,8 +91,9 @@ class BootstrapServer:
                 else:
                     kind = "malformed"
                     msg = codec.decode(payload)
-                    if getattr(msg, "session", sender) != sender:
-                        kind, why = "spoofed", f"{type(msg).__name__} names session {msg.session}, sent by {sender}"
+                    named = getattr(msg, "session", sender)
+                    if named != sender:
+                        kind, why = "spoofed", f"{type(msg).__name__} names session {named}, sent by {sender}"
             except KVXferError as exc:
                 why = str(exc)
             if why:
@@ -123,8 +125,10 @@ class BootstrapServer:
             for name in ("tp_size", "geometry", "transport"):
                 a, b = getattr(other, name), getattr(msg, name)
                 if a != b:
-                    return (f"prefill rank {msg.tp_rank} registers {name}={b!r} but rank "
-                            f"{other.tp_rank} registered {name}={a!r}")
+                    return (
+                        f"prefill rank {msg.tp_rank} registers {name}={b!r} but rank "
+                        f"{other.tp_rank} registered {name}={a!r}"
+                    )
         return ""
 
     def _reply(self, reason: str = "", force_not_ready: bool = False) -> BootstrapReply:
@@ -134,7 +138,9 @@ class BootstrapServer:
         if not ready and not reason:
             reason = f"{len(ranks)} of {size or '?'} prefill rank(s) registered"
         return BootstrapReply(
-            ready=ready, tp_size=size, geometry=ranks[0].geometry if ranks else None,
+            ready=ready,
+            tp_size=size,
+            geometry=ranks[0].geometry if ranks else None,
             transport=ranks[0].transport if ranks else "",
             ranks=tuple(PrefillRankInfo(tp_rank=m.tp_rank, endpoint=m.endpoint, session=m.session) for m in ranks),
             reason="" if ready else reason,
@@ -180,8 +186,9 @@ def request(address: str, message, timeout_s: float, key: bytes | None = None) -
             if left <= 0:
                 raise TransferTimeoutError(
                     f"bootstrap {address} did not answer within {timeout_s:.1f} s (down, unreachable, "
-                    f"or using another key: set the same KVXFER_AUTH_KEY on every process)")
-            if sock.poll(min(left, 0.2) * 1000):
+                    f"or using another key: set the same KVXFER_AUTH_KEY on every process)"
+                )
+            if sock.poll(int(min(left, 0.2) * 1000)):  # pyzmq truncates a float the same way
                 parts = sock.recv_multipart()
                 try:
                     sender, got_seq, payload = envelope.open_frame(key, parts[-1])

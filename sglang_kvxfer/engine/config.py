@@ -3,6 +3,7 @@
 Defaults come from ``envs`` (``KVXFER_*``); every field can be given explicitly. Must not
 start anything.
 """
+
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_kvxfer import auth, envs
-from sglang_kvxfer.geometry import KVGeometry
+from sglang_kvxfer.geometry import KVGeometry, RankPlacement
 
 __all__ = ["EngineConfig", "parse_host_port"]
 
@@ -35,8 +36,10 @@ def config_key(value, bind_host: str) -> bytes:
         return auth.OFF
     if isinstance(value, (bytes, bytearray)) and len(value) == 32:
         return bytes(value)
-    if isinstance(value, (str, bytes, bytearray)):
+    if isinstance(value, str):
         return auth.key_from_secret(value)
+    if isinstance(value, (bytes, bytearray)):
+        return auth.key_from_secret(bytes(value))
     raise ValueError(f"auth_key must be None, 'off', a secret text or 32 key bytes, got {type(value).__name__}")
 
 
@@ -97,8 +100,13 @@ class EngineConfig:
             raise ValueError(f"geometry must be a KVGeometry, got {type(self.geometry).__name__}")
         self.geometry.placement(self.tp_size, self.tp_rank)  # validates (H, T) and the rank
         parse_host_port(self.bootstrap)
-        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s",
-                     "heartbeat_interval_s", "heartbeat_timeout_s"):
+        for name in (
+            "bootstrap_timeout_s",
+            "waiting_timeout_s",
+            "transfer_timeout_s",
+            "heartbeat_interval_s",
+            "heartbeat_timeout_s",
+        ):
             _positive(name, getattr(self, name))
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError(
@@ -121,5 +129,13 @@ class EngineConfig:
         object.__setattr__(self, "auth_key", config_key(self.auth_key, self.host))
 
     @property
-    def placement(self):
+    def key(self) -> bytes:
+        """``auth_key`` as ``__post_init__`` resolved it: 32 key bytes, or ``b""`` (off)."""
+        key = self.auth_key
+        if not isinstance(key, bytes):  # only a bypass of __post_init__ leaves it unresolved
+            raise TypeError(f"EngineConfig.auth_key was not resolved to bytes (got {type(key).__name__})")
+        return key
+
+    @property
+    def placement(self) -> RankPlacement:
         return self.geometry.placement(self.tp_size, self.tp_rank)

@@ -9,12 +9,13 @@ counted before its payload is decoded or handled; a malformed frame is counted t
 is fatal. Sends never block: a peer whose queue is full or that is gone makes ``send``
 return False (deadlines and heartbeats take it from there). Must not interpret messages.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 
@@ -40,8 +41,17 @@ class ControlChannel:
         key: the 32-byte shared key, or ``b""`` with authentication off.
     """
 
-    def __init__(self, host: str, on_message: Callable, on_tick: Callable[[float], None],
-                 name: str, *, session: str, key: bytes, tick_s: float = 0.05):
+    def __init__(
+        self,
+        host: str,
+        on_message: Callable,
+        on_tick: Callable[[float], None],
+        name: str,
+        *,
+        session: str,
+        key: bytes,
+        tick_s: float = 0.05,
+    ):
         self._session, self._key = session, key
         self._seq = 0
         self._guard = envelope.SequenceGuard()
@@ -95,7 +105,7 @@ class ControlChannel:
         while not self._stop.is_set():
             timeout_ms = max(0.0, next_tick - time.monotonic()) * 1000
             try:
-                ready = dict(poller.poll(timeout_ms))
+                ready = dict(poller.poll(int(timeout_ms)))  # pyzmq truncates a float the same way
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return

@@ -14,18 +14,27 @@ scatter, failures. The records it drives are ``decode_rooms.py``.
 Must not: write into prefill memory, or act on a data message from a session other than
 the one its room expects (``_from_expected``).
 """
+
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import numpy as np
 
 from sglang_kvxfer.engine import bootstrap
-from sglang_kvxfer.engine.config import ENGINE_VERSION
+from sglang_kvxfer.engine.config import ENGINE_VERSION, EngineConfig
 from sglang_kvxfer.engine.decode_rooms import DecodeRoom, GroupStatus, PrefillGroup
 from sglang_kvxfer.engine.manager import Peer, RankBase, RequestHandle
-from sglang_kvxfer.errors import IncompatibleGeometryError, KVXferError, TransferFailedError
+from sglang_kvxfer.engine.pool import KVPool
+from sglang_kvxfer.errors import (
+    IncompatibleGeometryError,
+    KVXferError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    TransferFailedError,
+)
 from sglang_kvxfer.geometry import check_compatible
 from sglang_kvxfer.metrics import note_writer_done
 from sglang_kvxfer.planning import HeadTransfer, RequestPlan, candidate_prefill_ranks, plan_tp
@@ -50,14 +59,12 @@ __all__ = ["DecodeManager", "KVReceiver"]
 log = logging.getLogger("sglang_kvxfer.decode")
 
 
-
-class DecodeManager(RankBase):
+class DecodeManager(RankBase[DecodeRoom]):
     """One decode TP rank."""
 
     side = Side.DECODE
-    _rooms: dict[int, DecodeRoom]
 
-    def __init__(self, config, pool=None):
+    def __init__(self, config: EngineConfig, pool: KVPool | None = None):
         self._groups: dict[str, PrefillGroup] = {}  # before the I/O thread starts
         super().__init__(config, pool)
 
@@ -82,8 +89,12 @@ class DecodeManager(RankBase):
             group = self._group(address)
         with self._lock:
             reply = group.reply
-            return (group.status, group.error, reply.tp_size if reply is not None else 0,
-                    reply.geometry if reply is not None else None)
+            return (
+                group.status,
+                group.error,
+                reply.tp_size if reply is not None else 0,
+                reply.geometry if reply is not None else None,
+            )
 
     def _resolve(self, group: PrefillGroup) -> None:
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
@@ -91,7 +102,7 @@ class DecodeManager(RankBase):
         reply, last = None, "no answer"
         while not self._closed and time.monotonic() < deadline:
             try:
-                reply = bootstrap.request(group.address, query, timeout_s=0.5, key=self.config.auth_key)
+                reply = bootstrap.request(group.address, query, timeout_s=0.5, key=self.config.key)
             except KVXferError as exc:
                 last = str(exc)
             else:
@@ -103,14 +114,21 @@ class DecodeManager(RankBase):
         if self._closed:
             return
         if reply is None:
-            return self._group_failed(group, f"bootstrap {group.address}: prefill group not ready after "
-                                             f"{self.config.bootstrap_timeout_s:.0f} s ({last})")
+            return self._group_failed(
+                group,
+                f"bootstrap {group.address}: prefill group not ready after "
+                f"{self.config.bootstrap_timeout_s:.0f} s ({last})",
+            )
         g = self.config.geometry
         try:
-            candidates = candidate_prefill_ranks(g.total_kv_heads, reply.tp_size, self.config.tp_size,
-                                                 self.tp_rank, g.mla)
+            candidates = candidate_prefill_ranks(
+                g.total_kv_heads, reply.tp_size, self.config.tp_size, self.tp_rank, g.mla
+            )
         except KVXferError as exc:
             return self._group_failed(group, str(exc))
+        geometry = reply.geometry
+        if geometry is None:  # BootstrapReply refuses ready=True without one
+            raise RemoteProtocolError(f"bootstrap {group.address}: a ready reply without the prefill geometry")
         now = time.monotonic()
         with self._lock:
             group.reply = reply
@@ -118,25 +136,34 @@ class DecodeManager(RankBase):
             for info in reply.ranks:
                 if info.tp_rank in candidates:
                     group.peers[info.tp_rank] = Peer(info.session, info.tp_rank, info.endpoint, now)
-                    group.placements[info.tp_rank] = reply.geometry.placement(reply.tp_size, info.tp_rank)
+                    group.placements[info.tp_rank] = geometry.placement(reply.tp_size, info.tp_rank)
         # The data plane: each candidate writer may write into this rank's pool and staging
         # only, proving the secret of its (writer, reader) session pair.
-        exported = list(self.pool.regions) + ([self.staging.region] if self.staging.region is not None else [])
+        staging_region = self._live_staging.region
+        exported = list(self._live_pool.regions) + ([staging_region] if staging_region is not None else [])
         try:
             for peer in list(group.peers.values()):
-                self.transport.authorize_peer(peer.session, peer_secret(self.config.auth_key, peer.session,
-                                                                        self.session), exported)
+                self._live_transport.authorize_peer(
+                    peer.session, peer_secret(self.config.key, peer.session, self.session), exported
+                )
         except KVXferError as exc:
             return self._group_failed(group, f"cannot export this rank's memory to the prefill ranks: {exc}")
         register = DecodeRegister(
-            engine_version=ENGINE_VERSION, session=self.session, tp_size=self.config.tp_size,
-            tp_rank=self.tp_rank, endpoint=self.control.endpoint, geometry=g,
-            transport=self.config.transport, agent_descriptor=self.transport.agent_descriptor(),
+            engine_version=ENGINE_VERSION,
+            session=self.session,
+            tp_size=self.config.tp_size,
+            tp_rank=self.tp_rank,
+            endpoint=self._live_control.endpoint,
+            geometry=g,
+            transport=self.config.transport,
+            agent_descriptor=self._live_transport.agent_descriptor(),
             kv_regions=tuple(self.kv_descriptors),
-            kv_buffer_locs=tuple((loc.region, loc.offset) for loc in self.pool.locs),
-            staging_region=self.staging_descriptor, aux_region=None)
+            kv_buffer_locs=tuple((loc.region, loc.offset) for loc in self._live_pool.locs),
+            staging_region=self.staging_descriptor,
+            aux_region=None,
+        )
         for peer in list(group.peers.values()):
-            self.control.send(peer.endpoint, register)
+            self._live_control.send(peer.endpoint, register)
 
     def _group_failed(self, group: PrefillGroup, reason: str) -> None:
         log.error("decode rank %d: %s", self.tp_rank, reason)
@@ -148,8 +175,14 @@ class DecodeManager(RankBase):
 
     def _on_register_reply(self, msg: RegisterReply) -> None:
         with self._lock:
-            group = next((g for g in self._groups.values()
-                          if msg.tp_rank in g.peers and g.peers[msg.tp_rank].session == msg.session), None)
+            group = next(
+                (
+                    g
+                    for g in self._groups.values()
+                    if msg.tp_rank in g.peers and g.peers[msg.tp_rank].session == msg.session
+                ),
+                None,
+            )
         if group is None:
             return
         error = msg.error if not msg.ok else ""
@@ -175,8 +208,9 @@ class DecodeManager(RankBase):
                 r.untold = None
         for room, (kind, reason) in untold:
             for peer in group.peers.values():
-                self.control.send(peer.endpoint, kind(room=room, side=Side.DECODE, tp_rank=self.tp_rank,
-                                                      reason=reason))
+                self._live_control.send(
+                    peer.endpoint, kind(room=room, side=Side.DECODE, tp_rank=self.tp_rank, reason=reason)
+                )
         for rec in rooms:
             if rec.meta_pending:
                 self._dispatch_meta(rec)
@@ -210,10 +244,15 @@ class DecodeManager(RankBase):
         with self._lock:
             if not rec.meta_pending or rec.meta_sent or rec.state.is_terminal:
                 return
+            pages = rec.pages
+            if pages is None:  # set_metadata() sets it with meta_pending
+                raise LocalProtocolError(f"room {rec.room}: metadata pending without pages")
             group = self._groups.get(rec.group)
             if group is None or group.status is not GroupStatus.READY:
                 return  # the group was lost; the room fails through _peer_lost or its deadline
             reply = group.reply
+            if reply is None:  # _resolve() sets it before the group can become READY
+                raise LocalProtocolError(f"prefill group {rec.group} is ready without a bootstrap reply")
             try:
                 plan = plan_tp(g.total_kv_heads, reply.tp_size, self.config.tp_size, g.mla, salt=rec.room)
                 writers = {t.prefill_rank: t for t in plan.writers_of(self.tp_rank)}
@@ -223,10 +262,10 @@ class DecodeManager(RankBase):
                 windows, problem = None, str(exc)
             else:
                 problem = ""
-            if windows is None and not problem:
-                rec.waiting_for = "staging space on this decode rank (KVXFER_STAGING_BYTES)"
-                return  # retried on the next tick, within the request's deadline
             if not problem:
+                if windows is None:
+                    rec.waiting_for = "staging space on this decode rank (KVXFER_STAGING_BYTES)"
+                    return  # retried on the next tick, within the request's deadline
                 rec.writers, rec.plans, rec.windows = writers, plans, windows
                 rec.candidates = tuple(group.peers)
                 rec.state.expect_writers(list(writers))
@@ -235,13 +274,25 @@ class DecodeManager(RankBase):
             return self._fail_room(rec, problem)
         for p, peer in group.peers.items():
             offset, capacity = rec.windows.get(p, (-1, 0))
-            self.control.send(peer.endpoint, RequestMeta(
-                room=rec.room, session=self.session, tp_rank=self.tp_rank, tp_size=self.config.tp_size,
-                num_tokens=rec.num_tokens, dst_page_ids=rec.pages, aux_slot=rec.aux_slot,
-                elected=p in writers, staging_offset=offset, staging_capacity_bytes=capacity))
+            self._live_control.send(
+                peer.endpoint,
+                RequestMeta(
+                    room=rec.room,
+                    session=self.session,
+                    tp_rank=self.tp_rank,
+                    tp_size=self.config.tp_size,
+                    num_tokens=rec.num_tokens,
+                    dst_page_ids=pages,
+                    aux_slot=rec.aux_slot,
+                    elected=p in writers,
+                    staging_offset=offset,
+                    staging_capacity_bytes=capacity,
+                ),
+            )
 
-    def _plan_writers(self, rec: DecodeRoom, writers: dict[int, HeadTransfer],
-                      group: PrefillGroup) -> dict[int, RequestPlan]:
+    def _plan_writers(
+        self, rec: DecodeRoom, writers: dict[int, HeadTransfer], group: PrefillGroup
+    ) -> dict[int, RequestPlan]:
         """One ``RequestPlan`` per writer, built once per request: it picks the pair's path
         and cuts every staged chunk's scatter slice."""
         plans: dict[int, RequestPlan] = {}
@@ -249,13 +300,23 @@ class DecodeManager(RankBase):
             src = group.placements[p]
             n_src = -(-rec.num_tokens // src.geometry.page_size)
             if n_src > src.geometry.num_pages:
-                raise TransferFailedError(f"a {rec.num_tokens}-token request needs {n_src} prefill pages; "
-                                          f"prefill pools hold {src.geometry.num_pages}", rec.room)
+                raise TransferFailedError(
+                    f"a {rec.num_tokens}-token request needs {n_src} prefill pages; "
+                    f"prefill pools hold {src.geometry.num_pages}",
+                    rec.room,
+                )
             # Path choice with the real decode pages, assuming prefill pages are contiguous
             # (decode cannot know them); prefill follows this choice.
-            plans[p] = RequestPlan.build(t, src, self.placement, np.arange(n_src), rec.pages,
-                                         num_tokens=rec.num_tokens, path=self.config.data_path,
-                                         direct_min_op_bytes=self.config.direct_min_op_bytes)
+            plans[p] = RequestPlan.build(
+                t,
+                src,
+                self.placement,
+                np.arange(n_src),
+                rec.pages,
+                num_tokens=rec.num_tokens,
+                path=self.config.data_path,
+                direct_min_op_bytes=self.config.direct_min_op_bytes,
+            )
         return plans
 
     def _lend_windows(self, rec: DecodeRoom, plans: dict[int, RequestPlan]) -> dict[int, tuple[int, int]] | None:
@@ -267,19 +328,23 @@ class DecodeManager(RankBase):
                 continue
             per_token = nbytes // rec.num_tokens
             slot = max(per_token, min(self.config.staging_slot_bytes, nbytes))
-            offset = self.staging.alloc(STAGING_SLOTS * slot)
+            staging = self._live_staging
+            offset = staging.alloc(STAGING_SLOTS * slot)
             if offset is None:
                 for off, _ in lent.values():
-                    self.staging.free(off)
-                if STAGING_SLOTS * slot > self.staging.nbytes:
-                    raise TransferFailedError(f"one token of this pair needs {slot} B of staging; the arena "
-                                              f"holds {self.staging.nbytes} B (KVXFER_STAGING_BYTES)", rec.room)
+                    staging.free(off)
+                if STAGING_SLOTS * slot > staging.nbytes:
+                    raise TransferFailedError(
+                        f"one token of this pair needs {slot} B of staging; the arena "
+                        f"holds {staging.nbytes} B (KVXFER_STAGING_BYTES)",
+                        rec.room,
+                    )
                 return None
             lent[p] = (offset, STAGING_SLOTS * slot)
         return lent
 
     # -- messages (I/O thread) --------------------------------------------------------------------
-    def _on_message(self, msg, sender: str) -> None:
+    def _on_message(self, msg: Any, sender: str) -> None:
         if isinstance(msg, Heartbeat):
             self._touch(msg.tp_rank, sender)
         elif isinstance(msg, RegisterReply):
@@ -294,8 +359,7 @@ class DecodeManager(RankBase):
                 self._on_done(msg)
             else:
                 what = "aborted" if isinstance(msg, Abort) else "failed"
-                self._fail_room(rec, f"prefill rank {msg.tp_rank} {what} the request: {msg.reason}",
-                                notify=False)
+                self._fail_room(rec, f"prefill rank {msg.tp_rank} {what} the request: {msg.reason}", notify=False)
         else:
             log.warning("decode rank %d ignored unexpected %s", self.tp_rank, type(msg).__name__)
 
@@ -306,9 +370,15 @@ class DecodeManager(RankBase):
             peer = group.peers.get(msg.tp_rank) if group is not None else None
         if peer is not None and peer.session == sender:
             return True
-        self.security_event("unexpected_sender", "%s for room %d as prefill rank %d from session %s dropped "
-                            "(expected session %s)", type(msg).__name__, msg.room, msg.tp_rank, sender,
-                            peer.session if peer is not None else "none")
+        self.security_event(
+            "unexpected_sender",
+            "%s for room %d as prefill rank %d from session %s dropped (expected session %s)",
+            type(msg).__name__,
+            msg.room,
+            msg.tp_rank,
+            sender,
+            peer.session if peer is not None else "none",
+        )
         return False
 
     def _touch(self, tp_rank: int, session: str | None = None) -> None:
@@ -323,8 +393,9 @@ class DecodeManager(RankBase):
         """The plan of writer ``tp_rank`` of this request (a ``TransferFailedError`` if none)."""
         plan = rec.plans.get(tp_rank)
         if plan is None:
-            raise TransferFailedError(f"prefill rank {tp_rank} is not a writer of this request "
-                                      f"(writers: {sorted(rec.writers)})", rec.room)
+            raise TransferFailedError(
+                f"prefill rank {tp_rank} is not a writer of this request (writers: {sorted(rec.writers)})", rec.room
+            )
         return plan
 
     def _on_chunk(self, msg: ChunkReady) -> None:
@@ -337,11 +408,17 @@ class DecodeManager(RankBase):
             plan = self._writer(rec, msg.tp_rank)
             offset, capacity = rec.windows.get(msg.tp_rank, (-1, 0))
             if not (offset <= msg.staging_offset and msg.staging_offset + msg.chunk_bytes <= offset + capacity):
-                raise TransferFailedError(f"ChunkReady from prefill rank {msg.tp_rank} points outside its "
-                                          f"staging window [{offset}, {offset + capacity})", rec.room)
+                raise TransferFailedError(
+                    f"ChunkReady from prefill rank {msg.tp_rank} points outside its "
+                    f"staging window [{offset}, {offset + capacity})",
+                    rec.room,
+                )
             if msg.token_start + msg.num_tokens > rec.num_tokens:
-                raise TransferFailedError(f"ChunkReady tokens [{msg.token_start}, {msg.token_start + msg.num_tokens})"
-                                          f" exceed the request's {rec.num_tokens}", rec.room)
+                raise TransferFailedError(
+                    f"ChunkReady tokens [{msg.token_start}, {msg.token_start + msg.num_tokens})"
+                    f" exceed the request's {rec.num_tokens}",
+                    rec.room,
+                )
             with self._lock:
                 rec.first_notice = rec.first_notice or now
                 rec.state.handle(Event.CHUNK_STARTED, now)
@@ -358,23 +435,28 @@ class DecodeManager(RankBase):
         t0 = time.perf_counter()
         try:
             piece = plan.scatter_slice(msg.token_start, msg.token_start + msg.num_tokens)
+            pool = self._live_pool
             ops.scatter_kv_heads(
-                self.staging.view(msg.staging_offset, msg.chunk_bytes),
-                self.pool.buffers[: g.num_layers], self.pool.buffers[g.num_layers:] if g.has_v else None,
-                piece)
+                self._live_staging.view(msg.staging_offset, msg.chunk_bytes),
+                pool.buffers[: g.num_layers],
+                pool.buffers[g.num_layers :] if g.has_v else None,
+                piece,
+            )
             if self.config.device.startswith("cuda"):
                 import torch
 
                 torch.cuda.current_stream(self.config.device).synchronize()
         except Exception as exc:
-            return self._fail_room(rec, f"scatter of tokens [{msg.token_start}, "
-                                        f"{msg.token_start + msg.num_tokens}) failed: {exc}")
+            return self._fail_room(
+                rec, f"scatter of tokens [{msg.token_start}, {msg.token_start + msg.num_tokens}) failed: {exc}"
+            )
         rec.timings["scatter"] = rec.timings.get("scatter", 0.0) + time.perf_counter() - t0
         group = self._groups.get(rec.group)
         peer = group.peers.get(msg.tp_rank) if group else None
         if peer is not None:
-            self.control.send(peer.endpoint, ChunkAck(room=rec.room, tp_rank=self.tp_rank,
-                                                      staging_offset=msg.staging_offset))
+            self._live_control.send(
+                peer.endpoint, ChunkAck(room=rec.room, tp_rank=self.tp_rank, staging_offset=msg.staging_offset)
+            )
 
     def _on_done(self, msg: TransferDone) -> None:
         rec = self.room(msg.room)
@@ -414,9 +496,9 @@ class DecodeManager(RankBase):
         with self._lock:
             windows, rec.windows = rec.windows, {}
         for offset, _ in windows.values():
-            self.staging.free(offset)
+            self._live_staging.free(offset)
 
-    def _fail_room(self, rec, reason: str, notify: bool = True, already_failed: bool = False) -> None:
+    def _fail_room(self, rec: DecodeRoom, reason: str, notify: bool = True, already_failed: bool = False) -> None:
         with self._lock:
             if not already_failed:
                 if rec.state.is_terminal:
@@ -435,8 +517,9 @@ class DecodeManager(RankBase):
         # Free the windows after any scatter already queued for this room has run.
         self.worker_for(rec.room).submit(lambda: self._free_windows(rec))
         for peer in peers:
-            self.control.send(peer.endpoint, TransferFailed(room=rec.room, side=Side.DECODE,
-                                                            tp_rank=self.tp_rank, reason=reason))
+            self._live_control.send(
+                peer.endpoint, TransferFailed(room=rec.room, side=Side.DECODE, tp_rank=self.tp_rank, reason=reason)
+            )
 
     def abort(self, rec: DecodeRoom, reason: str) -> None:
         with self._lock:
@@ -451,21 +534,27 @@ class DecodeManager(RankBase):
         self._request_ended(rec)
         self.worker_for(rec.room).submit(lambda: self._free_windows(rec))
         for peer in peers:
-            self.control.send(peer.endpoint, Abort(room=rec.room, side=Side.DECODE,
-                                                   tp_rank=self.tp_rank, reason=reason))
+            self._live_control.send(
+                peer.endpoint, Abort(room=rec.room, side=Side.DECODE, tp_rank=self.tp_rank, reason=reason)
+            )
 
-    def _peers(self):
+    def _peers(self) -> list[Peer]:
         with self._lock:
-            return [p for g in self._groups.values() if g.status in (GroupStatus.REGISTERING, GroupStatus.READY)
-                    for p in g.peers.values()]
+            return [
+                p
+                for g in self._groups.values()
+                if g.status in (GroupStatus.REGISTERING, GroupStatus.READY)
+                for p in g.peers.values()
+            ]
 
-    def _peer_lost(self, peer, reason: str) -> None:
+    def _peer_lost(self, peer: Peer, reason: str) -> None:
         with self._lock:
             groups = [g for g in self._groups.values() if peer in g.peers.values()]
             for g in groups:
                 g.status, g.error = GroupStatus.FAILED, reason
-            rooms = [r for r in self._rooms.values() if not r.state.is_terminal
-                     and any(r.group == g.address for g in groups)]
+            rooms = [
+                r for r in self._rooms.values() if not r.state.is_terminal and any(r.group == g.address for g in groups)
+            ]
         for rec in rooms:  # the other prefill ranks of the room hear of it too
             self._fail_room(rec, f"prefill rank {peer.tp_rank} is gone: {reason}")
         with self._lock:
@@ -473,22 +562,25 @@ class DecodeManager(RankBase):
                 if self._groups.get(g.address) is g:
                     self._groups.pop(g.address)
         self._revoke(groups)
-        self.control.forget(peer.endpoint)
+        self._live_control.forget(peer.endpoint)
 
-    def _revoke(self, groups) -> None:
+    def _revoke(self, groups: list[PrefillGroup]) -> None:
         """Withdraw the data-plane grants of these groups' prefill sessions."""
         for g in groups:
             for p in g.peers.values():
                 try:
-                    self.transport.revoke_peer(p.session)
+                    self._live_transport.revoke_peer(p.session)
                 except Exception:
                     log.exception("decode rank %d: revoking prefill session %s failed", self.tp_rank, p.session)
 
     def _on_tick(self, now: float) -> None:
         super()._on_tick(now)
         with self._lock:
-            retry = [r for r in self._rooms.values() if r.meta_pending and not r.meta_sent
-                     and r.state.poll is KVPoll.WaitingForInput]
+            retry = [
+                r
+                for r in self._rooms.values()
+                if r.meta_pending and not r.meta_sent and r.state.poll is KVPoll.WaitingForInput
+            ]
         for rec in retry:
             self._dispatch_meta(rec)
 
@@ -508,6 +600,8 @@ class KVReceiver(RequestHandle):
     aux bytes) or ``KVPoll.Failed`` (then ``failure_reason`` says why).
     """
 
+    mgr: DecodeManager
+    _rec: DecodeRoom
     _abort_reason = "aborted by the decode side"
 
     def __init__(self, mgr: DecodeManager, room: int, bootstrap_addr: str | None = None):
@@ -549,5 +643,10 @@ class KVReceiver(RequestHandle):
     @property
     def stats(self) -> dict:
         r = self._rec
-        return {"bytes": r.bytes, "timings": dict(r.timings), "first_notice": r.first_notice,
-                "last_notice": r.last_notice, "finished_at": r.finished_at}
+        return {
+            "bytes": r.bytes,
+            "timings": dict(r.timings),
+            "first_notice": r.first_notice,
+            "last_notice": r.last_notice,
+            "finished_at": r.finished_at,
+        }

@@ -5,6 +5,7 @@ this rank's registration with each of its candidate ranks) and ``DecodeRoom`` (o
 on a decode rank: its pages, writers and their ``RequestPlan``s, staging windows, metrics).
 Must not: send messages or touch memory; ``decode.py`` drives these records.
 """
+
 from __future__ import annotations
 
 import enum
@@ -25,10 +26,10 @@ class GroupStatus(str, enum.Enum):
     """Where this decode rank stands with one prefill group. A ``str`` enum:
     ``prefill_group_status`` callers compare it with the plain names."""
 
-    RESOLVING = "resolving"      # asking the bootstrap
+    RESOLVING = "resolving"  # asking the bootstrap
     REGISTERING = "registering"  # registered with the candidates, waiting for their replies
-    READY = "ready"              # every candidate accepted this rank
-    FAILED = "failed"            # see PrefillGroup.error; the next request looks it up again
+    READY = "ready"  # every candidate accepted this rank
+    FAILED = "failed"  # see PrefillGroup.error; the next request looks it up again
 
     def __str__(self) -> str:
         return self.value
@@ -76,9 +77,17 @@ class DecodeRoom:
 
     def record(self, tp_rank: int) -> RequestRecord:
         ok = self.state.poll is KVPoll.Success
-        return RequestRecord(room=self.room, side="decode", tp_rank=tp_rank, ok=ok, reason=self.state.reason or "",
-                             bytes=self.bytes, ops=self.ops, phases=dict(self.timings),
-                             first_byte_ready=self.marks.get("first_byte_ready"),
-                             last_chunk_ready=self.marks.get("last_chunk_ready"),
-                             last_notice=self.finished_at if ok else None,
-                             failure_kind="aborted" if "aborted" in self.marks else "")
+        return RequestRecord(
+            room=self.room,
+            side="decode",
+            tp_rank=tp_rank,
+            ok=ok,
+            reason=self.state.reason or "",
+            bytes=self.bytes,
+            ops=self.ops,
+            phases=dict(self.timings),
+            first_byte_ready=self.marks.get("first_byte_ready"),
+            last_chunk_ready=self.marks.get("last_chunk_ready"),
+            last_notice=self.finished_at if ok else None,
+            failure_kind="aborted" if "aborted" in self.marks else "",
+        )

@@ -4,6 +4,7 @@ Owns only the choice between ``PrefillManager`` and ``DecodeManager``, so that
 ``manager.py`` (the shared base) never imports the roles that build on it.
 Must not: hold state or grow options of its own.
 """
+
 from __future__ import annotations
 
 from sglang_kvxfer.engine.config import EngineConfig

@@ -11,6 +11,7 @@ Must not: import the roles (they import this module), or know a role's messages.
 Locking: ``self._lock`` guards the room and peer tables; it is never held while waiting
 on a transport, a socket or another thread.
 """
+
 from __future__ import annotations
 
 import abc
@@ -20,7 +21,8 @@ import queue
 import secrets
 import threading
 import time
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 
 from sglang_kvxfer.engine.config import EngineConfig
 from sglang_kvxfer.engine.control import ControlChannel
@@ -29,6 +31,10 @@ from sglang_kvxfer.protocol.fields import Side
 from sglang_kvxfer.protocol.messages import Heartbeat
 from sglang_kvxfer.protocol.state import Deadlines, KVPoll, RequestState
 from sglang_kvxfer.transports import get_transport
+
+if TYPE_CHECKING:
+    from sglang_kvxfer.metrics import RequestRecord
+    from sglang_kvxfer.transports.base import Transport
 
 __all__ = ["RankBase", "RoomRecord", "Worker", "Peer", "RequestHandle"]
 
@@ -39,7 +45,7 @@ class Worker:
     """One thread running submitted callables in order."""
 
     def __init__(self, name: str):
-        self._q: queue.Queue = queue.Queue()
+        self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -76,14 +82,20 @@ class RoomRecord(Protocol):
     room: int
     state: RequestState
 
-    def record(self, tp_rank: int): ...
+    def record(self, tp_rank: int) -> RequestRecord: ...
 
 
-class RankBase(abc.ABC):
-    """Resources and bookkeeping of one rank; see ``PrefillManager`` / ``DecodeManager``."""
+R = TypeVar("R", bound=RoomRecord)
+T = TypeVar("T")
+RankT = TypeVar("RankT", bound="RankBase[Any]")
+
+
+class RankBase(abc.ABC, Generic[R]):
+    """Resources and bookkeeping of one rank; see ``PrefillManager`` / ``DecodeManager``.
+    ``R`` is the role's room record (``PrefillRoom``, ``DecodeRoom``)."""
 
     side: Side
-    _rooms: dict[int, RoomRecord]
+    _rooms: dict[int, R]
 
     def __init__(self, config: EngineConfig, pool: KVPool | None = None):
         if not isinstance(config, EngineConfig):
@@ -93,35 +105,44 @@ class RankBase(abc.ABC):
         self.config = config
         self.placement = config.placement
         self.session = secrets.token_hex(8)
-        self.deadlines = Deadlines(config.bootstrap_timeout_s, config.waiting_timeout_s,
-                                   config.transfer_timeout_s)
+        self.deadlines = Deadlines(config.bootstrap_timeout_s, config.waiting_timeout_s, config.transfer_timeout_s)
         self._lock = threading.RLock()
         self._rooms = {}
         self._closed = False
         # Security events by kind (room_conflict, unexpected_sender, ...): Prometheus counts them.
         self.security_events: dict[str, int] = collections.defaultdict(int)
         # Called with each finished request's RequestRecord (metrics.py); on engine threads.
-        self.request_listeners: list[Callable] = []
-        self.transport = self.pool = self.staging = self.control = None
+        self.request_listeners: list[Callable[[RequestRecord], Any]] = []
+        # None before construction finished and after close().
+        self.transport: Transport | None = None
+        self.pool: KVPool | None = None
+        self.staging: StagingArena | None = None
+        self.control: ControlChannel | None = None
         self._workers: list[Worker] = []
         self._helpers: list[threading.Thread] = []
         try:
-            self.transport = get_transport(config.transport, **config.transport_options)
+            self.transport = transport = get_transport(config.transport, **config.transport_options)
             shared = config.transport == "local" and config.device == "cpu"
             if pool is not None and pool.placement != self.placement:
                 raise ValueError("pool was built for another placement than config")
-            self.pool = pool or KVPool.allocate(self.placement, config.device, shared=shared)
-            self.kv_descriptors = self.pool.register(self.transport)
-            self.staging = StagingArena(config.staging_bytes, config.device, shared=shared)
-            self.staging_descriptor = self.staging.register(self.transport)
-            self._workers = [Worker(f"kvxfer-{self.side.value}{config.tp_rank}-w{i}")
-                             for i in range(config.num_workers)]
+            self.pool = pool = pool or KVPool.allocate(self.placement, config.device, shared=shared)
+            self.kv_descriptors = pool.register(transport)
+            self.staging = staging = StagingArena(config.staging_bytes, config.device, shared=shared)
+            self.staging_descriptor = staging.register(transport)
+            self._workers = [
+                Worker(f"kvxfer-{self.side.value}{config.tp_rank}-w{i}") for i in range(config.num_workers)
+            ]
             self._hb_seq = 0
             self._next_heartbeat = 0.0
             self._last_tick: float | None = None
-            self.control = ControlChannel(config.host, self._on_message, self._on_tick,
-                                          f"{self.side.value}{config.tp_rank}", session=self.session,
-                                          key=config.auth_key)
+            self.control = ControlChannel(
+                config.host,
+                self._on_message,
+                self._on_tick,
+                f"{self.side.value}{config.tp_rank}",
+                session=self.session,
+                key=config.key,
+            )
         except BaseException:
             self.close()
             raise
@@ -131,7 +152,30 @@ class RankBase(abc.ABC):
     def tp_rank(self) -> int:
         return self.config.tp_rank
 
-    def start_thread(self, target, name: str, *args) -> None:
+    def _open(self, resource: T | None, what: str) -> T:
+        """``resource``, or a clear error where it is None: the manager is closed (or was
+        never fully built), so there is no transport, pool, staging arena or channel."""
+        if resource is None:
+            raise RuntimeError(f"{self.side.value} rank {self.tp_rank} has no {what}: the manager is closed")
+        return resource
+
+    @property
+    def _live_transport(self) -> Transport:
+        return self._open(self.transport, "transport")
+
+    @property
+    def _live_pool(self) -> KVPool:
+        return self._open(self.pool, "KV pool")
+
+    @property
+    def _live_staging(self) -> StagingArena:
+        return self._open(self.staging, "staging arena")
+
+    @property
+    def _live_control(self) -> ControlChannel:
+        return self._open(self.control, "control channel")
+
+    def start_thread(self, target: Callable[..., None], name: str, *args: Any) -> None:
         """A helper thread that ``close()`` joins (it must check ``self._closed`` often)."""
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         self._helpers.append(thread)
@@ -143,7 +187,7 @@ class RankBase(abc.ABC):
     def new_state(self, room: int) -> RequestState:
         return RequestState(room, self.side, time.monotonic(), self.deadlines)
 
-    def room(self, room: int):
+    def room(self, room: int) -> R | None:
         with self._lock:
             return self._rooms.get(room)
 
@@ -152,7 +196,7 @@ class RankBase(abc.ABC):
         with self._lock:
             return sum(not rec.state.is_terminal for rec in self._rooms.values())
 
-    def _request_ended(self, rec) -> None:
+    def _request_ended(self, rec: R) -> None:
         """Give the finished room's record to the listeners; a listener's error is logged,
         never raised into the data path."""
         if not self.request_listeners:
@@ -166,7 +210,7 @@ class RankBase(abc.ABC):
 
     # -- the hooks each role implements ----------------------------------------------------------
     @abc.abstractmethod
-    def _on_message(self, msg, sender: str) -> None:
+    def _on_message(self, msg: Any, sender: str) -> None:
         """One authenticated control message from session ``sender`` (I/O thread)."""
 
     @abc.abstractmethod
@@ -178,24 +222,23 @@ class RankBase(abc.ABC):
         """A peer stopped answering."""
 
     @abc.abstractmethod
-    def _fail_room(self, rec, reason: str, notify: bool = True, already_failed: bool = False) -> None:
+    def _fail_room(self, rec: R, reason: str, notify: bool = True, already_failed: bool = False) -> None:
         """Fail a room here and, when ``notify``, tell the peers involved."""
 
     @abc.abstractmethod
-    def abort(self, rec, reason: str) -> None:
+    def abort(self, rec: R, reason: str) -> None:
         """Abort a room on behalf of this side's caller and tell the peers involved."""
 
     @abc.abstractmethod
     def release(self, room: int) -> None:
         """The caller is done with ``room``: forget it once it has ended."""
 
-    def security_event(self, kind: str, text: str, *args) -> None:
+    def security_event(self, kind: str, text: str, *args: Any) -> None:
         """Count a security event and log it at ERROR (rate-limited per kind)."""
         self.security_events[kind] += 1
         count = self.security_events[kind]
         if count <= 5 or count % 1000 == 0:
-            log.error("%s rank %d security (%s, %d so far): " + text, self.side.value, self.tp_rank,
-                      kind, count, *args)
+            log.error("%s rank %d security (%s, %d so far): " + text, self.side.value, self.tp_rank, kind, count, *args)
 
     # -- the I/O thread's periodic work ----------------------------------------------------------
     def _on_tick(self, now: float) -> None:
@@ -204,8 +247,12 @@ class RankBase(abc.ABC):
             # This rank did not run (SIGSTOP, a debugger, a starved host): its peers' silence
             # is its own doing. Give every peer a fresh heartbeat window instead of declaring
             # them all dead; a peer that really died is caught one window later.
-            log.warning("%s rank %d did not run for %.1f s (stopped or starved); peers get a fresh "
-                        "heartbeat window", self.side.value, self.tp_rank, now - last)
+            log.warning(
+                "%s rank %d did not run for %.1f s (stopped or starved); peers get a fresh heartbeat window",
+                self.side.value,
+                self.tp_rank,
+                now - last,
+            )
             for peer in self._peers():
                 peer.last_seen = max(peer.last_seen, now)
             self._next_heartbeat = 0.0
@@ -213,25 +260,37 @@ class RankBase(abc.ABC):
             self._next_heartbeat = now + self.config.heartbeat_interval_s
             self._hb_seq += 1
             for peer in self._peers():
-                self.control.send(peer.endpoint, Heartbeat(
-                    session=self.session, side=self.side, tp_rank=self.tp_rank,
-                    seq=self._hb_seq, sent_at=max(now, 0.0)))
+                self._live_control.send(
+                    peer.endpoint,
+                    Heartbeat(
+                        session=self.session,
+                        side=self.side,
+                        tp_rank=self.tp_rank,
+                        seq=self._hb_seq,
+                        sent_at=max(now, 0.0),
+                    ),
+                )
         for peer in self._peers():
             silent = now - peer.last_seen
             if peer.alive and silent > self.config.heartbeat_timeout_s:
                 peer.alive = False
-                self._peer_lost(peer, f"peer {peer.endpoint} (session {peer.session}) sent nothing for "
-                                      f"{silent:.1f} s (KVXFER_HEARTBEAT_TIMEOUT_S="
-                                      f"{self.config.heartbeat_timeout_s})")
+                self._peer_lost(
+                    peer,
+                    f"peer {peer.endpoint} (session {peer.session}) sent nothing for "
+                    f"{silent:.1f} s (KVXFER_HEARTBEAT_TIMEOUT_S="
+                    f"{self.config.heartbeat_timeout_s})",
+                )
         with self._lock:
             rooms = list(self._rooms.values())
         for rec in rooms:
             state = rec.state
-            if not state.is_terminal and now >= state.deadline:
+            deadline = state.deadline  # None only once terminal
+            if not state.is_terminal and deadline is not None and now >= deadline:
                 with self._lock:
                     expired = state.check_deadline(now)
                 if expired:
-                    self._fail_room(rec, state.reason, notify=True, already_failed=True)
+                    # check_deadline() failed the room, which always sets a reason
+                    self._fail_room(rec, cast(str, state.reason), notify=True, already_failed=True)
 
     def poll(self, room: int) -> KVPoll:
         rec = self.room(room)
@@ -259,10 +318,10 @@ class RankBase(abc.ABC):
             self.transport.close()
             self.transport = None
 
-    def __enter__(self):
+    def __enter__(self: RankT) -> RankT:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -270,6 +329,9 @@ class RequestHandle:
     """What ``KVSender`` and ``KVReceiver`` share: the request's poll, its failure, abort,
     its metrics record and ``clear``. Subclasses set ``mgr``, ``room`` and ``_rec``."""
 
+    mgr: RankBase[Any]
+    room: int
+    _rec: RoomRecord
     _abort_reason = "aborted"
 
     def poll(self) -> KVPoll:
@@ -288,11 +350,10 @@ class RequestHandle:
         self.mgr.abort(self._rec, reason or self._abort_reason)
 
     @property
-    def record(self):
+    def record(self) -> RequestRecord:
         """This request on this rank: bytes, ops, phases and its transfer window (metrics.py)."""
         return self._rec.record(self.mgr.tp_rank)
 
     def clear(self) -> None:
         """Forget the request on this rank (after it ended)."""
         self.mgr.release(self.room)
-

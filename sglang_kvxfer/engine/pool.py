@@ -6,15 +6,20 @@ transport), ``StagingArena`` (a registered byte region with a first-fit allocato
 staged data path) and ``PageAllocator`` (page ids of a pool for the synthetic servers). It
 must not speak the protocol or move bytes between processes.
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sglang_kvxfer.geometry import RankPlacement
+
+if TYPE_CHECKING:
+    from sglang_kvxfer.transports.base import Region, Transport
 
 __all__ = ["BufferLoc", "KVPool", "StagingArena", "PageAllocator", "torch_dtype"]
 
@@ -36,8 +41,13 @@ class _CudaArray:
     copy (the ``__cuda_array_interface__`` protocol, version 2)."""
 
     def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "strides": None, "version": 2}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 2,
+        }
 
 
 def _tensor_at(ptr: int, nbytes: int, device: str):
@@ -91,18 +101,24 @@ class KVPool:
     elsewhere (one region each), as an inference server's pool is.
     """
 
-    def __init__(self, placement: RankPlacement, buffers: Sequence, blocks: Sequence,
-                 locs: Sequence[BufferLoc], owners: Sequence = ()):
+    def __init__(
+        self,
+        placement: RankPlacement,
+        buffers: Sequence,
+        blocks: Sequence,
+        locs: Sequence[BufferLoc],
+        owners: Sequence = (),
+    ):
         self.placement = placement
         self.buffers = list(buffers)
         self._blocks = list(blocks)  # uint8 tensors registered as regions
         self.locs = list(locs)
         self._owners = list(owners)
-        self.regions: list = []
-        self._transport = None
+        self.regions: list[Region] = []
+        self._transport: Transport | None = None
 
     @classmethod
-    def allocate(cls, placement: RankPlacement, device: str = "cpu", shared: bool = False) -> "KVPool":
+    def allocate(cls, placement: RankPlacement, device: str = "cpu", shared: bool = False) -> KVPool:
         g = placement.geometry
         offsets, total = [], 0
         for i in range(g.num_buffers):
@@ -111,14 +127,15 @@ class KVPool:
         block, owner = _alloc_bytes(total, device, shared)
         dtype = torch_dtype(g.dtype)
         buffers = [
-            block[off: off + placement.buffer_nbytes(i)].view(dtype).view(placement.buffer_shape(i))
+            block[off : off + placement.buffer_nbytes(i)].view(dtype).view(placement.buffer_shape(i))
             for i, off in enumerate(offsets)
         ]
-        return cls(placement, buffers, [block], [BufferLoc(0, off) for off in offsets],
-                   [owner] if owner is not None else [])
+        return cls(
+            placement, buffers, [block], [BufferLoc(0, off) for off in offsets], [owner] if owner is not None else []
+        )
 
     @classmethod
-    def wrap(cls, placement: RankPlacement, buffers: Sequence) -> "KVPool":
+    def wrap(cls, placement: RankPlacement, buffers: Sequence) -> KVPool:
         """Use existing tensors (one per buffer index, contiguous, matching the geometry)."""
         import torch
 
@@ -136,8 +153,9 @@ class KVPool:
         return cls(placement, buffers, blocks, [BufferLoc(i, 0) for i in range(len(buffers))])
 
     @classmethod
-    def from_pointers(cls, placement: RankPlacement, ptrs: Sequence[int], lens: Sequence[int],
-                      device: str = "cpu") -> "KVPool":
+    def from_pointers(
+        cls, placement: RankPlacement, ptrs: Sequence[int], lens: Sequence[int], device: str = "cpu"
+    ) -> KVPool:
         """Views over buffers known only by address, as an inference server hands them over.
 
         ``ptrs[i]``/``lens[i]`` are the address and byte length of buffer ``i`` (K of every
@@ -148,8 +166,10 @@ class KVPool:
         g = placement.geometry
         for name, seq in (("ptrs", ptrs), ("lens", lens)):
             if len(seq) != g.num_buffers:
-                raise ValueError(f"{name} has {len(seq)} entries; the geometry needs {g.num_buffers} "
-                                 f"(K of {g.num_layers} layers{', then V' if g.has_v else ''})")
+                raise ValueError(
+                    f"{name} has {len(seq)} entries; the geometry needs {g.num_buffers} "
+                    f"(K of {g.num_layers} layers{', then V' if g.has_v else ''})"
+                )
         dtype = torch_dtype(g.dtype)
         blocks, buffers = [], []
         for i, (ptr, nbytes) in enumerate(zip(ptrs, lens)):
@@ -157,8 +177,10 @@ class KVPool:
             if isinstance(ptr, bool) or not isinstance(ptr, (int, np.integer)) or ptr <= 0:
                 raise ValueError(f"ptrs[{i}]={ptr!r} must be a non-null address (int)")
             if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < need:
-                raise ValueError(f"lens[{i}]={nbytes!r} must be at least {need} bytes: buffer {i} of the "
-                                 f"geometry is {placement.buffer_shape(i)} {g.dtype}")
+                raise ValueError(
+                    f"lens[{i}]={nbytes!r} must be at least {need} bytes: buffer {i} of the "
+                    f"geometry is {placement.buffer_shape(i)} {g.dtype}"
+                )
             block = _tensor_at(int(ptr), need, device)
             blocks.append(block)
             buffers.append(block.view(dtype).view(placement.buffer_shape(i)))
@@ -168,7 +190,7 @@ class KVPool:
     def device(self) -> str:
         return str(self.buffers[0].device)
 
-    def register(self, transport) -> list[bytes]:
+    def register(self, transport: Transport) -> list[bytes]:
         """Register every block with ``transport``; returns the region descriptors."""
         if self._transport is not None:
             raise RuntimeError("KVPool is already registered")
@@ -215,8 +237,8 @@ class StagingArena:
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # sorted (offset, size)
         self._used: dict[int, int] = {}
         self._lock = threading.Lock()
-        self.region = None
-        self._transport = None
+        self.region: Region | None = None
+        self._transport: Transport | None = None
 
     @property
     def used_bytes(self) -> int:
@@ -253,11 +275,12 @@ class StagingArena:
             self._free = merged
 
     def view(self, offset: int, nbytes: int):
-        return self.tensor[offset: offset + nbytes]
+        return self.tensor[offset : offset + nbytes]
 
-    def register(self, transport) -> bytes:
-        self.region, self._transport = transport.register_tensor(self.tensor), transport
-        return self.region.descriptor
+    def register(self, transport: Transport) -> bytes:
+        region = transport.register_tensor(self.tensor)
+        self.region, self._transport = region, transport
+        return region.descriptor
 
     def close(self) -> None:
         if self._transport is not None and self.region is not None:

@@ -15,22 +15,24 @@ decode rank wins; a conflicting claim fails the room on both sides) and failure 
 The room table is ``prefill_rooms.py``; the bytes are ``prefill_datapath.py``.
 Must not: move KV bytes or plan them (the data path does), or block the I/O thread.
 """
+
 from __future__ import annotations
 
 import collections
 import logging
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
 from sglang_kvxfer.engine import bootstrap
-from sglang_kvxfer.engine.config import ENGINE_VERSION
+from sglang_kvxfer.engine.config import ENGINE_VERSION, EngineConfig
 from sglang_kvxfer.engine.manager import Peer, RankBase, RequestHandle
-from sglang_kvxfer.engine.pool import BufferLoc
+from sglang_kvxfer.engine.pool import BufferLoc, KVPool
 from sglang_kvxfer.engine.prefill_datapath import PrefillDataPath
 from sglang_kvxfer.engine.prefill_rooms import Chunk, PrefillRoom, PrefillRoomTable
-from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeoutError
+from sglang_kvxfer.errors import KVXferError, LocalProtocolError, TransferFailedError, TransferTimeoutError
 from sglang_kvxfer.geometry import check_compatible
 from sglang_kvxfer.planning import DataPath, candidate_decode_ranks, plan_tp
 from sglang_kvxfer.protocol.envelope import peer_secret
@@ -46,17 +48,17 @@ from sglang_kvxfer.protocol.messages import (
     TransferFailed,
 )
 from sglang_kvxfer.protocol.state import Event, KVPoll
+from sglang_kvxfer.transports.base import RemoteRegion
 
 __all__ = ["PrefillManager", "KVSender"]
 
 log = logging.getLogger("sglang_kvxfer.prefill")
 
 
-
 class DecodePeer(Peer):
     """A registered decode rank: its placement, imported regions and buffer locations."""
 
-    def __init__(self, msg: DecodeRegister, regions, staging, now: float):
+    def __init__(self, msg: DecodeRegister, regions: list[RemoteRegion], staging: RemoteRegion | None, now: float):
         super().__init__(msg.session, msg.tp_rank, msg.endpoint, now)
         self.placement = msg.geometry.placement(msg.tp_size, msg.tp_rank)
         self.regions = regions
@@ -64,15 +66,14 @@ class DecodePeer(Peer):
         self.staging = staging
 
 
-class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
+class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
     """One prefill TP rank. Registers with the bootstrap at construction (with retries
     until ``bootstrap_timeout_s``; ``wait_registered`` blocks on it). The room table
     (``MAX_UNATTACHED_ROOMS``, ``ROOM_RETENTION_S``) and the data path are mixins."""
 
     side = Side.PREFILL
-    _rooms: dict[int, PrefillRoom]
 
-    def __init__(self, config, pool=None):
+    def __init__(self, config: EngineConfig, pool: KVPool | None = None):
         self._decode_peers: dict[str, DecodePeer] = {}  # before the I/O thread starts
         # Forgotten decode sessions -> (peer, last time told to register again), capped.
         self._lost_peers: collections.OrderedDict[str, tuple[Peer, float]] = collections.OrderedDict()
@@ -84,15 +85,20 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
 
     # -- bootstrap -----------------------------------------------------------------------------
     def _register_with_bootstrap(self) -> None:
-        msg = PrefillRegister(engine_version=ENGINE_VERSION, session=self.session,
-                              tp_size=self.config.tp_size, tp_rank=self.tp_rank,
-                              endpoint=self.control.endpoint, geometry=self.config.geometry,
-                              transport=self.config.transport)
+        msg = PrefillRegister(
+            engine_version=ENGINE_VERSION,
+            session=self.session,
+            tp_size=self.config.tp_size,
+            tp_rank=self.tp_rank,
+            endpoint=self._live_control.endpoint,
+            geometry=self.config.geometry,
+            transport=self.config.transport,
+        )
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         last = "no answer"
         while not self._closed and time.monotonic() < deadline:
             try:
-                reply = bootstrap.request(self.config.bootstrap, msg, timeout_s=0.5, key=self.config.auth_key)
+                reply = bootstrap.request(self.config.bootstrap, msg, timeout_s=0.5, key=self.config.key)
             except KVXferError as exc:
                 last = str(exc)
                 time.sleep(0.2)
@@ -115,7 +121,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
             raise TransferFailedError(self.registration_error)
 
     # -- messages (I/O thread) ------------------------------------------------------------------
-    def _on_message(self, msg, sender: str) -> None:
+    def _on_message(self, msg: Any, sender: str) -> None:
         if isinstance(msg, Heartbeat):
             peer = self._decode_peers.get(sender)
             if peer is not None:
@@ -142,17 +148,29 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
             if lost is None or now - lost[1] < self.config.heartbeat_interval_s:
                 return
             self._lost_peers[sender] = (lost[0], now)
-        self.control.send(lost[0].endpoint, RegisterReply(
-            session=self.session, tp_rank=self.tp_rank, ok=False, geometry=self.config.geometry,
-            error=f"prefill rank {self.tp_rank} no longer knows decode session {sender} (declared dead "
-                  f"after {self.config.heartbeat_timeout_s} s of silence); register again"))
+        self._live_control.send(
+            lost[0].endpoint,
+            RegisterReply(
+                session=self.session,
+                tp_rank=self.tp_rank,
+                ok=False,
+                geometry=self.config.geometry,
+                error=f"prefill rank {self.tp_rank} no longer knows decode session {sender} (declared dead "
+                f"after {self.config.heartbeat_timeout_s} s of silence); register again",
+            ),
+        )
 
-    def _on_peer_failure(self, msg, sender: str) -> None:
+    def _on_peer_failure(self, msg: Abort | TransferFailed, sender: str) -> None:
         """Abort/TransferFailed from a decode rank: only from a registered session, and for a
         room another session's metadata claims for that decode rank, not at all."""
         if sender not in self._decode_peers and sender not in self._lost_peers:
-            self.security_event("unregistered_sender", "%s for room %d from unregistered session %s dropped",
-                                type(msg).__name__, msg.room, sender)
+            self.security_event(
+                "unregistered_sender",
+                "%s for room %d from unregistered session %s dropped",
+                type(msg).__name__,
+                msg.room,
+                sender,
+            )
             return
         what = "aborted" if isinstance(msg, Abort) else "failed"
         with self._lock:
@@ -163,9 +181,15 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
                     return
             owner = rec.metas.get(msg.tp_rank)
             if owner is not None and owner.session != sender:
-                self.security_event("unexpected_sender", "%s for room %d, decode rank %d, from session %s; "
-                                    "the room belongs to session %s", type(msg).__name__, msg.room,
-                                    msg.tp_rank, sender, owner.session)
+                self.security_event(
+                    "unexpected_sender",
+                    "%s for room %d, decode rank %d, from session %s; the room belongs to session %s",
+                    type(msg).__name__,
+                    msg.room,
+                    msg.tp_rank,
+                    sender,
+                    owner.session,
+                )
                 return
         # An unknown room keeps a failed record, so a sender created later fails at once.
         self._fail_room(rec, f"decode rank {msg.tp_rank} {what} the request: {msg.reason}", notify=False)
@@ -174,34 +198,47 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
         error = ""
         old = self._decode_peers.get(msg.session)
         if old is not None:  # a re-registration replaces the stale record on both layers
-            self._drop_peer(old, f"decode session {msg.session} registered again (it had been stalled or "
-                                 f"lost this rank); its earlier requests end")
+            self._drop_peer(
+                old,
+                f"decode session {msg.session} registered again (it had been stalled or "
+                f"lost this rank); its earlier requests end",
+            )
             with self._lock:
                 self._decode_peers.pop(msg.session, None)
         try:
             if msg.transport != self.config.transport:
-                raise KVXferError(f"transport: prefill={self.config.transport!r} decode={msg.transport!r} "
-                                  f"(start both sides with the same --transport)")
+                raise KVXferError(
+                    f"transport: prefill={self.config.transport!r} decode={msg.transport!r} "
+                    f"(start both sides with the same --transport)"
+                )
             check_compatible(self.config.geometry, msg.geometry)
             if len(msg.kv_buffer_locs) != msg.geometry.num_buffers:
-                raise KVXferError(f"kv_buffer_locs has {len(msg.kv_buffer_locs)} entries; the geometry "
-                                  f"has {msg.geometry.num_buffers} buffers")
-            self.transport.add_peer(msg.session, msg.agent_descriptor,
-                                    secret=peer_secret(self.config.auth_key, self.session, msg.session))
-            regions = [self.transport.import_region(msg.session, d) for d in msg.kv_regions]
-            staging = (self.transport.import_region(msg.session, msg.staging_region)
-                       if msg.staging_region is not None else None)
+                raise KVXferError(
+                    f"kv_buffer_locs has {len(msg.kv_buffer_locs)} entries; the geometry "
+                    f"has {msg.geometry.num_buffers} buffers"
+                )
+            transport = self._live_transport
+            transport.add_peer(
+                msg.session, msg.agent_descriptor, secret=peer_secret(self.config.key, self.session, msg.session)
+            )
+            regions = [transport.import_region(msg.session, d) for d in msg.kv_regions]
+            staging = (
+                transport.import_region(msg.session, msg.staging_region) if msg.staging_region is not None else None
+            )
             peer = DecodePeer(msg, regions, staging, time.monotonic())
             for b, loc in enumerate(peer.locs):
-                if not 0 <= loc.region < len(regions) or loc.offset + peer.placement.buffer_nbytes(b) > regions[loc.region].nbytes:
-                    raise KVXferError(f"kv_buffer_locs[{b}]={loc.region, loc.offset} is outside the "
-                                      f"registered regions")
+                if (
+                    not 0 <= loc.region < len(regions)
+                    or loc.offset + peer.placement.buffer_nbytes(b) > regions[loc.region].nbytes
+                ):
+                    raise KVXferError(f"kv_buffer_locs[{b}]={loc.region, loc.offset} is outside the registered regions")
         except Exception as exc:  # any refusal is reported to the peer, never raised here
             error = str(exc)
-            log.error("prefill rank %d refused decode rank %d (session %s): %s",
-                      self.tp_rank, msg.tp_rank, msg.session, error)
+            log.error(
+                "prefill rank %d refused decode rank %d (session %s): %s", self.tp_rank, msg.tp_rank, msg.session, error
+            )
             try:
-                self.transport.remove_peer(msg.session)
+                self._live_transport.remove_peer(msg.session)
             except Exception:
                 pass
             with self._lock:  # refused, but authenticated: its aborts and failures still count
@@ -210,20 +247,32 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
             with self._lock:
                 self._decode_peers[msg.session] = peer
                 self._lost_peers.pop(msg.session, None)
-        self.control.send(msg.endpoint, RegisterReply(
-            session=self.session, tp_rank=self.tp_rank, ok=not error, error=error,
-            geometry=self.config.geometry))
+        self._live_control.send(
+            msg.endpoint,
+            RegisterReply(
+                session=self.session, tp_rank=self.tp_rank, ok=not error, error=error, geometry=self.config.geometry
+            ),
+        )
 
     def _on_meta(self, meta: RequestMeta) -> None:
         peer = self._decode_peers.get(meta.session)
         if peer is None:
             if meta.session in self._lost_peers:  # forgotten while stalled: it must register again
-                log.warning("prefill rank %d: RequestMeta for room %d from forgotten decode session %s; "
-                            "asking it to register again", self.tp_rank, meta.room, meta.session)
+                log.warning(
+                    "prefill rank %d: RequestMeta for room %d from forgotten decode session %s; "
+                    "asking it to register again",
+                    self.tp_rank,
+                    meta.room,
+                    meta.session,
+                )
                 self._unknown_session(meta.session)
             else:
-                self.security_event("unregistered_sender", "RequestMeta for room %d from unregistered "
-                                    "decode session %s dropped", meta.room, meta.session)
+                self.security_event(
+                    "unregistered_sender",
+                    "RequestMeta for room %d from unregistered decode session %s dropped",
+                    meta.room,
+                    meta.session,
+                )
             return
         peer.last_seen = time.monotonic()
         g = self.config.geometry
@@ -237,18 +286,20 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
             else:
                 owner = rec.metas.get(meta.tp_rank)
                 if owner is not None:
-                    conflict = (f"security: room {meta.room} for decode rank {meta.tp_rank} was claimed by "
-                                f"session {owner.session} and again by session {meta.session}"
-                                if owner.session != meta.session else
-                                f"decode rank {meta.tp_rank} sent the metadata of room {meta.room} twice")
-            if late or conflict:
-                ready = problem = False
+                    conflict = (
+                        f"security: room {meta.room} for decode rank {meta.tp_rank} was claimed by "
+                        f"session {owner.session} and again by session {meta.session}"
+                        if owner.session != meta.session
+                        else f"decode rank {meta.tp_rank} sent the metadata of room {meta.room} twice"
+                    )
+            if late or conflict or rec is None:  # rec is None only with a reason in late
+                ready, problem = False, ""
             else:
                 if rec.expected is None:
-                    rec.expected = candidate_decode_ranks(g.total_kv_heads, self.config.tp_size, meta.tp_size,
-                                                          self.tp_rank, g.mla)
-                    rec.plan = plan_tp(g.total_kv_heads, self.config.tp_size, meta.tp_size, g.mla,
-                                       salt=meta.room)
+                    rec.expected = candidate_decode_ranks(
+                        g.total_kv_heads, self.config.tp_size, meta.tp_size, self.tp_rank, g.mla
+                    )
+                    rec.plan = plan_tp(g.total_kv_heads, self.config.tp_size, meta.tp_size, g.mla, salt=meta.room)
                     rec.num_tokens = meta.num_tokens
                 problem = self._meta_problem(rec, meta)
                 if problem:
@@ -259,9 +310,10 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
                     if ready:
                         rec.marks["dest_known"] = time.monotonic()
                         rec.state.handle(Event.BOOTSTRAPPED, rec.marks["dest_known"])
-        if late:  # the request already ended here: say so instead of leaving decode to its deadline
-            self.control.send(peer.endpoint, TransferFailed(room=meta.room, side=Side.PREFILL,
-                                                            tp_rank=self.tp_rank, reason=late))
+        if late or rec is None:  # the request already ended here: say so instead of leaving decode to its deadline
+            self._live_control.send(
+                peer.endpoint, TransferFailed(room=meta.room, side=Side.PREFILL, tp_rank=self.tp_rank, reason=late)
+            )
         elif conflict:
             if conflict.startswith("security"):
                 self.security_event("room_conflict", "%s", conflict)
@@ -272,17 +324,21 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
             self._schedule(rec)
 
     def _meta_problem(self, rec: PrefillRoom, meta: RequestMeta) -> str:
-        if meta.tp_rank not in rec.expected:
+        expected, plan = rec.expected, rec.plan
+        if expected is None or plan is None:  # _on_meta sets both before it checks a claim
+            raise LocalProtocolError(f"room {rec.room}: metadata checked before the room's TP plan exists")
+        if meta.tp_rank not in expected:
             return f"decode rank {meta.tp_rank} is not a candidate reader of prefill rank {self.tp_rank}"
         if meta.num_tokens != rec.num_tokens:
-            return (f"decode ranks disagree on the request length: {meta.num_tokens} vs "
-                    f"{rec.num_tokens} tokens")
-        if rec.plan.decode_tp != meta.tp_size:
-            return f"decode ranks disagree on the decode TP size: {meta.tp_size} vs {rec.plan.decode_tp}"
-        elected = meta.tp_rank in rec.plan.decode_targets(self.tp_rank)
+            return f"decode ranks disagree on the request length: {meta.num_tokens} vs {rec.num_tokens} tokens"
+        if plan.decode_tp != meta.tp_size:
+            return f"decode ranks disagree on the decode TP size: {meta.tp_size} vs {plan.decode_tp}"
+        elected = meta.tp_rank in plan.decode_targets(self.tp_rank)
         if meta.elected != elected:
-            return (f"writer election differs: decode rank {meta.tp_rank} says elected={meta.elected}, "
-                    f"prefill rank {self.tp_rank} computed {elected}")
+            return (
+                f"writer election differs: decode rank {meta.tp_rank} says elected={meta.elected}, "
+                f"prefill rank {self.tp_rank} computed {elected}"
+            )
         return ""
 
     def _on_ack(self, msg: ChunkAck, sender: str) -> None:
@@ -291,8 +347,13 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
             return
         owner = rec.metas.get(msg.tp_rank)
         if owner is None or owner.session != sender:
-            self.security_event("unexpected_sender", "ChunkAck for room %d, decode rank %d, from session %s "
-                                "dropped (not the room's reader)", msg.room, msg.tp_rank, sender)
+            self.security_event(
+                "unexpected_sender",
+                "ChunkAck for room %d, decode rank %d, from session %s dropped (not the room's reader)",
+                msg.room,
+                msg.tp_rank,
+                sender,
+            )
             return
         with rec.cond:
             rec.inflight[msg.tp_rank].discard(msg.staging_offset)
@@ -300,8 +361,14 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
 
     # -- rooms ---------------------------------------------------------------------------------
     # -- failures --------------------------------------------------------------------------------
-    def _fail_room(self, rec, reason: str, notify: bool = True, already_failed: bool = False,
-                   extra_sessions: tuple[str, ...] = ()) -> None:
+    def _fail_room(
+        self,
+        rec: PrefillRoom,
+        reason: str,
+        notify: bool = True,
+        already_failed: bool = False,
+        extra_sessions: tuple[str, ...] = (),
+    ) -> None:
         with self._lock:
             if not already_failed:
                 if rec.state.is_terminal:
@@ -315,11 +382,13 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
         log.warning("prefill rank %d room %d failed: %s", self.tp_rank, rec.room, reason)
         self._request_ended(rec)
         if notify:
-            for d, session in targets:
+            for _reader, session in targets:
                 peer = self._decode_peers.get(session) or self._lost_peer(session)
                 if peer is not None:
-                    self.control.send(peer.endpoint, TransferFailed(
-                        room=rec.room, side=Side.PREFILL, tp_rank=self.tp_rank, reason=reason))
+                    self._live_control.send(
+                        peer.endpoint,
+                        TransferFailed(room=rec.room, side=Side.PREFILL, tp_rank=self.tp_rank, reason=reason),
+                    )
 
     def abort(self, rec: PrefillRoom, reason: str) -> None:
         with self._lock:
@@ -334,18 +403,20 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
         for session in targets:
             peer = self._decode_peers.get(session)
             if peer is not None:
-                self.control.send(peer.endpoint, Abort(room=rec.room, side=Side.PREFILL,
-                                                       tp_rank=self.tp_rank, reason=reason))
+                self._live_control.send(
+                    peer.endpoint, Abort(room=rec.room, side=Side.PREFILL, tp_rank=self.tp_rank, reason=reason)
+                )
 
-    def _peers(self):
+    def _peers(self) -> list[Peer]:
         with self._lock:
             return list(self._decode_peers.values())
 
-    def _peer_lost(self, peer, reason: str) -> None:
+    def _peer_lost(self, peer: Peer, reason: str) -> None:
         with self._lock:
-            if self._decode_peers.get(peer.session) is not peer:
+            known = self._decode_peers.get(peer.session)
+            if known is None or known is not peer:
                 return
-        self._drop_peer(peer, reason)
+        self._drop_peer(known, reason)
         with self._lock:
             self._decode_peers.pop(peer.session, None)
             self._remember_lost(peer)
@@ -361,12 +432,15 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase):
         """Fail the peer's rooms (telling every reader, the peer too if it still listens),
         then drop its transport peer. The caller removes it from ``_decode_peers``."""
         with self._lock:
-            rooms = [r for r in self._rooms.values()
-                     if not r.state.is_terminal and any(m.session == peer.session for m in r.metas.values())]
+            rooms = [
+                r
+                for r in self._rooms.values()
+                if not r.state.is_terminal and any(m.session == peer.session for m in r.metas.values())
+            ]
         for rec in rooms:
             self._fail_room(rec, reason, extra_sessions=(peer.session,))
         try:
-            self.transport.remove_peer(peer.session)
+            self._live_transport.remove_peer(peer.session)
         except Exception:
             pass
 
@@ -386,6 +460,8 @@ class KVSender(RequestHandle):
     decode rank's metadata is in. ``poll()`` returns a ``KVPoll``.
     """
 
+    mgr: PrefillManager
+    _rec: PrefillRoom
     _abort_reason = "aborted by the prefill side"
 
     def __init__(self, mgr: PrefillManager, room: int):

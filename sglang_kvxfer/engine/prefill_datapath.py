@@ -9,6 +9,7 @@ streams staged tokens through the reader's two staging slots (gather -> one writ
 Must not: handle control messages other than sending its own, decide room ownership, or
 fail a room itself (it raises; ``_drain`` hands the error to ``_fail_room``).
 """
+
 from __future__ import annotations
 
 import collections
@@ -18,10 +19,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from sglang_kvxfer.engine.manager import RankBase
 from sglang_kvxfer.engine.prefill_rooms import Chunk, PrefillRoom
 from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeoutError
 from sglang_kvxfer.metrics import SINCE_FIRST_BYTE, SINCE_LAST_CHUNK
-from sglang_kvxfer.planning import DataPath, HeadTransfer, KVSlice, RequestPlan
+from sglang_kvxfer.planning import DataPath, HeadTransfer, KVSlice, RequestPlan, TPPlan
 from sglang_kvxfer.planning.byteplan import staged_op_count
 from sglang_kvxfer.protocol.fields import STAGING_SLOTS
 from sglang_kvxfer.protocol.messages import ChunkReady, RequestMeta, TransferDone
@@ -48,9 +50,11 @@ class _Slot(NamedTuple):
     t_posted: float
 
 
-class PrefillDataPath:
+class PrefillDataPath(RankBase[PrefillRoom]):
     """Data path of ``PrefillManager`` (a mixin over ``RankBase``; ``DecodePeer`` and
     ``_fail_room`` come from ``prefill.py``)."""
+
+    _decode_peers: dict[str, DecodePeer]  # set by PrefillManager.__init__
 
     def submit_chunk(self, rec: PrefillRoom, chunk: Chunk) -> None:
         with self._lock:
@@ -93,17 +97,23 @@ class PrefillDataPath:
         if chunk.ready is not None:
             chunk.ready.synchronize()  # the forward that writes these pages may still run
         rec.src_pages = np.concatenate([rec.src_pages, chunk.pages])
-        total = rec.num_tokens
+        tp_plan, total = self._layout(rec)
         start = rec.tokens_sent
         need = -(-total // g.page_size)
         if len(rec.src_pages) > need:
-            raise TransferFailedError(f"prefill sent {len(rec.src_pages)} pages for a {total}-token request "
-                                      f"(page_size {g.page_size} needs {need})", rec.room)
+            raise TransferFailedError(
+                f"prefill sent {len(rec.src_pages)} pages for a {total}-token request "
+                f"(page_size {g.page_size} needs {need})",
+                rec.room,
+            )
         if chunk.last and len(rec.src_pages) != need:
-            raise TransferFailedError(f"last chunk leaves {len(rec.src_pages)} pages for a {total}-token "
-                                      f"request (page_size {g.page_size} needs {need})", rec.room)
+            raise TransferFailedError(
+                f"last chunk leaves {len(rec.src_pages)} pages for a {total}-token "
+                f"request (page_size {g.page_size} needs {need})",
+                rec.room,
+            )
         stop = total if chunk.last else min(total, len(rec.src_pages) * g.page_size)
-        readers = rec.plan.readers_of(self.tp_rank)
+        readers = tp_plan.readers_of(self.tp_rank)
         if stop > start and readers:
             with self._lock:
                 if rec.state.poll is not KVPoll.Transferring:
@@ -128,13 +138,21 @@ class PrefillDataPath:
         if chunk.last:
             self._finish(rec, readers, chunk.aux)
 
-    def _peer_of(self, meta: RequestMeta) -> "DecodePeer":
+    @staticmethod
+    def _layout(rec: PrefillRoom) -> tuple[TPPlan, int]:
+        """The room's TP plan and length: set with its first ``RequestMeta``, which comes
+        before any chunk is scheduled (chunks wait for every reader's metadata)."""
+        if rec.plan is None or rec.num_tokens is None:
+            raise TransferFailedError(f"room {rec.room}: chunk scheduled before the decode metadata", rec.room)
+        return rec.plan, rec.num_tokens
+
+    def _peer_of(self, meta: RequestMeta) -> DecodePeer:
         peer = self._decode_peers.get(meta.session)
         if peer is None or not peer.alive:
             raise TransferFailedError(f"decode rank {meta.tp_rank} (session {meta.session}) is gone", meta.room)
         return peer
 
-    def _reader_plan(self, rec: PrefillRoom, t: HeadTransfer, peer: "DecodePeer", meta: RequestMeta) -> RequestPlan:
+    def _reader_plan(self, rec: PrefillRoom, t: HeadTransfer, peer: DecodePeer, meta: RequestMeta) -> RequestPlan:
         """The reader's ``RequestPlan``: built at its first chunk, then extended by the pages
         handed over since (only those are checked). Decode chose the path: no staging window
         means direct writes (or per-token ones, the benchmark baseline)."""
@@ -145,18 +163,30 @@ class PrefillDataPath:
                 path = DataPath.STAGED
             else:
                 path = DataPath.PER_TOKEN if self.config.data_path == DataPath.PER_TOKEN else DataPath.DIRECT
-            plan = RequestPlan.build(t, self.placement, peer.placement, rec.src_pages, meta.dst_page_ids,
-                                     num_tokens=rec.num_tokens, path=path)
+            plan = RequestPlan.build(
+                t,
+                self.placement,
+                peer.placement,
+                rec.src_pages,
+                meta.dst_page_ids,
+                num_tokens=self._layout(rec)[1],
+                path=path,
+            )
             if meta.staging_offset < 0 and plan.staged:
-                raise TransferFailedError(f"decode rank {t.decode_rank} asked for direct writes but the bytes "
-                                          f"are not contiguous ({plan.reason})", rec.room)
+                raise TransferFailedError(
+                    f"decode rank {t.decode_rank} asked for direct writes but the bytes "
+                    f"are not contiguous ({plan.reason})",
+                    rec.room,
+                )
         elif len(plan.src_pages) < len(rec.src_pages):
-            plan = plan.extend(rec.src_pages[len(plan.src_pages):])
+            plan = plan.extend(rec.src_pages[len(plan.src_pages) :])
         rec.readers[t.decode_rank] = plan
         rec.timings["plan"] += time.perf_counter() - t0
         return plan
 
-    def _write_direct(self, rec: PrefillRoom, plan: RequestPlan, peer: "DecodePeer", start: int, stop: int):
+    def _write_direct(
+        self, rec: PrefillRoom, plan: RequestPlan, peer: DecodePeer, start: int, stop: int
+    ) -> list[Ticket]:
         t0 = time.perf_counter()
         t = plan.transfer
         pair = plan.direct(start, stop)
@@ -164,23 +194,27 @@ class PrefillDataPath:
         for b in range(self.config.geometry.num_buffers):
             ops = pair.buffer_ops(b)
             if len(ops):
-                mine, theirs = self.pool.locs[b], peer.locs[b]
+                mine, theirs = self._live_pool.locs[b], peer.locs[b]
                 shifted = ops + np.array([mine.offset, theirs.offset, 0], dtype=np.int64)
                 groups[(mine.region, theirs.region)].append(shifted)
         rec.timings["plan"] += time.perf_counter() - t0
         tickets = []
         for (lr, rr), parts in groups.items():
             ops = np.concatenate(parts)
-            tickets.append(self.transport.write(self.pool.regions[lr], peer.regions[rr],
-                                                ops[:, 0], ops[:, 1], ops[:, 2]))
+            tickets.append(
+                self._live_transport.write(
+                    self._live_pool.regions[lr], peer.regions[rr], ops[:, 0], ops[:, 1], ops[:, 2]
+                )
+            )
             rec.ops += len(ops)
             rec.reader_ops[t.decode_rank] += len(ops)
         rec.bytes += pair.nbytes
         rec.reader_bytes[t.decode_rank] += pair.nbytes
         return tickets
 
-    def _write_staged(self, rec: PrefillRoom, plan: RequestPlan, peer: "DecodePeer", meta: RequestMeta,
-                      start: int, stop: int) -> None:
+    def _write_staged(
+        self, rec: PrefillRoom, plan: RequestPlan, peer: DecodePeer, meta: RequestMeta, start: int, stop: int
+    ) -> None:
         """Stream tokens [start, stop) through the reader's two staging slots: gather slot
         k+1 while slot k is on the wire; announce each slot once its write completed."""
         t = plan.transfer
@@ -190,9 +224,10 @@ class PrefillDataPath:
         per_token = plan.token_nbytes
         step = slot_bytes // per_token
         if step < 1:
-            raise TransferFailedError(f"decode staging slot of {slot_bytes} B cannot hold one token "
-                                      f"({per_token} B)", rec.room)
-        inflight: collections.deque = collections.deque()
+            raise TransferFailedError(
+                f"decode staging slot of {slot_bytes} B cannot hold one token ({per_token} B)", rec.room
+            )
+        inflight: collections.deque[_Slot] = collections.deque()
         a = start
         try:
             while a < stop or inflight:
@@ -210,17 +245,21 @@ class PrefillDataPath:
                     except KVXferError:
                         pass
                 if local_off is not None:
-                    self.staging.free(local_off)
+                    self._live_staging.free(local_off)
                 with rec.cond:
                     rec.inflight[t.decode_rank].discard(remote_off)
             raise
 
-    def _post_slot(self, rec: PrefillRoom, plan: RequestPlan, peer: "DecodePeer", meta: RequestMeta, a: int,
-                   b: int, slot_bytes: int) -> _Slot:
+    def _post_slot(
+        self, rec: PrefillRoom, plan: RequestPlan, peer: DecodePeer, meta: RequestMeta, a: int, b: int, slot_bytes: int
+    ) -> _Slot:
         """Gather tokens [a, b) for one staging slot and start moving it. Where the transport
         maps the reader's staging here (``local`` shared memory, CUDA IPC) the gather writes
         straight into the slot: no local staging and no transport write."""
         t = plan.transfer
+        remote = peer.staging
+        if remote is None:  # _write_staged checked it already
+            raise TransferFailedError(f"decode rank {t.decode_rank} registered no staging region", rec.room)
         t0 = time.perf_counter()
         piece = plan.gather_slice(a, b)  # a view of the plan's pages: nothing is planned again
         nbytes = plan.nbytes(a, b)
@@ -228,7 +267,7 @@ class PrefillDataPath:
         remote_off = self._acquire_slot(rec, t.decode_rank, meta, slot_bytes)
         local_off = None
         try:
-            with self.transport.remote_view(peer.staging, remote_off, nbytes) as view:
+            with self._live_transport.remote_view(remote, remote_off, nbytes) as view:
                 if view is not None:
                     t1 = time.perf_counter()
                     self._gather(piece, view)
@@ -236,12 +275,14 @@ class PrefillDataPath:
             if view is None:
                 local_off = self._alloc_local(rec, nbytes)
                 t1 = time.perf_counter()
-                self._gather(piece, self.staging.view(local_off, nbytes))
-                ticket = self.transport.write(self.staging.region, peer.staging, [local_off], [remote_off],
-                                              [nbytes])
+                staging = self._live_staging
+                self._gather(piece, staging.view(local_off, nbytes))
+                ticket = self._live_transport.write(
+                    self._open(staging.region, "staging region"), remote, [local_off], [remote_off], [nbytes]
+                )
         except BaseException:
             if local_off is not None:
-                self.staging.free(local_off)
+                self._live_staging.free(local_off)
             with rec.cond:
                 rec.inflight[t.decode_rank].discard(remote_off)
             raise
@@ -255,11 +296,13 @@ class PrefillDataPath:
         from sglang_kvxfer import ops
 
         g = self.config.geometry
-        ops.gather_kv_heads(self.pool.buffers[: g.num_layers],
-                            self.pool.buffers[g.num_layers:] if g.has_v else None, piece, out=out)
+        pool = self._live_pool
+        ops.gather_kv_heads(
+            pool.buffers[: g.num_layers], pool.buffers[g.num_layers :] if g.has_v else None, piece, out=out
+        )
         self._sync_device()
 
-    def _complete_slot(self, rec: PrefillRoom, t: HeadTransfer, peer: "DecodePeer", entry: _Slot) -> None:
+    def _complete_slot(self, rec: PrefillRoom, t: HeadTransfer, peer: DecodePeer, entry: _Slot) -> None:
         ticket, local_off, remote_off, nbytes, a, b, t_posted = entry
         ops = staged_op_count(nbytes)  # one bulk move into the reader's slot (a write, or in place)
         try:
@@ -270,11 +313,19 @@ class PrefillDataPath:
             raise
         finally:
             if local_off is not None:
-                self.staging.free(local_off)
+                self._live_staging.free(local_off)
         t3 = time.perf_counter()
-        self.control.send(peer.endpoint, ChunkReady(
-            room=rec.room, tp_rank=self.tp_rank, token_start=a, num_tokens=b - a,
-            staging_offset=remote_off, chunk_bytes=nbytes))
+        self._live_control.send(
+            peer.endpoint,
+            ChunkReady(
+                room=rec.room,
+                tp_rank=self.tp_rank,
+                token_start=a,
+                num_tokens=b - a,
+                staging_offset=remote_off,
+                chunk_bytes=nbytes,
+            ),
+        )
         rec.timings["wire"] += t3 - t_posted
         rec.timings["notify"] += time.perf_counter() - t3
         rec.bytes += nbytes
@@ -296,21 +347,25 @@ class PrefillDataPath:
                         return off
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TransferTimeoutError(f"room {rec.room}: decode rank {reader} returned no staging "
-                                               f"slot within {self.config.transfer_timeout_s} s")
+                    raise TransferTimeoutError(
+                        f"room {rec.room}: decode rank {reader} returned no staging "
+                        f"slot within {self.config.transfer_timeout_s} s"
+                    )
                 rec.cond.wait(min(left, 0.1))
 
     def _alloc_local(self, rec: PrefillRoom, nbytes: int) -> int:
         deadline = time.monotonic() + self.config.transfer_timeout_s
         while True:
-            off = self.staging.alloc(nbytes)
+            off = self._live_staging.alloc(nbytes)
             if off is not None:
                 return off
             if rec.state.is_terminal:
                 raise TransferFailedError(rec.state.reason or "request ended", rec.room)
             if time.monotonic() > deadline:
-                raise TransferTimeoutError(f"room {rec.room}: no {nbytes} B free in the prefill staging "
-                                           f"arena ({self.staging.nbytes} B, KVXFER_STAGING_BYTES)")
+                raise TransferTimeoutError(
+                    f"room {rec.room}: no {nbytes} B free in the prefill staging "
+                    f"arena ({self._live_staging.nbytes} B, KVXFER_STAGING_BYTES)"
+                )
             time.sleep(0.001)
 
     def _sync_device(self) -> None:
@@ -327,10 +382,17 @@ class PrefillDataPath:
                 timings[key] = max(0.0, now - mark)
         for t in readers:
             meta = rec.metas[t.decode_rank]
-            self.control.send(self._peer_of(meta).endpoint, TransferDone(
-                room=rec.room, tp_rank=self.tp_rank, total_bytes=rec.reader_bytes[t.decode_rank],
-                num_ops=rec.reader_ops[t.decode_rank],
-                aux_payload=aux, timings=timings))
+            self._live_control.send(
+                self._peer_of(meta).endpoint,
+                TransferDone(
+                    room=rec.room,
+                    tp_rank=self.tp_rank,
+                    total_bytes=rec.reader_bytes[t.decode_rank],
+                    num_ops=rec.reader_ops[t.decode_rank],
+                    aux_payload=aux,
+                    timings=timings,
+                ),
+            )
         with self._lock:
             if rec.state.is_terminal:
                 return

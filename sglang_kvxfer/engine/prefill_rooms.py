@@ -9,20 +9,29 @@ nobody holds is forgotten ``ROOM_RETENTION_S`` after it ended.
 Must not: send messages, touch the transport, or decide who may claim a room (that is
 ``prefill.py``'s metadata handling).
 """
+
 from __future__ import annotations
 
 import collections
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
+from sglang_kvxfer.engine.manager import RankBase
 from sglang_kvxfer.metrics import RequestRecord
 from sglang_kvxfer.planning import RequestPlan, TPPlan
 from sglang_kvxfer.protocol.messages import RequestMeta
 from sglang_kvxfer.protocol.state import KVPoll, RequestState
 
 __all__ = ["Chunk", "PrefillRoom", "PrefillRoomTable"]
+
+
+class Synchronizable(Protocol):
+    """What ``Chunk.ready`` is (e.g. a ``torch.cuda.Event``)."""
+
+    def synchronize(self) -> None: ...
 
 
 @dataclass
@@ -32,7 +41,7 @@ class Chunk:
     pages: np.ndarray
     last: bool
     aux: bytes
-    ready: object = None  # has .synchronize(): the pages' KV is written once it returns
+    ready: Synchronizable | None = None  # the pages' KV is written once its synchronize() returns
 
 
 class PrefillRoom:
@@ -72,31 +81,39 @@ class PrefillRoom:
 
     def record(self, tp_rank: int) -> RequestRecord:
         first, last = self.window()
-        return RequestRecord(room=self.room, side="prefill", tp_rank=tp_rank, ok=self.state.poll is KVPoll.Success,
-                             reason=self.state.reason or "", bytes=self.bytes, ops=self.ops,
-                             phases=dict(self.timings), first_byte_ready=first, last_chunk_ready=last,
-                             last_notice=self.marks.get("done"),
-                             failure_kind="aborted" if "aborted" in self.marks else "")
+        return RequestRecord(
+            room=self.room,
+            side="prefill",
+            tp_rank=tp_rank,
+            ok=self.state.poll is KVPoll.Success,
+            reason=self.state.reason or "",
+            bytes=self.bytes,
+            ops=self.ops,
+            phases=dict(self.timings),
+            first_byte_ready=first,
+            last_chunk_ready=last,
+            last_notice=self.marks.get("done"),
+            failure_kind="aborted" if "aborted" in self.marks else "",
+        )
 
 
-
-class PrefillRoomTable:
+class PrefillRoomTable(RankBase[PrefillRoom]):
     """Room bookkeeping of ``PrefillManager`` (a mixin over ``RankBase``: it uses
     ``self._lock``, ``self._rooms``, ``new_state`` and ``security_event``)."""
 
     MAX_UNATTACHED_ROOMS = 4096  # records created by frames before a sender holds the room
-    ROOM_RETENTION_S = 60.0      # a finished room nobody holds is forgotten after this
+    ROOM_RETENTION_S = 60.0  # a finished room nobody holds is forgotten after this
 
-    _rooms: dict[int, PrefillRoom]
-    _num_unattached: int
+    _num_unattached: int  # set by PrefillManager.__init__
 
     def _create_unattached(self, room: int) -> PrefillRoom | None:
         """A record for a room no sender holds yet (its metadata or abort came first), or None
         when ``MAX_UNATTACHED_ROOMS`` of them exist (call with the lock held). They end by
         their deadline and are forgotten ``ROOM_RETENTION_S`` later, or taken by a sender."""
         if self._num_unattached >= self.MAX_UNATTACHED_ROOMS:
-            self.security_event("room_cap", "no record for room %d: %d rooms wait for a sender already",
-                                room, self._num_unattached)
+            self.security_event(
+                "room_cap", "no record for room %d: %d rooms wait for a sender already", room, self._num_unattached
+            )
             return None
         rec = self._rooms[room] = PrefillRoom(room, self.new_state(room))
         rec.unattached = True
@@ -128,11 +145,15 @@ class PrefillRoomTable:
             elif rec is not None:
                 rec.sender_attached = False
 
-
     def _forget_stale(self, now: float) -> None:
         """Forget finished rooms nobody holds a sender for (I/O thread, each tick)."""
         with self._lock:
-            stale = [r for r, rec in self._rooms.items() if rec.finished_at is not None
-                     and not rec.sender_attached and now - rec.finished_at > self.ROOM_RETENTION_S]
+            stale = [
+                r
+                for r, rec in self._rooms.items()
+                if rec.finished_at is not None
+                and not rec.sender_attached
+                and now - rec.finished_at > self.ROOM_RETENTION_S
+            ]
             for r in stale:
                 self._forget(r)

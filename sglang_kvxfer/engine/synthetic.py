@@ -7,9 +7,10 @@ a 64-bit hash of those five numbers tiled across the row and mixed with the byte
 so a row landing in the wrong token, head, layer, K/V buffer or request is detected, and so
 is a byte moved inside a row. Must not know about transports or the protocol.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -29,8 +30,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def row_bytes(room: int, layer: int, kind: int, heads: Sequence[int], token_start: int,
-              num_tokens: int, dim_bytes: int) -> np.ndarray:
+def row_bytes(
+    room: int, layer: int, kind: int, heads: Sequence[int], token_start: int, num_tokens: int, dim_bytes: int
+) -> np.ndarray:
     """Content of tokens ``[token_start, token_start+num_tokens)`` x ``heads`` of one buffer:
     ``uint8 [num_tokens, len(heads), dim_bytes]``."""
     with np.errstate(over="ignore"):
@@ -60,8 +62,7 @@ def _byte_view(place: RankPlacement, buffer, index: int):
     return buffer.view(torch.uint8).reshape(shape)
 
 
-def fill_request(place: RankPlacement, buffers: Sequence, room: int, pages, token_start: int,
-                 num_tokens: int) -> None:
+def fill_request(place: RankPlacement, buffers: Sequence, room: int, pages, token_start: int, num_tokens: int) -> None:
     """Write the content of this rank's owned heads for tokens ``[token_start, +num_tokens)``
     into ``pages`` of ``buffers`` (torch tensors, K of every layer then V)."""
     import torch

@@ -15,13 +15,14 @@ written before ``Success`` is reported, so SGLang's metadata gate sees the reque
 ``bootstrap_room``. KVArgs/ServerArgs translation lives in ``sglang_args``; the backend
 lookup patch in ``sglang_install``. Importing this module imports SGLang's base module.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -50,7 +51,8 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
     raise TransportUnavailableError(
         f"sglang_kvxfer.integrations.sglang needs SGLang's disaggregation base classes, which "
         f"do not import here ({type(exc).__name__}: {exc}); pip install 'sglang==0.5.23' "
-        "(or pip install 'sglang_kvxfer[sglang]')") from exc
+        "(or pip install 'sglang_kvxfer[sglang]')"
+    ) from exc
 
 __all__ = [
     "KVXferKVManager",
@@ -61,7 +63,19 @@ __all__ = [
     "PrefillInfo",
 ]
 
+if TYPE_CHECKING:
+    from sglang_kvxfer.engine import KVReceiver, KVSender
+    from sglang_kvxfer.engine.decode import DecodeManager
+    from sglang_kvxfer.engine.manager import RankBase
+    from sglang_kvxfer.engine.prefill import PrefillManager
+
 log = logging.getLogger("sglang_kvxfer.sglang")
+
+
+class _Synchronizable(Protocol):
+    """What SGLang passes as ``indices_event`` (a ``torch.cuda.Event``)."""
+
+    def synchronize(self) -> None: ...
 
 
 class KVXferTransferError(TransferFailedError):
@@ -80,9 +94,9 @@ class PrefillInfo:
     """What SGLang's decode scheduler reads from ``kv_manager.prefill_info_table[addr]``."""
 
     attn_tp_size: int
-    dp_size: int = 1                   # one prefill DP group per bootstrap
+    dp_size: int = 1  # one prefill DP group per bootstrap
     follow_bootstrap_room: bool = True
-    problem: str = ""                  # why requests to this prefill cannot work ("" if they can)
+    problem: str = ""  # why requests to this prefill cannot work ("" if they can)
 
 
 def _role(mode: Any) -> str:
@@ -102,7 +116,7 @@ def _page_array(indices: Any, name: str = "kv_indices") -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def _sglang_timeout(ours: envs.EnvVar, theirs: str) -> Optional[float]:
+def _sglang_timeout(ours: envs.EnvVar, theirs: str) -> float | None:
     """A deadline from SGLang's env var when ours is not set (ours wins)."""
     if ours.is_set():
         return None
@@ -139,7 +153,8 @@ def _transport(device: str, ib_device: str, gpu_id: int) -> str:
                 raise TransportUnavailableError(
                     "SGLang's KV pool is GPU memory, and no GPU transport that registers raw device "
                     "memory (mori or nixl) is installed here; install one (pip install "
-                    "'sglang_kvxfer[nixl]' or '[mori]') or set KVXFER_SGLANG_TRANSPORT")
+                    "'sglang_kvxfer[nixl]' or '[mori]') or set KVXFER_SGLANG_TRANSPORT"
+                )
             name = rdma[0]
     nics = nic_list(ib_device, gpu_id)
     if nics and name == "mori":
@@ -161,8 +176,7 @@ class KVXferKVManager(BaseKVManager):
 
     supports_host_destination = False
 
-    def __init__(self, args: KVArgs, disaggregation_mode: Any, server_args: Any,
-                 is_mla_backend: Optional[bool] = False):
+    def __init__(self, args: KVArgs, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False):
         from sglang_kvxfer.engine import KVManager, KVPool
 
         self.kv_args = args
@@ -173,36 +187,69 @@ class KVXferKVManager(BaseKVManager):
         self.plan = plan_from_server_args(server_args, self.role)
         dtype = kv_dtype(getattr(args, "kv_cache_dtype_str", None), getattr(server_args, "dtype", None))
         self.layout: SglangLayout = layout_from_kv_args(
-            args, tp_size=self.plan.attn_tp_size, mla=self.is_mla_backend, dtype=dtype,
-            total_kv_heads=lambda: _model_total_kv_heads(server_args))
+            args,
+            tp_size=self.plan.attn_tp_size,
+            mla=self.is_mla_backend,
+            dtype=dtype,
+            total_kv_heads=lambda: _model_total_kv_heads(server_args),
+        )
         if self.layout.num_draft_entries:
-            log.warning("kvxfer: the %d draft-model KV entries (speculative decoding) are not "
-                        "transferred; the decode's draft KV for the prompt is not filled",
-                        self.layout.num_draft_entries)
+            log.warning(
+                "kvxfer: the %d draft-model KV entries (speculative decoding) are not "
+                "transferred; the decode's draft KV for the prompt is not filled",
+                self.layout.num_draft_entries,
+            )
         gpu_id = int(getattr(args, "gpu_id", 0) or 0)
         device = "cpu" if self.plan.device == "cpu" else f"cuda:{gpu_id}"
-        timeouts = {k: v for k, v in (
-            ("bootstrap_timeout_s", _sglang_timeout(envs.KVXFER_BOOTSTRAP_TIMEOUT_S,
-                                                    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")),
-            ("waiting_timeout_s", _sglang_timeout(envs.KVXFER_WAITING_TIMEOUT_S,
-                                                  "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"))) if v is not None}
+        # SGLang's deadlines where ours are not set (None: ours, as EngineConfig's defaults read them)
+        bootstrap_s = _sglang_timeout(envs.KVXFER_BOOTSTRAP_TIMEOUT_S, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")
+        waiting_s = _sglang_timeout(envs.KVXFER_WAITING_TIMEOUT_S, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT")
         lay = self.layout
         self.config = EngineConfig(
-            self.role, lay.geometry, lay.tp_size, lay.tp_rank, self.plan.bootstrap,
-            transport=_transport(device, self.plan.ib_device, gpu_id), host=_local_host(),
-            device=device, **timeouts)
+            self.role,
+            lay.geometry,
+            lay.tp_size,
+            lay.tp_rank,
+            self.plan.bootstrap,
+            transport=_transport(device, self.plan.ib_device, gpu_id),
+            host=_local_host(),
+            device=device,
+            bootstrap_timeout_s=envs.KVXFER_BOOTSTRAP_TIMEOUT_S.get() if bootstrap_s is None else bootstrap_s,
+            waiting_timeout_s=envs.KVXFER_WAITING_TIMEOUT_S.get() if waiting_s is None else waiting_s,
+        )
         pool = KVPool.from_pointers(self.config.placement, lay.kv_ptrs, lay.kv_lens, device)
-        self.engine = KVManager(self.config, pool)
+        self.engine: RankBase = KVManager(self.config, pool)
         self.prefill_info_table: dict[str, PrefillInfo] = {}
-        log.info("kvxfer %s rank %d/%d: %s over %s", self.role, lay.tp_rank, lay.tp_size,
-                 lay.geometry, self.config.transport)
+        log.info(
+            "kvxfer %s rank %d/%d: %s over %s", self.role, lay.tp_rank, lay.tp_size, lay.geometry, self.config.transport
+        )
+
+    @property
+    def prefill_engine(self) -> PrefillManager:
+        """``engine`` of a prefill manager (TypeError on a decode one)."""
+        from sglang_kvxfer.engine.prefill import PrefillManager
+
+        engine = self.engine
+        if not isinstance(engine, PrefillManager):
+            raise TypeError(f"the kvxfer {self.role} manager has no prefill engine")
+        return engine
+
+    @property
+    def decode_engine(self) -> DecodeManager:
+        """``engine`` of a decode manager (TypeError on a prefill one)."""
+        from sglang_kvxfer.engine.decode import DecodeManager
+
+        engine = self.engine
+        if not isinstance(engine, DecodeManager):
+            raise TypeError(f"the kvxfer {self.role} manager has no decode engine")
+        return engine
 
     def register_to_bootstrap(self) -> None:
         """Prefill: wait until this rank is registered with the bootstrap (the engine
         registers in the background from construction); raise if that failed or timed out.
         Decode: nothing to register."""
         if self.role == "prefill":
-            self.engine.wait_registered(self.config.bootstrap_timeout_s)
+            self.prefill_engine.wait_registered(self.config.bootstrap_timeout_s)
 
     # -- what SGLang's decode scheduler calls beyond the base class ------------------------------
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
@@ -214,7 +261,7 @@ class KVXferKVManager(BaseKVManager):
             parse_host_port(bootstrap_addr, "bootstrap_addr")
         except ValueError:
             return False
-        status, _, tp_size, geometry = self.engine.prefill_group_status(bootstrap_addr)
+        status, _, tp_size, geometry = self.decode_engine.prefill_group_status(bootstrap_addr)
         if status not in ("ready", "failed"):
             return False
         problem = ""
@@ -222,8 +269,9 @@ class KVXferKVManager(BaseKVManager):
         if geometry is not None and geometry.page_size != ours:
             # The scheduler counts whole pages on both sides (as SGLang's own backends
             # require): the page sizes must agree.
-            problem = (f"page_size: prefill={geometry.page_size} decode={ours} (start both servers "
-                       "with the same --page-size)")
+            problem = (
+                f"page_size: prefill={geometry.page_size} decode={ours} (start both servers with the same --page-size)"
+            )
         self.prefill_info_table[bootstrap_addr] = PrefillInfo(attn_tp_size=tp_size, problem=problem)
         return True
 
@@ -232,9 +280,10 @@ class KVXferKVManager(BaseKVManager):
         info = self.prefill_info_table.get(bootstrap_addr)
         return info is not None and info.attn_tp_size == self.layout.tp_size
 
-    def submit_prefill_recompute(self, receiver: "KVXferKVReceiver", payload: Any = None) -> None:
-        receiver._fail("PD retraction with prefill recompute (rebootstrap) is not supported by the "
-                       "kvxfer transfer backend")
+    def submit_prefill_recompute(self, receiver: KVXferKVReceiver, payload: Any = None) -> None:
+        receiver._fail(
+            "PD retraction with prefill recompute (rebootstrap) is not supported by the kvxfer transfer backend"
+        )
 
     def close(self) -> None:
         """Stop the engine manager (threads, sockets, registrations). Idempotent."""
@@ -248,10 +297,10 @@ class _Request:
         if isinstance(room, bool) or not isinstance(room, (int, np.integer)):
             raise ValueError(f"bootstrap_room={room!r} must be an int")
         self.bootstrap_room = int(room)
-        self.conclude_state: Optional[int] = None
+        self.conclude_state: int | None = None
         self._status = KVPoll.Bootstrapping
-        self._reason: Optional[str] = None
-        self._engine = None
+        self._reason: str | None = None
+        self._engine: KVSender | KVReceiver | None = None  # the engine's request, once made
 
     def _observe(self, state: int) -> int:
         if state == KVPoll.Failed or state == KVPoll.Success:
@@ -283,8 +332,9 @@ class _Request:
         if own is None:  # Failed came from another TP rank through the all-reduce
             self._fail("another TP rank failed this request")
             self.clear()
-            raise KVXferTransferError(self.bootstrap_room, "Failed due to an unknown reason from "
-                                      "another rank", is_from_another_rank=True)
+            raise KVXferTransferError(
+                self.bootstrap_room, "Failed due to an unknown reason from another rank", is_from_another_rank=True
+            )
         self.conclude_state = KVPoll.Failed
         self.clear()
         raise KVXferTransferError(self.bootstrap_room, own)
@@ -300,8 +350,13 @@ class _Request:
 class KVXferKVSender(_Request, BaseKVSender):
     """Prefill side of one request."""
 
-    def __init__(self, mgr: KVXferKVManager, bootstrap_addr: str, bootstrap_room: int,
-                 req_has_disagg_prefill_dp_rank: bool = False):
+    def __init__(
+        self,
+        mgr: KVXferKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ):
         from sglang_kvxfer.engine import KVSender
 
         if not isinstance(mgr, KVXferKVManager) or mgr.role != "prefill":
@@ -309,18 +364,17 @@ class KVXferKVSender(_Request, BaseKVSender):
         self._setup(bootstrap_room)
         self.kv_mgr = mgr
         self.bootstrap_server_url = bootstrap_addr
-        self.num_kv_indices: Optional[int] = None
-        self.aux_index: Optional[int] = None
+        self.num_kv_indices: int | None = None
+        self.aux_index: int | None = None
         self.curr_idx = 0
         self._early_send_wait_event = None  # set by SGLang's early (prefix) send under overlap
-        self._started: Optional[float] = None
-        self._latency: Optional[float] = None
-        self._engine = KVSender(mgr.engine, self.bootstrap_room)
+        self._started: float | None = None
+        self._latency: float | None = None
+        self._engine = self._sender = KVSender(mgr.prefill_engine, self.bootstrap_room)
 
-    def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+    def init(self, num_kv_indices: int, aux_index: int | None = None):
         """The request's page count (its last page may be partial) and metadata slot."""
-        if isinstance(num_kv_indices, bool) or not isinstance(num_kv_indices, (int, np.integer)) \
-                or num_kv_indices < 0:
+        if isinstance(num_kv_indices, bool) or not isinstance(num_kv_indices, (int, np.integer)) or num_kv_indices < 0:
             return self._fail(f"init(): num_kv_indices={num_kv_indices!r} must be an int >= 0")
         if aux_index is not None:
             try:
@@ -332,8 +386,13 @@ class KVXferKVSender(_Request, BaseKVSender):
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0 or last_chunk  # an empty last chunk still ends the request
 
-    def send(self, kv_indices, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
-             indices_event: Optional[object] = None):
+    def send(
+        self,
+        kv_indices,
+        state_indices: list | None = None,
+        num_kv_tokens: int | None = None,
+        indices_event: _Synchronizable | None = None,
+    ):
         """Hand over the next chunk of pages. The chunk covers the decode page list slice
         ``[curr_idx, curr_idx + len(kv_indices))`` (SGLang's ``index_slice``); the one that
         reaches ``num_kv_indices`` is the last and carries the aux slot."""
@@ -348,15 +407,16 @@ class KVXferKVSender(_Request, BaseKVSender):
                 raise ValueError("send() came before init()")
             index_slice = slice(self.curr_idx, self.curr_idx + len(pages))
             if index_slice.stop > self.num_kv_indices:
-                raise ValueError(f"pages [{index_slice.start}, {index_slice.stop}) run past "
-                                 f"num_kv_indices={self.num_kv_indices} given to init()")
+                raise ValueError(
+                    f"pages [{index_slice.start}, {index_slice.stop}) run past "
+                    f"num_kv_indices={self.num_kv_indices} given to init()"
+                )
             if state_indices and any(s is not None and len(s) for s in state_indices):
-                raise ValueError("state_indices were given, but this backend transfers no "
-                                 "per-request state")
+                raise ValueError("state_indices were given, but this backend transfers no per-request state")
             last = index_slice.stop == self.num_kv_indices
             aux = self.kv_mgr.layout.aux.read(self.aux_index) if last and self.aux_index is not None else b""
             self._started = self._started or time.perf_counter()
-            self._engine.send(pages, last_chunk=last, aux=aux, ready=wait)
+            self._sender.send(pages, last_chunk=last, aux=aux, ready=wait)
             self.curr_idx = index_slice.stop
         except Exception as exc:
             self._fail_from("send()", exc)
@@ -364,20 +424,19 @@ class KVXferKVSender(_Request, BaseKVSender):
     def poll(self) -> int:
         if self.conclude_state is not None:
             return self.conclude_state
-        state = self._observe(int(self._engine.poll()))
+        state = self._observe(int(self._sender.poll()))
         if state == KVPoll.Success and self._started is not None:
             self._latency = time.perf_counter() - self._started
         return state
 
     def get_transfer_metric(self) -> KVTransferMetric:
-        return KVTransferMetric(transfer_latency_s=self._latency,
-                                transfer_total_bytes=self._engine.bytes_sent)
+        return KVTransferMetric(transfer_latency_s=self._latency, transfer_total_bytes=self._sender.bytes_sent)
 
 
 class KVXferKVReceiver(_Request, BaseKVReceiver):
     """Decode side of one request."""
 
-    def __init__(self, mgr: KVXferKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
+    def __init__(self, mgr: KVXferKVManager, bootstrap_addr: str, bootstrap_room: int | None = None):
         from sglang_kvxfer.engine import KVReceiver
 
         if not isinstance(mgr, KVXferKVManager) or mgr.role != "decode":
@@ -386,28 +445,45 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         self.kv_mgr = mgr
         self.bootstrap_addr = bootstrap_addr
         self.abort_notified = False
-        self.require_staging = False   # SGLang's own staging buffers are not used
-        self.bootstrap_infos = None    # read by SGLang only for deferred releases (not offered)
-        self.aux_index: Optional[int] = None
+        self.require_staging = False  # SGLang's own staging buffers are not used
+        self.bootstrap_infos = None  # read by SGLang only for deferred releases (not offered)
+        self.aux_index: int | None = None
         self._inited = False
+        self._receiver: KVReceiver | None = None  # None only when bootstrap_addr was bad (request failed)
         try:
             parse_host_port(bootstrap_addr, "bootstrap_addr")
         except ValueError as exc:
             self._fail(str(exc))
             return
-        self._engine = KVReceiver(mgr.engine, self.bootstrap_room, bootstrap_addr)
+        self._engine = self._receiver = KVReceiver(mgr.decode_engine, self.bootstrap_room, bootstrap_addr)
+
+    @property
+    def _rx(self) -> KVReceiver:
+        rx = self._receiver
+        if rx is None:
+            raise KVXferError(f"kvxfer room {self.bootstrap_room} has no engine request: {self._reason}")
+        return rx
 
     def init(self, prefill_dp_rank: int):
         if prefill_dp_rank != 0:
-            return self._fail(f"init(): prefill_dp_rank={prefill_dp_rank!r}, but the kvxfer backend "
-                              "serves one prefill DP group per bootstrap (rank 0)")
+            return self._fail(
+                f"init(): prefill_dp_rank={prefill_dp_rank!r}, but the kvxfer backend "
+                "serves one prefill DP group per bootstrap (rank 0)"
+            )
         info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
         if info is not None and info.problem:
             return self._fail(info.problem)
         self._inited = True
 
-    def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices: Optional[List] = None,
-                      decode_prefix_len: Optional[int] = None, destination: Any = "device", **kwargs):
+    def send_metadata(
+        self,
+        kv_indices,
+        aux_index: int | None = None,
+        state_indices: list | None = None,
+        decode_prefix_len: int | None = None,
+        destination: Any = "device",
+        **kwargs,
+    ):
         """Tell the prefill writers where this request's KV goes. SGLang hands over whole
         pages (the last may be partial on both sides), so the engine moves
         ``len(kv_indices) * page_size`` token rows: both sides count the same pages."""
@@ -417,8 +493,10 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             if str(getattr(destination, "value", destination)) != "device":
                 raise ValueError(f"destination={destination!r}: only device KV destinations are supported")
             if decode_prefix_len:
-                raise ValueError(f"decode_prefix_len={decode_prefix_len}: a decode-side prefix "
-                                 "(--disaggregation-decode-enable-radix-cache) is not supported")
+                raise ValueError(
+                    f"decode_prefix_len={decode_prefix_len}: a decode-side prefix "
+                    "(--disaggregation-decode-enable-radix-cache) is not supported"
+                )
             if state_indices and any(s is not None and len(s) for s in state_indices):
                 raise ValueError("state_indices were given, but this backend transfers no per-request state")
             if kwargs:
@@ -427,8 +505,9 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
                 self.kv_mgr.layout.aux.check_slot(aux_index)
             pages = _page_array(kv_indices)
             page_size = self.kv_mgr.layout.geometry.page_size
-            self._engine.send_metadata(pages, aux_slot=-1 if aux_index is None else int(aux_index),
-                                       num_tokens=len(pages) * page_size)
+            self._rx.send_metadata(
+                pages, aux_slot=-1 if aux_index is None else int(aux_index), num_tokens=len(pages) * page_size
+            )
             self.aux_index = aux_index
         except Exception as exc:
             self._fail_from("send_metadata()", exc)
@@ -436,7 +515,7 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
     def poll(self) -> int:
         if self.conclude_state is not None:
             return self.conclude_state
-        state = int(self._engine.poll())
+        state = int(self._rx.poll())
         if state == KVPoll.Success and not self._deliver_aux():
             return KVPoll.Failed
         if not self._inited and state in (KVPoll.WaitingForInput, KVPoll.Transferring):
@@ -447,7 +526,7 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         """Write the prefill's aux slot into ours before Success is reported."""
         if self.aux_index is None:
             return True
-        payload = self._engine.aux_payload
+        payload = self._rx.aux_payload
         try:
             if not payload:
                 raise ValueError("the prefill sent no aux data")

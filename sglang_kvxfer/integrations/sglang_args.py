@@ -11,14 +11,16 @@ Head counts are never inferred from byte lengths: the total comes from
 from the ownership rule; byte lengths only yield head_dim, with an exact-division check per
 buffer. Must not import sglang or torch: it reads attributes by name.
 """
+
 from __future__ import annotations
 
 import ctypes
 import json
 import numbers
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from sglang_kvxfer.errors import GeometryError, KVXferError
 from sglang_kvxfer.geometry import DTYPE_ITEMSIZE, KVGeometry, Layout, normalize_dtype, owned_heads
@@ -37,17 +39,41 @@ __all__ = [
 
 # Every KVArgs attribute read here: a test checks them against SGLang's own class.
 KVARGS_FIELDS = (
-    "engine_rank", "kv_data_ptrs", "kv_data_lens", "kv_item_lens", "kv_cache_dtype_str",
-    "kv_layout", "aux_data_ptrs", "aux_data_lens", "aux_item_lens", "state_types",
-    "is_hybrid_mla_backend", "kv_head_num", "total_kv_head_num", "page_size",
-    "num_draft_entries", "ib_device", "gpu_id",
+    "engine_rank",
+    "kv_data_ptrs",
+    "kv_data_lens",
+    "kv_item_lens",
+    "kv_cache_dtype_str",
+    "kv_layout",
+    "aux_data_ptrs",
+    "aux_data_lens",
+    "aux_item_lens",
+    "state_types",
+    "is_hybrid_mla_backend",
+    "kv_head_num",
+    "total_kv_head_num",
+    "page_size",
+    "num_draft_entries",
+    "ib_device",
+    "gpu_id",
 )
 # ServerArgs fields read by plan_from_server_args (also checked against SGLang's class).
 SERVER_ARGS_FIELDS = (
-    "tp_size", "attn_dp_size", "attn_cp_size", "dp_size", "pp_size", "dcp_size", "device",
-    "host", "dist_init_addr", "disaggregation_bootstrap_port", "disaggregation_ib_device",
-    "disaggregation_decode_enable_radix_cache", "disaggregation_decode_allocation_policy",
-    "enable_pd_role_switch", "dtype",
+    "tp_size",
+    "attn_dp_size",
+    "attn_cp_size",
+    "dp_size",
+    "pp_size",
+    "dcp_size",
+    "device",
+    "host",
+    "dist_init_addr",
+    "disaggregation_bootstrap_port",
+    "disaggregation_ib_device",
+    "disaggregation_decode_enable_radix_cache",
+    "disaggregation_decode_allocation_policy",
+    "enable_pd_role_switch",
+    "dtype",
 )
 
 _PR_TOTAL_HEADS = (
@@ -69,20 +95,23 @@ def _int(name: str, value: Any, minimum: int) -> int:
 
 # -- ServerArgs ------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ServerPlan:
     """What one SGLang server's arguments mean for this backend."""
 
-    role: str            # "prefill" or "decode"
-    attn_tp_size: int    # the TP size KV heads are sharded over
-    bootstrap: str       # "host:port" where the prefill ranks register
-    device: str          # "cpu" or "cuda" (the kind of memory the KV pool is in)
-    ib_device: str       # --disaggregation-ib-device ("" when unset)
+    role: str  # "prefill" or "decode"
+    attn_tp_size: int  # the TP size KV heads are sharded over
+    bootstrap: str  # "host:port" where the prefill ranks register
+    device: str  # "cpu" or "cuda" (the kind of memory the KV pool is in)
+    ib_device: str  # --disaggregation-ib-device ("" when unset)
 
 
 def _not_supported(flag: str, value: Any, why: str) -> KVXferError:
-    return KVXferError(f"the kvxfer transfer backend does not support {flag}={value!r}: {why}; "
-                       "use another --disaggregation-transfer-backend for this setup")
+    return KVXferError(
+        f"the kvxfer transfer backend does not support {flag}={value!r}: {why}; "
+        "use another --disaggregation-transfer-backend for this setup"
+    )
 
 
 def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
@@ -109,11 +138,17 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         raise _not_supported("--enable-pd-role-switch", True, "the backend has no teardown")
     policy = _get(server_args, "disaggregation_decode_allocation_policy", "early") or "early"
     if policy != "early":
-        raise _not_supported("--disaggregation-decode-allocation-policy", policy,
-                             "only 'early' (decode allocates before prefill finishes) is implemented")
+        raise _not_supported(
+            "--disaggregation-decode-allocation-policy",
+            policy,
+            "only 'early' (decode allocates before prefill finishes) is implemented",
+        )
     if role == "decode" and _get(server_args, "disaggregation_decode_enable_radix_cache", False):
-        raise _not_supported("--disaggregation-decode-enable-radix-cache", True,
-                             "a decode-side prefix (decode_prefix_len > 0) is not implemented")
+        raise _not_supported(
+            "--disaggregation-decode-enable-radix-cache",
+            True,
+            "a decode-side prefix (decode_prefix_len > 0) is not implemented",
+        )
     tp = _int("ServerArgs.tp_size", tp, 1)
     device = _get(server_args, "device", None) or "cuda"  # None: SGLang auto-detects a GPU
     if device not in ("cpu", "cuda"):
@@ -125,8 +160,13 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
     else:  # a wildcard bind address is not an address to connect to
         host = str(_get(server_args, "host", "127.0.0.1"))
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    return ServerPlan(role=role, attn_tp_size=tp // attn_dp // attn_cp, bootstrap=f"{host}:{port}",
-                      device=device, ib_device=str(_get(server_args, "disaggregation_ib_device", "") or ""))
+    return ServerPlan(
+        role=role,
+        attn_tp_size=tp // attn_dp // attn_cp,
+        bootstrap=f"{host}:{port}",
+        device=device,
+        ib_device=str(_get(server_args, "disaggregation_ib_device", "") or ""),
+    )
 
 
 def kv_dtype(kv_cache_dtype_str: Any, model_dtype: Any = None) -> str:
@@ -199,8 +239,10 @@ class AuxLayout:
 
     def __post_init__(self) -> None:
         if not len(self.ptrs) == len(self.lens) == len(self.item_lens):
-            raise GeometryError(f"aux_data_ptrs/aux_data_lens/aux_item_lens have {len(self.ptrs)}/"
-                                f"{len(self.lens)}/{len(self.item_lens)} entries; they must match")
+            raise GeometryError(
+                f"aux_data_ptrs/aux_data_lens/aux_item_lens have {len(self.ptrs)}/"
+                f"{len(self.lens)}/{len(self.item_lens)} entries; they must match"
+            )
         for i, (p, n, item) in enumerate(zip(self.ptrs, self.lens, self.item_lens)):
             _int(f"aux_item_lens[{i}]", item, 1)
             _int(f"aux_data_ptrs[{i}]", p, 1)
@@ -212,7 +254,7 @@ class AuxLayout:
         return min((n // item for n, item in zip(self.lens, self.item_lens)), default=0)
 
     def check_slot(self, slot: Any) -> int:
-        if isinstance(slot, bool) or not isinstance(slot, numbers.Integral) or not 0 <= slot < self.num_slots:
+        if isinstance(slot, bool) or not isinstance(slot, numbers.Integral) or not 0 <= int(slot) < self.num_slots:
             raise ValueError(f"aux_index={slot!r} must be a slot in [0, {self.num_slots})")
         return int(slot)
 
@@ -232,25 +274,30 @@ class AuxLayout:
         if magic != _AUX_MAGIC or version != 1:
             raise ValueError(f"aux payload has magic {magic!r} version {version}; expected {_AUX_MAGIC!r} 1")
         if count != len(self.ptrs):
-            raise ValueError(f"aux payload carries {count} metadata buffers; this decode rank has "
-                             f"{len(self.ptrs)} (run both servers with the same SGLang version and "
-                             "metadata options)")
+            raise ValueError(
+                f"aux payload carries {count} metadata buffers; this decode rank has "
+                f"{len(self.ptrs)} (run both servers with the same SGLang version and "
+                "metadata options)"
+            )
         lens = struct.unpack_from(f"<{count}I", payload, _AUX_HEAD.size)
         for i, (theirs, mine) in enumerate(zip(lens, self.item_lens)):
             if theirs != mine:
-                raise ValueError(f"aux buffer {i}: prefill sent {theirs} bytes per slot, this decode "
-                                 f"rank holds {mine} (run both servers with the same SGLang version "
-                                 "and metadata options)")
-        body = memoryview(payload)[_AUX_HEAD.size + 4 * count:]
+                raise ValueError(
+                    f"aux buffer {i}: prefill sent {theirs} bytes per slot, this decode "
+                    f"rank holds {mine} (run both servers with the same SGLang version "
+                    "and metadata options)"
+                )
+        body = memoryview(payload)[_AUX_HEAD.size + 4 * count :]
         if len(body) != sum(self.item_lens):
             raise ValueError(f"aux payload body is {len(body)} bytes; {sum(self.item_lens)} expected")
         at = 0
         for p, item in zip(self.ptrs, self.item_lens):
-            ctypes.memmove(p + slot * item, bytes(body[at: at + item]), item)
+            ctypes.memmove(p + slot * item, bytes(body[at : at + item]), item)
             at += item
 
 
 # -- KV buffers ------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class SglangLayout:
@@ -259,10 +306,10 @@ class SglangLayout:
     geometry: KVGeometry
     tp_size: int
     tp_rank: int
-    kv_ptrs: tuple[int, ...]   # the geometry's buffers: K of every layer, then V (MLA: one each)
+    kv_ptrs: tuple[int, ...]  # the geometry's buffers: K of every layer, then V (MLA: one each)
     kv_lens: tuple[int, ...]
     aux: AuxLayout
-    num_draft_entries: int     # trailing draft-model entries of kv_data_ptrs, not transferred
+    num_draft_entries: int  # trailing draft-model entries of kv_data_ptrs, not transferred
 
 
 def _per_entry_dim(name: str, i: int, item_len: int, page_size: int, heads: int, itemsize: int) -> int:
@@ -271,20 +318,24 @@ def _per_entry_dim(name: str, i: int, item_len: int, page_size: int, heads: int,
         raise GeometryError(
             f"kv_item_lens[{i}]={item_len} ({name}) is not a whole number of heads: one page of "
             f"{page_size} tokens x {heads} head(s) x {itemsize}-byte elements is {unit} bytes per "
-            f"unit of head_dim")
+            f"unit of head_dim"
+        )
     return item_len // unit
 
 
 def _same(name: str, values: list[int], first: int) -> int:
     bad = [(first + i, v) for i, v in enumerate(values) if v != values[0]]
     if bad:
-        raise GeometryError(f"{name} differs between KV entries: entry {first} has {values[0]}, "
-                            + ", ".join(f"entry {i} has {v}" for i, v in bad[:4]))
+        raise GeometryError(
+            f"{name} differs between KV entries: entry {first} has {values[0]}, "
+            + ", ".join(f"entry {i} has {v}" for i, v in bad[:4])
+        )
     return values[0]
 
 
-def layout_from_kv_args(args: Any, *, tp_size: int, mla: bool, dtype: str,
-                        total_kv_heads: Callable[[], int] | None = None) -> SglangLayout:
+def layout_from_kv_args(
+    args: Any, *, tp_size: int, mla: bool, dtype: str, total_kv_heads: Callable[[], int] | None = None
+) -> SglangLayout:
     """Translate ``KVArgs`` into a geometry, this rank's placement and its buffers.
 
     Args:
@@ -300,23 +351,30 @@ def layout_from_kv_args(args: Any, *, tp_size: int, mla: bool, dtype: str,
     """
     states = _get(args, "state_types", None)
     if states:
-        raise _not_supported("KVArgs.state_types", [str(getattr(s, "value", s)) for s in states],
-                             "models with extra per-request state (mamba, SWA, DSA...) need state "
-                             "transfer, which is not implemented")
+        raise _not_supported(
+            "KVArgs.state_types",
+            [str(getattr(s, "value", s)) for s in states],
+            "models with extra per-request state (mamba, SWA, DSA...) need state transfer, which is not implemented",
+        )
     if _get(args, "is_hybrid_mla_backend", False):
         raise _not_supported("KVArgs.is_hybrid_mla_backend", True, "hybrid MLA pools are not implemented")
     if _get(args, "kv_layout", None) is not None:
-        raise _not_supported("KVArgs.kv_layout", _get(args, "kv_layout"),
-                             "only plain NHD pools (kv_layout None) are implemented")
+        raise _not_supported(
+            "KVArgs.kv_layout", _get(args, "kv_layout"), "only plain NHD pools (kv_layout None) are implemented"
+        )
     ptrs, lens, items = (list(_get(args, n, None) or []) for n in ("kv_data_ptrs", "kv_data_lens", "kv_item_lens"))
     if not ptrs or not len(ptrs) == len(lens) == len(items):
-        raise GeometryError(f"kv_data_ptrs/kv_data_lens/kv_item_lens have {len(ptrs)}/{len(lens)}/"
-                            f"{len(items)} entries; they must match and be non-empty")
+        raise GeometryError(
+            f"kv_data_ptrs/kv_data_lens/kv_item_lens have {len(ptrs)}/{len(lens)}/"
+            f"{len(items)} entries; they must match and be non-empty"
+        )
     draft = _int("KVArgs.num_draft_entries", _get(args, "num_draft_entries", 0) or 0, 0)
     main = len(ptrs) - draft
     if main < 1 or (not mla and main % 2):
-        raise GeometryError(f"kv_data_ptrs has {len(ptrs)} entries with num_draft_entries={draft}: "
-                            f"{main} main entries, expected {'one per layer' if mla else 'K and V of every layer (an even count)'}")
+        raise GeometryError(
+            f"kv_data_ptrs has {len(ptrs)} entries with num_draft_entries={draft}: "
+            f"{main} main entries, expected {'one per layer' if mla else 'K and V of every layer (an even count)'}"
+        )
     page_size = _int("KVArgs.page_size", _get(args, "page_size", None), 1)
     itemsize = DTYPE_ITEMSIZE[dtype]
     rank = _int("KVArgs.engine_rank", _get(args, "engine_rank", None), 0) % tp_size
@@ -330,14 +388,18 @@ def layout_from_kv_args(args: Any, *, tp_size: int, mla: bool, dtype: str,
             try:
                 heads_total = total_kv_heads()
             except Exception as exc:
-                raise GeometryError(f"KVArgs.total_kv_head_num is not set and the model config could "
-                                    f"not supply it ({type(exc).__name__}: {exc}); {_PR_TOTAL_HEADS}") from exc
+                raise GeometryError(
+                    f"KVArgs.total_kv_head_num is not set and the model config could "
+                    f"not supply it ({type(exc).__name__}: {exc}); {_PR_TOTAL_HEADS}"
+                ) from exc
         heads_total = _int("KVArgs.total_kv_head_num", heads_total, 1)
         local = len(owned_heads(heads_total, tp_size, rank))
         given = _get(args, "kv_head_num", None)
         if given is not None and given != local:
-            raise GeometryError(f"KVArgs.kv_head_num={given!r} but rank {rank} of an attention TP group of "
-                                f"{tp_size} owns {local} of total_kv_head_num={heads_total} heads")
+            raise GeometryError(
+                f"KVArgs.kv_head_num={given!r} but rank {rank} of an attention TP group of "
+                f"{tp_size} owns {local} of total_kv_head_num={heads_total} heads"
+            )
     layers = main if mla else main // 2
     k_dims = [_per_entry_dim("K", i, items[i], page_size, local, itemsize) for i in range(layers)]
     head_dim = _same("head_dim (K)", k_dims, 0)
@@ -347,9 +409,20 @@ def layout_from_kv_args(args: Any, *, tp_size: int, mla: bool, dtype: str,
         v_head_dim = _same("head_dim (V)", v_dims, layers)
     pages = [lens[i] // items[i] for i in range(main)]
     num_pages = _same("pages per buffer (kv_data_lens // kv_item_lens)", pages, 0)
-    geometry = KVGeometry(num_layers=layers, total_kv_heads=heads_total, head_dim=head_dim, dtype=dtype,
-                          page_size=page_size, layout=Layout.NHD, mla=mla, v_head_dim=v_head_dim,
-                          num_pages=_int("pages per buffer", num_pages, 1))
-    aux = AuxLayout(tuple(_get(args, "aux_data_ptrs", None) or ()), tuple(_get(args, "aux_data_lens", None) or ()),
-                    tuple(_get(args, "aux_item_lens", None) or ()))
+    geometry = KVGeometry(
+        num_layers=layers,
+        total_kv_heads=heads_total,
+        head_dim=head_dim,
+        dtype=dtype,
+        page_size=page_size,
+        layout=Layout.NHD,
+        mla=mla,
+        v_head_dim=v_head_dim,
+        num_pages=_int("pages per buffer", num_pages, 1),
+    )
+    aux = AuxLayout(
+        tuple(_get(args, "aux_data_ptrs", None) or ()),
+        tuple(_get(args, "aux_data_lens", None) or ()),
+        tuple(_get(args, "aux_item_lens", None) or ()),
+    )
     return SglangLayout(geometry, tp_size, rank, tuple(ptrs[:main]), tuple(lens[:main]), aux, draft)

@@ -13,9 +13,11 @@ plugin (entry point group ``sglang.srt.plugins``, name ``kvxfer``): SGLang's
 comma list of plugin names) can leave it out. This module must not import SGLang at import
 time.
 """
+
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 from typing import Any
 
@@ -40,8 +42,9 @@ def add_enum_member(enum_cls: Any, name: str, value: Any) -> Any:
     if existing is not None:
         return existing
     if name in enum_cls._member_map_:
-        raise ValueError(f"{enum_cls.__name__}.{name} already exists with value "
-                         f"{enum_cls._member_map_[name].value!r}, not {value!r}")
+        raise ValueError(
+            f"{enum_cls.__name__}.{name} already exists with value {enum_cls._member_map_[name].value!r}, not {value!r}"
+        )
     member = object.__new__(enum_cls)
     member._name_, member._value_ = name, value
     member.__objclass__ = enum_cls
@@ -67,7 +70,7 @@ def _wrap_get_kv_class(utils: Any, member: Any) -> None:
             return getattr(backend, _CLASSES[class_type.value])
         return original(transfer_backend, class_type)
 
-    get_kv_class.__kvxfer_original__ = original
+    get_kv_class.__kvxfer_original__ = original  # type: ignore[attr-defined]  # functions take attributes
     utils.get_kv_class = get_kv_class
     # Modules that did `from ...utils import get_kv_class` before now hold the original;
     # rebind those too (modules imported later pick up the wrapper from utils).
@@ -82,9 +85,9 @@ def install(utils: Any = None, choices: Any = None) -> Any:
     process. ``utils``/``choices`` default to SGLang's ``disaggregation.utils`` and
     ``arg_groups.choices`` modules. Returns the new ``TransferBackend`` member."""
     if utils is None:
-        from sglang.srt.disaggregation import utils
+        utils = importlib.import_module("sglang.srt.disaggregation.utils")
     if choices is None:
-        from sglang.srt.arg_groups import choices
+        choices = importlib.import_module("sglang.srt.arg_groups.choices")
     if BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
         # The list argparse validates against, extended in place (SGLang's own hook).
         choices.DISAGG_TRANSFER_BACKEND_CHOICES.append(BACKEND)

@@ -8,6 +8,7 @@ those and ``DataPath``); ``executor`` applies plans to
 real byte buffers on the CPU, as the reference the tests and the engine are checked
 against. Nothing here does I/O.
 """
+
 from sglang_kvxfer.planning.byteplan import DirectPlan, PairPlan, StagedPlan, plan_pair  # noqa: F401
 from sglang_kvxfer.planning.kvslice import DataPath, KVSlice  # noqa: F401
 from sglang_kvxfer.planning.request_plan import RequestPlan  # noqa: F401

@@ -14,20 +14,29 @@ Owns ``plan_pair`` and the two plan shapes it returns:
 Both report the op count of both strategies so callers (and ``kvxfer plan``) can show
 why a path was chosen. Page lists are validated, never truncated. No I/O, no torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 
 import numpy as np
 
 from sglang_kvxfer.errors import PlanError
-from sglang_kvxfer.geometry import Layout, RankPlacement, check_compatible
+from sglang_kvxfer.geometry import Compatibility, KVGeometry, Layout, RankPlacement, check_compatible
 from sglang_kvxfer.planning.kvslice import DataPath, KVSlice
 from sglang_kvxfer.planning.tp import HeadTransfer
 
-__all__ = ["PairPlan", "DirectPlan", "StagedPlan", "plan_pair", "coalesce", "MAX_WRITE_BYTES",
-           "per_token_op_count", "staged_op_count"]
+__all__ = [
+    "PairPlan",
+    "DirectPlan",
+    "StagedPlan",
+    "plan_pair",
+    "coalesce",
+    "MAX_WRITE_BYTES",
+    "per_token_op_count",
+    "staged_op_count",
+]
 
 # One staged write never exceeds this (MORI and most verbs stacks cap a WR below 4 GiB).
 MAX_WRITE_BYTES = 1 << 30
@@ -57,7 +66,11 @@ class PairPlan:
     @property
     def op_count(self) -> int:
         """Transport ops this plan posts."""
-        return self.direct_op_count if self.path is DataPath.DIRECT else self.staged_op_count
+        if self.path is not DataPath.DIRECT:
+            return self.staged_op_count
+        if self.direct_op_count is None:
+            raise PlanError("a direct plan must have a direct_op_count")
+        return self.direct_op_count
 
 
 @dataclass(frozen=True)
@@ -66,7 +79,7 @@ class DirectPlan(PairPlan):
     ``(src_offset, dst_offset, nbytes)`` relative to one K (V) buffer of each side; apply
     them to buffer ``l`` (K) and ``L + l`` (V) for every layer ``l``."""
 
-    k_ops: np.ndarray = None
+    k_ops: np.ndarray
     v_ops: np.ndarray | None = None
     path: ClassVar[DataPath] = DataPath.DIRECT
 
@@ -75,7 +88,11 @@ class DirectPlan(PairPlan):
         g = self.src.geometry
         if not 0 <= buffer_index < g.num_buffers:
             raise ValueError(f"buffer_index={buffer_index} must be in [0, {g.num_buffers})")
-        return self.k_ops if buffer_index < g.num_layers else self.v_ops
+        if buffer_index < g.num_layers:
+            return self.k_ops
+        if self.v_ops is None:
+            raise PlanError(f"buffer_index={buffer_index} is a V buffer but the plan has no V ops")
+        return self.v_ops
 
 
 @dataclass(frozen=True)
@@ -83,20 +100,32 @@ class StagedPlan(PairPlan):
     """Gather -> one write -> scatter. Staging layout: for each layer, K block
     ``[num_tokens, num_heads, head_dim]`` then V block ``[num_tokens, num_heads, v_head_dim]``."""
 
-    src_pages: np.ndarray = None
-    dst_pages: np.ndarray = None
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
     staging_nbytes: int = 0
     path: ClassVar[DataPath] = DataPath.STAGED
 
     def gather_slice(self) -> KVSlice:
         """What ``ops.gather_kv_heads`` reads from the writer's pool."""
-        return side_slice(self.src, self.src_pages, self.transfer.src_head_start, self.transfer.num_heads,
-                          self.token_start, self.token_start + self.num_tokens)
+        return side_slice(
+            self.src,
+            self.src_pages,
+            self.transfer.src_head_start,
+            self.transfer.num_heads,
+            self.token_start,
+            self.token_start + self.num_tokens,
+        )
 
     def scatter_slice(self) -> KVSlice:
         """What ``ops.scatter_kv_heads`` writes into the reader's pool."""
-        return side_slice(self.dst, self.dst_pages, self.transfer.dst_head_start, self.transfer.num_heads,
-                          self.token_start, self.token_start + self.num_tokens)
+        return side_slice(
+            self.dst,
+            self.dst_pages,
+            self.transfer.dst_head_start,
+            self.transfer.num_heads,
+            self.token_start,
+            self.token_start + self.num_tokens,
+        )
 
     def gather_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``ops.gather_kv_heads`` on the writer's pool."""
@@ -107,16 +136,31 @@ class StagedPlan(PairPlan):
         return self.scatter_slice().op_kwargs()
 
 
-def side_slice(side: RankPlacement, pages: np.ndarray, head_start: int, num_heads: int,
-               start: int, stop: int) -> KVSlice:
+def _v_head_dim(g: KVGeometry) -> int:
+    """``g.v_head_dim`` as an int (``KVGeometry`` resolves ``None`` when it is built)."""
+    v = g.v_head_dim
+    if v is None:
+        raise PlanError("KVGeometry.v_head_dim is unresolved (None); build geometries with KVGeometry(...)")
+    return v
+
+
+def side_slice(
+    side: RankPlacement, pages: np.ndarray, head_start: int, num_heads: int, start: int, stop: int
+) -> KVSlice:
     """Tokens ``[start, stop)`` of one side as a ``KVSlice`` over only the pages they touch
     (a view of ``pages``: O(1), and the kernels check O(pages in the slice))."""
     size = side.geometry.page_size
     first = start // size if stop > start else 0
     last = -(-stop // size) if stop > start else 0
-    return KVSlice(pages=pages[first:last], page_size=size, head_start=head_start, num_heads=num_heads,
-                   layout=side.geometry.layout.value, token_offset=start - first * size if stop > start else 0,
-                   num_tokens=stop - start)
+    return KVSlice(
+        pages=pages[first:last],
+        page_size=size,
+        head_start=head_start,
+        num_heads=num_heads,
+        layout=side.geometry.layout.value,
+        token_offset=start - first * size if stop > start else 0,
+        num_tokens=stop - start,
+    )
 
 
 def staged_op_count(nbytes: int) -> int:
@@ -217,44 +261,85 @@ def plan_pair(
     total = _resolve_num_tokens(num_tokens, src_arr, dst_arr, gs.page_size, gd.page_size)
     start, stop = _resolve_range(token_start, token_stop, total)
     _check_coverage(src_arr, dst_arr, gs.page_size, gd.page_size, stop)
-    return _plan_range(transfer, src, dst, src_arr, dst_arr, start, stop, _parse_path(path),
-                       direct_min_op_bytes, compat)
+    return _plan_range(
+        transfer, src, dst, src_arr, dst_arr, start, stop, _parse_path(path), direct_min_op_bytes, compat
+    )
 
 
-def _parse_path(path) -> DataPath:
+def _parse_path(path: DataPath | str | None) -> DataPath:
     try:
         return DataPath.parse(path)
     except ValueError:
         raise PlanError(f"path={path!r} must be one of auto, direct, staged, per_token") from None
 
 
-def _plan_range(transfer: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_arr: np.ndarray,
-                dst_arr: np.ndarray, start: int, stop: int, choice: DataPath, direct_min_op_bytes: int,
-                compat) -> PairPlan:
+class _PairFields(TypedDict):
+    """The ``PairPlan`` fields ``_plan_range`` fills in for either plan shape."""
+
+    transfer: HeadTransfer
+    src: RankPlacement
+    dst: RankPlacement
+    token_start: int
+    num_tokens: int
+    nbytes: int
+    direct_op_count: int | None
+    staged_op_count: int
+
+
+# K ops and V ops (None without a V buffer) of one K (V) buffer.
+_KVOps = tuple[np.ndarray, np.ndarray | None]
+
+
+def _op_count(num_layers: int, ops: _KVOps) -> int:
+    """Ops of all layers' buffers for per-buffer ``ops``."""
+    k_ops, v_ops = ops
+    return num_layers * (len(k_ops) + (len(v_ops) if v_ops is not None else 0))
+
+
+def _plan_range(
+    transfer: HeadTransfer,
+    src: RankPlacement,
+    dst: RankPlacement,
+    src_arr: np.ndarray,
+    dst_arr: np.ndarray,
+    start: int,
+    stop: int,
+    choice: DataPath,
+    direct_min_op_bytes: int,
+    compat: Compatibility,
+) -> DirectPlan | StagedPlan:
     """``plan_pair`` on page lists and a token range already checked."""
     gs = src.geometry
     count = stop - start
     n = transfer.num_heads
-    nbytes = gs.num_layers * count * n * (gs.head_dim + gs.v_head_dim) * gs.itemsize
+    nbytes = gs.num_layers * count * n * (gs.head_dim + _v_head_dim(gs)) * gs.itemsize
     staged_ops = staged_op_count(nbytes)
 
     direct = _direct_ops(transfer, src, dst, src_arr, dst_arr, start, stop)
-    direct_count = None
-    if direct is not None:
-        k_ops, v_ops = direct
-        direct_count = gs.num_layers * (len(k_ops) + (len(v_ops) if v_ops is not None else 0))
+    direct_count = None if direct is None else _op_count(gs.num_layers, direct)
 
-    common = dict(transfer=transfer, src=src, dst=dst, token_start=start, num_tokens=count,
-                  nbytes=nbytes, direct_op_count=direct_count, staged_op_count=staged_ops)
+    common = _PairFields(
+        transfer=transfer,
+        src=src,
+        dst=dst,
+        token_start=start,
+        num_tokens=count,
+        nbytes=nbytes,
+        direct_op_count=direct_count,
+        staged_op_count=staged_ops,
+    )
     if choice is DataPath.PER_TOKEN:
         k_ops, v_ops = _per_token_ops(transfer, src, dst, src_arr, dst_arr, start, stop)
-        common["direct_op_count"] = gs.num_layers * (len(k_ops) + (len(v_ops) if v_ops is not None else 0))
-        return DirectPlan(**common, reason="one op per token (SGLang's pattern; benchmark baseline)",
-                          k_ops=k_ops, v_ops=v_ops)
+        common["direct_op_count"] = _op_count(gs.num_layers, (k_ops, v_ops))
+        return DirectPlan(
+            **common, reason="one op per token (SGLang's pattern; benchmark baseline)", k_ops=k_ops, v_ops=v_ops
+        )
     if direct is not None and choice is not DataPath.STAGED:
         use_direct, why = True, "contiguous on both sides"
         if choice is DataPath.AUTO:
-            use_direct, why = _auto_prefers_direct(direct_count, nbytes, len(direct[0]), direct_min_op_bytes)
+            use_direct, why = _auto_prefers_direct(
+                _op_count(gs.num_layers, direct), nbytes, len(direct[0]), direct_min_op_bytes
+            )
         if use_direct or count == 0:
             return DirectPlan(**common, reason=why, k_ops=direct[0], v_ops=direct[1])
         reason = why
@@ -269,12 +354,14 @@ def _auto_prefers_direct(direct_count: int, nbytes: int, ops_per_buffer: int, mi
     avg = nbytes / max(direct_count, 1)
     if ops_per_buffer <= 4 or avg >= min_op:
         return True, f"contiguous on both sides ({ops_per_buffer} op(s) per buffer, {avg:.0f} B per op)"
-    return False, (f"contiguous but fragmented ({ops_per_buffer} ops per buffer of {avg:.0f} B "
-                   f"< direct_min_op_bytes={min_op}, KVXFER_DIRECT_MIN_OP_BYTES); staging is fewer, larger writes")
+    return False, (
+        f"contiguous but fragmented ({ops_per_buffer} ops per buffer of {avg:.0f} B "
+        f"< direct_min_op_bytes={min_op}, KVXFER_DIRECT_MIN_OP_BYTES); staging is fewer, larger writes"
+    )
 
 
-def _why_strided(transfer: HeadTransfer, src: RankPlacement, dst: RankPlacement, compat) -> str:
-    parts = []
+def _why_strided(transfer: HeadTransfer, src: RankPlacement, dst: RankPlacement, compat: Compatibility) -> str:
+    parts: list[str] = []
     if _layouts(src) == {Layout.NHD} and transfer.num_heads < src.num_local_heads:
         parts.append(f"head slice {transfer.num_heads}/{src.num_local_heads} is strided in the NHD source")
     if _layouts(dst) == {Layout.NHD} and transfer.num_heads < dst.num_local_heads:
@@ -306,12 +393,11 @@ def _check_transfer(t: HeadTransfer, src: RankPlacement, dst: RankPlacement) -> 
             )
 
 
-def _resolve_num_tokens(num_tokens, src: np.ndarray, dst: np.ndarray, ps: int, pd: int) -> int:
+def _resolve_num_tokens(num_tokens: int | None, src: np.ndarray, dst: np.ndarray, ps: int, pd: int) -> int:
     if num_tokens is None:
         if ps != pd:
             raise PlanError(
-                f"num_tokens is required when page sizes differ (prefill page_size={ps}, "
-                f"decode page_size={pd})"
+                f"num_tokens is required when page sizes differ (prefill page_size={ps}, decode page_size={pd})"
             )
         if len(src) != len(dst):
             raise PlanError(
@@ -338,12 +424,11 @@ def _check_coverage(src: np.ndarray, dst: np.ndarray, ps: int, pd: int, stop: in
         need = _pages_needed(stop, size)
         if len(pages) < need:
             raise PlanError(
-                f"{side} page list has {len(pages)} page(s) but tokens [0, {stop}) at "
-                f"page_size {size} need {need}"
+                f"{side} page list has {len(pages)} page(s) but tokens [0, {stop}) at page_size {size} need {need}"
             )
 
 
-def _resolve_range(start, stop, total: int) -> tuple[int, int]:
+def _resolve_range(start: int, stop: int | None, total: int) -> tuple[int, int]:
     stop = total if stop is None else stop
     for name, v in (("token_start", start), ("token_stop", stop)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -359,13 +444,20 @@ def _layouts(place: RankPlacement) -> set[Layout]:
     return set(Layout) if place.num_local_heads == 1 else {place.geometry.layout}
 
 
-def _direct_ops(t: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_pages: np.ndarray,
-                dst_pages: np.ndarray, start: int, stop: int):
+def _direct_ops(
+    t: HeadTransfer,
+    src: RankPlacement,
+    dst: RankPlacement,
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+    start: int,
+    stop: int,
+) -> _KVOps | None:
     """Per-kind op arrays when the slice is contiguous on both sides, else ``None``."""
     both = _layouts(src) & _layouts(dst)
     n = t.num_heads
     g = src.geometry
-    dims = [g.head_dim] + ([g.v_head_dim] if g.has_v else [])
+    dims = [g.head_dim] + ([_v_head_dim(g)] if g.has_v else [])
     if Layout.NHD in both and n == src.num_local_heads == dst.num_local_heads:
         rows = _token_runs(src_pages, dst_pages, g.page_size, dst.geometry.page_size, start, stop)
         ops = [coalesce(*(rows.T * np.array([[n * d * g.itemsize]] * 3))) for d in dims]
@@ -376,15 +468,22 @@ def _direct_ops(t: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_pag
     return ops[0], (ops[1] if len(ops) > 1 else None)
 
 
-def _per_token_ops(t: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_pages, dst_pages,
-                   start: int, stop: int):
+def _per_token_ops(
+    t: HeadTransfer,
+    src: RankPlacement,
+    dst: RankPlacement,
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+    start: int,
+    stop: int,
+) -> _KVOps:
     """One op per token and head run (NHD: the token's head slice; HND: each head's slot)."""
     g, gd = src.geometry, dst.geometry
     tok = np.arange(start, stop, dtype=np.int64)
     sp, ss = src_pages[tok // g.page_size], tok % g.page_size
     dp, ds = dst_pages[tok // gd.page_size], tok % gd.page_size
-    out = []
-    for dim in [g.head_dim] + ([g.v_head_dim] if g.has_v else []):
+    out: list[np.ndarray] = []
+    for dim in [g.head_dim] + ([_v_head_dim(g)] if g.has_v else []):
         item = dim * g.itemsize
         if g.layout is Layout.NHD and gd.layout is Layout.NHD:
             so = ((sp * g.page_size + ss) * src.num_local_heads + t.src_head_start) * item
@@ -393,7 +492,16 @@ def _per_token_ops(t: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_
         else:
             h = np.arange(t.num_heads, dtype=np.int64)[None, :]
 
-            def off(place, layout, pages, slots, size, head0):
+            def off(
+                place: RankPlacement,
+                layout: Layout,
+                pages: np.ndarray,
+                slots: np.ndarray,
+                size: int,
+                head0: int,
+                h: np.ndarray = h,
+                item: int = item,
+            ) -> np.ndarray:
                 if layout is Layout.NHD:
                     return ((pages * size + slots)[:, None] * place.num_local_heads + head0 + h) * item
                 return ((pages[:, None] * place.num_local_heads + head0 + h) * size + slots[:, None]) * item
@@ -407,7 +515,7 @@ def _per_token_ops(t: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_
     return out[0], (out[1] if len(out) > 1 else None)
 
 
-def _token_runs(src_pages, dst_pages, ps: int, pd: int, start: int, stop: int) -> np.ndarray:
+def _token_runs(src_pages: np.ndarray, dst_pages: np.ndarray, ps: int, pd: int, start: int, stop: int) -> np.ndarray:
     """``[N, 3]`` rows of (src_row, dst_row, num_rows) covering tokens [start, stop) of NHD
     pools, split wherever either side's rows stop being consecutive."""
     if stop <= start:
@@ -419,7 +527,7 @@ def _token_runs(src_pages, dst_pages, ps: int, pd: int, start: int, stop: int) -
     )
     cand = cand[(cand > start) & (cand < stop)]
 
-    def rows(pages, size, tok):
+    def rows(pages: np.ndarray, size: int, tok: np.ndarray) -> np.ndarray:
         return pages[tok // size] * size + tok % size
 
     keep = (rows(src_pages, ps, cand) != rows(src_pages, ps, cand - 1) + 1) | (
@@ -434,8 +542,16 @@ def _token_runs(src_pages, dst_pages, ps: int, pd: int, start: int, stop: int) -
     return out
 
 
-def _hnd_ops(t: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_pages, dst_pages,
-             start: int, stop: int, dim: int) -> np.ndarray:
+def _hnd_ops(
+    t: HeadTransfer,
+    src: RankPlacement,
+    dst: RankPlacement,
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+    start: int,
+    stop: int,
+    dim: int,
+) -> np.ndarray:
     """Ops for HND pools with equal page size: a full page's head slice is contiguous
     (``num_heads * page_size * dim``); a partial page needs one op per head."""
     if stop <= start:
@@ -452,22 +568,26 @@ def _hnd_ops(t: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_pages,
     chunks = []
     # Full pages: one op each, [page][head_start .. head_start+n)[all slots][dim].
     fp = idx[full]
-    chunks.append((
-        (src_pages[fp] * hs + t.src_head_start) * size * item,
-        (dst_pages[fp] * hd + t.dst_head_start) * size * item,
-        np.full(fp.size, n * size * item, dtype=np.int64),
-        fp,
-    ))
+    chunks.append(
+        (
+            (src_pages[fp] * hs + t.src_head_start) * size * item,
+            (dst_pages[fp] * hd + t.dst_head_start) * size * item,
+            np.full(fp.size, n * size * item, dtype=np.int64),
+            fp,
+        )
+    )
     # Partial pages (at most the first and the last): one op per head.
     for i in np.flatnonzero(~full):
         p, a, b = int(idx[i]), int(lo[i]), int(hi[i])
         heads = np.arange(n, dtype=np.int64)
-        chunks.append((
-            ((src_pages[p] * hs + t.src_head_start + heads) * size + a) * item,
-            ((dst_pages[p] * hd + t.dst_head_start + heads) * size + a) * item,
-            np.full(n, (b - a) * item, dtype=np.int64),
-            np.full(n, p, dtype=np.int64),
-        ))
+        chunks.append(
+            (
+                ((src_pages[p] * hs + t.src_head_start + heads) * size + a) * item,
+                ((dst_pages[p] * hd + t.dst_head_start + heads) * size + a) * item,
+                np.full(n, (b - a) * item, dtype=np.int64),
+                np.full(n, p, dtype=np.int64),
+            )
+        )
     src_off = np.concatenate([c[0] for c in chunks])
     dst_off = np.concatenate([c[1] for c in chunks])
     sizes = np.concatenate([c[2] for c in chunks])

@@ -9,9 +9,10 @@ Buffers are numpy arrays, one per buffer index of a ``RankPlacement`` (K of ever
 then V of every layer), C-contiguous with exactly ``placement.buffer_nbytes(i)`` bytes.
 They are handled as bytes, so any dtype works.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -30,9 +31,7 @@ def _byte_views(place: RankPlacement, buffers: Sequence[np.ndarray], name: str) 
         if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
             raise ValueError(f"{name}[{i}] must be a C-contiguous numpy array")
         if buf.nbytes != place.buffer_nbytes(i):
-            raise ValueError(
-                f"{name}[{i}] has {buf.nbytes} bytes; the geometry needs {place.buffer_nbytes(i)}"
-            )
+            raise ValueError(f"{name}[{i}] has {buf.nbytes} bytes; the geometry needs {place.buffer_nbytes(i)}")
         out.append(buf.reshape(-1).view(np.uint8))
     return out
 
@@ -45,19 +44,26 @@ def _shaped(place: RankPlacement, flat: np.ndarray, buffer_index: int) -> np.nda
     return flat.reshape(shape)
 
 
-def _token_index(pages: np.ndarray, page_size: int, start: int, count: int):
+def _token_index(pages: np.ndarray, page_size: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     tok = np.arange(start, start + count, dtype=np.int64)
     return pages[tok // page_size], tok % page_size
 
 
-def gather_np(place: RankPlacement, buffers: Sequence[np.ndarray], pages: np.ndarray, head_start: int,
-              num_heads: int, token_start: int, num_tokens: int) -> np.ndarray:
+def gather_np(
+    place: RankPlacement,
+    buffers: Sequence[np.ndarray],
+    pages: np.ndarray,
+    head_start: int,
+    num_heads: int,
+    token_start: int,
+    num_tokens: int,
+) -> np.ndarray:
     """Staging bytes ``[layer][K|V][token][num_heads][dim]`` of the given tokens and heads."""
     views = _byte_views(place, buffers, "buffers")
     g = place.geometry
     pg, slot = _token_index(pages, g.page_size, token_start, num_tokens)
     heads = slice(head_start, head_start + num_heads)
-    blocks = []
+    blocks: list[np.ndarray] = []
     for layer in range(g.num_layers):
         for b in (layer, g.num_layers + layer)[: 2 if g.has_v else 1]:
             arr = _shaped(place, views[b], b)
@@ -68,8 +74,16 @@ def gather_np(place: RankPlacement, buffers: Sequence[np.ndarray], pages: np.nda
     return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.uint8)
 
 
-def scatter_np(place: RankPlacement, buffers: Sequence[np.ndarray], staging: np.ndarray, pages: np.ndarray,
-               head_start: int, num_heads: int, token_start: int, num_tokens: int) -> None:
+def scatter_np(
+    place: RankPlacement,
+    buffers: Sequence[np.ndarray],
+    staging: np.ndarray,
+    pages: np.ndarray,
+    head_start: int,
+    num_heads: int,
+    token_start: int,
+    num_tokens: int,
+) -> None:
     """Inverse of ``gather_np``: write staging bytes into the given tokens and heads."""
     views = _byte_views(place, buffers, "buffers")
     g = place.geometry
@@ -81,7 +95,7 @@ def scatter_np(place: RankPlacement, buffers: Sequence[np.ndarray], staging: np.
         for b in (layer, g.num_layers + layer)[: 2 if g.has_v else 1]:
             dim_bytes = g.buffer_dim(b) * g.itemsize
             size = num_tokens * num_heads * dim_bytes
-            block = staging[pos: pos + size].reshape(num_tokens, num_heads, dim_bytes)
+            block = staging[pos : pos + size].reshape(num_tokens, num_heads, dim_bytes)
             pos += size
             arr = _shaped(place, views[b], b)
             if g.layout is Layout.NHD:
@@ -99,14 +113,16 @@ def apply_plan(plan: PairPlan, src_buffers: Sequence[np.ndarray], dst_buffers: S
         dst = _byte_views(plan.dst, dst_buffers, "dst_buffers")
         for b in range(plan.src.geometry.num_buffers):
             for s, d, n in plan.buffer_ops(b):
-                dst[b][d: d + n] = src[b][s: s + n]
+                dst[b][d : d + n] = src[b][s : s + n]
         return
     if not isinstance(plan, StagedPlan):
         raise TypeError(f"plan must be a DirectPlan or StagedPlan, got {type(plan).__name__}")
     t = plan.transfer
-    staging = gather_np(plan.src, src_buffers, plan.src_pages, t.src_head_start, t.num_heads,
-                        plan.token_start, plan.num_tokens)
+    staging = gather_np(
+        plan.src, src_buffers, plan.src_pages, t.src_head_start, t.num_heads, plan.token_start, plan.num_tokens
+    )
     if staging.size != plan.staging_nbytes:
         raise AssertionError(f"gather produced {staging.size} bytes, plan says {plan.staging_nbytes}")
-    scatter_np(plan.dst, dst_buffers, staging, plan.dst_pages, t.dst_head_start, t.num_heads,
-               plan.token_start, plan.num_tokens)
+    scatter_np(
+        plan.dst, dst_buffers, staging, plan.dst_pages, t.dst_head_start, t.num_heads, plan.token_start, plan.num_tokens
+    )

@@ -5,6 +5,7 @@ tokens x heads of one paged pool that one gather or scatter touches). Both are p
 values: no I/O, no torch, no validation against a pool (``_ops_args`` does that at the
 kernel boundary; ``RequestPlan`` checks page lists once when it builds them).
 """
+
 from __future__ import annotations
 
 import enum
@@ -20,16 +21,16 @@ class DataPath(str, enum.Enum):
     """How a (writer, reader) pair moves its bytes. A ``str`` enum, so ``path == "direct"``
     and ``f"{path}"`` keep reading as the plain names (config, env, JSON, logs)."""
 
-    AUTO = "auto"            # choose per pair: direct when its ops are few or large enough
-    DIRECT = "direct"        # page runs, contiguous on both sides
-    STAGED = "staged"        # gather -> one write -> scatter through staging slots
+    AUTO = "auto"  # choose per pair: direct when its ops are few or large enough
+    DIRECT = "direct"  # page runs, contiguous on both sides
+    STAGED = "staged"  # gather -> one write -> scatter through staging slots
     PER_TOKEN = "per_token"  # one write per token and head run (SGLang's pattern; a baseline)
 
     def __str__(self) -> str:
         return self.value
 
     @classmethod
-    def parse(cls, value: Any) -> "DataPath":
+    def parse(cls, value: Any) -> DataPath:
         """``DataPath`` from a name (None: ``auto``); a bad name is a ``ValueError`` listing them."""
         if isinstance(value, DataPath):
             return value
@@ -59,6 +60,12 @@ class KVSlice:
 
     def op_kwargs(self) -> dict[str, Any]:
         """The keyword form of the ops (``page_ids=...``, ``page_size=...``, ...)."""
-        return {"page_ids": self.pages, "page_size": self.page_size, "head_start": self.head_start,
-                "num_heads": self.num_heads, "layout": self.layout, "token_offset": self.token_offset,
-                "num_tokens": self.num_tokens}
+        return {
+            "page_ids": self.pages,
+            "page_size": self.page_size,
+            "head_start": self.head_start,
+            "num_heads": self.num_heads,
+            "layout": self.layout,
+            "token_offset": self.token_offset,
+            "num_tokens": self.num_tokens,
+        }

@@ -9,6 +9,7 @@ list, a direct op list costs the pages of the range. ``plan_pair`` (``byteplan.p
 the one-shot form of the same planning.
 Must not: do I/O, import torch, or re-check pages it already holds.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,6 +31,7 @@ from sglang_kvxfer.planning.byteplan import (
     _plan_range,
     _resolve_num_tokens,
     _resolve_range,
+    _v_head_dim,
     side_slice,
     staged_op_count,
 )
@@ -60,9 +62,18 @@ class RequestPlan:
     token_nbytes: int
 
     @classmethod
-    def build(cls, transfer: HeadTransfer, src: RankPlacement, dst: RankPlacement, src_pages: Any,
-              dst_pages: Any, *, num_tokens: int, path: DataPath | str | None = DataPath.AUTO,
-              direct_min_op_bytes: int = DIRECT_MIN_OP_BYTES) -> "RequestPlan":
+    def build(
+        cls,
+        transfer: HeadTransfer,
+        src: RankPlacement,
+        dst: RankPlacement,
+        src_pages: Any,
+        dst_pages: Any,
+        *,
+        num_tokens: int,
+        path: DataPath | str | None = DataPath.AUTO,
+        direct_min_op_bytes: int = DIRECT_MIN_OP_BYTES,
+    ) -> RequestPlan:
         """Check the pair and both page lists and resolve the path.
 
         ``auto`` applies ``plan_pair``'s rule to the tokens the page lists cover now (the
@@ -83,14 +94,22 @@ class RequestPlan:
             resolved, reason = DataPath.PER_TOKEN, "one op per token (SGLang's pattern; benchmark baseline)"
         else:
             covered = min(total, len(src_arr) * gs.page_size, len(dst_arr) * gd.page_size)
-            pair = _plan_range(transfer, src, dst, src_arr, dst_arr, 0, covered, choice,
-                               direct_min_op_bytes, compat)
+            pair = _plan_range(transfer, src, dst, src_arr, dst_arr, 0, covered, choice, direct_min_op_bytes, compat)
             resolved, reason = pair.path, pair.reason
-        token_nbytes = gs.num_layers * transfer.num_heads * (gs.head_dim + gs.v_head_dim) * gs.itemsize
-        return cls(transfer=transfer, src=src, dst=dst, num_tokens=total, path=resolved, reason=reason,
-                   src_pages=src_arr, dst_pages=dst_arr, token_nbytes=token_nbytes)
+        token_nbytes = gs.num_layers * transfer.num_heads * (gs.head_dim + _v_head_dim(gs)) * gs.itemsize
+        return cls(
+            transfer=transfer,
+            src=src,
+            dst=dst,
+            num_tokens=total,
+            path=resolved,
+            reason=reason,
+            src_pages=src_arr,
+            dst_pages=dst_arr,
+            token_nbytes=token_nbytes,
+        )
 
-    def extend(self, pages: Any) -> "RequestPlan":
+    def extend(self, pages: Any) -> RequestPlan:
         """This plan with the writer's next ``pages`` appended (only they are checked)."""
         gs = self.src.geometry
         new = np.asarray(pages)
@@ -100,12 +119,15 @@ class RequestPlan:
         bad = np.flatnonzero((new < 0) | (new >= gs.num_pages))
         if bad.size:
             i = int(bad[0])
-            raise PlanError(f"src_pages[{len(self.src_pages) + i}]={int(new[i])} is outside the pool's "
-                            f"pages [0, {gs.num_pages})")
+            raise PlanError(
+                f"src_pages[{len(self.src_pages) + i}]={int(new[i])} is outside the pool's pages [0, {gs.num_pages})"
+            )
         need = _pages_needed(self.num_tokens, gs.page_size)
         if len(self.src_pages) + new.size > need:
-            raise PlanError(f"prefill page list has {len(self.src_pages) + new.size} page(s) but "
-                            f"{self.num_tokens} tokens at page_size {gs.page_size} need at most {need}")
+            raise PlanError(
+                f"prefill page list has {len(self.src_pages) + new.size} page(s) but "
+                f"{self.num_tokens} tokens at page_size {gs.page_size} need at most {need}"
+            )
         merged = np.concatenate([self.src_pages, new])
         merged.setflags(write=False)
         return dataclasses.replace(self, src_pages=merged)
@@ -125,21 +147,18 @@ class RequestPlan:
 
     def _range(self, start: int, stop: int) -> tuple[int, int]:
         start, stop = _resolve_range(start, stop, self.num_tokens)
-        _check_coverage(self.src_pages, self.dst_pages, self.src.geometry.page_size,
-                        self.dst.geometry.page_size, stop)
+        _check_coverage(self.src_pages, self.dst_pages, self.src.geometry.page_size, self.dst.geometry.page_size, stop)
         return start, stop
 
     def gather_slice(self, start: int, stop: int) -> KVSlice:
         """Tokens ``[start, stop)`` of the writer's pool, for ``ops.gather_kv_heads``."""
         start, stop = self._range(start, stop)
-        return side_slice(self.src, self.src_pages, self.transfer.src_head_start, self.transfer.num_heads,
-                          start, stop)
+        return side_slice(self.src, self.src_pages, self.transfer.src_head_start, self.transfer.num_heads, start, stop)
 
     def scatter_slice(self, start: int, stop: int) -> KVSlice:
         """Tokens ``[start, stop)`` of the reader's pool, for ``ops.scatter_kv_heads``."""
         start, stop = self._range(start, stop)
-        return side_slice(self.dst, self.dst_pages, self.transfer.dst_head_start, self.transfer.num_heads,
-                          start, stop)
+        return side_slice(self.dst, self.dst_pages, self.transfer.dst_head_start, self.transfer.num_heads, start, stop)
 
     def direct(self, start: int, stop: int) -> DirectPlan:
         """The direct (or per-token) ops of tokens ``[start, stop)``; the pages are not re-checked.
@@ -148,9 +167,28 @@ class RequestPlan:
             PlanError: the plan is staged, or the range is outside the request or the pages.
         """
         if self.path is DataPath.STAGED:
-            raise PlanError(f"the plan of prefill rank {self.transfer.prefill_rank} -> decode rank "
-                            f"{self.transfer.decode_rank} is staged ({self.reason}), not direct")
+            raise PlanError(
+                f"the plan of prefill rank {self.transfer.prefill_rank} -> decode rank "
+                f"{self.transfer.decode_rank} is staged ({self.reason}), not direct"
+            )
         start, stop = self._range(start, stop)
         compat = check_compatible(self.src.geometry, self.dst.geometry)
-        return _plan_range(self.transfer, self.src, self.dst, self.src_pages, self.dst_pages, start, stop,
-                           self.path, DIRECT_MIN_OP_BYTES, compat)
+        plan = _plan_range(
+            self.transfer,
+            self.src,
+            self.dst,
+            self.src_pages,
+            self.dst_pages,
+            start,
+            stop,
+            self.path,
+            DIRECT_MIN_OP_BYTES,
+            compat,
+        )
+        if not isinstance(plan, DirectPlan):
+            # Contiguity depends only on the two geometries, which `build` found contiguous.
+            raise PlanError(
+                f"tokens [{start}, {stop}) of prefill rank {self.transfer.prefill_rank} -> decode "
+                f"rank {self.transfer.decode_rank} are not contiguous ({plan.reason})"
+            )
+        return plan

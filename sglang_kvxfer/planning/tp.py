@@ -12,9 +12,12 @@ some salt; the engine exchanges per-request metadata along exactly those pairs.
 
 No I/O, no numpy, no torch here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import groupby
+from typing import Any
 
 from sglang_kvxfer.geometry import owned_heads, validate_tp
 
@@ -60,8 +63,9 @@ class TPPlan:
     mla: bool
     salt: int
     transfers: tuple[HeadTransfer, ...]
-    _by_decode: dict[int, tuple[HeadTransfer, ...]] = field(repr=False, compare=False, default=None)
-    _by_prefill: dict[int, tuple[HeadTransfer, ...]] = field(repr=False, compare=False, default=None)
+    # Indexes built by __post_init__ (not constructor arguments).
+    _by_decode: dict[int, tuple[HeadTransfer, ...]] = field(init=False, repr=False, compare=False)
+    _by_prefill: dict[int, tuple[HeadTransfer, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         by_d: dict[int, list[HeadTransfer]] = {d: [] for d in range(self.decode_tp)}
@@ -94,7 +98,7 @@ class TPPlan:
             raise ValueError(f"{name}={rank!r} must be in [0, {size})")
         return rank
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "total_kv_heads": self.total_kv_heads,
             "prefill_tp": self.prefill_tp,
@@ -104,26 +108,26 @@ class TPPlan:
         }
 
 
-def candidate_prefill_ranks(total_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int,
-                            mla: bool = False) -> tuple[int, ...]:
+def candidate_prefill_ranks(
+    total_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int, mla: bool = False
+) -> tuple[int, ...]:
     """Prefill ranks that may write to ``decode_rank`` for some request (election candidates)."""
     validate_tp(total_kv_heads, prefill_tp, mla, "prefill")
     mine = owned_heads(total_kv_heads, decode_tp, decode_rank, mla)
     if mla:
         return _mla_candidates(prefill_tp, decode_tp, decode_rank)
-    return tuple(
-        p for p in range(prefill_tp)
-        if _overlap(owned_heads(total_kv_heads, prefill_tp, p), mine)
-    )
+    return tuple(p for p in range(prefill_tp) if _overlap(owned_heads(total_kv_heads, prefill_tp, p), mine))
 
 
-def candidate_decode_ranks(total_kv_heads: int, prefill_tp: int, decode_tp: int, prefill_rank: int,
-                           mla: bool = False) -> tuple[int, ...]:
+def candidate_decode_ranks(
+    total_kv_heads: int, prefill_tp: int, decode_tp: int, prefill_rank: int, mla: bool = False
+) -> tuple[int, ...]:
     """Decode ranks ``prefill_rank`` may write to for some request."""
     validate_tp(total_kv_heads, decode_tp, mla, "decode")
     owned_heads(total_kv_heads, prefill_tp, prefill_rank, mla)  # validates rank and size
     return tuple(
-        d for d in range(decode_tp)
+        d
+        for d in range(decode_tp)
         if prefill_rank in candidate_prefill_ranks(total_kv_heads, prefill_tp, decode_tp, d, mla)
     )
 
@@ -140,8 +144,7 @@ def _overlap(a: range, b: range) -> bool:
     return max(a.start, b.start) < min(a.stop, b.stop)
 
 
-def plan_tp(total_kv_heads: int, prefill_tp: int, decode_tp: int, mla: bool = False,
-            salt: int = 0) -> TPPlan:
+def plan_tp(total_kv_heads: int, prefill_tp: int, decode_tp: int, mla: bool = False, salt: int = 0) -> TPPlan:
     """Build the TP slice plan for one request.
 
     Args:
@@ -168,8 +171,7 @@ def plan_tp(total_kv_heads: int, prefill_tp: int, decode_tp: int, mla: bool = Fa
     return TPPlan(total_kv_heads, prefill_tp, decode_tp, mla, salt, tuple(transfers))
 
 
-def _elect(total_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int, head: int,
-           salt: int) -> int:
+def _elect(total_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int, head: int, salt: int) -> int:
     """The prefill rank that writes global ``head`` to ``decode_rank``."""
     if prefill_tp <= total_kv_heads:
         return head // (total_kv_heads // prefill_tp)
@@ -183,28 +185,25 @@ def _elect(total_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: in
     return head * replicas + (k + salt) % replicas
 
 
-def _mha_writers(total_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int,
-                 salt: int) -> list[HeadTransfer]:
+def _mha_writers(
+    total_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int, salt: int
+) -> list[HeadTransfer]:
     mine = owned_heads(total_kv_heads, decode_tp, decode_rank)
     out: list[HeadTransfer] = []
-    run_start = None
-    run_writer = None
-    for h in list(mine) + [None]:
-        writer = None if h is None else _elect(total_kv_heads, prefill_tp, decode_tp, decode_rank, h, salt)
-        if run_writer is not None and writer != run_writer:
-            src = owned_heads(total_kv_heads, prefill_tp, run_writer)
-            stop = h if h is not None else mine.stop
-            out.append(HeadTransfer(
-                prefill_rank=run_writer,
+    # One transfer per run of consecutive heads elected to the same writer.
+    runs = groupby(mine, key=lambda h: _elect(total_kv_heads, prefill_tp, decode_tp, decode_rank, h, salt))
+    for writer, heads in runs:
+        run = list(heads)
+        run_start, stop = run[0], run[-1] + 1
+        src = owned_heads(total_kv_heads, prefill_tp, writer)
+        out.append(
+            HeadTransfer(
+                prefill_rank=writer,
                 decode_rank=decode_rank,
                 src_head_start=run_start - src.start,
                 dst_head_start=run_start - mine.start,
                 num_heads=stop - run_start,
                 global_head_start=run_start,
-            ))
-            run_start = None
-        if writer is not None and run_start is None:
-            run_start, run_writer = h, writer
-        elif writer is None:
-            run_writer = None
+            )
+        )
     return out

@@ -25,6 +25,7 @@ Errors say whose fault it is: ``LocalProtocolError`` (this process built or used
 wrongly) vs ``RemoteProtocolError`` (the peer sent a malformed frame); both are
 ``ProtocolError`` from ``sglang_kvxfer.errors``.
 """
+
 from __future__ import annotations
 
 from sglang_kvxfer.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
@@ -74,18 +75,49 @@ from sglang_kvxfer.protocol.state import (
 
 __all__ = [
     # codec
-    "encode", "decode", "PROTOCOL_VERSION",
+    "encode",
+    "decode",
+    "PROTOCOL_VERSION",
     # messages
-    "Message", "MESSAGE_TYPES", "PrefillRegister", "BootstrapQuery", "BootstrapReply",
-    "PrefillRankInfo", "DecodeRegister", "RegisterReply", "RequestMeta", "ChunkReady", "ChunkAck",
-    "TransferDone", "TransferFailed", "Abort", "Heartbeat", "Side",
+    "Message",
+    "MESSAGE_TYPES",
+    "PrefillRegister",
+    "BootstrapQuery",
+    "BootstrapReply",
+    "PrefillRankInfo",
+    "DecodeRegister",
+    "RegisterReply",
+    "RequestMeta",
+    "ChunkReady",
+    "ChunkAck",
+    "TransferDone",
+    "TransferFailed",
+    "Abort",
+    "Heartbeat",
+    "Side",
     # state machine
-    "KVPoll", "Event", "Deadlines", "RequestState", "PREFILL_TRANSITIONS",
-    "DECODE_TRANSITIONS", "TRANSITIONS", "describe_transitions",
+    "KVPoll",
+    "Event",
+    "Deadlines",
+    "RequestState",
+    "PREFILL_TRANSITIONS",
+    "DECODE_TRANSITIONS",
+    "TRANSITIONS",
+    "describe_transitions",
     # errors
-    "ProtocolError", "LocalProtocolError", "RemoteProtocolError",
+    "ProtocolError",
+    "LocalProtocolError",
+    "RemoteProtocolError",
     # limits
-    "MAX_FRAME_BYTES", "MAX_NAME_CHARS", "MAX_ENDPOINT_CHARS", "MAX_REASON_CHARS",
-    "MAX_TP_SIZE", "MAX_PAGE_IDS", "MAX_AUX_PAYLOAD_BYTES", "MAX_AGENT_DESCRIPTOR_BYTES",
-    "MAX_REGION_DESCRIPTOR_BYTES", "MAX_KV_REGIONS", "MAX_TIMINGS",
+    "MAX_FRAME_BYTES",
+    "MAX_NAME_CHARS",
+    "MAX_ENDPOINT_CHARS",
+    "MAX_REASON_CHARS",
+    "MAX_TP_SIZE",
+    "MAX_PAGE_IDS",
+    "MAX_AUX_PAYLOAD_BYTES",
+    "MAX_AGENT_DESCRIPTOR_BYTES",
+    "MAX_REGION_DESCRIPTOR_BYTES",
+    "MAX_KV_REGIONS",
+    "MAX_TIMINGS",
 ]

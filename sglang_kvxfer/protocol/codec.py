@@ -12,6 +12,7 @@ hard limits, so a hostile frame cannot make it allocate more than a bounded amou
 
 Must not: open sockets, start threads, import zmq or torch.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -72,16 +73,11 @@ def encode(message: Message) -> bytes:
             exceed ``MAX_FRAME_BYTES`` (the peer would refuse it).
     """
     if not isinstance(message, Message):
-        raise LocalProtocolError(
-            f"encode() takes a protocol message, got {type(message).__name__} {short(message)}"
-        )
-    frame = msgpack.packb(
-        [PROTOCOL_VERSION, type(message).__name__, message.to_wire()], use_bin_type=True
-    )
+        raise LocalProtocolError(f"encode() takes a protocol message, got {type(message).__name__} {short(message)}")
+    frame = msgpack.packb([PROTOCOL_VERSION, type(message).__name__, message.to_wire()], use_bin_type=True)
     if len(frame) > MAX_FRAME_BYTES:
         raise LocalProtocolError(
-            f"{type(message).__name__} encodes to {len(frame)} bytes, over MAX_FRAME_BYTES="
-            f"{MAX_FRAME_BYTES}"
+            f"{type(message).__name__} encodes to {len(frame)} bytes, over MAX_FRAME_BYTES={MAX_FRAME_BYTES}"
         )
     return frame
 
@@ -103,8 +99,12 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         raise RemoteProtocolError(f"frame of {nbytes} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
     try:
         obj = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, use_list=True,
-            object_pairs_hook=_unique_keys, **_UNPACK_LIMITS,
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            object_pairs_hook=_unique_keys,
+            **_UNPACK_LIMITS,
         )
     except _DuplicateKey as exc:
         raise RemoteProtocolError(f"malformed frame: {exc}") from None
@@ -121,14 +121,10 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
 def _open_envelope(obj: Any) -> tuple[type[Message], dict]:
     if not isinstance(obj, list) or len(obj) != 3:
         got = f"a list of {len(obj)}" if isinstance(obj, list) else type(obj).__name__
-        raise RemoteProtocolError(
-            f"frame must be a msgpack array [version, type, fields], got {got}"
-        )
+        raise RemoteProtocolError(f"frame must be a msgpack array [version, type, fields], got {got}")
     version, tag, fields = obj
     if isinstance(version, bool) or not isinstance(version, int):
-        raise RemoteProtocolError(
-            f"frame version must be an integer, got {type(version).__name__} {short(version)}"
-        )
+        raise RemoteProtocolError(f"frame version must be an integer, got {type(version).__name__} {short(version)}")
     if version != PROTOCOL_VERSION:
         raise RemoteProtocolError(
             f"peer speaks protocol version {short(version)}, this engine speaks "
@@ -138,11 +134,7 @@ def _open_envelope(obj: Any) -> tuple[type[Message], dict]:
         raise RemoteProtocolError(f"frame type must be a str, got {type(tag).__name__} {short(tag)}")
     cls = MESSAGE_TYPES.get(tag)
     if cls is None:
-        raise RemoteProtocolError(
-            f"unknown message type {short(tag)} (known: {', '.join(sorted(MESSAGE_TYPES))})"
-        )
+        raise RemoteProtocolError(f"unknown message type {short(tag)} (known: {', '.join(sorted(MESSAGE_TYPES))})")
     if not isinstance(fields, dict):
-        raise RemoteProtocolError(
-            f"{tag} fields must be a msgpack map, got {type(fields).__name__} {short(fields)}"
-        )
+        raise RemoteProtocolError(f"{tag} fields must be a msgpack map, got {type(fields).__name__} {short(fields)}")
     return cls, fields

@@ -15,6 +15,7 @@ all zeros and is not checked, but the sender and sequence are still carried and 
 Must not: open sockets, start threads, read files or the environment. Clocks come in as
 arguments.
 """
+
 from __future__ import annotations
 
 import collections
@@ -25,8 +26,16 @@ import struct
 
 from sglang_kvxfer.errors import AuthenticationError, LocalProtocolError
 
-__all__ = ["seal", "open_frame", "SequenceGuard", "FreshnessGuard", "fresh_seq", "peer_secret",
-           "MAGIC", "OVERHEAD_BYTES"]
+__all__ = [
+    "seal",
+    "open_frame",
+    "SequenceGuard",
+    "FreshnessGuard",
+    "fresh_seq",
+    "peer_secret",
+    "MAGIC",
+    "OVERHEAD_BYTES",
+]
 
 MAGIC = b"KXA1"
 DOMAIN = b"sglang_kvxfer control v1\x00"
@@ -64,20 +73,23 @@ def open_frame(key: bytes, data, destination: str = "") -> tuple[str, int, memor
     """
     view = memoryview(data).cast("B")
     if view.nbytes < _HEAD.size or bytes(view[:4]) != MAGIC:
-        raise AuthenticationError("frame is not an authenticated envelope (another engine "
-                                  "version, or not from sglang_kvxfer)")
+        raise AuthenticationError(
+            "frame is not an authenticated envelope (another engine version, or not from sglang_kvxfer)"
+        )
     _, tag, seq, n = _HEAD.unpack_from(view)
     if n == 0 or n > MAX_SENDER or view.nbytes < _HEAD.size + n:
         raise AuthenticationError("envelope has a malformed sender field")
     body = view[36:]
     if key and not hmac.compare_digest(tag, _mac(key, destination.encode(), body)):
-        raise AuthenticationError("tag does not verify: the sender uses another key "
-                                  "(KVXFER_AUTH_KEY) or KVXFER_AUTH=off, or the frame was altered")
+        raise AuthenticationError(
+            "tag does not verify: the sender uses another key "
+            "(KVXFER_AUTH_KEY) or KVXFER_AUTH=off, or the frame was altered"
+        )
     try:
-        sender = bytes(view[_HEAD.size:_HEAD.size + n]).decode("ascii")
+        sender = bytes(view[_HEAD.size : _HEAD.size + n]).decode("ascii")
     except UnicodeDecodeError:
         raise AuthenticationError("envelope sender is not ASCII") from None
-    return sender, seq, view[_HEAD.size + n:]
+    return sender, seq, view[_HEAD.size + n :]
 
 
 class SequenceGuard:
@@ -124,8 +136,10 @@ class FreshnessGuard:
             del self._seen[key]
         sent = (seq >> 12) / 1e6
         if abs(now_unix_s - sent) > self.window_s:
-            return (f"its time stamp is {now_unix_s - sent:+.0f} s away from this clock (window "
-                    f"{self.window_s:.0f} s): a replay, or clocks out of sync")
+            return (
+                f"its time stamp is {now_unix_s - sent:+.0f} s away from this clock (window "
+                f"{self.window_s:.0f} s): a replay, or clocks out of sync"
+            )
         if (sender, seq) in self._seen:
             return "it is a replay of a frame already accepted"
         if len(self._seen) >= self._capacity:

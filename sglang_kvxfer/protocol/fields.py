@@ -16,10 +16,10 @@ Rules:
    depth- and length-bounded.
 3. No sockets, threads, clocks, zmq or torch. numpy only for page ids.
 """
+
 from __future__ import annotations
 
 import abc
-
 import enum
 import functools
 import math
@@ -27,8 +27,9 @@ import re
 import reprlib
 import types
 import typing
-from dataclasses import dataclass
-from typing import Any, Mapping
+from collections.abc import Mapping
+from dataclasses import Field, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -36,27 +37,40 @@ from sglang_kvxfer.errors import GeometryError, LocalProtocolError
 from sglang_kvxfer.geometry import KVGeometry
 
 __all__ = [
-    "PROTOCOL_VERSION", "MAX_FRAME_BYTES", "MAX_NAME_CHARS", "MAX_ENDPOINT_CHARS",
-    "MAX_REASON_CHARS", "MAX_TP_SIZE", "MAX_PAGE_IDS", "MAX_AUX_PAYLOAD_BYTES",
-    "MAX_AGENT_DESCRIPTOR_BYTES", "MAX_REGION_DESCRIPTOR_BYTES", "MAX_KV_REGIONS",
-    "MAX_TIMINGS", "Side", "Kind", "Record", "record", "short",
+    "PROTOCOL_VERSION",
+    "MAX_FRAME_BYTES",
+    "MAX_NAME_CHARS",
+    "MAX_ENDPOINT_CHARS",
+    "MAX_REASON_CHARS",
+    "MAX_TP_SIZE",
+    "MAX_PAGE_IDS",
+    "MAX_AUX_PAYLOAD_BYTES",
+    "MAX_AGENT_DESCRIPTOR_BYTES",
+    "MAX_REGION_DESCRIPTOR_BYTES",
+    "MAX_KV_REGIONS",
+    "MAX_TIMINGS",
+    "Side",
+    "Kind",
+    "Record",
+    "record",
+    "short",
 ]
 
 # -- limits --------------------------------------------------------------------------------
 # Bump PROTOCOL_VERSION on any change of a message's fields or their meaning; peers with a
 # different version are rejected at the first frame with a message saying so.
 PROTOCOL_VERSION = 1
-MAX_FRAME_BYTES = 64 * 1024 * 1024          # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
-MAX_NAME_CHARS = 64                         # session ids, engine version, transport name
-MAX_ENDPOINT_CHARS = 256                    # "tcp://host:port"
-MAX_REASON_CHARS = 4096                     # failure / abort reasons (local ones are cut)
+MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
+MAX_NAME_CHARS = 64  # session ids, engine version, transport name
+MAX_ENDPOINT_CHARS = 256  # "tcp://host:port"
+MAX_REASON_CHARS = 4096  # failure / abort reasons (local ones are cut)
 MAX_TP_SIZE = 1024
-MAX_PAGE_IDS = 1 << 21                      # destination pages of one request (8 MiB on the wire)
-MAX_AUX_PAYLOAD_BYTES = 1024 * 1024         # first token id + small metadata blob
+MAX_PAGE_IDS = 1 << 21  # destination pages of one request (8 MiB on the wire)
+MAX_AUX_PAYLOAD_BYTES = 1024 * 1024  # first token id + small metadata blob
 MAX_AGENT_DESCRIPTOR_BYTES = 4 * 1024 * 1024  # a transport agent's connection info (NIXL: KBs)
-MAX_REGION_DESCRIPTOR_BYTES = 16 * 1024     # one registered memory region
-MAX_KV_REGIONS = 8192                       # KV buffers of one rank (2 * layers, draft layers)
-MAX_TIMINGS = 32                            # entries of TransferDone.timings
+MAX_REGION_DESCRIPTOR_BYTES = 16 * 1024  # one registered memory region
+MAX_KV_REGIONS = 8192  # KV buffers of one rank (2 * layers, draft layers)
+MAX_TIMINGS = 32  # entries of TransferDone.timings
 # A staged pair's window (RequestMeta.staging_capacity_bytes) is this many equal slots: the
 # writer fills one while the reader scatters the other (ChunkReady / ChunkAck).
 STAGING_SLOTS = 2
@@ -153,7 +167,7 @@ class Flag(Kind):
         return value
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(pattern: str) -> re.Pattern:
     return re.compile(pattern)
 
@@ -422,6 +436,8 @@ class Record:
 
     __slots__ = ()
     _kinds: typing.ClassVar[dict[str, Kind]] = {}
+    # Declared only (no value, so dataclass() does not see a base field): ``@record`` sets it.
+    __dataclass_fields__: typing.ClassVar[dict[str, Field[Any]]]
 
     def __post_init__(self) -> None:
         where = type(self).__name__
@@ -487,11 +503,12 @@ class Record:
         return f"{type(self).__name__}({parts})"
 
 
-_R = typing.TypeVar("_R")
+_R = typing.TypeVar("_R", bound=Record)
 
 if typing.TYPE_CHECKING:
     from typing_extensions import dataclass_transform
 else:
+
     def dataclass_transform(**_kwargs):  # only type checkers need it (PEP 681)
         return lambda fn: fn
 
@@ -508,5 +525,5 @@ def record(cls: type[_R]) -> type[_R]:
         if len(found) != 1:
             raise TypeError(f"{cls.__name__}.{name} needs exactly one Kind in its Annotated type")
         kinds[name] = found[0]
-    cls._kinds = kinds  # type: ignore[attr-defined]
+    cls._kinds = kinds
     return cls

@@ -7,10 +7,12 @@ and the value. The codec (``codec.py``) is the only place that turns these into 
 
 Must not: open sockets, start threads, read clocks, import zmq or torch.
 """
+
 from __future__ import annotations
 
 import typing
-from typing import Annotated, Mapping, Optional
+from collections.abc import Mapping
+from typing import Annotated
 
 import numpy as np
 
@@ -47,50 +49,54 @@ from sglang_kvxfer.protocol.fields import (
 )
 
 __all__ = [
-    "Message", "MESSAGE_TYPES", "PrefillRankInfo",
-    "PrefillRegister", "BootstrapQuery", "BootstrapReply", "DecodeRegister", "RegisterReply",
-    "RequestMeta", "ChunkReady", "ChunkAck", "TransferDone", "TransferFailed", "Abort", "Heartbeat",
+    "Message",
+    "MESSAGE_TYPES",
+    "PrefillRankInfo",
+    "PrefillRegister",
+    "BootstrapQuery",
+    "BootstrapReply",
+    "DecodeRegister",
+    "RegisterReply",
+    "RequestMeta",
+    "ChunkReady",
+    "ChunkAck",
+    "TransferDone",
+    "TransferFailed",
+    "Abort",
+    "Heartbeat",
 ]
 
 # -- field types (name: Annotated[python type, how it is checked]) -------------------------
-Room = Annotated[int, Int(0, UINT64_MAX)]          # SGLang's bootstrap_room
+Room = Annotated[int, Int(0, UINT64_MAX)]  # SGLang's bootstrap_room
 TpSize = Annotated[int, Int(1, MAX_TP_SIZE)]
 TpRank = Annotated[int, Int(0, MAX_TP_SIZE - 1)]
-Count = Annotated[int, Int(0, INT64_MAX)]          # num_* and *_bytes
+Count = Annotated[int, Int(0, INT64_MAX)]  # num_* and *_bytes
 Positive = Annotated[int, Int(1, INT64_MAX)]
 OffsetOrNone = Annotated[int, Int(-1, INT64_MAX)]  # -1: not used
-SlotOrNone = Annotated[int, Int(-1, INT32_MAX)]    # -1: no aux slot
+SlotOrNone = Annotated[int, Int(-1, INT32_MAX)]  # -1: no aux slot
 Seq = Annotated[int, Int(0, UINT64_MAX)]
 Seconds = Annotated[float, Number(0.0)]
 Bool = Annotated[bool, Flag()]
 SideField = Annotated[Side, SideKind()]
-Name = Annotated[
-    str, Text(MAX_NAME_CHARS, r"[!-~]+", "1 or more printable ASCII chars, no space")
-]
+Name = Annotated[str, Text(MAX_NAME_CHARS, r"[!-~]+", "1 or more printable ASCII chars, no space")]
 SessionId = Name
-TransportName = Annotated[
-    str, Text(32, r"[a-z][a-z0-9_]*", "a transport name like 'tcp' or 'mori'")
-]
-Endpoint = Annotated[
-    str, Text(MAX_ENDPOINT_CHARS, r"(tcp|ipc|inproc)://\S+", "a ZMQ endpoint like 'tcp://host:port'")
-]
+TransportName = Annotated[str, Text(32, r"[a-z][a-z0-9_]*", "a transport name like 'tcp' or 'mori'")]
+Endpoint = Annotated[str, Text(MAX_ENDPOINT_CHARS, r"(tcp|ipc|inproc)://\S+", "a ZMQ endpoint like 'tcp://host:port'")]
 Reason = Annotated[str, Text(MAX_REASON_CHARS, r"(?s).*\S.*", "a non-empty reason", cut=True)]
 ErrorText = Annotated[str, Text(MAX_REASON_CHARS, cut=True)]
 GeometryField = Annotated[KVGeometry, Geometry()]
-MaybeGeometry = Annotated[Optional[KVGeometry], Maybe(Geometry())]
+MaybeGeometry = Annotated[KVGeometry | None, Maybe(Geometry())]
 PageIdArray = Annotated[np.ndarray, PageIds()]
 AgentDescriptor = Annotated[bytes, Blob(MAX_AGENT_DESCRIPTOR_BYTES, min_bytes=1)]
 RegionDescriptor = Blob(MAX_REGION_DESCRIPTOR_BYTES, min_bytes=1)
 KVRegions = Annotated[tuple[bytes, ...], ListOf(RegionDescriptor, MAX_KV_REGIONS, min_items=1)]
 # (region index, byte offset) of each KV buffer, K_0..K_{L-1} then V_0..V_{L-1}
 BufferLocs = Annotated[tuple, ListOf(ListOf(Int(0, INT64_MAX), 2, min_items=2), MAX_KV_REGIONS, min_items=1)]
-MaybeRegion = Annotated[Optional[bytes], Maybe(RegionDescriptor)]
+MaybeRegion = Annotated[bytes | None, Maybe(RegionDescriptor)]
 AuxPayload = Annotated[bytes, Blob(MAX_AUX_PAYLOAD_BYTES)]
-PhaseTimings = Annotated[
-    Mapping[str, float], Timings(MAX_TIMINGS, Text(MAX_NAME_CHARS, r"[!-~]+", "a phase name"))
-]
+PhaseTimings = Annotated[Mapping[str, float], Timings(MAX_TIMINGS, Text(MAX_NAME_CHARS, r"[!-~]+", "a phase name"))]
 
-MESSAGE_TYPES: dict[str, type["Message"]] = {}
+MESSAGE_TYPES: dict[str, type[Message]] = {}
 
 
 class Message(Record):
@@ -126,7 +132,7 @@ class PrefillRegister(Message):
     session: SessionId
     tp_size: TpSize
     tp_rank: TpRank
-    endpoint: Endpoint        # the rank's PULL inbox
+    endpoint: Endpoint  # the rank's PULL inbox
     geometry: GeometryField
     transport: TransportName
 
@@ -138,7 +144,7 @@ class PrefillRegister(Message):
 class BootstrapQuery(Message):
     """Decode rank -> bootstrap: where are the prefill ranks? (request/reply)."""
 
-    session: SessionId        # the asking decode process
+    session: SessionId  # the asking decode process
     tp_rank: TpRank
 
 
@@ -158,7 +164,7 @@ class BootstrapReply(Message):
     says why (e.g. "2 of 4 prefill ranks registered"), other fields hold what is known."""
 
     ready: Bool
-    tp_size: Annotated[int, Int(0, MAX_TP_SIZE)]   # 0: not known yet
+    tp_size: Annotated[int, Int(0, MAX_TP_SIZE)]  # 0: not known yet
     geometry: MaybeGeometry
     transport: Annotated[str, Text(32)]
     ranks: Annotated[tuple[PrefillRankInfo, ...], ListOf(Nested(PrefillRankInfo), MAX_TP_SIZE)]
@@ -207,12 +213,16 @@ class DecodeRegister(Message):
     def _validate(self) -> None:
         _rank_below_size(self)
         if len(self.kv_buffer_locs) != self.geometry.num_buffers:
-            self._bad("kv_buffer_locs", f"has {len(self.kv_buffer_locs)} entries; the geometry has "
-                                        f"{self.geometry.num_buffers} KV buffers")
+            self._bad(
+                "kv_buffer_locs",
+                f"has {len(self.kv_buffer_locs)} entries; the geometry has {self.geometry.num_buffers} KV buffers",
+            )
         for i, (region, _) in enumerate(self.kv_buffer_locs):
             if region >= len(self.kv_regions):
-                self._bad(f"kv_buffer_locs[{i}]", f"names region {region}; only "
-                                                  f"{len(self.kv_regions)} region(s) are registered")
+                self._bad(
+                    f"kv_buffer_locs[{i}]",
+                    f"names region {region}; only {len(self.kv_regions)} region(s) are registered",
+                )
 
 
 @message
@@ -220,7 +230,7 @@ class RegisterReply(Message):
     """Prefill -> decode, answering ``DecodeRegister``. ``ok=False``: ``error`` says which
     geometry field differs, with both values. ``geometry`` lets decode check as well."""
 
-    session: SessionId        # the prefill process
+    session: SessionId  # the prefill process
     tp_rank: TpRank
     ok: Bool
     error: ErrorText
@@ -245,7 +255,7 @@ class RequestMeta(Message):
     """
 
     room: Room
-    session: SessionId        # the decode process
+    session: SessionId  # the decode process
     tp_rank: TpRank
     tp_size: TpSize
     num_tokens: Count
@@ -272,7 +282,7 @@ class ChunkReady(Message):
     ``token_start`` sits at ``staging_offset`` in the pair's staging window."""
 
     room: Room
-    tp_rank: TpRank           # the writing prefill rank
+    tp_rank: TpRank  # the writing prefill rank
     token_start: Count
     num_tokens: Positive
     staging_offset: Count
@@ -285,7 +295,7 @@ class ChunkAck(Message):
     so the writer may reuse that staging slot (flow control for the two-slot window)."""
 
     room: Room
-    tp_rank: TpRank           # the decode rank
+    tp_rank: TpRank  # the decode rank
     staging_offset: Count
 
 
@@ -297,8 +307,8 @@ class TransferDone(Message):
     tp_rank: TpRank
     total_bytes: Count
     num_ops: Count
-    aux_payload: AuxPayload   # e.g. first output token id + a small metadata blob
-    timings: PhaseTimings     # phase -> seconds, read-only; plus the window ages of metrics.py
+    aux_payload: AuxPayload  # e.g. first output token id + a small metadata blob
+    timings: PhaseTimings  # phase -> seconds, read-only; plus the window ages of metrics.py
 
 
 @message

@@ -19,20 +19,27 @@ Every live state has a deadline (``Deadlines``); ``check_deadline(now)`` fails a
 request. Transferring's deadline restarts on each sign of progress (a chunk, a writer
 done), so it bounds time *without progress*, not the length of a long prompt's transfer.
 """
+
 from __future__ import annotations
 
 import enum
 import math
 import types
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 from sglang_kvxfer.errors import LocalProtocolError
 from sglang_kvxfer.protocol.fields import MAX_REASON_CHARS, MAX_TP_SIZE, UINT64_MAX, Side, Text
 
 __all__ = [
-    "KVPoll", "Event", "Deadlines", "RequestState", "PREFILL_TRANSITIONS",
-    "DECODE_TRANSITIONS", "TRANSITIONS", "describe_transitions",
+    "KVPoll",
+    "Event",
+    "Deadlines",
+    "RequestState",
+    "PREFILL_TRANSITIONS",
+    "DECODE_TRANSITIONS",
+    "TRANSITIONS",
+    "describe_transitions",
 ]
 
 
@@ -49,13 +56,13 @@ class KVPoll(enum.IntEnum):
 class Event(enum.Enum):
     """What can happen to a request. Which side sees which is in the tables below."""
 
-    BOOTSTRAPPED = "bootstrapped"    # peers known; registration and RequestMeta exchanged
+    BOOTSTRAPPED = "bootstrapped"  # peers known; registration and RequestMeta exchanged
     CHUNK_STARTED = "chunk_started"  # prefill: a chunk went to the transport; decode: ChunkReady came
-    WRITER_DONE = "writer_done"      # decode: one prefill writer finished, others still due
+    WRITER_DONE = "writer_done"  # decode: one prefill writer finished, others still due
     TRANSFER_DONE = "transfer_done"  # prefill: all writes done, notices sent; decode: last writer done
-    FAIL = "fail"                    # an error on this side
-    ABORT = "abort"                  # either side gave up on the room
-    TIMEOUT = "timeout"              # the current state's deadline passed
+    FAIL = "fail"  # an error on this side
+    ABORT = "abort"  # either side gave up on the room
+    TIMEOUT = "timeout"  # the current state's deadline passed
 
 
 _B, _W, _T = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring
@@ -76,20 +83,20 @@ def _table(*edges: tuple[tuple[KVPoll, Event], KVPoll]) -> Table:
 
 
 PREFILL_TRANSITIONS: Table = _table(
-    ((_B, Event.BOOTSTRAPPED), _W),     # every expected decode rank sent its RequestMeta
+    ((_B, Event.BOOTSTRAPPED), _W),  # every expected decode rank sent its RequestMeta
     ((_W, Event.CHUNK_STARTED), _T),
-    ((_T, Event.CHUNK_STARTED), _T),    # later chunks: progress
-    ((_W, Event.TRANSFER_DONE), _S),    # this rank was elected for no decode rank: nothing to write
+    ((_T, Event.CHUNK_STARTED), _T),  # later chunks: progress
+    ((_W, Event.TRANSFER_DONE), _S),  # this rank was elected for no decode rank: nothing to write
     ((_T, Event.TRANSFER_DONE), _S),
 )
 
 DECODE_TRANSITIONS: Table = _table(
-    ((_B, Event.BOOTSTRAPPED), _W),     # registered with the prefill ranks, RequestMeta sent
+    ((_B, Event.BOOTSTRAPPED), _W),  # registered with the prefill ranks, RequestMeta sent
     ((_W, Event.CHUNK_STARTED), _T),
     ((_T, Event.CHUNK_STARTED), _T),
-    ((_W, Event.WRITER_DONE), _T),      # direct path: a writer's TransferDone is the first news
+    ((_W, Event.WRITER_DONE), _T),  # direct path: a writer's TransferDone is the first news
     ((_T, Event.WRITER_DONE), _T),
-    ((_W, Event.TRANSFER_DONE), _S),    # direct path, single writer
+    ((_W, Event.TRANSFER_DONE), _S),  # direct path, single writer
     ((_T, Event.TRANSFER_DONE), _S),
 )
 
@@ -149,8 +156,16 @@ class RequestState:
     """
 
     __slots__ = (
-        "room", "side", "deadlines", "poll", "reason", "entered_at", "deadline",
-        "_table", "_writers", "_writers_done",
+        "room",
+        "side",
+        "deadlines",
+        "poll",
+        "reason",
+        "entered_at",
+        "deadline",
+        "_table",
+        "_writers",
+        "_writers_done",
     )
 
     def __init__(self, room: int, side: Side | str, now: float, deadlines: Deadlines | None = None):
@@ -211,7 +226,8 @@ class RequestState:
     def check_deadline(self, now: float) -> bool:
         """Fail the request if its current state's deadline has passed; True if it did."""
         now = _check_seconds("now", now, False)
-        if self.is_terminal or now < self.deadline:
+        deadline = self.deadline  # None exactly when terminal
+        if self.is_terminal or deadline is None or now < deadline:
             return False
         limit = self.deadlines.for_state(self.poll)
         extra = " without progress" if self.poll is _T else ""
@@ -226,9 +242,7 @@ class RequestState:
         if self.side is not Side.DECODE:
             raise LocalProtocolError(f"room {self.room}: expect_writers is for the decode side")
         if self._writers is not None:
-            raise LocalProtocolError(
-                f"room {self.room}: expected writers already set to {sorted(self._writers)}"
-            )
+            raise LocalProtocolError(f"room {self.room}: expected writers already set to {sorted(self._writers)}")
         if self.is_terminal:
             raise LocalProtocolError(f"room {self.room}: is already {self.poll.name}")
         ranks = list(tp_ranks)
@@ -246,9 +260,7 @@ class RequestState:
         unexpected or repeated rank raises ``LocalProtocolError`` and changes nothing.
         """
         if self._writers is None:
-            raise LocalProtocolError(
-                f"room {self.room}: writer_done before expect_writers (side {self.side})"
-            )
+            raise LocalProtocolError(f"room {self.room}: writer_done before expect_writers (side {self.side})")
         if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or tp_rank not in self._writers:
             raise LocalProtocolError(
                 f"room {self.room}: prefill tp_rank={tp_rank!r} is not an expected writer "
@@ -270,8 +282,7 @@ class RequestState:
         if nxt is None:
             why = f" ({self.reason})" if self.reason else ""
             raise LocalProtocolError(
-                f"room {self.room}: {self.side} request in state {self.poll.name}{why} "
-                f"cannot take event {event.name}"
+                f"room {self.room}: {self.side} request in state {self.poll.name}{why} cannot take event {event.name}"
             )
         if event in FAILURE_EVENTS:
             if reason is None:

@@ -6,6 +6,7 @@ transport whose package is missing raises ``TransportUnavailableError`` naming i
 backend is one ``register_transport`` line. The interface lives in ``transports.base``.
 This module must not import any transport module (or torch) at import time.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -34,7 +35,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class _Entry:
-    target: str                      # "package.module:ClassName"
+    target: str  # "package.module:ClassName"
     requires: tuple[tuple[str, str], ...]  # (importable module, pip package that provides it)
 
 
@@ -70,8 +71,7 @@ def _importable(module: str) -> bool:
 
 
 def _missing(entry: _Entry) -> list[tuple[str, str]]:
-    return [(mods, pkg) for mods, pkg in entry.requires
-            if not any(_importable(mod) for mod in mods.split("|"))]
+    return [(mods, pkg) for mods, pkg in entry.requires if not any(_importable(mod) for mod in mods.split("|"))]
 
 
 def available_transports() -> list[str]:
@@ -87,28 +87,24 @@ def get_transport(name: str, **options) -> Transport:
     """
     entry = _REGISTRY.get(name)
     if entry is None:
-        raise ValueError(f"unknown transport {name!r}; registered: "
-                         f"{', '.join(registered_transports())}")
+        raise ValueError(f"unknown transport {name!r}; registered: {', '.join(registered_transports())}")
     missing = _missing(entry)
     if missing:
-        needs = ", ".join(f"'{pkg}' (module {' or '.join(repr(m) for m in mods.split('|'))})"
-                          for mods, pkg in missing)
+        needs = ", ".join(f"'{pkg}' (module {' or '.join(repr(m) for m in mods.split('|'))})" for mods, pkg in missing)
         raise TransportUnavailableError(
             f"transport {name!r} needs {needs}, which is not installed; "
-            f"pip install {' '.join(pkg for _, pkg in missing)}")
+            f"pip install {' '.join(pkg for _, pkg in missing)}"
+        )
     module_name, _, attr = entry.target.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise TransportUnavailableError(
-            f"transport {name!r} could not be imported from {module_name}: {exc}") from exc
+        raise TransportUnavailableError(f"transport {name!r} could not be imported from {module_name}: {exc}") from exc
     return getattr(module, attr)(**options)
 
 
 register_transport("local", "sglang_kvxfer.transports.local:LocalTransport")
 register_transport("tcp", "sglang_kvxfer.transports.tcp:TcpTransport")
 # nixl-cu12 ships the module nixl_cu12; the `nixl` meta package's module has the same API.
-register_transport("nixl", "sglang_kvxfer.transports.nixl:NixlTransport",
-                   requires={"nixl_cu12|nixl": "nixl-cu12"})
-register_transport("mori", "sglang_kvxfer.transports.mori:MoriTransport",
-                   requires={"mori": "amd-mori"})
+register_transport("nixl", "sglang_kvxfer.transports.nixl:NixlTransport", requires={"nixl_cu12|nixl": "nixl-cu12"})
+register_transport("mori", "sglang_kvxfer.transports.mori:MoriTransport", requires={"mori": "amd-mori"})

@@ -5,29 +5,38 @@ maps (never pickle), checked field by field on the way in. ``UseTable``: live re
 mappings with in-flight use counts, so memory is released only after the transfers that
 touch it. This module must not open sockets or map memory.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import threading
-from typing import Callable
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from sglang_kvxfer.errors import TransportError
+
+if TYPE_CHECKING:
+    from sglang_kvxfer.transports.base import Entries, Region, RemoteRegion
+    from sglang_kvxfer.transports.ticket import Ticket
 
 __all__ = ["pack_descriptor", "unpack_descriptor", "UseTable", "open_write", "env_override"]
 
 DESCRIPTOR_VERSION = 1
 
 
-def pack_descriptor(transport: str, what: str, **fields) -> bytes:
+def pack_descriptor(transport: str, what: str, **fields: Any) -> bytes:
     """Encode an agent or region descriptor: a msgpack map, tagged with transport and version."""
     import msgpack
 
-    return msgpack.packb({"transport": transport, "what": what, "version": DESCRIPTOR_VERSION,
-                          **fields}, use_bin_type=True)
+    return msgpack.packb(
+        {"transport": transport, "what": what, "version": DESCRIPTOR_VERSION, **fields}, use_bin_type=True
+    )
 
 
-def unpack_descriptor(blob, transport: str, what: str, fields: dict) -> dict:
+def unpack_descriptor(
+    blob: object, transport: str, what: str, fields: Mapping[str, type | tuple[type, ...]]
+) -> dict[str, Any]:
     """Decode a descriptor made by ``pack_descriptor`` and check its fields.
 
     ``fields`` maps each required field to its type (or tuple of types). Raises
@@ -44,19 +53,26 @@ def unpack_descriptor(blob, transport: str, what: str, fields: dict) -> dict:
     if not isinstance(obj, dict):
         raise ValueError(f"{what} descriptor must be a msgpack map, got {type(obj).__name__}")
     if obj.get("transport") != transport:
-        raise ValueError(f"{what} descriptor is for transport {obj.get('transport')!r}; "
-                         f"transport {transport!r} cannot use it")
+        raise ValueError(
+            f"{what} descriptor is for transport {obj.get('transport')!r}; transport {transport!r} cannot use it"
+        )
     if obj.get("what") != what:
         raise ValueError(f"expected a {transport} {what} descriptor, got {obj.get('what')!r}")
     if obj.get("version") != DESCRIPTOR_VERSION:
-        raise ValueError(f"{transport} {what} descriptor has version {obj.get('version')!r}, "
-                         f"this build speaks {DESCRIPTOR_VERSION}")
+        raise ValueError(
+            f"{transport} {what} descriptor has version {obj.get('version')!r}, this build speaks {DESCRIPTOR_VERSION}"
+        )
     for name, types in fields.items():
         value = obj.get(name)
-        if not isinstance(value, types) or isinstance(value, bool) and bool not in (
-                types if isinstance(types, tuple) else (types,)):
-            raise ValueError(f"{transport} {what} descriptor: field {name!r} is {value!r}, "
-                             f"expected {getattr(types, '__name__', types)}")
+        if (
+            not isinstance(value, types)
+            or isinstance(value, bool)
+            and bool not in (types if isinstance(types, tuple) else (types,))
+        ):
+            raise ValueError(
+                f"{transport} {what} descriptor: field {name!r} is {value!r}, "
+                f"expected {getattr(types, '__name__', types)}"
+            )
     return obj
 
 
@@ -71,29 +87,29 @@ class UseTable:
     class Lease:
         __slots__ = ("key", "value", "uses")
 
-        def __init__(self, key, value):
+        def __init__(self, key: Any, value: Any):
             self.key, self.value, self.uses = key, value, 0
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._live: dict = {}
+        self._live: dict[Any, UseTable.Lease] = {}
 
-    def add(self, key, value) -> None:
+    def add(self, key: Any, value: Any) -> None:
         with self._cond:
             if key in self._live:
                 raise ValueError(f"{key!r} is already present")
             self._live[key] = UseTable.Lease(key, value)
 
-    def get(self, key):
+    def get(self, key: Any) -> Any:
         """The value under ``key``, or None."""
         lease = self._live.get(key)
         return None if lease is None else lease.value
 
-    def items(self) -> list:
+    def items(self) -> list[tuple[Any, Any]]:
         with self._cond:
             return [(k, lease.value) for k, lease in self._live.items()]
 
-    def acquire(self, key) -> "UseTable.Lease | None":
+    def acquire(self, key: Any) -> UseTable.Lease | None:
         """Count one more user of ``key``; None when it is absent (or being removed)."""
         with self._cond:
             lease = self._live.get(key)
@@ -101,13 +117,19 @@ class UseTable:
                 lease.uses += 1
             return lease
 
-    def release(self, lease: "UseTable.Lease") -> None:
+    def retain(self, lease: UseTable.Lease) -> UseTable.Lease:
+        """Count one more user of a key ``lease`` (held) is on; the same lease."""
+        with self._cond:
+            lease.uses += 1
+            return lease
+
+    def release(self, lease: UseTable.Lease) -> None:
         with self._cond:
             lease.uses -= 1
             if lease.uses == 0:
                 self._cond.notify_all()
 
-    def remove(self, key, timeout_s: float, on_timeout: Callable[[], None] | None = None):
+    def remove(self, key: Any, timeout_s: float, on_timeout: Callable[[], None] | None = None) -> Any:
         """Remove ``key`` now; wait until its users are gone. Returns the value (None if absent).
 
         If users remain after ``timeout_s``, ``on_timeout`` (which should make them stop,
@@ -124,17 +146,16 @@ class UseTable:
             with self._cond:
                 idle = self._cond.wait_for(lambda: lease.uses == 0, timeout_s)
         if not idle:
-            raise TransportError(
-                f"{key!r} still has {lease.uses} transfer(s) in flight after {timeout_s} s")
+            raise TransportError(f"{key!r} still has {lease.uses} transfer(s) in flight after {timeout_s} s")
         return lease.value
 
-    def busy(self, key) -> bool:
+    def busy(self, key: Any) -> bool:
         lease = self._live.get(key)
         return lease is not None and lease.uses > 0
 
 
 @contextlib.contextmanager
-def env_override(name: str, value: str | None):
+def env_override(name: str, value: str | None) -> Iterator[None]:
     """Set environment variable ``name`` to ``value`` (when not empty) for the ``with``
     block, then restore what was there: for libraries that read their settings from the
     environment only while a backend is created."""
@@ -151,13 +172,29 @@ def env_override(name: str, value: str | None):
                 os.environ[name] = saved
 
 
-def open_write(label: str, peer, imported, remote, regions: "UseTable", local, entries):
+class _PeerRecord(Protocol):
+    @property
+    def failed(self) -> str | None: ...
+
+
+_P = TypeVar("_P", bound=_PeerRecord)
+
+
+def open_write(
+    label: str,
+    peer: _P | None,
+    imported: object,
+    remote: RemoteRegion,
+    regions: UseTable,
+    local: Region,
+    entries: Entries,
+) -> tuple[_P, UseTable.Lease] | Ticket:
     """The checks every transport's ``_write`` starts with.
 
     ``peer`` is the transport's record of ``remote.peer_id`` (None if unknown; it has a
     ``failed`` reason or None) and ``imported`` what it imported as ``remote.region_id``.
-    Returns ``(lease, None)``, a lease on the local region to go on with, or ``(None,
-    ticket)`` when the batch is over without a byte moved (the peer failed, or no entries).
+    Returns ``(peer, lease)``, the peer and a lease on the local region to go on with, or a
+    ticket when the batch is over without a byte moved (the peer failed, or no entries).
     Raises ``ValueError`` for an unknown peer, a remote region not imported, or a local
     region not registered.
     """
@@ -167,14 +204,15 @@ def open_write(label: str, peer, imported, remote, regions: "UseTable", local, e
     if peer is None:
         raise ValueError(f"unknown peer {remote.peer_id!r} (add_peer it first)")
     if imported != remote:
-        raise ValueError(f"remote region {remote.region_id} of peer {remote.peer_id!r} "
-                         "is not imported (import_region it first)")
+        raise ValueError(
+            f"remote region {remote.region_id} of peer {remote.peer_id!r} is not imported (import_region it first)"
+        )
     lease = regions.acquire(local.region_id)
     if lease is None:
         raise ValueError(f"local region {local.region_id} is not registered here")
     if peer.failed is not None or entries.num_entries == 0:
         regions.release(lease)
         if peer.failed is not None:
-            return None, Ticket.failed(label, PeerGoneError(peer.failed))
-        return None, Ticket.completed(label)
-    return lease, None
+            return Ticket.failed(label, PeerGoneError(peer.failed))
+        return Ticket.completed(label)
+    return peer, lease

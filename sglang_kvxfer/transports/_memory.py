@@ -6,6 +6,7 @@ them (never opening this process to every same-user process unless asked to), an
 ``SharedBuffer``: memfd-backed shared memory that a peer on this host maps by
 ``/proc/<pid>/fd/<fd>``. It must not know about peers, descriptors or tickets.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -15,14 +16,28 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sglang_kvxfer import envs
 from sglang_kvxfer.errors import TransportError
 
-__all__ = ["view", "copy_entries", "cma_write", "cma_probe", "cma_blocker",
-           "allow_ptrace_writes", "SharedBuffer", "alloc_shared", "find_shared"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "view",
+    "copy_entries",
+    "cma_write",
+    "cma_probe",
+    "cma_blocker",
+    "allow_ptrace_writes",
+    "SharedBuffer",
+    "alloc_shared",
+    "find_shared",
+]
 
 log = logging.getLogger("sglang_kvxfer.transports.local")
 
@@ -32,8 +47,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _pvw = _libc.process_vm_writev
 _pvr = _libc.process_vm_readv
 for _fn in (_pvw, _pvr):
-    _fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
-                    ctypes.c_ulong, ctypes.c_ulong]
+    _fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
     _fn.restype = ctypes.c_ssize_t
 _prctl = _libc.prctl
 _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
@@ -49,15 +63,15 @@ def view(ptr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
 
 
-def copy_entries(dst_base: int, src_base: int, dst_offsets: np.ndarray,
-                 src_offsets: np.ndarray, sizes: np.ndarray) -> None:
+def copy_entries(
+    dst_base: int, src_base: int, dst_offsets: np.ndarray, src_offsets: np.ndarray, sizes: np.ndarray
+) -> None:
     """``memmove`` entry i: ``sizes[i]`` bytes from ``src_base + src_offsets[i]`` to ``dst_base + ...``.
 
     ctypes releases the GIL around each memmove, so threads copy concurrently.
     """
     move = ctypes.memmove
-    for d, s, n in zip((dst_offsets + dst_base).tolist(), (src_offsets + src_base).tolist(),
-                       sizes.tolist()):
+    for d, s, n in zip((dst_offsets + dst_base).tolist(), (src_offsets + src_base).tolist(), sizes.tolist()):
         move(d, s, n)
 
 
@@ -71,8 +85,7 @@ def _iovecs(bases: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return iov
 
 
-def cma_write(pid: int, local_addrs: np.ndarray, remote_addrs: np.ndarray,
-              sizes: np.ndarray) -> None:
+def cma_write(pid: int, local_addrs: np.ndarray, remote_addrs: np.ndarray, sizes: np.ndarray) -> None:
     """Copy ``sizes[i]`` bytes from our ``local_addrs[i]`` to ``remote_addrs[i]`` in ``pid``.
 
     Up to ``IOV_MAX`` entries per ``process_vm_writev`` call; resumes after partial
@@ -89,7 +102,7 @@ def cma_write(pid: int, local_addrs: np.ndarray, remote_addrs: np.ndarray,
             raise OSError(err, f"process_vm_writev into pid {pid}: {os.strerror(err)}")
         if got == 0:
             raise OSError(errno.EFAULT, f"process_vm_writev into pid {pid} made no progress")
-        done = np.cumsum(left[i:i + k])
+        done = np.cumsum(left[i : i + k])
         full = int(np.searchsorted(done, got, side="right"))  # entries completely written
         if full < k:  # partial: advance inside entry i + full and go again
             part = got - (int(done[full - 1]) if full else 0)
@@ -125,8 +138,10 @@ def cma_blocker() -> str | None:
     if scope == 3:
         return f"{_YAMA_SCOPE} is 3 (cross-process memory access disabled until reboot)"
     if _prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 0:
-        return ("this process is not dumpable (prctl PR_SET_DUMPABLE=0 or a set-id binary), "
-                "so the kernel refuses other processes access to its memory")
+        return (
+            "this process is not dumpable (prctl PR_SET_DUMPABLE=0 or a set-id binary), "
+            "so the kernel refuses other processes access to its memory"
+        )
     return None
 
 
@@ -154,9 +169,13 @@ def allow_ptrace_writes() -> None:
                 "after prctl(PR_SET_PTRACER_ANY), which would open it to every process of this "
                 "user; allocate the pool with alloc_shared() (memfd shared memory, no ptrace), "
                 f"or run with kernel.yama.ptrace_scope=0, or set {PTRACE_ANY_ENV}=1 to accept "
-                "that risk")
-        log.warning("local: %s=1: prctl(PR_SET_PTRACER_ANY): every process of this user may "
-                    "now read and write this process's memory", PTRACE_ANY_ENV)
+                "that risk"
+            )
+        log.warning(
+            "local: %s=1: prctl(PR_SET_PTRACER_ANY): every process of this user may "
+            "now read and write this process's memory",
+            PTRACE_ANY_ENV,
+        )
         if _prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0) != 0:
             err = ctypes.get_errno()
             raise TransportError(f"prctl(PR_SET_PTRACER_ANY) failed: {os.strerror(err)}")
@@ -165,7 +184,7 @@ def allow_ptrace_writes() -> None:
 
 # -- shared memory ----------------------------------------------------------------------
 
-_live_buffers: "weakref.WeakValueDictionary[int, SharedBuffer]" = weakref.WeakValueDictionary()
+_live_buffers: weakref.WeakValueDictionary[int, SharedBuffer] = weakref.WeakValueDictionary()
 
 
 class SharedBuffer:
@@ -186,12 +205,12 @@ class SharedBuffer:
         self._fd = os.memfd_create("kvxfer-pool", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, self.nbytes)
-            self._mm = mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED,
-                                 mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.close(self._fd)
             raise
-        anchor = ctypes.c_char.from_buffer(self._mm)  # an export only while we read the address
+        self._mm: mmap.mmap | None = mm  # None once closed
+        anchor = ctypes.c_char.from_buffer(mm)  # an export only while we read the address
         self.ptr = ctypes.addressof(anchor)
         del anchor
         self.pid = os.getpid()
@@ -207,22 +226,22 @@ class SharedBuffer:
 
     def as_numpy(self) -> np.ndarray:
         """The whole buffer as ``uint8[nbytes]`` (shares memory)."""
-        self._check_open()
-        return np.frombuffer(self._mm, dtype=np.uint8)
+        return np.frombuffer(self._check_open(), dtype=np.uint8)
 
-    def as_tensor(self, dtype, shape):
+    def as_tensor(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         """A CPU torch tensor of ``dtype`` and ``shape`` over the start of the buffer."""
         import torch
 
-        self._check_open()
+        mm = self._check_open()
         numel = 1
         for dim in shape:
             numel *= int(dim)
         itemsize = torch.empty((), dtype=dtype).element_size()
         if numel * itemsize > self.nbytes:
-            raise ValueError(f"shape {tuple(shape)} of {dtype} needs {numel * itemsize} bytes, "
-                             f"buffer has {self.nbytes}")
-        return torch.frombuffer(self._mm, dtype=dtype, count=numel).view(*shape)
+            raise ValueError(
+                f"shape {tuple(shape)} of {dtype} needs {numel * itemsize} bytes, buffer has {self.nbytes}"
+            )
+        return torch.frombuffer(mm, dtype=dtype, count=numel).view(*shape)
 
     def close(self) -> None:
         """Release the buffer. Idempotent; peers that mapped it keep their pages.
@@ -232,8 +251,9 @@ class SharedBuffer:
         if self._mm is None:
             return
         if self.registrations:
-            raise ValueError(f"SharedBuffer still holds {self.registrations} registered "
-                             "region(s); deregister them before close()")
+            raise ValueError(
+                f"SharedBuffer still holds {self.registrations} registered region(s); deregister them before close()"
+            )
         _live_buffers.pop(id(self), None)
         mm, self._mm = self._mm, None
         try:
@@ -242,14 +262,16 @@ class SharedBuffer:
             pass  # numpy/torch views still alive: the mapping goes when the last one does
         os.close(self._fd)
 
-    def _check_open(self) -> None:
+    def _check_open(self) -> mmap.mmap:
+        """The mapping; ``ValueError`` once closed."""
         if self._mm is None:
             raise ValueError("SharedBuffer is closed")
+        return self._mm
 
-    def __enter__(self):
+    def __enter__(self) -> SharedBuffer:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -277,19 +299,22 @@ def open_shared(path: str, inode: int, nbytes: int) -> mmap.mmap:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise TransportError(f"shared buffer {path} does not exist (the peer closed it or "
-                             "exited, or runs in another pid namespace)") from None
+        raise TransportError(
+            f"shared buffer {path} does not exist (the peer closed it or exited, or runs in another pid namespace)"
+        ) from None
     except PermissionError:
-        raise TransportError(f"no permission to open the peer's shared buffer {path} (peers "
-                             "must run as the same user); use the 'tcp' transport") from None
+        raise TransportError(
+            f"no permission to open the peer's shared buffer {path} (peers "
+            "must run as the same user); use the 'tcp' transport"
+        ) from None
     try:
         st = os.fstat(fd)
         if st.st_ino != inode:
-            raise TransportError(f"{path} is no longer the peer's shared buffer (inode "
-                                 f"{st.st_ino}, descriptor says {inode})")
+            raise TransportError(
+                f"{path} is no longer the peer's shared buffer (inode {st.st_ino}, descriptor says {inode})"
+            )
         if st.st_size < nbytes:
-            raise TransportError(f"peer's shared buffer {path} has {st.st_size} bytes, "
-                                 f"descriptor says {nbytes}")
+            raise TransportError(f"peer's shared buffer {path} has {st.st_size} bytes, descriptor says {nbytes}")
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

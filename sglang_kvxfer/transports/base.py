@@ -7,12 +7,14 @@ byte moves: batch validation against both region sizes and the coalescing of con
 entries. Tickets live in ``transports.ticket``. It must not open sockets, map memory or
 import torch: transports do that.
 """
+
 from __future__ import annotations
 
 import abc
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 import numpy as np
 
@@ -41,7 +43,15 @@ MEM_KINDS = ("cpu", "cuda")
 SECRET_BYTES = 32  # a peer secret: what the engine derives per (writer, reader) session pair
 
 
-def check_secret(secret, *, optional: bool = False) -> bytes | None:
+@overload
+def check_secret(secret: object, *, optional: Literal[False] = False) -> bytes: ...
+
+
+@overload
+def check_secret(secret: object, *, optional: bool) -> bytes | None: ...
+
+
+def check_secret(secret: object, *, optional: bool = False) -> bytes | None:
     """``secret`` as bytes after checking it is ``SECRET_BYTES`` long (or None if optional)."""
     if secret is None and optional:
         return None
@@ -142,9 +152,16 @@ def _as_index_array(name: str, values) -> np.ndarray:
     return out
 
 
-def validate_batch(local_nbytes: int, remote_nbytes: int, local_offsets, remote_offsets,
-                   sizes, *, local_name: str = "local region",
-                   remote_name: str = "remote region") -> Entries:
+def validate_batch(
+    local_nbytes: int,
+    remote_nbytes: int,
+    local_offsets,
+    remote_offsets,
+    sizes,
+    *,
+    local_name: str = "local region",
+    remote_name: str = "remote region",
+) -> Entries:
     """Check a write batch against both region sizes; return it as int64 ``Entries``.
 
     Parameters
@@ -157,8 +174,7 @@ def validate_batch(local_nbytes: int, remote_nbytes: int, local_offsets, remote_
     or ``offset + size`` past a region end: the message names the entry index, offset, size
     and region size). Zero-size entries are allowed, also at ``offset == region size``.
     """
-    arrays = [_as_index_array(n, v) for n, v in zip(_ARRAY_NAMES, (local_offsets,
-                                                                   remote_offsets, sizes))]
+    arrays = [_as_index_array(n, v) for n, v in zip(_ARRAY_NAMES, (local_offsets, remote_offsets, sizes))]
     lengths = [a.shape[0] for a in arrays]
     if len(set(lengths)) != 1:
         raise ValueError(
@@ -166,8 +182,10 @@ def validate_batch(local_nbytes: int, remote_nbytes: int, local_offsets, remote_
             f"{lengths[0]}, {lengths[1]} and {lengths[2]}"
         )
     lo, ro, sz = arrays
-    for offs, limit, name, what in ((lo, local_nbytes, local_name, "local"),
-                                    (ro, remote_nbytes, remote_name, "remote")):
+    for offs, limit, name, what in (
+        (lo, local_nbytes, local_name, "local"),
+        (ro, remote_nbytes, remote_name, "remote"),
+    ):
         # Written as two comparisons so that offset + size cannot overflow int64.
         bad = (offs > limit) | (sz > limit - offs)
         if bad.any():
@@ -217,8 +235,9 @@ def tensor_memory(tensor) -> tuple[int, int, str]:
     if not hasattr(tensor, "data_ptr") or not hasattr(tensor, "is_contiguous"):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_contiguous():
-        raise ValueError(f"the tensor must be contiguous, got shape {tuple(tensor.shape)} with "
-                         f"stride {tuple(tensor.stride())}")
+        raise ValueError(
+            f"the tensor must be contiguous, got shape {tuple(tensor.shape)} with stride {tuple(tensor.stride())}"
+        )
     return tensor.data_ptr(), tensor.numel() * tensor.element_size(), str(tensor.device)
 
 
@@ -299,7 +318,7 @@ class Transport(abc.ABC):
         """
         self._check_grant_args(peer_id, secret, regions)
 
-    def revoke_peer(self, peer_id: str) -> None:
+    def revoke_peer(self, peer_id: str) -> None:  # noqa: B027 - optional: a no-op where grants are not enforced
         """Reader side: drop ``peer_id``'s grant and close its inbound connections; an
         unknown ``peer_id`` is not an error. The default does nothing (see
         ``authorize_peer``)."""
@@ -318,8 +337,7 @@ class Transport(abc.ABC):
         return secret, regions
 
     # -- provided -----------------------------------------------------------------------
-    def write(self, local: Region, remote: RemoteRegion, local_offsets, remote_offsets,
-              sizes) -> Ticket:
+    def write(self, local: Region, remote: RemoteRegion, local_offsets, remote_offsets, sizes) -> Ticket:
         """Post one batch of one-sided writes from ``local`` into ``remote``.
 
         Parameters
@@ -340,7 +358,11 @@ class Transport(abc.ABC):
         if not isinstance(remote, RemoteRegion):
             raise TypeError(f"remote must be a RemoteRegion, got {type(remote).__name__}")
         entries = validate_batch(
-            local.nbytes, remote.nbytes, local_offsets, remote_offsets, sizes,
+            local.nbytes,
+            remote.nbytes,
+            local_offsets,
+            remote_offsets,
+            sizes,
             local_name=f"local region {local.region_id}",
             remote_name=f"remote region {remote.region_id} of peer {remote.peer_id!r}",
         )
@@ -357,8 +379,10 @@ class Transport(abc.ABC):
         if not isinstance(remote, RemoteRegion):
             raise TypeError(f"remote must be a RemoteRegion, got {type(remote).__name__}")
         if offset < 0 or nbytes < 0 or offset + nbytes > remote.nbytes:
-            raise ValueError(f"remote_view [{offset}, {offset + nbytes}) is outside remote region "
-                             f"{remote.region_id} of peer {remote.peer_id!r} ({remote.nbytes} bytes)")
+            raise ValueError(
+                f"remote_view [{offset}, {offset + nbytes}) is outside remote region "
+                f"{remote.region_id} of peer {remote.peer_id!r} ({remote.nbytes} bytes)"
+            )
         with self._remote_view(remote, offset, nbytes) as view:
             yield view
 
@@ -366,11 +390,9 @@ class Transport(abc.ABC):
     def _remote_view(self, remote: RemoteRegion, offset: int, nbytes: int):
         yield None  # not mapped: callers fall back to write()
 
-    def read(self, local: Region, remote: RemoteRegion, local_offsets, remote_offsets,
-             sizes) -> Ticket:
+    def read(self, local: Region, remote: RemoteRegion, local_offsets, remote_offsets, sizes) -> Ticket:
         """One-sided pull; only where ``caps.read_supported``."""
-        raise TransportError(f"transport {self.name!r} does not support read "
-                             "(caps.read_supported is False)")
+        raise TransportError(f"transport {self.name!r} does not support read (caps.read_supported is False)")
 
     def register_tensor(self, tensor) -> Region:
         """Register a contiguous torch tensor's bytes (``data_ptr``, ``nbytes``, ``device``)."""

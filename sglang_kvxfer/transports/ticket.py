@@ -6,13 +6,14 @@ take a timeout and raise ``TransferTimeoutError`` past it; in ``wait_all`` failu
 Transports complete tickets through the underscore methods. This module must not know
 about any transport.
 """
+
 from __future__ import annotations
 
 import enum
 import math
 import threading
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from sglang_kvxfer.errors import KVXferError, TransferTimeoutError, TransportError
 
@@ -35,8 +36,7 @@ class Ticket:
     the work is complete (for completions nobody signals, such as a CUDA event).
     """
 
-    __slots__ = ("label", "_lock", "_done_event", "_state", "_error", "_parts", "_progress",
-                 "_waiters")
+    __slots__ = ("label", "_lock", "_done_event", "_state", "_error", "_parts", "_progress", "_waiters")
 
     _POLL_SLICE_S = 0.0005  # how often a progress-driven ticket is re-polled while waiting
 
@@ -53,13 +53,13 @@ class Ticket:
         self._waiters: list[threading.Event] = []
 
     @classmethod
-    def completed(cls, label: str) -> "Ticket":
+    def completed(cls, label: str) -> Ticket:
         ticket = cls(label)
         ticket._part_done()
         return ticket
 
     @classmethod
-    def failed(cls, label: str, error: KVXferError) -> "Ticket":
+    def failed(cls, label: str, error: KVXferError) -> Ticket:
         ticket = cls(label)
         ticket._fail(error)
         return ticket
@@ -98,13 +98,19 @@ class Ticket:
             if state is TicketState.DONE:
                 return
             if state is TicketState.FAILED:
-                raise self._error.with_traceback(None)
+                raise self._failure().with_traceback(None)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferTimeoutError(f"{self.label}: not complete after {timeout_s} s")
             if self._progress is not None:
                 remaining = min(remaining, self._POLL_SLICE_S)
             self._done_event.wait(remaining)
+
+    def _failure(self) -> KVXferError:
+        """The error of a FAILED ticket (``_fail`` sets it together with the state)."""
+        if self._error is None:
+            raise TransportError(f"{self.label}: ticket is not FAILED, it has no error")
+        return self._error
 
     # -- used by transports -------------------------------------------------------------
     def _part_done(self) -> None:
@@ -159,7 +165,7 @@ def pending_or_raise(tickets: list[Ticket]) -> list[Ticket]:
     for ticket in tickets:
         state = ticket.poll()
         if state is TicketState.FAILED:
-            raise ticket.error.with_traceback(None)
+            raise ticket._failure().with_traceback(None)
         if state is TicketState.PENDING:
             pending.append(ticket)
     return pending
@@ -184,8 +190,7 @@ def wait_all(tickets: Iterable[Ticket], timeout_s: float) -> None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TransferTimeoutError(
-                f"{len(pending)} of {len(tickets)} tickets not complete after {timeout_s} s "
-                f"(first: {pending[0].label})"
+                f"{len(pending)} of {len(tickets)} tickets not complete after {timeout_s} s (first: {pending[0].label})"
             )
         for ticket in pending:
             ticket._add_waiter(wake)

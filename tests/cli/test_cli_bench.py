@@ -1,5 +1,6 @@
 """``kvxfer bench``: the sweep and its refusals, and one small real run
 whose records are checked field by field (bytes verified, GB/s not above the baseline)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,14 +26,35 @@ def test_quick_fills_only_the_flags_not_given():
     args = _resolve(parse("--quick", "--tokens", "64", "--transport", "tcp"))
     assert args.tokens == [64] and args.transport == ["tcp"]
     assert (args.prefill_tp, args.decode_tp, args.requests, args.repeats, args.layers) == (
-        QUICK["prefill_tp"], QUICK["decode_tp"], QUICK["requests"], QUICK["repeats"], QUICK["layers"])
+        QUICK["prefill_tp"],
+        QUICK["decode_tp"],
+        QUICK["requests"],
+        QUICK["repeats"],
+        QUICK["layers"],
+    )
     plain = _resolve(parse())
     assert (plain.transport, plain.tokens, plain.layers) == (["local"], [1024, 4096, 16384], 16)
 
 
 def test_sweep_is_the_product_of_the_lists_minus_invalid_shapes_with_a_note():
-    args = _resolve(parse("--prefill-tp", "1,3", "--decode-tp", "1,2", "--mla", "off,on", "--tokens", "64,128",
-                          "--concurrency", "1,2", "--decode-page-size", "8,16", "--decode-layout", "NHD,hnd"))
+    args = _resolve(
+        parse(
+            "--prefill-tp",
+            "1,3",
+            "--decode-tp",
+            "1,2",
+            "--mla",
+            "off,on",
+            "--tokens",
+            "64,128",
+            "--concurrency",
+            "1,2",
+            "--decode-page-size",
+            "8,16",
+            "--decode-layout",
+            "NHD,hnd",
+        )
+    )
     shapes, points, notes = sweep(args)
     # P=3 is invalid for 8 KV heads (MHA); MLA (one head) takes every TP size
     assert sorted({(s.prefill_tp, s.mla) for s in shapes}) == [(1, False), (1, True), (3, True)]
@@ -48,15 +70,19 @@ BAD = [
     (["--tokens", "12,x"], "argument --tokens: '12,x' is not a comma-separated list of integers"),
     (["--mla", "maybe"], "MLA values must be on/off, got ['maybe']"),
     (["--transport", "nope"], "--transport 'nope' is unknown; registered: local, mori, nixl, tcp"),
-    (["--prefill-devices", "cuda:0", "--prefill-tp", "1,2"],
-     "--prefill-devices lists 1 device(s) (cuda:0); --prefill-tp 2 needs 2"),
+    (
+        ["--prefill-devices", "cuda:0", "--prefill-tp", "1,2"],
+        "--prefill-devices lists 1 device(s) (cuda:0); --prefill-tp 2 needs 2",
+    ),
     (["--decode-devices", "gpu0"], "--decode-devices: ['gpu0'] must be cpu or cuda[:N]"),
     (["--requests", "0"], "--requests=0 must be >= 1"),
     (["--chunk-tokens", "-16"], "--chunk-tokens values must be >= 0, got [-16]"),
     (["--metrics-port", "70000"], "--metrics-port=70000 must be 0 (off) or a port"),
-    (["--total-kv-heads", "8", "--prefill-tp", "3"],
-     "no valid configuration to run: skipped local P3->D1 H8 d128 pages 16/16 NHD/NHD: invalid TP layout: "
-     "total_kv_heads=8 is not divisible by tp_size=3"),
+    (
+        ["--total-kv-heads", "8", "--prefill-tp", "3"],
+        "no valid configuration to run: skipped local P3->D1 H8 d128 pages 16/16 NHD/NHD: invalid TP layout: "
+        "total_kv_heads=8 is not divisible by tp_size=3",
+    ),
 ]
 
 
@@ -75,16 +101,37 @@ def test_a_registered_transport_that_cannot_be_imported_is_refused_by_name(monke
 
     monkeypatch.setattr(transports, "available_transports", lambda: ["local"])
     assert main(["bench", "--transport", "local,tcp"]) == 2
-    assert ("--transport 'tcp' cannot be used here: a package it needs is not installed "
-            "(pip install 'sglang_kvxfer[tcp]')") in capsys.readouterr().err
+    assert (
+        "--transport 'tcp' cannot be used here: a package it needs is not installed (pip install 'sglang_kvxfer[tcp]')"
+    ) in capsys.readouterr().err
 
 
 def test_small_real_run_records_every_field_and_stays_below_its_baseline(tmp_path, capsys):
     plot = importlib.util.find_spec("matplotlib") is not None
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    argv = ["bench", "--transport", "local,tcp", "--prefill-tp", "2", "--decode-tp", "1", "--tokens", "64,512",
-            "--chunk-tokens", "128", "--requests", "3", "--repeats", "2", "--layers", "2", "--json", "--quiet",
-            "--output", str(out_json)] + (["--plot", str(out_png)] if plot else [])
+    argv = [
+        "bench",
+        "--transport",
+        "local,tcp",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "1",
+        "--tokens",
+        "64,512",
+        "--chunk-tokens",
+        "128",
+        "--requests",
+        "3",
+        "--repeats",
+        "2",
+        "--layers",
+        "2",
+        "--json",
+        "--quiet",
+        "--output",
+        str(out_json),
+    ] + (["--plot", str(out_png)] if plot else [])
     assert main(argv) == 0
     printed = capsys.readouterr().out
 
@@ -96,7 +143,11 @@ def test_small_real_run_records_every_field_and_stays_below_its_baseline(tmp_pat
     assert out["skipped"] == [] and out["machine"]["cpus"] >= 1 and "gbps" in out["definitions"]
     records = out["records"]
     assert [(r["transport"], r["tokens"]) for r in records] == [
-        ("local", 64), ("local", 512), ("tcp", 64), ("tcp", 512)]
+        ("local", 64),
+        ("local", 512),
+        ("tcp", 64),
+        ("tcp", 512),
+    ]
     for r in records:
         assert (r["prefill_tp"], r["decode_tp"], r["total_kv_heads"], r["layers"], r["mla"]) == (2, 1, 8, 2, False)
         assert r["verified_requests"] == r["succeeded_requests"] == 6 and r["failures"] == []
@@ -123,6 +174,10 @@ def test_small_real_run_records_every_field_and_stays_below_its_baseline(tmp_pat
 
 
 def test_the_benchmark_script_runs_the_same_command():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--requests", "0"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--requests", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "kvxfer bench: error: --requests=0 must be >= 1" in out.stderr

@@ -1,4 +1,5 @@
 """``kvxfer plan``: JSON fields, the human table, one-line errors."""
+
 from __future__ import annotations
 
 import json
@@ -28,11 +29,29 @@ def test_json_lists_every_writer_reader_pair(capsys):
 def test_json_for_p_greater_than_d_and_mla(capsys):
     main(["plan", "--total-kv-heads", "8", "--prefill-tp", "4", "--decode-tp", "2", "--json", "--tokens", "64"])
     out = json.loads(capsys.readouterr().out)
-    got = [(t["prefill_rank"], t["decode_rank"], t["src_head_start"], t["dst_head_start"], t["num_heads"])
-           for t in out["transfers"]]
+    got = [
+        (t["prefill_rank"], t["decode_rank"], t["src_head_start"], t["dst_head_start"], t["num_heads"])
+        for t in out["transfers"]
+    ]
     assert got == [(0, 0, 0, 0, 2), (1, 0, 0, 2, 2), (2, 1, 0, 0, 2), (3, 1, 0, 2, 2)]
     assert all(t["path"] == "staged" and t["ops_staged"] == 1 for t in out["transfers"])
-    main(["plan", "--total-kv-heads", "1", "--prefill-tp", "4", "--decode-tp", "2", "--mla", "--head-dim", "576", "--json", "--pages", "contiguous"])
+    main(
+        [
+            "plan",
+            "--total-kv-heads",
+            "1",
+            "--prefill-tp",
+            "4",
+            "--decode-tp",
+            "2",
+            "--mla",
+            "--head-dim",
+            "576",
+            "--json",
+            "--pages",
+            "contiguous",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["mla"] and len(out["transfers"]) == 2
     assert all(t["path"] == "direct" for t in out["transfers"])
@@ -45,14 +64,32 @@ def test_human_table(capsys):
     assert "staged: head slice 4/8 is strided in the NHD destination" in text
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--total-kv-heads", "8", "--prefill-tp", "3", "--decode-tp", "1"], "total_kv_heads=8 is not divisible by tp_size=3"),
-    (["--total-kv-heads", "8", "--prefill-tp", "1", "--decode-tp", "12"], "tp_size=12 is not a multiple of total_kv_heads=8"),
-    (["--total-kv-heads", "x", "--prefill-tp", "1", "--decode-tp", "1"], "invalid int value: 'x'"),
-    (["--total-kv-heads", "8", "--prefill-tp", "1", "--decode-tp", "1", "--dtype", "int3"], "dtype='int3' is not supported"),
-    (["--total-kv-heads", "8", "--prefill-tp", "1", "--decode-tp", "1", "--tokens", "0"], "--tokens=0 must be >= 1"),
-    (["--total-kv-heads", "2", "--prefill-tp", "1", "--decode-tp", "1", "--mla"], "total_kv_heads=2 must be 1 for MLA"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (
+            ["--total-kv-heads", "8", "--prefill-tp", "3", "--decode-tp", "1"],
+            "total_kv_heads=8 is not divisible by tp_size=3",
+        ),
+        (
+            ["--total-kv-heads", "8", "--prefill-tp", "1", "--decode-tp", "12"],
+            "tp_size=12 is not a multiple of total_kv_heads=8",
+        ),
+        (["--total-kv-heads", "x", "--prefill-tp", "1", "--decode-tp", "1"], "invalid int value: 'x'"),
+        (
+            ["--total-kv-heads", "8", "--prefill-tp", "1", "--decode-tp", "1", "--dtype", "int3"],
+            "dtype='int3' is not supported",
+        ),
+        (
+            ["--total-kv-heads", "8", "--prefill-tp", "1", "--decode-tp", "1", "--tokens", "0"],
+            "--tokens=0 must be >= 1",
+        ),
+        (
+            ["--total-kv-heads", "2", "--prefill-tp", "1", "--decode-tp", "1", "--mla"],
+            "total_kv_heads=2 must be 1 for MLA",
+        ),
+    ],
+)
 def test_invalid_input_is_one_line_without_traceback(args, words):
     proc = run_cli("plan", *args)
     assert proc.returncode == 2

@@ -1,4 +1,5 @@
 """``kvxfer demo``, ``kvxfer prefill|decode|client`` as a user runs them (real processes)."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,9 @@ SMALL = ["--layers", "2", "--head-dim", "32", "--page-size", "8"]
 
 
 def kvxfer(*args, timeout=120, **kw):
-    return subprocess.run([sys.executable, "-m", "sglang_kvxfer", *args], capture_output=True, text=True,
-                          timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "sglang_kvxfer", *args], capture_output=True, text=True, timeout=timeout, **kw
+    )
 
 
 def free_port() -> int:
@@ -31,20 +33,37 @@ def test_demo_json_verifies_every_request():
     proc = kvxfer("demo", "--json", "--quiet", "--requests", "3", "--tokens", "64,200", "--chunk-tokens", "32", *SMALL)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert {"requests", "verified_requests", "bytes", "gbps", "p50_ms", "p99_ms", "prefill_tp", "decode_tp",
-            "transport"} <= set(out)
+    assert {
+        "requests",
+        "verified_requests",
+        "bytes",
+        "gbps",
+        "p50_ms",
+        "p99_ms",
+        "prefill_tp",
+        "decode_tp",
+        "transport",
+    } <= set(out)
     assert (out["requests"], out["verified_requests"], out["prefill_tp"], out["decode_tp"], out["transport"]) == (
-        3, 3, 2, 1, "local")
+        3,
+        3,
+        2,
+        1,
+        "local",
+    )
     assert out["bytes"] == 2 * (64 + 200 + 64) * 8 * (32 + 32) * 2  # layers x tokens x heads x (K+V dims) x bf16
     assert out["data_path"] == {"staged": 6}  # P2 -> D1 on NHD pools: strided head slices
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--prefill-tp", "3"], "total_kv_heads=8 is not divisible by tp_size=3"),
-    (["--tokens", "0"], "--tokens='0' must list positive token counts"),
-    (["--transport", "pigeon"], "unknown transport 'pigeon'"),
-    (["--concurrency", "0"], "--concurrency=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--prefill-tp", "3"], "total_kv_heads=8 is not divisible by tp_size=3"),
+        (["--tokens", "0"], "--tokens='0' must list positive token counts"),
+        (["--transport", "pigeon"], "unknown transport 'pigeon'"),
+        (["--concurrency", "0"], "--concurrency=0 must be >= 1"),
+    ],
+)
 def test_demo_rejects_bad_input_in_one_line(args, words):
     proc = kvxfer("demo", "--quiet", *args, *SMALL, timeout=60)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
@@ -55,19 +74,66 @@ def test_demo_rejects_bad_input_in_one_line(args, words):
 def test_servers_and_client():
     pport, dport, bport = free_port(), free_port(), free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    pre = subprocess.Popen([sys.executable, "-m", "sglang_kvxfer", "prefill", "--tp", "2", "--port", str(pport),
-                            "--bootstrap-port", str(bport), "--log-level", "WARNING", *SMALL],
-                           stderr=subprocess.PIPE, text=True, env=env)
+    pre = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sglang_kvxfer",
+            "prefill",
+            "--tp",
+            "2",
+            "--port",
+            str(pport),
+            "--bootstrap-port",
+            str(bport),
+            "--log-level",
+            "WARNING",
+            *SMALL,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     dec = None
     try:
         wait_ready(pre)
-        dec = subprocess.Popen([sys.executable, "-m", "sglang_kvxfer", "decode", "--tp", "2", "--port", str(dport),
-                                "--bootstrap", f"127.0.0.1:{bport}", "--log-level", "WARNING", *SMALL],
-                               stderr=subprocess.PIPE, text=True, env=env)
+        dec = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sglang_kvxfer",
+                "decode",
+                "--tp",
+                "2",
+                "--port",
+                str(dport),
+                "--bootstrap",
+                f"127.0.0.1:{bport}",
+                "--log-level",
+                "WARNING",
+                *SMALL,
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         line = wait_ready(dec)
         assert "transport local" in line  # auto: decode follows the prefill group
-        proc = kvxfer("client", "--prefill", f"127.0.0.1:{pport}", "--decode", f"127.0.0.1:{dport}",
-                      "--requests", "4", "--tokens", "48,100", "--chunk-tokens", "16", "--json", "--quiet")
+        proc = kvxfer(
+            "client",
+            "--prefill",
+            f"127.0.0.1:{pport}",
+            "--decode",
+            f"127.0.0.1:{dport}",
+            "--requests",
+            "4",
+            "--tokens",
+            "48,100",
+            "--chunk-tokens",
+            "16",
+            "--json",
+            "--quiet",
+        )
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         assert out["verified_requests"] == 4 and out["decode_tp"] == 2

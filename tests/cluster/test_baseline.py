@@ -1,5 +1,6 @@
 """The plain movers ``kvxfer bench`` measures against (``cluster/baseline.py``): every byte
 arrives, a lost byte is caught, and every rejected argument is named."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,13 +23,16 @@ def test_baseline_check_catches_a_mover_that_lost_bytes():
         _check([(np.ones(4, np.uint8), np.ones(4, np.uint8)), (np.ones(4, np.uint8), np.zeros(4, np.uint8))])
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"method": "memcpy", "items": [1], "streams": 1}, "baseline method='memcpy' must be one of copy, socket, d2d"),
-    ({"method": "copy", "items": [1], "streams": 0}, "baseline streams=0 must be a positive integer"),
-    ({"method": "copy", "items": [0, 0], "streams": 1}, "must be non-negative byte counts with a positive total"),
-    ({"method": "copy", "items": [4, -1], "streams": 1}, "must be non-negative byte counts with a positive total"),
-    ({"method": "d2d", "items": [4], "streams": 1}, "the d2d baseline needs prefill_devices and decode_devices"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"method": "memcpy", "items": [1], "streams": 1}, "baseline method='memcpy' must be one of copy, socket, d2d"),
+        ({"method": "copy", "items": [1], "streams": 0}, "baseline streams=0 must be a positive integer"),
+        ({"method": "copy", "items": [0, 0], "streams": 1}, "must be non-negative byte counts with a positive total"),
+        ({"method": "copy", "items": [4, -1], "streams": 1}, "must be non-negative byte counts with a positive total"),
+        ({"method": "d2d", "items": [4], "streams": 1}, "the d2d baseline needs prefill_devices and decode_devices"),
+    ],
+)
 def test_baseline_rejections_name_the_argument(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         measure_baseline(**kwargs)

@@ -1,4 +1,5 @@
 """``cluster/workload.py`` without processes: the two sides are stand-ins with ``submit``."""
+
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -43,10 +44,13 @@ def test_progress_must_be_an_object_with_update(progress):
         run_workload(_Side(), _Side(), make_requests(1, [16], 0, 16), 1, 10.0, progress=progress)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"n": 0, "tokens": [16], "chunk_tokens": 0, "page_size": 16}, "--requests=0 must be >= 1"),
-    ({"n": 1, "tokens": [16], "chunk_tokens": -1, "page_size": 16}, "--chunk-tokens=-1 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"n": 0, "tokens": [16], "chunk_tokens": 0, "page_size": 16}, "--requests=0 must be >= 1"),
+        ({"n": 1, "tokens": [16], "chunk_tokens": -1, "page_size": 16}, "--chunk-tokens=-1 must be >= 0"),
+    ],
+)
 def test_request_stream_rejections_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_requests(**kwargs)

@@ -1,5 +1,6 @@
 """An in-process cluster for engine tests: a bootstrap and prefill/decode managers as
 threads of the test process (each manager has its own transport, pool and sockets)."""
+
 from __future__ import annotations
 
 import time
@@ -14,15 +15,31 @@ TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 
 def geometry(h=8, mla=False, page_size=4, layout="NHD", num_pages=64, **kw):
-    base = dict(num_layers=2, total_kv_heads=h, head_dim=16, v_head_dim=None if mla else 8,
-                dtype="bf16", mla=mla, page_size=page_size, layout=layout, num_pages=num_pages)
+    base = dict(
+        num_layers=2,
+        total_kv_heads=h,
+        head_dim=16,
+        v_head_dim=None if mla else 8,
+        dtype="bf16",
+        mla=mla,
+        page_size=page_size,
+        layout=layout,
+        num_pages=num_pages,
+    )
     base.update(kw)
     return KVGeometry(**base)
 
 
-FAST = dict(bootstrap_timeout_s=10.0, waiting_timeout_s=10.0, transfer_timeout_s=10.0,
-            heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, staging_bytes=1 << 20,
-            staging_slot_bytes=64 << 10, num_workers=2)
+FAST = dict(
+    bootstrap_timeout_s=10.0,
+    waiting_timeout_s=10.0,
+    transfer_timeout_s=10.0,
+    heartbeat_interval_s=0.2,
+    heartbeat_timeout_s=2.0,
+    staging_bytes=1 << 20,
+    staging_slot_bytes=64 << 10,
+    num_workers=2,
+)
 
 
 def wait_terminal(handles, timeout_s=20.0):
@@ -35,19 +52,28 @@ def wait_terminal(handles, timeout_s=20.0):
 
 
 class Cluster:
-    def __init__(self, p, d, gp, gd=None, transport="local", prefill_opts=None, decode_opts=None,
-                 bootstrap=None):
+    def __init__(self, p, d, gp, gd=None, transport="local", prefill_opts=None, decode_opts=None, bootstrap=None):
         self.boot = bootstrap or BootstrapServer()
         self.own_boot = bootstrap is None
         gd = gd or gp
         self.pre, self.dec = [], []
         try:
             for r in range(p):
-                self.pre.append(KVManager(EngineConfig("prefill", gp, p, r, self.boot.address, transport,
-                                                       **{**FAST, **(prefill_opts or {})})))
+                self.pre.append(
+                    KVManager(
+                        EngineConfig(
+                            "prefill", gp, p, r, self.boot.address, transport, **{**FAST, **(prefill_opts or {})}
+                        )
+                    )
+                )
             for r in range(d):
-                self.dec.append(KVManager(EngineConfig("decode", gd, d, r, self.boot.address, transport,
-                                                       **{**FAST, **(decode_opts or {})})))
+                self.dec.append(
+                    KVManager(
+                        EngineConfig(
+                            "decode", gd, d, r, self.boot.address, transport, **{**FAST, **(decode_opts or {})}
+                        )
+                    )
+                )
             for m in self.pre:
                 m.wait_registered(10)
         except BaseException:
@@ -75,8 +101,11 @@ class Cluster:
             tx = KVSender(m, room)
             for a in range(0, tokens, chunk):
                 b = min(tokens, a + chunk)
-                tx.send(src[a // gp.page_size: -(-b // gp.page_size)], last_chunk=b == tokens,
-                        aux=aux if b == tokens else b"")
+                tx.send(
+                    src[a // gp.page_size : -(-b // gp.page_size)],
+                    last_chunk=b == tokens,
+                    aux=aux if b == tokens else b"",
+                )
             txs.append(tx)
         return txs, rxs, dst
 

@@ -1,6 +1,7 @@
 """Multi-process end to end: prefill and decode TP groups as separate processes, over the
 ``local`` and ``tcp`` transports, moving verified bytes; peer death and restart; a geometry
 mismatch that fails fast on both sides while the prefill keeps serving others."""
+
 from __future__ import annotations
 
 import time
@@ -76,8 +77,16 @@ def test_killed_prefill_fails_decode_within_the_deadline_and_a_restart_serves_ag
             fut_p.result(20)
         finally:
             pre.close()
-        with RankGroup(make_spec("prefill", gp, 2, boot.address, "local",
-                                 options={k: v for k, v in {**FAST, **opts}.items() if k != "num_workers"})) as pre2:
+        with RankGroup(
+            make_spec(
+                "prefill",
+                gp,
+                2,
+                boot.address,
+                "local",
+                options={k: v for k, v in {**FAST, **opts}.items() if k != "num_workers"},
+            )
+        ) as pre2:
             with dec:
                 results = run(pre2, dec, [100, 33], chunk=32, n=2, seed=2)
     assert all(r.ok and r.verified for r in results), [r.reason for r in results]
@@ -88,8 +97,9 @@ def test_geometry_mismatch_fails_both_sides_and_prefill_keeps_serving():
     with BootstrapServer() as boot:
         opts = {k: v for k, v in FAST.items() if k != "num_workers"}
         with RankGroup(make_spec("prefill", gp, 2, boot.address, "tcp", options=opts), one_process=True) as pre:
-            with RankGroup(make_spec("decode", geometry(8, head_dim=8), 1, boot.address, "tcp", options=opts),
-                           one_process=True) as bad:
+            with RankGroup(
+                make_spec("decode", geometry(8, head_dim=8), 1, boot.address, "tcp", options=opts), one_process=True
+            ) as bad:
                 t0 = time.monotonic()
                 (r,) = run(pre, bad, [20], chunk=0, n=1, concurrency=1)
                 assert time.monotonic() - t0 < FAST["bootstrap_timeout_s"]  # failed fast, not by deadline

@@ -1,6 +1,7 @@
 """The engine hooks an inference-server integration uses: a pool over memory known only by
 address (``KVPool.from_pointers``), a chunk handed over before its KV is written
 (``KVSender.send(ready=...)``), and the prefill group's status (``prefill_group_status``)."""
+
 from __future__ import annotations
 
 import threading
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_kvxfer.engine import BootstrapServer, EngineConfig, KVManager, KVPool, KVPoll, KVReceiver, KVSender
+from sglang_kvxfer.engine import BootstrapServer, EngineConfig, KVManager, KVPoll, KVPool, KVReceiver, KVSender
 from sglang_kvxfer.engine.synthetic import fill_request
 from sglang_kvxfer.transports import get_transport
 
@@ -30,8 +31,8 @@ def test_from_pointers_aliases_the_callers_memory_and_registers_it():
     try:
         assert [b.data_ptr() for b in pool.buffers] == ptrs
         assert [tuple(b.shape) for b in pool.buffers] == [place.buffer_shape(i) for i in range(len(bufs))]
-        pool.buffers[3][5, 1, 2] = 7.0          # through the view...
-        assert float(bufs[3][5, 1, 2]) == 7.0   # ...into the server's tensor
+        pool.buffers[3][5, 1, 2] = 7.0  # through the view...
+        assert float(bufs[3][5, 1, 2]) == 7.0  # ...into the server's tensor
         with get_transport("local") as t:
             descriptors = pool.register(t)
             assert len(descriptors) == len(bufs) and [r.ptr for r in pool.regions] == ptrs
@@ -48,7 +49,9 @@ def test_from_pointers_rejects_what_does_not_fit_the_geometry():
         KVPool.from_pointers(place, ptrs[:3], lens[:3])
     short = list(lens)
     short[2] -= 2
-    with pytest.raises(ValueError, match=r"lens\[2\]=\d+ must be at least \d+ bytes: buffer 2 of the geometry is \(32, 8, 8\) bfloat16"):
+    with pytest.raises(
+        ValueError, match=r"lens\[2\]=\d+ must be at least \d+ bytes: buffer 2 of the geometry is \(32, 8, 8\) bfloat16"
+    ):
         KVPool.from_pointers(place, ptrs, short)
     with pytest.raises(ValueError, match=r"ptrs\[0\]=0 must be a non-null address"):
         KVPool.from_pointers(place, [0] + ptrs[1:], lens)
@@ -96,7 +99,7 @@ def test_a_chunk_handed_over_early_is_read_only_after_its_ready_event():
         while tx.poll() is KVPoll.Bootstrapping and time.monotonic() < deadline:
             time.sleep(0.005)
         tx.send(src[:2], ready=gate)
-        time.sleep(0.1)   # the worker has the chunk and waits on the gate
+        time.sleep(0.1)  # the worker has the chunk and waits on the gate
         assert gate.waited and rx.poll() is not KVPoll.Success
         fill_request(pre.placement, pre.pool.buffers, 301, src, 0, 16)
         gate.open()
@@ -109,8 +112,7 @@ def test_a_chunk_handed_over_early_is_read_only_after_its_ready_event():
 
 def test_prefill_group_status_reports_a_lookup_without_restarting_it():
     with BootstrapServer() as boot:
-        cfg = EngineConfig("decode", geometry(), 1, 0, boot.address, "local",
-                           **{**FAST, "bootstrap_timeout_s": 0.5})
+        cfg = EngineConfig("decode", geometry(), 1, 0, boot.address, "local", **{**FAST, "bootstrap_timeout_s": 0.5})
         with KVManager(cfg) as dec:
             addr = boot.address
             assert dec.prefill_group_status(addr)[0] == "resolving"

@@ -1,5 +1,6 @@
 """The engine with every rank as threads of this process: data paths, aborts, deadlines,
 bad frames, validation. Bytes are real and checked; every wait has a deadline."""
+
 from __future__ import annotations
 
 import logging
@@ -15,12 +16,15 @@ from .harness import FAST, Cluster, geometry, wait_terminal
 
 
 @pytest.mark.parametrize("transport", ["local", "tcp"])
-@pytest.mark.parametrize("h,p,d,pages,layouts", [
-    (8, 2, 1, (4, 4), ("NHD", "NHD")),   # staged gather of strided head slices
-    (8, 1, 2, (4, 8), ("NHD", "HND")),   # page size and layout differ
-    (8, 2, 2, (4, 4), ("NHD", "NHD")),   # equal TP
-    (2, 1, 4, (8, 8), ("HND", "HND")),   # replicated decode heads, HND head slices
-])
+@pytest.mark.parametrize(
+    "h,p,d,pages,layouts",
+    [
+        (8, 2, 1, (4, 4), ("NHD", "NHD")),  # staged gather of strided head slices
+        (8, 1, 2, (4, 8), ("NHD", "HND")),  # page size and layout differ
+        (8, 2, 2, (4, 4), ("NHD", "NHD")),  # equal TP
+        (2, 1, 4, (8, 8), ("HND", "HND")),  # replicated decode heads, HND head slices
+    ],
+)
 def test_transfers_are_byte_exact(transport, h, p, d, pages, layouts):
     gp = geometry(h, page_size=pages[0], layout=layouts[0])
     gd = geometry(h, page_size=pages[1], layout=layouts[1])
@@ -155,12 +159,16 @@ def test_malformed_frames_are_logged_and_dropped(caplog):
         sock.connect(endpoint)
         import msgpack
 
-        payloads = [b"\x00garbage", msgpack.packb([99, "Heartbeat", {}]), msgpack.packb([1, "Heartbeat", {"session": 5}]),
-                    msgpack.packb([1, "NoSuchMessage", {}]), msgpack.packb({"a": 1})]
+        payloads = [
+            b"\x00garbage",
+            msgpack.packb([99, "Heartbeat", {}]),
+            msgpack.packb([1, "Heartbeat", {"session": 5}]),
+            msgpack.packb([1, "NoSuchMessage", {}]),
+            msgpack.packb({"a": 1}),
+        ]
         # Authenticated envelopes around malformed payloads (a key holder's bug), and one
         # payload with no envelope at all (dropped before it is even decoded).
-        frames = [envelope.seal(c.pre[0].config.auth_key, "tester", i + 1, p, endpoint)
-                  for i, p in enumerate(payloads)]
+        frames = [envelope.seal(c.pre[0].config.auth_key, "tester", i + 1, p, endpoint) for i, p in enumerate(payloads)]
         with caplog.at_level(logging.WARNING, logger="sglang_kvxfer.control"):
             for f in frames + [payloads[1]]:
                 sock.send(f)

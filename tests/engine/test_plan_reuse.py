@@ -1,10 +1,10 @@
 """The data path plans once per (request, writer, reader): staged slots and decode scatters
 cut slices of one ``RequestPlan``; nothing calls ``plan_pair`` per slot."""
+
 from __future__ import annotations
 
 from sglang_kvxfer.engine import KVPoll
 from sglang_kvxfer.planning import byteplan, request_plan
-
 from tests.engine.harness import Cluster, geometry, wait_terminal
 
 
@@ -15,6 +15,7 @@ def test_staged_slots_reuse_one_plan_per_reader(monkeypatch):
         def wrapper(*args, **kwargs):
             counts[name] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(byteplan, "plan_pair", counting("plan_pair", byteplan.plan_pair))

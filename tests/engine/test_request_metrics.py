@@ -2,6 +2,7 @@
 being ready and the last notice, both sides' records agree on bytes and ops, every
 finished request reaches the listeners once, and the Prometheus endpoints answer real
 scrapes (in-process, and from rank processes during a run)."""
+
 from __future__ import annotations
 
 import socket
@@ -47,7 +48,7 @@ def test_window_runs_from_first_byte_ready_to_last_notice_and_covers_every_chunk
             if i:
                 time.sleep(0.2)  # the next chunk's prefill compute: inside the window
             for tx in txs:
-                tx.send(src[a // 4:(a + chunk) // 4], last_chunk=a + chunk >= tokens)
+                tx.send(src[a // 4 : (a + chunk) // 4], last_chunk=a + chunk >= tokens)
         assert wait_terminal(txs + rxs) == [KVPoll.Success] * (p + d)
         assert c.verify(room, dst, tokens) == []
         pre, dec = [tx.record for tx in txs], [rx.record for rx in rxs]
@@ -131,8 +132,9 @@ def test_prometheus_endpoint_in_process_counts_in_flight_done_and_failed():
         tx.send(src, last_chunk=True)
         assert wait_terminal([tx, rx]) == [KVPoll.Success] * 2
         assert c.verify(51, dst, 24) == []
-        after = eventually(lambda: (s := scrape(md.port))["kvxfer_transfer_seconds_count"] == 1 and s,
-                           what="the decode histogram")
+        after = eventually(
+            lambda: (s := scrape(md.port))["kvxfer_transfer_seconds_count"] == 1 and s, what="the decode histogram"
+        )
         assert after["kvxfer_requests_in_flight"] == 0
         assert after["kvxfer_transfer_bytes_sum"] == rx.record.bytes == 24 * 8 * 2 * (16 + 8) * 2
         assert after["kvxfer_transfer_ops_total"] == rx.record.ops == tx.ops
@@ -146,8 +148,10 @@ def test_prometheus_endpoint_in_process_counts_in_flight_done_and_failed():
         rx2.abort("the client went away")
         assert wait_terminal([tx2, rx2]) == [KVPoll.Failed] * 2
         for port in (md.port, mp.port):
-            failed = eventually(lambda: (s := scrape(port))["kvxfer_transfer_failures_total{aborted}"] == 1 and s,
-                                what="the aborted counter")
+            failed = eventually(
+                lambda port=port: (s := scrape(port))["kvxfer_transfer_failures_total{aborted}"] == 1 and s,
+                what="the aborted counter",
+            )
             assert failed["kvxfer_transfer_failures_total{timeout}"] == 0
             assert failed["kvxfer_requests_in_flight"] == 0
 
@@ -176,9 +180,11 @@ def test_rank_processes_serve_metrics_that_a_scrape_reads_during_a_run():
     opts = {k: v for k, v in FAST.items() if k != "num_workers"}
     base = _free_port_range(3)
     with BootstrapServer() as boot:
-        pre, dec = open_groups(make_spec("prefill", g, 2, boot.address, "tcp", options=opts, metrics_port=base),
-                               make_spec("decode", g, 1, boot.address, "tcp", options=opts, metrics_port=base + 2),
-                               one_process=True)
+        pre, dec = open_groups(
+            make_spec("prefill", g, 2, boot.address, "tcp", options=opts, metrics_port=base),
+            make_spec("decode", g, 1, boot.address, "tcp", options=opts, metrics_port=base + 2),
+            one_process=True,
+        )
         with pre, dec:
             assert pre.metrics_ports == [base, base + 1] and dec.metrics_ports == [base + 2]
             (slow,) = make_requests(1, [64], 16, 4, seed=5, chunk_delay_s=0.5)  # 4 chunks, ~1.5 s in flight
@@ -187,15 +193,22 @@ def test_rank_processes_serve_metrics_that_a_scrape_reads_during_a_run():
             assert fut_d.result(30)[0]["ok"] and all(r["ok"] for r in fut_p.result(30))
             results, _ = run_workload(pre, dec, make_requests(3, [37, 64, 9], 8, 4, seed=6), 2, 60, progress=False)
             assert all(r.ok and r.verified for r in results), [r.reason for r in results]
-            decoded = eventually(lambda: (s := scrape(base + 2))["kvxfer_transfer_seconds_count"] == 4 and s,
-                                 what="four requests on the decode rank")
+            decoded = eventually(
+                lambda: (s := scrape(base + 2))["kvxfer_transfer_seconds_count"] == 4 and s,
+                what="four requests on the decode rank",
+            )
             received = sum(r.bytes for r in results) + fut_d.result(1)[0]["bytes"]
             assert decoded["kvxfer_transfer_bytes_sum"] == received
             assert decoded["kvxfer_requests_in_flight"] == 0
             assert sum(v for k, v in decoded.items() if k.startswith("kvxfer_transfer_failures_total")) == 0
             assert decoded["kvxfer_transfer_phase_seconds_total{scatter}"] > 0
-            sent = [eventually(lambda port=port: (s := scrape(port))["kvxfer_transfer_seconds_count"] == 4 and s,
-                               what="four requests on a prefill rank") for port in (base, base + 1)]
+            sent = [
+                eventually(
+                    lambda port=port: (s := scrape(port))["kvxfer_transfer_seconds_count"] == 4 and s,
+                    what="four requests on a prefill rank",
+                )
+                for port in (base, base + 1)
+            ]
             assert sum(s["kvxfer_transfer_bytes_sum"] for s in sent) == received
             ops = sum(r.ops for r in results) + sum(r["ops"] for r in fut_p.result(1))
             assert sum(s["kvxfer_transfer_ops_total"] for s in sent) == ops

@@ -6,6 +6,7 @@ and with the key but another session (a misbehaving or compromised peer: room ow
 expected-sender rules). Each test checks what the victim request sees, the counters, and
 that the real transfer still moves and verifies every byte.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,17 +71,34 @@ def keyed(monkeypatch):
 
 
 def meta_for(room: int, session: str, pages, tokens: int) -> RequestMeta:
-    return RequestMeta(room=room, session=session, tp_rank=0, tp_size=1, num_tokens=tokens,
-                       dst_page_ids=np.asarray(pages, dtype=np.int32), aux_slot=-1, elected=True,
-                       staging_offset=-1, staging_capacity_bytes=0)
+    return RequestMeta(
+        room=room,
+        session=session,
+        tp_rank=0,
+        tp_size=1,
+        num_tokens=tokens,
+        dst_page_ids=np.asarray(pages, dtype=np.int32),
+        aux_slot=-1,
+        elected=True,
+        staging_offset=-1,
+        staging_capacity_bytes=0,
+    )
 
 
 def test_frames_without_the_key_are_dropped_and_counted_before_they_create_state(keyed):
     with Cluster(1, 1, geometry()) as c:
-        pre, dec = c.pre[0], c.dec[0]
+        pre = c.pre[0]
         wrong = auth.key_from_secret("not-the-shared-secret-at-all")
-        frames = [sealed(Abort(room=r, side=Side.DECODE, tp_rank=0, reason="forged"), "attacker", r + 1,
-                         pre.control.endpoint, key=wrong) for r in range(50)]
+        frames = [
+            sealed(
+                Abort(room=r, side=Side.DECODE, tp_rank=0, reason="forged"),
+                "attacker",
+                r + 1,
+                pre.control.endpoint,
+                key=wrong,
+            )
+            for r in range(50)
+        ]
         frames.append(sealed(meta_for(7, "attacker", [1], 4), "attacker", 99, pre.control.endpoint, key=wrong))
         frames.append(codec.encode(Abort(room=7, side=Side.DECODE, tp_rank=0, reason="no envelope")))
         attack(pre.control.endpoint, frames)
@@ -101,9 +119,15 @@ def test_a_forged_transfer_done_does_not_complete_a_request(keyed):
         wait_for(lambda: pre.room(room) is not None, what="metadata at the prefill")
         done = TransferDone(room=room, tp_rank=0, total_bytes=1, num_ops=1, aux_payload=b"forged", timings={})
         # Without the key, and with the key from a session that is not the room's writer.
-        attack(dec.control.endpoint, [sealed(done, "attacker", 1, dec.control.endpoint,
-                                             key=auth.key_from_secret("wrong-secret-for-this-test")),
-                                      sealed(done, "attacker", 2, dec.control.endpoint)])
+        attack(
+            dec.control.endpoint,
+            [
+                sealed(
+                    done, "attacker", 1, dec.control.endpoint, key=auth.key_from_secret("wrong-secret-for-this-test")
+                ),
+                sealed(done, "attacker", 2, dec.control.endpoint),
+            ],
+        )
         wait_for(lambda: dec.security_events["unexpected_sender"] == 1, what="the keyed forgery counted")
         assert dec.control.dropped["unauthenticated"] == 1
         time.sleep(0.3)
@@ -129,8 +153,10 @@ def test_replayed_and_redirected_frames_are_dropped(keyed):
         # inbox delivered to the prefill instead (another destination).
         other = sealed(abort, rogue_session, 11, c.dec[0].control.endpoint)
         attack(pre.control.endpoint, [frame, frame, other])
-        wait_for(lambda: pre.control.dropped["replayed"] == 1 and pre.control.dropped["unauthenticated"] == 1,
-                 what="replay and redirect dropped")
+        wait_for(
+            lambda: pre.control.dropped["replayed"] == 1 and pre.control.dropped["unauthenticated"] == 1,
+            what="replay and redirect dropped",
+        )
         # The first copy passed the envelope but comes from an unregistered session: no state.
         wait_for(lambda: pre.security_events["unregistered_sender"] >= 1, what="unregistered sender counted")
         assert pre.room(5) is None
@@ -194,15 +220,29 @@ def test_a_flood_of_unknown_room_frames_keeps_the_room_table_bounded(keyed, monk
         wait_for(lambda: dec.session in pre._decode_peers, what="decode registered")
         rss0 = _rss_bytes()
         n = 20_000
-        unregistered = [sealed(TransferFailed(room=1000 + i, side=Side.DECODE, tp_rank=0, reason="flood"),
-                               "nobody", i + 1, pre.control.endpoint) for i in range(n)]
+        unregistered = [
+            sealed(
+                TransferFailed(room=1000 + i, side=Side.DECODE, tp_rank=0, reason="flood"),
+                "nobody",
+                i + 1,
+                pre.control.endpoint,
+            )
+            for i in range(n)
+        ]
         attack(pre.control.endpoint, unregistered)
         wait_for(lambda: pre.security_events["unregistered_sender"] >= n, timeout_s=60, what="flood handled")
         assert pre.room(1000) is None
         # From the registered session (a key holder gone wrong): capped by count.
         # Its frames must carry its own sequence numbers: a fresh, higher range.
-        registered = [sealed(Abort(room=50_000 + i, side=Side.DECODE, tp_rank=0, reason="flood"),
-                             dec.session, (1 << 40) + i, pre.control.endpoint) for i in range(1000)]
+        registered = [
+            sealed(
+                Abort(room=50_000 + i, side=Side.DECODE, tp_rank=0, reason="flood"),
+                dec.session,
+                (1 << 40) + i,
+                pre.control.endpoint,
+            )
+            for i in range(1000)
+        ]
         attack(pre.control.endpoint, registered)
         wait_for(lambda: pre.security_events["room_cap"] >= 800, timeout_s=60, what="cap reached")
         assert len(pre._rooms) <= 200 + 2

@@ -6,6 +6,7 @@ launcher and its ranks; a job that fails part-way aborts its peer; the client po
 bad fields and answers "busy" past ``--concurrency``. Every wait here has a deadline;
 the time bounds are fault-detection bounds (correctness), far below the deadlines in use.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,16 @@ import pytest
 from tests.cli.test_cli_servers import free_port
 
 GEOMETRY = ["--layers", "2", "--total-kv-heads", "4", "--head-dim", "16", "--page-size", "8", "--num-pages", "64"]
-DEADLINES = ["--bootstrap-timeout", "20", "--waiting-timeout", "30", "--transfer-timeout", "30",
-             "--heartbeat-timeout", "3"]
+DEADLINES = [
+    "--bootstrap-timeout",
+    "20",
+    "--waiting-timeout",
+    "30",
+    "--transfer-timeout",
+    "30",
+    "--heartbeat-timeout",
+    "3",
+]
 
 
 class Launcher:
@@ -31,9 +40,24 @@ class Launcher:
     def __init__(self, role: str, *args: str, port: int | None = None):
         self.port = port or free_port()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "sglang_kvxfer", role, "--port", str(self.port),
-                                      "--log-level", "WARNING", *GEOMETRY, *DEADLINES, *args],
-                                     stderr=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sglang_kvxfer",
+                role,
+                "--port",
+                str(self.port),
+                "--log-level",
+                "WARNING",
+                *GEOMETRY,
+                *DEADLINES,
+                *args,
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.lines: queue.Queue = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=lambda: [self.lines.put(x) for x in self.proc.stderr], daemon=True).start()
@@ -95,14 +119,21 @@ def client(address: str):
 
 
 def job(room: int, tokens: int = 64, chunk: int = 8, delay_s: float = 0.0) -> dict:
-    return {"room": room, "tokens": tokens, "chunk_tokens": chunk, "aux": b"\x01\x02", "verify": True,
-            "chunk_delay_s": delay_s}
+    return {
+        "room": room,
+        "tokens": tokens,
+        "chunk_tokens": chunk,
+        "aux": b"\x01\x02",
+        "verify": True,
+        "chunk_delay_s": delay_s,
+    }
 
 
 def all_up(remote, restarts: int | None = None):
     def check() -> bool:
         info = remote.info(10)
         return all(s == "up" for s in info["states"]) and (restarts is None or info["restarts"] >= restarts)
+
     return check
 
 
@@ -182,8 +213,10 @@ def test_jobs_fail_at_once_while_a_rank_is_down_and_the_launcher_still_answers_i
             ranks = rp.submit(job(7)).result(10)
             assert time.monotonic() - t0 < 2.0
             assert all(not r["ok"] for r in ranks)
-            assert f"prefill rank 0 is down after: prefill rank 0 (pid {pid}) died: killed by SIGKILL" in \
-                ranks[0]["reason"], ranks
+            assert (
+                f"prefill rank 0 is down after: prefill rank 0 (pid {pid}) died: killed by SIGKILL"
+                in ranks[0]["reason"]
+            ), ranks
             assert "rank restarts are off" in ranks[0]["reason"]
         finally:
             rp.close()
@@ -254,17 +287,20 @@ def _transfer(rp, fields: dict) -> dict:
     return rp._request(dict(fields, op="transfer")).result(10)
 
 
-@pytest.mark.parametrize("change,words", [
-    ({"chunk_delay_s": 1e9}, "chunk_delay_s=1000000000.0 must be in 0..60 s"),
-    ({"chunk_delay_s": -0.005}, "chunk_delay_s=-0.005 must be in 0..60 s"),
-    ({"chunk_delay_s": float("nan")}, "chunk_delay_s=nan must be in 0..60 s"),
-    ({"tokens": 513}, "tokens=513 must be in 1..512: the prefill pool holds 64 pages of 8 tokens = 512 tokens"),
-    ({"tokens": 0}, "tokens=0 must be in 1..512"),
-    ({"chunk_tokens": -1}, "chunk_tokens=-1 must be in 0..2**31-1"),
-    ({"room": -1}, "room=-1 must be in 0..2**64-1"),
-    ({"aux": b"x" * (65 << 10)}, "aux of 66560 bytes is over the limit of 65536"),
-    ({"tokens": "8"}, "field tokens='8' has the wrong type"),
-])
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        ({"chunk_delay_s": 1e9}, "chunk_delay_s=1000000000.0 must be in 0..60 s"),
+        ({"chunk_delay_s": -0.005}, "chunk_delay_s=-0.005 must be in 0..60 s"),
+        ({"chunk_delay_s": float("nan")}, "chunk_delay_s=nan must be in 0..60 s"),
+        ({"tokens": 513}, "tokens=513 must be in 1..512: the prefill pool holds 64 pages of 8 tokens = 512 tokens"),
+        ({"tokens": 0}, "tokens=0 must be in 1..512"),
+        ({"chunk_tokens": -1}, "chunk_tokens=-1 must be in 0..2**31-1"),
+        ({"room": -1}, "room=-1 must be in 0..2**64-1"),
+        ({"aux": b"x" * (65 << 10)}, "aux of 66560 bytes is over the limit of 65536"),
+        ({"tokens": "8"}, "field tokens='8' has the wrong type"),
+    ],
+)
 def test_the_client_port_refuses_out_of_range_fields(lone_prefill, change, words):
     _, rp = lone_prefill
     reply = _transfer(rp, dict(job(21), **change))
@@ -308,8 +344,9 @@ def test_the_client_port_drops_requests_without_the_key_and_replays(lone_prefill
     # A request sealed with the right key, sent twice: the second copy is a replay.
     import msgpack
 
-    frame = envelope.seal(auth.resolve_key(), "replayer", envelope.fresh_seq(time.time()),
-                          msgpack.packb({"op": "info", "id": 7}))
+    frame = envelope.seal(
+        auth.resolve_key(), "replayer", envelope.fresh_seq(time.time()), msgpack.packb({"op": "info", "id": 7})
+    )
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -336,11 +373,17 @@ def test_a_job_that_fails_part_way_aborts_its_peer_at_once():
     from sglang_kvxfer.geometry import KVGeometry
 
     g = KVGeometry(num_layers=2, total_kv_heads=2, head_dim=16, dtype="bf16", page_size=8, num_pages=32)
-    opts = {"bootstrap_timeout_s": 20.0, "waiting_timeout_s": 30.0, "transfer_timeout_s": 30.0,
-            "heartbeat_timeout_s": 10.0}
+    opts = {
+        "bootstrap_timeout_s": 20.0,
+        "waiting_timeout_s": 30.0,
+        "transfer_timeout_s": 30.0,
+        "heartbeat_timeout_s": 10.0,
+    }
     with BootstrapServer() as boot:
-        with RankGroup(make_spec("prefill", g, 1, boot.address, "local", options=opts)) as pre, \
-                RankGroup(make_spec("decode", g, 1, boot.address, "local", options=opts)) as dec:
+        with (
+            RankGroup(make_spec("prefill", g, 1, boot.address, "local", options=opts)) as pre,
+            RankGroup(make_spec("decode", g, 1, boot.address, "local", options=opts)) as dec,
+        ):
             bad = job(41, tokens=32, chunk=8, delay_s=-1.0)
             t0 = time.monotonic()
             fut_d = dec.submit(bad)

@@ -5,6 +5,7 @@ declare it dead and requests in the window fail within their deadlines; once it 
 the two sides re-register (the stale records replaced on both layers) and requests move and
 verify every byte again, with no restart of anything.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,15 +18,27 @@ from sglang_kvxfer.cluster.group import make_spec, open_groups
 from sglang_kvxfer.engine import BootstrapServer
 from tests.engine.harness import geometry
 
-OPTS = dict(bootstrap_timeout_s=8.0, waiting_timeout_s=8.0, transfer_timeout_s=8.0,
-            heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0, staging_bytes=1 << 20,
-            staging_slot_bytes=64 << 10)
+OPTS = dict(
+    bootstrap_timeout_s=8.0,
+    waiting_timeout_s=8.0,
+    transfer_timeout_s=8.0,
+    heartbeat_interval_s=0.2,
+    heartbeat_timeout_s=1.0,
+    staging_bytes=1 << 20,
+    staging_slot_bytes=64 << 10,
+)
 STALL_S = 3.0  # three heartbeat timeouts
 
 
 def job(room: int, tokens: int = 24) -> dict:
-    return {"room": room, "tokens": tokens, "chunk_tokens": 8, "aux": b"aux-%d" % room, "verify": True,
-            "chunk_delay_s": 0.0}
+    return {
+        "room": room,
+        "tokens": tokens,
+        "chunk_tokens": 8,
+        "aux": b"aux-%d" % room,
+        "verify": True,
+        "chunk_delay_s": 0.0,
+    }
 
 
 def run(pre, dec, room: int, timeout_s: float = 30.0) -> tuple[list, list]:

@@ -6,6 +6,7 @@ connections. Each probe must be closed within the handshake deadline after recei
 nothing but the challenge (no agent name, no reason), and the registered memory must stay
 byte-for-byte unchanged. Authorized writers are real ``TcpTransport`` instances.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,10 +20,9 @@ import pytest
 
 from sglang_kvxfer.errors import TransportError
 from sglang_kvxfer.transports import _memory
-from sglang_kvxfer.transports.tcp.wire import (CHALLENGE, HELLO, MAGIC, WIRE_VERSION, hello_mac,
-                                               key_id)
 from sglang_kvxfer.transports.local import LocalTransport, alloc_shared
 from sglang_kvxfer.transports.tcp import TcpTransport
+from sglang_kvxfer.transports.tcp.wire import CHALLENGE, HELLO, MAGIC, WIRE_VERSION, hello_mac, key_id
 
 N = 64 << 10
 HANDSHAKE_S = 1.0
@@ -98,14 +98,13 @@ def _probe(reader: Reader, payload: bytes | None) -> tuple[bytes, float]:
         except ConnectionResetError:
             pass
         except TimeoutError:
-            pytest.fail(f"the reader held a refused connection past "
-                        f"{HANDSHAKE_S + SLACK_S} s")
+            pytest.fail(f"the reader held a refused connection past {HANDSHAKE_S + SLACK_S} s")
     return received, time.monotonic() - start
 
 
 def _assert_refused_silently(reader: Reader, received: bytes, elapsed: float) -> None:
     assert elapsed < HANDSHAKE_S + SLACK_S
-    magic, version, _ = CHALLENGE.unpack(received[:CHALLENGE.size])
+    magic, version, _ = CHALLENGE.unpack(received[: CHALLENGE.size])
     assert (magic, version) == (MAGIC, WIRE_VERSION)
     assert len(received) == CHALLENGE.size  # nothing after the challenge: no reply, no reason
     assert reader.t._agent.encode() not in received
@@ -148,8 +147,7 @@ def test_authorized_peer_cannot_write_a_region_granted_to_another(reader):
     try:
         stolen = writer.t.import_region("reader", reader.b.descriptor)  # B's region, known to A
         ticket = writer.write(stolen, [0], [0], [4096])
-        with pytest.raises(TransportError, match=f"region {reader.b.region_id} is not open to "
-                                                 "this writer"):
+        with pytest.raises(TransportError, match=f"region {reader.b.region_id} is not open to this writer"):
             ticket.wait(TIMEOUT_S)
         reader.assert_unchanged()
         own = writer.t.import_region("reader", reader.a.descriptor)  # A still writes its own
@@ -262,6 +260,5 @@ def test_local_ptrace_any_only_when_opted_in_and_logged(yama_scope_1, monkeypatc
     with caplog.at_level(logging.WARNING, logger="sglang_kvxfer.transports.local"):
         with LocalTransport() as t:
             t.register(private.ctypes.data, 4096)
-    assert _ptracer_calls(yama_scope_1) == [(_memory._PR_SET_PTRACER,
-                                             _memory._PR_SET_PTRACER_ANY, 0, 0, 0)]
+    assert _ptracer_calls(yama_scope_1) == [(_memory._PR_SET_PTRACER, _memory._PR_SET_PTRACER_ANY, 0, 0, 0)]
     assert any("every process of this user" in r.getMessage() for r in caplog.records)

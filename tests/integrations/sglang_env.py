@@ -14,9 +14,10 @@ heavy dependencies are left out on purpose, and these helpers say how:
   own source (``DisaggregationMode``, ``TransferBackend``, ``KVClassType``,
   ``get_kv_class``) and runs them in a fresh module: SGLang's code, not a copy of it.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 import __future__
+
 import ast
 import importlib
 import importlib.util
@@ -33,8 +34,10 @@ def import_sglang_base():
     if BASE in sys.modules:
         return sys.modules[BASE], ""
     if importlib.util.find_spec("sglang") is None:
-        return None, (f"SGLang is not installed, so its base module {BASE} cannot be imported; "
-                      "install it as .ci/run does: pip install --no-deps sglang==0.5.23 ...")
+        return None, (
+            f"SGLang is not installed, so its base module {BASE} cannot be imported; "
+            "install it as .ci/run does: pip install --no-deps sglang==0.5.23 ..."
+        )
     shim = None
     if importlib.util.find_spec("triton") is None:
         shim = types.ModuleType("triton")
@@ -43,8 +46,10 @@ def import_sglang_base():
     try:
         return importlib.import_module(BASE), ""
     except Exception as exc:
-        return None, (f"SGLang's base module {BASE} failed to import ({type(exc).__name__}: {exc}); "
-                      "install what it needs as .ci/run does")
+        return None, (
+            f"SGLang's base module {BASE} failed to import ({type(exc).__name__}: {exc}); "
+            "install what it needs as .ci/run does"
+        )
     finally:
         if shim is not None and sys.modules.get("triton") is shim:
             del sys.modules["triton"]
@@ -64,21 +69,30 @@ def load_utils_defs(names=("DisaggregationMode", "TransferBackend", "KVClassType
     def is_overload(node) -> bool:
         return any(getattr(d, "id", getattr(d, "attr", None)) == "overload" for d in node.decorator_list)
 
-    picked = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))
-              and n.name in names and not is_overload(n)]
+    picked = [
+        n
+        for n in tree.body
+        if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in names and not is_overload(n)
+    ]
     missing = set(names) - {n.name for n in picked}
     if missing:
         raise LookupError(f"{path} no longer defines {sorted(missing)}")
     module = types.ModuleType("sglang_utils_defs")
     module.__file__ = str(path)
-    module.__dict__.update(Enum=enum.Enum, Optional=typing.Optional, Type=typing.Type)
-    code = compile(ast.Module(body=picked, type_ignores=[]), str(path), "exec",
-                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    module.__dict__.update(Enum=enum.Enum, Optional=typing.Optional, Type=type)
+    code = compile(
+        ast.Module(body=picked, type_ignores=[]),
+        str(path),
+        "exec",
+        flags=__future__.annotations.compiler_flag,
+        dont_inherit=True,
+    )
     exec(code, module.__dict__)
     return module
 
 
 # -- SGLang-shaped memory ------------------------------------------------------------------------
+
 
 @dataclass
 class Model:
@@ -89,7 +103,7 @@ class Model:
     head_dim: int = 16
     v_head_dim: int = 8
     page_size: int = 4
-    pool_tokens: int = 96          # MHATokenToKVPool `size`; buffers hold size + page_size rows
+    pool_tokens: int = 96  # MHATokenToKVPool `size`; buffers hold size + page_size rows
     dtype: str = "bfloat16"
     kv_cache_dtype_str: str = "bfloat16"
     metadata_slots: int = 8
@@ -148,8 +162,11 @@ def rank_memory(model: Model, tp: int, rank: int, role: str) -> RankMemory:
     heads = local_heads(model, tp)
     width = model.head_dim
     k = [torch.zeros((rows, heads, width), dtype=dtype) for _ in range(model.num_layers)]
-    v = [] if model.mla else [torch.zeros((rows, heads, model.v_head_dim), dtype=dtype)
-                              for _ in range(model.num_layers)]
+    v = (
+        []
+        if model.mla
+        else [torch.zeros((rows, heads, model.v_head_dim), dtype=dtype) for _ in range(model.num_layers)]
+    )
     meta = metadata_buffers(model)
     args = base.KVArgs()
     args.engine_rank = rank
@@ -190,16 +207,29 @@ def model_geometry(model: Model):
     """The model's geometry as the test fills and checks it (element dtype, real dims)."""
     from sglang_kvxfer.geometry import KVGeometry
 
-    return KVGeometry(num_layers=model.num_layers, total_kv_heads=1 if model.mla else model.total_kv_heads,
-                      head_dim=model.head_dim, v_head_dim=None if model.mla else model.v_head_dim,
-                      dtype=model.dtype, page_size=model.page_size, mla=model.mla,
-                      num_pages=(model.pool_tokens + model.page_size) // model.page_size)
+    return KVGeometry(
+        num_layers=model.num_layers,
+        total_kv_heads=1 if model.mla else model.total_kv_heads,
+        head_dim=model.head_dim,
+        v_head_dim=None if model.mla else model.v_head_dim,
+        dtype=model.dtype,
+        page_size=model.page_size,
+        mla=model.mla,
+        num_pages=(model.pool_tokens + model.page_size) // model.page_size,
+    )
 
 
 def server_args(model_path: str, role: str, tp: int, port: int, **extra):
     """A real ``ServerArgs`` for one side of the test deployment."""
     from sglang.srt.server_args import ServerArgs
 
-    return ServerArgs(model_path=model_path, tp_size=tp, device="cpu", host="127.0.0.1",
-                      disaggregation_mode=role, disaggregation_transfer_backend="kvxfer",
-                      disaggregation_bootstrap_port=port, **extra)
+    return ServerArgs(
+        model_path=model_path,
+        tp_size=tp,
+        device="cpu",
+        host="127.0.0.1",
+        disaggregation_mode=role,
+        disaggregation_transfer_backend="kvxfer",
+        disaggregation_bootstrap_port=port,
+        **extra,
+    )

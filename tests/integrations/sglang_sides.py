@@ -21,6 +21,7 @@ poll through the metadata gate until Success; read the aux slot; ``clear()``.
 
 The test checks every KV byte and every metadata byte in the decode side's own memory.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,11 +32,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tests.integrations.sglang_env import Model, import_sglang_base, load_utils_defs, model_geometry, rank_memory, server_args
+from tests.integrations.sglang_env import (
+    Model,
+    import_sglang_base,
+    load_utils_defs,
+    model_geometry,
+    rank_memory,
+    server_args,
+)
 
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
-CHUNK_TOKENS = 16          # chunked prefill size (a multiple of the page size)
-FORWARD_S = 0.1            # how long the scripted "forward" of the early-sent chunk runs
+CHUNK_TOKENS = 16  # chunked prefill size (a multiple of the page size)
+FORWARD_S = 0.1  # how long the scripted "forward" of the early-sent chunk runs
 MODEL_PATH = "kvxfer-test-model"
 
 
@@ -45,7 +53,7 @@ class Spec:
     model: Model
     tp: int
     port: int
-    requests: list            # [(bootstrap_room, prompt tokens)]
+    requests: list  # [(bootstrap_room, prompt tokens)]
     env: dict = field(default_factory=dict)
     timeout_s: float = 60.0
 
@@ -70,11 +78,22 @@ def aux_rows(model: Model, room: int) -> dict:
     """What ``MetadataBuffers.set_buf`` writes into a request's slot (same on every rank)."""
     import torch
 
-    rows = {name: None for name in ("output_ids", "cached_tokens", "output_token_logprobs_val",
-                                    "output_token_logprobs_idx", "output_top_logprobs_val",
-                                    "output_top_logprobs_idx", "output_topk_p", "output_topk_index",
-                                    "output_hidden_states", "bootstrap_room")}
-    g = np.random.default_rng(room % (2 ** 32))
+    rows = {
+        name: None
+        for name in (
+            "output_ids",
+            "cached_tokens",
+            "output_token_logprobs_val",
+            "output_token_logprobs_idx",
+            "output_top_logprobs_val",
+            "output_top_logprobs_idx",
+            "output_topk_p",
+            "output_topk_index",
+            "output_hidden_states",
+            "bootstrap_room",
+        )
+    }
+    g = np.random.default_rng(room % (2**32))
     rows["output_ids"] = torch.tensor([int(g.integers(1, 50000))] + [0] * 15, dtype=torch.int32)
     rows["cached_tokens"] = torch.tensor([int(g.integers(0, 64))] * 4 + [0] * 12, dtype=torch.int32)
     rows["output_token_logprobs_val"] = torch.tensor([-float(g.random())] + [0.0] * 15, dtype=torch.float32)
@@ -98,7 +117,7 @@ def _allocate(model: Model, requests, seed: int) -> list[np.ndarray]:
         need = -(-tokens // model.page_size)
         if at + need > len(free):
             raise ValueError(f"the test pool of {num_pages} pages cannot hold every request")
-        out.append(free[at: at + need])
+        out.append(free[at : at + need])
         at += need
     return out
 
@@ -114,8 +133,10 @@ def _failure(handles) -> list[str]:
         try:
             h.failure_exception()
         except Exception as exc:
-            out.append(f"{type(exc).__name__}: {getattr(exc, 'failure_reason', exc)}"
-                       f"{' [from another rank]' if getattr(exc, 'is_from_another_rank', False) else ''}")
+            out.append(
+                f"{type(exc).__name__}: {getattr(exc, 'failure_reason', exc)}"
+                f"{' [from another rank]' if getattr(exc, 'is_from_another_rank', False) else ''}"
+            )
         else:
             out.append("failure_exception() did not raise")
     return out
@@ -150,8 +171,9 @@ def _wait(reqs, pollers_of, want, deadline, on_failed) -> list:
     pending, reached = list(reqs), []
     while pending:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rooms {[r['room'] for r in pending]} stuck at "
-                               f"{[_min_poll(pollers_of(r)) for r in pending]}")
+            raise TimeoutError(
+                f"rooms {[r['room'] for r in pending]} stuck at {[_min_poll(pollers_of(r)) for r in pending]}"
+            )
         for req in list(pending):
             poll = _min_poll(pollers_of(req))
             if poll == FAILED:
@@ -183,22 +205,26 @@ def _prefill(spec: Spec, closers: list) -> dict:
     reqs = []
     pages = _allocate(m, spec.requests, seed=1)
     for slot, (room, tokens) in enumerate(spec.requests):
-        senders = [backend.KVXferKVSender(mgr=mgr, bootstrap_addr=f"{sa.host}:{spec.port}",
-                                          bootstrap_room=room) for mgr in mgrs]
+        senders = [
+            backend.KVXferKVSender(mgr=mgr, bootstrap_addr=f"{sa.host}:{spec.port}", bootstrap_room=room)
+            for mgr in mgrs
+        ]
         reqs.append({"room": room, "tokens": tokens, "slot": slot, "senders": senders, "pages": pages[slot]})
 
     def failed(req):
         results[req["room"]] = {"status": "Failed", "reasons": _failure(req["senders"])}
 
-    ready = _wait(reqs, lambda r: r["senders"], WAITING, deadline, failed)   # pop_bootstrapped
-    for req in ready:                                                        # finalize_bootstrap
+    ready = _wait(reqs, lambda r: r["senders"], WAITING, deadline, failed)  # pop_bootstrapped
+    for req in ready:  # finalize_bootstrap
         for s in req["senders"]:
             s.init(len(req["pages"]), req["slot"])
     for req in ready:
         _forward_and_send(req, m, mems, places)
     for req in _wait(ready, lambda r: r["senders"], SUCCESS, deadline, failed):  # inflight queue
-        results[req["room"]] = {"status": "Success",
-                                "bytes": [s.get_transfer_metric().transfer_total_bytes for s in req["senders"]]}
+        results[req["room"]] = {
+            "status": "Success",
+            "bytes": [s.get_transfer_metric().transfer_total_bytes for s in req["senders"]],
+        }
         for s in req["senders"]:
             s.clear()
     return results
@@ -213,10 +239,10 @@ def _forward_and_send(req: dict, m: Model, mems, places) -> None:
     for a in range(0, tokens, CHUNK_TOKENS):
         b = min(tokens, a + CHUNK_TOKENS)
         last = b == tokens
-        chunk_pages = pages[a // ps: -(-b // ps)].astype(np.int32)
+        chunk_pages = pages[a // ps : -(-b // ps)].astype(np.int32)
         early = ScriptEvent(timeout_s=30.0) if a == 0 and not last else None
 
-        def forward():
+        def forward(a=a, b=b):  # bound now: an early forward runs after the loop moved on
             for r, mem in enumerate(mems):
                 fill_request(places[r], mem.buffers, req["room"], pages, a, b - a)
 
@@ -244,6 +270,7 @@ def _model_heads(model: Model):
         if server_args.model_path != MODEL_PATH:
             raise AssertionError(f"asked for the heads of {server_args.model_path!r}")
         return model.total_kv_heads
+
     return total_kv_heads
 
 
@@ -280,8 +307,8 @@ def _decode(spec: Spec, closers: list) -> dict:
     def failed(req):
         results[req["room"]] = {"status": "Failed", "reasons": _failure(req["rxs"])}
 
-    ready = _wait(reqs, lambda r: r["rxs"], WAITING, deadline, failed)   # _update_handshake_waiters
-    for req in ready:                                                   # pop_preallocated
+    ready = _wait(reqs, lambda r: r["rxs"], WAITING, deadline, failed)  # _update_handshake_waiters
+    for req in ready:  # pop_preallocated
         for rx in req["rxs"]:
             rx.send_metadata(req["pages"].astype(np.int32), req["slot"], [], decode_prefix_len=0)
 
@@ -297,12 +324,15 @@ def _decode(spec: Spec, closers: list) -> dict:
 
     gated = lambda r: [Gated(rx, mems[i], r["slot"]) for i, rx in enumerate(r["rxs"])]  # noqa: E731
     geo = model_geometry(m)
-    for req in _wait(ready, gated, SUCCESS, deadline, failed):         # pop_transferred
+    for req in _wait(ready, gated, SUCCESS, deadline, failed):  # pop_transferred
         problems = []
         for r, mem in enumerate(mems):
-            problems += [f"rank {r}: {p}" for p in
-                         verify_request(geo.placement(spec.tp, r), mem.buffers, req["room"], req["pages"],
-                                        req["tokens"])]
+            problems += [
+                f"rank {r}: {p}"
+                for p in verify_request(
+                    geo.placement(spec.tp, r), mem.buffers, req["room"], req["pages"], req["tokens"]
+                )
+            ]
             for name, row in aux_rows(m, req["room"]).items():
                 if not bool((mem.meta[name][req["slot"]] == row).all()):
                     problems.append(f"rank {r}: metadata {name} of slot {req['slot']} differs")

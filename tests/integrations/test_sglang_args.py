@@ -1,5 +1,6 @@
 """KVArgs / ServerArgs translation (no SGLang needed): geometry from SGLang-shaped
 attribute bags, every refusal with its message, aux slots over real memory, NIC lists."""
+
 from __future__ import annotations
 
 import ctypes
@@ -19,20 +20,30 @@ from sglang_kvxfer.integrations.sglang_args import (
 )
 
 
-def kv_args(layers=3, heads=2, head_dim=16, v_head_dim=8, page_size=4, rows=68, itemsize=2, mla=False,
-            draft=0, **over):
+def kv_args(layers=3, heads=2, head_dim=16, v_head_dim=8, page_size=4, rows=68, itemsize=2, mla=False, draft=0, **over):
     """A KVArgs-shaped bag over fake addresses (the translation never touches KV memory)."""
     dims = [head_dim] * layers + ([] if mla else [v_head_dim] * layers) + [head_dim] * draft
     h = 1 if mla else heads
     items = [page_size * h * d * itemsize for d in dims]
     aux = [np.zeros((8, 16), dtype=np.int32), np.zeros((8, 8), dtype=np.uint64)]
     bag = SimpleNamespace(
-        engine_rank=1, kv_data_ptrs=[0x10000 * (i + 1) for i in range(len(dims))],
-        kv_data_lens=[it * (rows // page_size) for it in items], kv_item_lens=items,
-        kv_cache_dtype_str="bfloat16", kv_layout=None, state_types=[], is_hybrid_mla_backend=False,
-        page_size=page_size, num_draft_entries=draft, ib_device=None, gpu_id=0,
-        aux_data_ptrs=[a.ctypes.data for a in aux], aux_data_lens=[a.nbytes for a in aux],
-        aux_item_lens=[a[0].nbytes for a in aux], _keep=aux)
+        engine_rank=1,
+        kv_data_ptrs=[0x10000 * (i + 1) for i in range(len(dims))],
+        kv_data_lens=[it * (rows // page_size) for it in items],
+        kv_item_lens=items,
+        kv_cache_dtype_str="bfloat16",
+        kv_layout=None,
+        state_types=[],
+        is_hybrid_mla_backend=False,
+        page_size=page_size,
+        num_draft_entries=draft,
+        ib_device=None,
+        gpu_id=0,
+        aux_data_ptrs=[a.ctypes.data for a in aux],
+        aux_data_lens=[a.nbytes for a in aux],
+        aux_item_lens=[a[0].nbytes for a in aux],
+        _keep=aux,
+    )
     if not mla:
         bag.kv_head_num, bag.total_kv_head_num = heads, heads * 2
     for k, v in over.items():
@@ -54,7 +65,12 @@ def test_mha_kv_args_become_the_full_geometry():
 
 def test_mla_kv_args_need_no_head_counts():
     lay = layout_from_kv_args(kv_args(mla=True, head_dim=24), tp_size=4, mla=True, dtype="bfloat16")
-    assert (lay.geometry.mla, lay.geometry.total_kv_heads, lay.geometry.head_dim, lay.geometry.v_head_dim) == (True, 1, 24, 0)
+    assert (lay.geometry.mla, lay.geometry.total_kv_heads, lay.geometry.head_dim, lay.geometry.v_head_dim) == (
+        True,
+        1,
+        24,
+        0,
+    )
 
 
 def test_replicated_heads_come_from_the_total_not_the_bytes():
@@ -77,12 +93,16 @@ def test_missing_total_heads_falls_back_to_the_model_config():
     def broken():
         raise FileNotFoundError("config.json")
 
-    with pytest.raises(GeometryError, match=r"model config could not supply it \(FileNotFoundError: config.json\).*PR #19086"):
+    with pytest.raises(
+        GeometryError, match=r"model config could not supply it \(FileNotFoundError: config.json\).*PR #19086"
+    ):
         layout_from_kv_args(args, tp_size=2, mla=False, dtype="bfloat16", total_kv_heads=broken)
 
 
 def test_per_rank_head_count_must_match_ownership():
-    with pytest.raises(GeometryError, match=r"kv_head_num=3 but rank 1 of an attention TP group of 2 owns 2 of total_kv_head_num=4"):
+    with pytest.raises(
+        GeometryError, match=r"kv_head_num=3 but rank 1 of an attention TP group of 2 owns 2 of total_kv_head_num=4"
+    ):
         layout_from_kv_args(kv_args(kv_head_num=3), tp_size=2, mla=False, dtype="bfloat16")
 
 
@@ -97,7 +117,9 @@ def test_layers_with_different_head_dims_are_refused():
     args = kv_args()
     args.kv_item_lens[1] *= 2
     args.kv_data_lens[1] *= 2
-    with pytest.raises(GeometryError, match=r"head_dim \(K\) differs between KV entries: entry 0 has 16, entry 1 has 32"):
+    with pytest.raises(
+        GeometryError, match=r"head_dim \(K\) differs between KV entries: entry 0 has 16, entry 1 has 32"
+    ):
         layout_from_kv_args(args, tp_size=2, mla=False, dtype="bfloat16")
 
 
@@ -116,11 +138,14 @@ def test_an_odd_mha_entry_count_is_refused():
         layout_from_kv_args(args, tp_size=2, mla=False, dtype="bfloat16")
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("state_types", ["mamba"], r"KVArgs.state_types=\['mamba'\]: models with extra per-request state"),
-    ("kv_layout", "dsv4_unified", r"KVArgs.kv_layout='dsv4_unified'"),
-    ("is_hybrid_mla_backend", True, r"KVArgs.is_hybrid_mla_backend=True"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("state_types", ["mamba"], r"KVArgs.state_types=\['mamba'\]: models with extra per-request state"),
+        ("kv_layout", "dsv4_unified", r"KVArgs.kv_layout='dsv4_unified'"),
+        ("is_hybrid_mla_backend", True, r"KVArgs.is_hybrid_mla_backend=True"),
+    ],
+)
 def test_unsupported_pools_are_refused_by_name(field, value, message):
     with pytest.raises(KVXferError, match=message):
         layout_from_kv_args(kv_args(**{field: value}), tp_size=2, mla=False, dtype="bfloat16")
@@ -142,10 +167,23 @@ def test_auto_dtype_counts_head_dim_in_bytes():
 
 
 def server(**over):
-    base = dict(tp_size=4, attn_dp_size=1, attn_cp_size=1, dp_size=1, pp_size=1, dcp_size=1, device="cuda",
-                host="0.0.0.0", dist_init_addr=None, disaggregation_bootstrap_port=8998,
-                disaggregation_ib_device="mlx5_0", disaggregation_decode_enable_radix_cache=False,
-                disaggregation_decode_allocation_policy="early", enable_pd_role_switch=False, dtype="auto")
+    base = dict(
+        tp_size=4,
+        attn_dp_size=1,
+        attn_cp_size=1,
+        dp_size=1,
+        pp_size=1,
+        dcp_size=1,
+        device="cuda",
+        host="0.0.0.0",
+        dist_init_addr=None,
+        disaggregation_bootstrap_port=8998,
+        disaggregation_ib_device="mlx5_0",
+        disaggregation_decode_enable_radix_cache=False,
+        disaggregation_decode_allocation_policy="early",
+        enable_pd_role_switch=False,
+        dtype="auto",
+    )
     base.update(over)
     return SimpleNamespace(**base)
 
@@ -157,18 +195,28 @@ def test_server_plan():
     assert plan_from_server_args(server(device=None), "decode").device == "cuda"
 
 
-@pytest.mark.parametrize("over, role, flag", [
-    (dict(pp_size=2), "prefill", "--pp-size=2"),
-    (dict(dp_size=2), "prefill", "--dp-size=2"),
-    (dict(attn_dp_size=4), "decode", "--attn-dp-size=4"),
-    (dict(attn_cp_size=2), "prefill", "--attn-cp-size=2"),
-    (dict(dcp_size=2), "decode", "--dcp-size=2"),
-    (dict(enable_pd_role_switch=True), "prefill", "--enable-pd-role-switch=True"),
-    (dict(disaggregation_decode_allocation_policy="prefill_complete"), "decode",
-     "--disaggregation-decode-allocation-policy='prefill_complete'"),
-    (dict(disaggregation_decode_enable_radix_cache=True), "decode", "--disaggregation-decode-enable-radix-cache=True"),
-    (dict(device="npu"), "prefill", "--device='npu'"),
-])
+@pytest.mark.parametrize(
+    "over, role, flag",
+    [
+        (dict(pp_size=2), "prefill", "--pp-size=2"),
+        (dict(dp_size=2), "prefill", "--dp-size=2"),
+        (dict(attn_dp_size=4), "decode", "--attn-dp-size=4"),
+        (dict(attn_cp_size=2), "prefill", "--attn-cp-size=2"),
+        (dict(dcp_size=2), "decode", "--dcp-size=2"),
+        (dict(enable_pd_role_switch=True), "prefill", "--enable-pd-role-switch=True"),
+        (
+            dict(disaggregation_decode_allocation_policy="prefill_complete"),
+            "decode",
+            "--disaggregation-decode-allocation-policy='prefill_complete'",
+        ),
+        (
+            dict(disaggregation_decode_enable_radix_cache=True),
+            "decode",
+            "--disaggregation-decode-enable-radix-cache=True",
+        ),
+        (dict(device="npu"), "prefill", "--device='npu'"),
+    ],
+)
 def test_unsupported_server_settings_name_the_flag(over, role, flag):
     with pytest.raises(KVXferError, match="does not support " + flag.replace("[", r"\[")):
         plan_from_server_args(server(**over), role)
@@ -191,8 +239,9 @@ def test_nic_lists(tmp_path):
 
 
 def aux_over(arrays) -> AuxLayout:
-    return AuxLayout(tuple(a.ctypes.data for a in arrays), tuple(a.nbytes for a in arrays),
-                     tuple(a[0].nbytes for a in arrays))
+    return AuxLayout(
+        tuple(a.ctypes.data for a in arrays), tuple(a.nbytes for a in arrays), tuple(a[0].nbytes for a in arrays)
+    )
 
 
 def test_aux_slot_moves_between_layouts_byte_exact():

@@ -1,6 +1,7 @@
 """Our classes against SGLang 0.5.23's real base classes: they subclass them, implement
 every abstract method, accept every argument the base signatures and SGLang's event loops
 pass (by position and by keyword), and read only KVArgs/ServerArgs fields SGLang defines."""
+
 from __future__ import annotations
 
 import inspect
@@ -54,8 +55,7 @@ def signature_problems(theirs, mine) -> list[str]:
 
 
 def _public_methods(cls) -> list[str]:
-    return sorted(n for n, v in vars(cls).items()
-                  if callable(v) and (not n.startswith("_") or n == "__init__"))
+    return sorted(n for n, v in vars(cls).items() if callable(v) and (not n.startswith("_") or n == "__init__"))
 
 
 @pytest.mark.parametrize("mine, theirs", PAIRS, ids=lambda c: c.__name__)
@@ -104,22 +104,42 @@ def test_accepts_the_calls_sglangs_event_loops_make():
     _bind(ours.KVXferKVManager, "try_ensure_parallel_info", "h:1")
     _bind(ours.KVXferKVManager, "should_verify_kv_checksum", "h:1")
     _bind(ours.KVXferKVManager, "submit_prefill_recompute", x, x)
-    _bind(ours.KVXferKVSender, "__init__", mgr=x, bootstrap_addr="h:1", bootstrap_room=1,
-          req_has_disagg_prefill_dp_rank=False)
+    _bind(
+        ours.KVXferKVSender,
+        "__init__",
+        mgr=x,
+        bootstrap_addr="h:1",
+        bootstrap_room=1,
+        req_has_disagg_prefill_dp_rank=False,
+    )
     _bind(ours.KVXferKVSender, "init", 3, 0)
     _bind(ours.KVXferKVSender, "send", x, None, num_kv_tokens=16)
     _bind(ours.KVXferKVSender, "send", x, None, num_kv_tokens=16, indices_event=x)
     _bind(ours.KVXferKVSender, "should_send_kv_chunk", 3, True)
-    for name in ("poll", "failure_exception", "abort", "clear", "get_transfer_metric", "pop_decode_prefix_len",
-                 "get_max_transfer_tokens"):
+    for name in (
+        "poll",
+        "failure_exception",
+        "abort",
+        "clear",
+        "get_transfer_metric",
+        "pop_decode_prefix_len",
+        "get_max_transfer_tokens",
+    ):
         _bind(ours.KVXferKVSender, name)
         if hasattr(base.BaseKVReceiver, name):
             _bind(ours.KVXferKVReceiver, name)
     _bind(ours.KVXferKVReceiver, "__init__", mgr=x, bootstrap_addr="h:1", bootstrap_room=1)
     _bind(ours.KVXferKVReceiver, "init", 0)
     _bind(ours.KVXferKVReceiver, "send_metadata", x, 0, x, decode_prefix_len=0)
-    _bind(ours.KVXferKVReceiver, "send_metadata", x, 0, x, decode_prefix_len=0,
-          destination=base.KVTransferDestination.DEVICE)
+    _bind(
+        ours.KVXferKVReceiver,
+        "send_metadata",
+        x,
+        0,
+        x,
+        decode_prefix_len=0,
+        destination=base.KVTransferDestination.DEVICE,
+    )
     _bind(ours.KVXferKVReceiver, "ensure_abort_notified", force_arm=True)
     _bind(ours.KVXferKVBootstrapServer, "__init__", host="0.0.0.0", port=8998)
 

@@ -1,6 +1,7 @@
 """The backend install against SGLang's real code: its CLI parser, its TransferBackend /
 KVClassType / get_kv_class definitions (loaded from its own utils.py source), its plugin
 loader; and ``kvxfer sglang-serve``."""
+
 from __future__ import annotations
 
 import logging
@@ -109,8 +110,9 @@ def _server_modules_import() -> bool:
 
 
 def test_sglang_serve_without_arguments_prints_usage():
-    out = subprocess.run([sys.executable, "-m", "sglang_kvxfer", "sglang-serve"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_kvxfer", "sglang-serve"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and out.stdout.startswith("usage: kvxfer sglang-serve"), out
 
 
@@ -118,17 +120,23 @@ def test_sglang_serve_without_arguments_prints_usage():
 def test_sglang_serve_says_what_is_missing_when_sglangs_server_cannot_import():
     if _server_modules_import():
         pytest.skip("SGLang's server modules import here: sglang-serve would start a real server")
-    out = subprocess.run([sys.executable, "-m", "sglang_kvxfer", "sglang-serve", "--model-path", "m"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_kvxfer", "sglang-serve", "--model-path", "m"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out
     assert out.stderr.startswith("kvxfer sglang-serve: error: SGLang's server modules do not import here (")
     assert "pip install 'sglang==0.5.23'" in out.stderr
 
 
 def test_importing_the_package_never_imports_sglang():
-    code = ("import sys, sglang_kvxfer, sglang_kvxfer.integrations, sglang_kvxfer.integrations.sglang_args, "
-            "sglang_kvxfer.integrations.sglang_install, sglang_kvxfer.cli.sglang_serve; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'torch')))")
+    code = (
+        "import sys, sglang_kvxfer, sglang_kvxfer.integrations, sglang_kvxfer.integrations.sglang_args, "
+        "sglang_kvxfer.integrations.sglang_install, sglang_kvxfer.cli.sglang_serve; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'torch')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -138,6 +146,8 @@ def test_the_backend_module_without_sglang_says_what_to_install():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("sglang_kvxfer.errors.TransportUnavailableError: sglang_kvxfer.integrations.sglang "
-                           "needs SGLang's disaggregation base classes"), last
+    assert last.startswith(
+        "sglang_kvxfer.errors.TransportUnavailableError: sglang_kvxfer.integrations.sglang "
+        "needs SGLang's disaggregation base classes"
+    ), last
     assert "pip install 'sglang==0.5.23' (or pip install 'sglang_kvxfer[sglang]')" in last

@@ -2,6 +2,7 @@
 process: SGLang's KVPoll contract (monotonic, Failed terminal, failure_exception), the aux
 slot written before Success, and every way a scheduler call can fail a request, each with
 its message."""
+
 from __future__ import annotations
 
 import itertools
@@ -16,10 +17,17 @@ from tests.integrations.sglang_env import Model, import_sglang_base, load_utils_
 base, _reason = import_sglang_base()
 pytestmark = pytest.mark.skipif(base is None, reason=_reason)
 
-ENV = {"SGLANG_HOST_IP": "127.0.0.1", "KVXFER_SGLANG_TRANSPORT": "local", "KVXFER_STAGING_BYTES": str(1 << 20),
-       "KVXFER_STAGING_SLOT_BYTES": str(16 << 10), "KVXFER_BOOTSTRAP_TIMEOUT_S": "10",
-       "KVXFER_WAITING_TIMEOUT_S": "10", "KVXFER_TRANSFER_TIMEOUT_S": "10",
-       "KVXFER_HEARTBEAT_INTERVAL_S": "0.2", "KVXFER_HEARTBEAT_TIMEOUT_S": "3"}
+ENV = {
+    "SGLANG_HOST_IP": "127.0.0.1",
+    "KVXFER_SGLANG_TRANSPORT": "local",
+    "KVXFER_STAGING_BYTES": str(1 << 20),
+    "KVXFER_STAGING_SLOT_BYTES": str(16 << 10),
+    "KVXFER_BOOTSTRAP_TIMEOUT_S": "10",
+    "KVXFER_WAITING_TIMEOUT_S": "10",
+    "KVXFER_TRANSFER_TIMEOUT_S": "10",
+    "KVXFER_HEARTBEAT_INTERVAL_S": "0.2",
+    "KVXFER_HEARTBEAT_TIMEOUT_S": "3",
+}
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
 _rooms = itertools.count(0x1000_0000_0001)
 
@@ -60,11 +68,13 @@ class Deployment:
         self.dmem = rank_memory(decode_model or model, 1, 0, "decode")
         self.dmem.kv_args.kv_head_num, self.dmem.kv_args.total_kv_head_num = model.total_kv_heads, model.total_kv_heads
         self.closers = [self.boot.close]
-        self.pre = backend.KVXferKVManager(self.pmem.kv_args, defs.DisaggregationMode.PREFILL,
-                                           server_args("m", "prefill", 1, self.port), False)
+        self.pre = backend.KVXferKVManager(
+            self.pmem.kv_args, defs.DisaggregationMode.PREFILL, server_args("m", "prefill", 1, self.port), False
+        )
         self.closers.append(self.pre.close)
-        self.dec = backend.KVXferKVManager(self.dmem.kv_args, defs.DisaggregationMode.DECODE,
-                                           server_args("m", "decode", 1, self.port + 1), False)
+        self.dec = backend.KVXferKVManager(
+            self.dmem.kv_args, defs.DisaggregationMode.DECODE, server_args("m", "decode", 1, self.port + 1), False
+        )
         self.closers.append(self.dec.close)
         self.pre.register_to_bootstrap()
 
@@ -124,7 +134,7 @@ def test_success_polls_move_forward_only_and_aux_lands_before_success(dep):
     rx.send_metadata(np.asarray([6, 7, 8], dtype=np.int32), 2, [], decode_prefix_len=0)
     poll_until(tx, WAITING, seen=seen_tx)
     tx.init(3, 5)
-    dep.pmem.k[0][6 * 4:9 * 4] = 0.25   # the prefill's pages 6..8 of layer 0's K
+    dep.pmem.k[0][6 * 4 : 9 * 4] = 0.25  # the prefill's pages 6..8 of layer 0's K
     dep.pmem.meta["bootstrap_room"][5, 0] = room
     dep.pmem.meta["output_ids"][5, 0] = 4242
     tx.send(np.asarray([6, 7, 8], dtype=np.int32), [], num_kv_tokens=10)
@@ -137,7 +147,7 @@ def test_success_polls_move_forward_only_and_aux_lands_before_success(dep):
     assert poll_until(tx, SUCCESS, seen=seen_tx) == SUCCESS
     for seen in (seen_rx, seen_tx):
         assert seen == sorted(seen) and seen[-1] == SUCCESS, seen
-    assert float(dep.dmem.k[0][6 * 4:9 * 4].float().min()) == 0.25
+    assert float(dep.dmem.k[0][6 * 4 : 9 * 4].float().min()) == 0.25
     assert int(rx.poll()) == SUCCESS and int(tx.poll()) == SUCCESS  # stays
     # 3 pages x 4 tokens x 4 heads x (K 16 + V 8) x 2 layers x 2 bytes
     assert tx.get_transfer_metric().transfer_total_bytes == 3 * 4 * 4 * 24 * 2 * 2
@@ -179,7 +189,10 @@ def test_bad_scheduler_arguments_fail_the_request_by_name(dep):
     _, tx, rx = dep.pair()
     rx.init(0)
     rx.send_metadata(np.asarray([1, 2], dtype=np.int32), 0, [], decode_prefix_len=8)
-    assert "decode_prefix_len=8: a decode-side prefix (--disaggregation-decode-enable-radix-cache)" in failure(rx).failure_reason
+    assert (
+        "decode_prefix_len=8: a decode-side prefix (--disaggregation-decode-enable-radix-cache)"
+        in failure(rx).failure_reason
+    )
     _, tx, rx = dep.pair()
     rx.init(0)
     rx.send_metadata(np.asarray([[1, 2]], dtype=np.int32), 0, [])
@@ -202,8 +215,7 @@ def test_an_unexpected_error_in_a_scheduler_call_fails_only_that_request(dep):
     dep.handshake(tx, rx)
     tx.init(3, 1)
     tx.send(np.asarray([1, 2, 3], dtype=np.int32), [], num_kv_tokens=12, indices_event=BrokenEvent())
-    assert failure(tx).failure_reason == (
-        "send(): RuntimeError: CUDA error: an illegal memory access was encountered")
+    assert failure(tx).failure_reason == ("send(): RuntimeError: CUDA error: an illegal memory access was encountered")
     _, tx, rx = dep.pair()  # the next request is served
     dep.handshake(tx, rx)
     tx.init(3, 1)
@@ -266,7 +278,8 @@ def test_metadata_layout_mismatch_fails_the_decode_with_the_buffer(sglang_backen
             assert poll_until(rx, SUCCESS) == FAILED
             assert failure(rx).failure_reason == (
                 "aux slot 1: aux buffer 8: prefill sent 64 bytes per slot, this decode rank holds 32 "
-                "(run both servers with the same SGLang version and metadata options)")
+                "(run both servers with the same SGLang version and metadata options)"
+            )
             assert int(d.dmem.meta["bootstrap_room"][1, 0]) == 0  # nothing written: the gate stays shut
         finally:
             d.close()
@@ -286,7 +299,8 @@ def test_page_size_mismatch_fails_requests_at_init(sglang_backend):
             rx.init(0)
             assert int(rx.poll()) == FAILED
             assert failure(rx).failure_reason == (
-                "page_size: prefill=4 decode=8 (start both servers with the same --page-size)")
+                "page_size: prefill=4 decode=8 (start both servers with the same --page-size)"
+            )
             assert poll_until(tx, SUCCESS) == FAILED  # the prefill side hears it
         finally:
             d.close()

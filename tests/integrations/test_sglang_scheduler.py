@@ -2,6 +2,7 @@
 processes (see ``sglang_sides``): equal TP, P=2 -> D=1 and P=1 -> D=2 move every KV byte and
 the metadata slot exactly; a geometry mismatch reaches ``failure_exception()`` on both
 sides with the field-level message."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,12 +19,16 @@ _base, _reason = import_sglang_base()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_base is None, reason=_reason)]
 
 ENV = {
-    "SGLANG_HOST_IP": "127.0.0.1",          # the address SGLang (and so our managers) advertise
+    "SGLANG_HOST_IP": "127.0.0.1",  # the address SGLang (and so our managers) advertise
     "KVXFER_TCP_HOST": "127.0.0.1",
-    "KVXFER_BOOTSTRAP_TIMEOUT_S": "20", "KVXFER_WAITING_TIMEOUT_S": "20",
-    "KVXFER_TRANSFER_TIMEOUT_S": "20", "KVXFER_HEARTBEAT_INTERVAL_S": "0.2",
-    "KVXFER_HEARTBEAT_TIMEOUT_S": "3", "KVXFER_STAGING_BYTES": str(1 << 20),
-    "KVXFER_STAGING_SLOT_BYTES": str(16 << 10), "KVXFER_WORKERS": "2",
+    "KVXFER_BOOTSTRAP_TIMEOUT_S": "20",
+    "KVXFER_WAITING_TIMEOUT_S": "20",
+    "KVXFER_TRANSFER_TIMEOUT_S": "20",
+    "KVXFER_HEARTBEAT_INTERVAL_S": "0.2",
+    "KVXFER_HEARTBEAT_TIMEOUT_S": "3",
+    "KVXFER_STAGING_BYTES": str(1 << 20),
+    "KVXFER_STAGING_SLOT_BYTES": str(16 << 10),
+    "KVXFER_WORKERS": "2",
 }
 # (room, prompt tokens): a partial last page, several chunks; a one-chunk request
 REQUESTS = [(0x5EED_0001_F00D, 37), (0x7A11_0002_CAFE, 9)]
@@ -35,16 +40,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_sides(p: int, d: int, model: Model, decode_model: Model | None = None, transport="local",
-              timeout_s: float = 60.0):
+def run_sides(
+    p: int, d: int, model: Model, decode_model: Model | None = None, transport="local", timeout_s: float = 60.0
+):
     """Start both sides, collect what each reports, then let them shut down."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     env = {**ENV, "KVXFER_SGLANG_TRANSPORT": transport}
     out, release = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=sides.main, args=(sides.Spec(role, mdl, tp, port, REQUESTS, env, timeout_s),
-                                                   out, release), daemon=True)
-             for role, mdl, tp in (("prefill", model, p), ("decode", decode_model or model, d))]
+    procs = [
+        ctx.Process(
+            target=sides.main,
+            args=(sides.Spec(role, mdl, tp, port, REQUESTS, env, timeout_s), out, release),
+            daemon=True,
+        )
+        for role, mdl, tp in (("prefill", model, p), ("decode", decode_model or model, d))
+    ]
     for proc in procs:
         proc.start()
     reports = {}
@@ -65,11 +76,14 @@ def run_sides(p: int, d: int, model: Model, decode_model: Model | None = None, t
     return reports["prefill"], reports["decode"]
 
 
-@pytest.mark.parametrize("p, d, transport, dtype_str", [
-    (1, 1, "local", "auto"),       # kv_cache_dtype_str "auto": the pool is described in bytes
-    (2, 1, "tcp", "bfloat16"),     # a decode rank gathers its heads from two prefill ranks
-    (1, 2, "local", "bfloat16"),   # a prefill rank splits its heads over two decode ranks
-])
+@pytest.mark.parametrize(
+    "p, d, transport, dtype_str",
+    [
+        (1, 1, "local", "auto"),  # kv_cache_dtype_str "auto": the pool is described in bytes
+        (2, 1, "tcp", "bfloat16"),  # a decode rank gathers its heads from two prefill ranks
+        (1, 2, "local", "bfloat16"),  # a prefill rank splits its heads over two decode ranks
+    ],
+)
 def test_scripted_scheduler_moves_every_byte(p, d, transport, dtype_str):
     model = Model(total_kv_heads=4, kv_cache_dtype_str=dtype_str)
     prefill, decode = run_sides(p, d, model, transport=transport)
@@ -94,8 +108,7 @@ def test_mla_latent_reaches_every_decode_rank():
 
 def test_geometry_mismatch_reaches_failure_exception_on_both_sides():
     model = Model(head_dim=16)
-    prefill, decode = run_sides(1, 1, model, decode_model=dataclasses.replace(model, head_dim=8),
-                                timeout_s=40.0)
+    prefill, decode = run_sides(1, 1, model, decode_model=dataclasses.replace(model, head_dim=8), timeout_s=40.0)
     for room, _ in REQUESTS:
         for side, report in (("decode", decode[room]), ("prefill", prefill[room])):
             assert report["status"] == "Failed", (side, report)

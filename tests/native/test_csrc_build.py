@@ -2,6 +2,7 @@
 the CUDA kernels for sm_80 and sm_90 (runs wherever nvcc is on PATH, GPU or not), the C++
 library compiles under -Werror, the C ABI header is plain C, builds are atomic, on-demand
 builds land in the cache, and a stuck build lock times out instead of hanging."""
+
 from __future__ import annotations
 
 import ctypes
@@ -30,24 +31,50 @@ def _run(cmd, timeout=240):
 @needs_nvcc
 def test_nvcc_compiles_every_cu_file_for_sm80_and_sm90_without_warnings(tmp_path):
     for source in sorted(CSRC.glob("*.cu")):
-        _run([NVCC, "-c", "-std=c++17", "-O2", "-Werror", "all-warnings",
-              "-Xcompiler", "-Wall,-Wextra,-Werror",
-              "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
-              f"-I{CSRC}", str(source), "-o", str(tmp_path / (source.stem + ".o"))])
+        _run(
+            [
+                NVCC,
+                "-c",
+                "-std=c++17",
+                "-O2",
+                "-Werror",
+                "all-warnings",
+                "-Xcompiler",
+                "-Wall,-Wextra,-Werror",
+                "-gencode=arch=compute_80,code=sm_80",
+                "-gencode=arch=compute_90,code=sm_90",
+                f"-I{CSRC}",
+                str(source),
+                "-o",
+                str(tmp_path / (source.stem + ".o")),
+            ]
+        )
         assert (tmp_path / (source.stem + ".o")).stat().st_size > 0
 
 
 @needs_cxx
 def test_cpu_library_compiles_without_warnings(tmp_path):
-    _run([CXX, "-std=c++17", "-O2", "-fsyntax-only", "-Wall", "-Wextra", "-Wpedantic",
-          "-Wshadow", "-Werror", f"-I{CSRC}", str(CSRC / "kvxfer_cpu.cpp")])
+    _run(
+        [
+            CXX,
+            "-std=c++17",
+            "-O2",
+            "-fsyntax-only",
+            "-Wall",
+            "-Wextra",
+            "-Wpedantic",
+            "-Wshadow",
+            "-Werror",
+            f"-I{CSRC}",
+            str(CSRC / "kvxfer_cpu.cpp"),
+        ]
+    )
 
 
 @needs_cxx
 def test_c_abi_header_is_plain_c():
     cc = "gcc" if "g++" in CXX or CXX.endswith("c++") else "clang"
-    _run([cc, "-x", "c", "-std=c99", "-fsyntax-only", "-Wall", "-Wpedantic", "-Werror",
-          str(CSRC / "kvxfer.h")])
+    _run([cc, "-x", "c", "-std=c99", "-fsyntax-only", "-Wall", "-Wpedantic", "-Werror", str(CSRC / "kvxfer.h")])
 
 
 def test_cuda_command_targets_sm80_sm90_and_ptx():
@@ -57,8 +84,7 @@ def test_cuda_command_targets_sm80_sm90_and_ptx():
     assert "arch=compute_90,code=compute_90" in joined  # PTX for later GPUs
 
 
-@pytest.mark.parametrize("text, archs", [("80,90", ["80", "90"]), ("80;90a", ["80", "90a"]),
-                                         (" 100 ", ["100"])])
+@pytest.mark.parametrize("text, archs", [("80,90", ["80", "90"]), ("80;90a", ["80", "90a"]), (" 100 ", ["100"])])
 def test_parse_archs(text, archs):
     assert build.parse_archs(text) == archs
 

@@ -4,6 +4,7 @@ CUDA-kernel emulator call, and the hypothesis strategy of gather/scatter cases.
 Pools are filled with random *bits* (NaN payloads included for float dtypes), and every
 comparison is of bytes, so "bit for bit" is what is checked.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,13 +22,11 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float
 
 def random_pool(layout, num_pages, page_size, heads, dim, dtype, layers, gen, device="cpu"):
     """``layers`` tensors of random bits, NHD ``[pages*page_size, heads, dim]`` or HND."""
-    shape = ((num_pages * page_size, heads, dim) if layout == "NHD"
-             else (num_pages, heads, page_size, dim))
+    shape = (num_pages * page_size, heads, dim) if layout == "NHD" else (num_pages, heads, page_size, dim)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     out = []
     for _ in range(layers):
-        raw = torch.randint(0, 256, (*shape[:-1], dim * itemsize), dtype=torch.uint8,
-                            generator=gen)
+        raw = torch.randint(0, 256, (*shape[:-1], dim * itemsize), dtype=torch.uint8, generator=gen)
         out.append(raw.view(dtype).to(device))
     return out
 
@@ -46,8 +45,9 @@ def clone_all(buffers):
     return None if buffers is None else [t.clone() for t in buffers]
 
 
-def loop_oracle_scatter(staging: torch.Tensor, k, v, page_ids, *, page_size, head_start,
-                        num_heads, layout, token_offset, num_tokens):
+def loop_oracle_scatter(
+    staging: torch.Tensor, k, v, page_ids, *, page_size, head_start, num_heads, layout, token_offset, num_tokens
+):
     """Scatter written as plain loops over (layer, K|V, token, head): independent of both
     the vectorized reference and the kernels. Writes into k/v in place."""
     data = as_bytes(staging)
@@ -69,19 +69,25 @@ def loop_oracle_scatter(staging: torch.Tensor, k, v, page_ids, *, page_size, hea
                         at = ((page * page_size + slot) * heads + hh) * row
                     else:
                         at = ((page * heads + hh) * page_size + slot) * row
-                    flat[at:at + row] = data[off:off + row]
+                    flat[at : at + row] = data[off : off + row]
                     off += row
 
 
-def emulate_cuda(call_kwargs: dict, k, v, staging: torch.Tensor, gather: bool,
-                 ptr_align: int | None = None) -> None:
+def emulate_cuda(call_kwargs: dict, k, v, staging: torch.Tensor, gather: bool, ptr_align: int | None = None) -> None:
     """Runs the CUDA kernel's work decomposition on the host (kvxfer_emulate_cuda_cpu)."""
     lib = _native.cpu_library()
-    call = parse_call(k, v, call_kwargs["page_ids"], page_size=call_kwargs["page_size"],
-                      head_start=call_kwargs["head_start"], num_heads=call_kwargs["num_heads"],
-                      layout=call_kwargs.get("layout", "NHD"),
-                      token_offset=call_kwargs.get("token_offset", 0),
-                      num_tokens=call_kwargs.get("num_tokens"), unique_pages=not gather)
+    call = parse_call(
+        k,
+        v,
+        call_kwargs["page_ids"],
+        page_size=call_kwargs["page_size"],
+        head_start=call_kwargs["head_start"],
+        num_heads=call_kwargs["num_heads"],
+        layout=call_kwargs.get("layout", "NHD"),
+        token_offset=call_kwargs.get("token_offset", 0),
+        num_tokens=call_kwargs.get("num_tokens"),
+        unique_pages=not gather,
+    )
     pool, sl = ops._descs(call)
     ptrs = [t.data_ptr() for t in call.layers]
     align = 16
@@ -89,8 +95,15 @@ def emulate_cuda(call_kwargs: dict, k, v, staging: torch.Tensor, gather: bool,
         align = math.gcd(align, p)
     table = np.array(ptrs, dtype=np.uint64)
     code = lib.handle.kvxfer_emulate_cuda_cpu(
-        1 if gather else 0, pool, table.ctypes.data, ptr_align or align,
-        call.page_ids.ctypes.data, sl, staging.data_ptr(), staging.numel() * staging.element_size())
+        1 if gather else 0,
+        pool,
+        table.ctypes.data,
+        ptr_align or align,
+        call.page_ids.ctypes.data,
+        sl,
+        staging.data_ptr(),
+        staging.numel() * staging.element_size(),
+    )
     _native.check_status(lib, code, "kvxfer_emulate_cuda_cpu")
 
 
@@ -109,16 +122,20 @@ class Case:
     dst: dict
 
     def kwargs(self, side: dict) -> dict:
-        return dict(page_size=side["page_size"], head_start=side["head_start"],
-                    num_heads=self.num_heads, layout=side["layout"],
-                    token_offset=side["token_offset"], num_tokens=self.num_tokens,
-                    page_ids=side["page_ids"])
+        return dict(
+            page_size=side["page_size"],
+            head_start=side["head_start"],
+            num_heads=self.num_heads,
+            layout=side["layout"],
+            token_offset=side["token_offset"],
+            num_tokens=self.num_tokens,
+            page_ids=side["page_ids"],
+        )
 
     def make_pools(self, side: dict, gen, device="cpu"):
         args = (side["layout"], side["num_pages"], side["page_size"], side["pool_heads"])
         k = random_pool(*args, self.k_dim, self.dtype, self.num_layers, gen, device)
-        v = None if self.mla else random_pool(*args, self.v_dim, self.dtype, self.num_layers,
-                                             gen, device)
+        v = None if self.mla else random_pool(*args, self.v_dim, self.dtype, self.num_layers, gen, device)
         return k, v
 
 
@@ -132,9 +149,15 @@ def sides(draw, num_heads: int, num_tokens: int, mla: bool) -> dict:
     needed = max(1, math.ceil((token_offset + num_tokens) / page_size))
     num_pages = needed + draw(st.integers(0, 3))
     perm = draw(st.permutations(range(num_pages)))
-    return dict(layout=layout, page_size=page_size, pool_heads=pool_heads,
-                head_start=head_start, token_offset=token_offset, num_pages=num_pages,
-                page_ids=list(perm[:needed]))
+    return dict(
+        layout=layout,
+        page_size=page_size,
+        pool_heads=pool_heads,
+        head_start=head_start,
+        token_offset=token_offset,
+        num_pages=num_pages,
+        page_ids=list(perm[:needed]),
+    )
 
 
 @st.composite
@@ -147,10 +170,19 @@ def cases(draw, max_tokens: int = 40) -> Case:
     src = draw(sides(num_heads, num_tokens, mla))
     dst = draw(sides(num_heads, num_tokens, mla))
     # num_tokens=None means "to the end of the page list": only when that is num_tokens.
-    default_ok = (len(src["page_ids"]) * src["page_size"] - src["token_offset"] == num_tokens)
-    return Case(dtype=draw(st.sampled_from(DTYPES)), num_layers=draw(st.integers(1, 3)), mla=mla,
-                k_dim=k_dim, v_dim=v_dim, num_heads=num_heads, num_tokens=num_tokens,
-                default_num_tokens=default_ok and draw(st.booleans()), src=src, dst=dst)
+    default_ok = len(src["page_ids"]) * src["page_size"] - src["token_offset"] == num_tokens
+    return Case(
+        dtype=draw(st.sampled_from(DTYPES)),
+        num_layers=draw(st.integers(1, 3)),
+        mla=mla,
+        k_dim=k_dim,
+        v_dim=v_dim,
+        num_heads=num_heads,
+        num_tokens=num_tokens,
+        default_num_tokens=default_ok and draw(st.booleans()),
+        src=src,
+        dst=dst,
+    )
 
 
 def gather_kwargs(case: Case) -> dict:
@@ -162,5 +194,6 @@ def gather_kwargs(case: Case) -> dict:
 
 def staging_size(case: Case) -> int:
     itemsize = torch.empty(0, dtype=case.dtype).element_size()
-    return ops.staging_nbytes(case.num_layers, case.num_tokens, case.num_heads, case.k_dim,
-                              None if case.mla else case.v_dim, itemsize)
+    return ops.staging_nbytes(
+        case.num_layers, case.num_tokens, case.num_heads, case.k_dim, None if case.mla else case.v_dim, itemsize
+    )

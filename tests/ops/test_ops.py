@@ -1,6 +1,7 @@
 """CPU gather/scatter: native library == torch reference, bit for bit; poisoned buffers;
 several writers into one pool; the CUDA kernel's work decomposition run on the host; the
 reference fallback. Argument rejections are in test_ops_errors.py."""
+
 from __future__ import annotations
 
 import functools
@@ -13,16 +14,24 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.ops.ops_cases import (
-    as_bytes, cases, clone_all, emulate_cuda, gather_kwargs, loop_oracle_scatter, random_pool,
-    same_bytes, staging_size,
-)
 from sglang_kvxfer import _native, ops
 from sglang_kvxfer._native import build
 from sglang_kvxfer._ops_args import parse_call
+from tests.ops.ops_cases import (
+    as_bytes,
+    cases,
+    clone_all,
+    emulate_cuda,
+    gather_kwargs,
+    loop_oracle_scatter,
+    random_pool,
+    same_bytes,
+    staging_size,
+)
 
-HYP = settings(max_examples=150, deadline=None,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+HYP = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,8 +44,7 @@ def native_cpu():
     if lib is None:
         if build.find_cxx() is None:
             pytest.skip("no C++ compiler: the native CPU library cannot exist here")
-        pytest.fail(f"a C++ compiler exists but the CPU library is unavailable: "
-                    f"{_native.status()['cpu']}")
+        pytest.fail(f"a C++ compiler exists but the CPU library is unavailable: {_native.status()['cpu']}")
     assert ops.backend_for("cpu") == "native-cpu"
     return lib
 
@@ -47,8 +55,7 @@ def _gen(seed=0):
 
 def _streaming(on: bool):
     """Forces the CPU library's non-temporal store path on (or leaves the size rule)."""
-    return mock.patch.object(ops, "_run_cpu", functools.partial(
-        ops._run_cpu, streaming_min_bytes=0 if on else -1))
+    return mock.patch.object(ops, "_run_cpu", functools.partial(ops._run_cpu, streaming_min_bytes=0 if on else -1))
 
 
 @HYP
@@ -67,7 +74,7 @@ def test_gather_native_equals_reference_and_writes_every_byte(case, streaming):
         assert got.numel() == expect.numel()
         assert got.numel() == 0 or got.data_ptr() == out.data_ptr()  # a view of out
         assert same_bytes(got, expect)
-        assert bool((out[expect.numel():] == sentinel).all()), "gather wrote past the staging"
+        assert bool((out[expect.numel() :] == sentinel).all()), "gather wrote past the staging"
 
 
 @HYP
@@ -133,16 +140,26 @@ def test_emulated_kernel_skips_out_of_range_page_ids_instead_of_leaving_the_pool
     gen = _gen(4)
     k = random_pool("NHD", 4, 2, 2, 8, torch.float32, 1, gen)  # 4 pages of 2 tokens
     lib = _native.cpu_library()
-    call = parse_call(k, None, [1, 2], page_size=2, head_start=0, num_heads=2, layout="NHD",
-                      token_offset=0, num_tokens=None, unique_pages=False)
+    call = parse_call(
+        k,
+        None,
+        [1, 2],
+        page_size=2,
+        head_start=0,
+        num_heads=2,
+        layout="NHD",
+        token_offset=0,
+        num_tokens=None,
+        unique_pages=False,
+    )
     pool, sl = ops._descs(call)
     bad_ids = np.array([1, 1000], dtype=np.int64)  # page 1 valid, page 1000 not
     table = np.array([k[0].data_ptr()], dtype=np.uint64)
 
     def emulate(gather, staging):
-        return lib.handle.kvxfer_emulate_cuda_cpu(gather, pool, table.ctypes.data, 16,
-                                                  bad_ids.ctypes.data, sl, staging.data_ptr(),
-                                                  staging.numel())
+        return lib.handle.kvxfer_emulate_cuda_cpu(
+            gather, pool, table.ctypes.data, 16, bad_ids.ctypes.data, sl, staging.data_ptr(), staging.numel()
+        )
 
     staging = torch.full((ops.staging_nbytes(1, 4, 2, 8, 0, 4),), 0xEE, dtype=torch.uint8)
     assert emulate(1, staging) == 0
@@ -181,10 +198,12 @@ def test_prefill_tp2_to_decode_tp1_two_writers_fill_one_pool():
             for layer in range(layers):
                 pk[layer][row] = full_k[layer][t, heads]
                 pv[layer][row] = full_v[layer][t, heads]
-        staging = ops.gather_kv_heads(pk, pv, src_pages[rank], page_size=16, head_start=0,
-                                      num_heads=2, num_tokens=tokens)
-        ops.scatter_kv_heads(staging, dk, dv, dst_pages, page_size=4, head_start=2 * rank,
-                             num_heads=2, layout="HND", num_tokens=tokens)
+        staging = ops.gather_kv_heads(
+            pk, pv, src_pages[rank], page_size=16, head_start=0, num_heads=2, num_tokens=tokens
+        )
+        ops.scatter_kv_heads(
+            staging, dk, dv, dst_pages, page_size=4, head_start=2 * rank, num_heads=2, layout="HND", num_tokens=tokens
+        )
     written = torch.zeros(12, 4, 4, dtype=torch.bool)
     for t in range(tokens):
         page, slot = dst_pages[t // 4], t % 4
@@ -225,8 +244,7 @@ def test_streaming_stores_and_threads(threads, streaming):
     expect = ops.gather_kv_heads_reference(k, v, pages, **kw)
     buf = torch.full((expect.numel() + 1,), 0xA5, dtype=torch.uint8)
     run_cpu = functools.partial(ops._run_cpu, streaming_min_bytes=0 if streaming else 1 << 62)
-    with mock.patch.dict(os.environ, {"KVXFER_CPU_THREADS": threads}), \
-            mock.patch.object(ops, "_run_cpu", run_cpu):
+    with mock.patch.dict(os.environ, {"KVXFER_CPU_THREADS": threads}), mock.patch.object(ops, "_run_cpu", run_cpu):
         got = ops.gather_kv_heads(k, v, pages, out=buf[1:], **kw)
         assert same_bytes(got, expect) and buf[0] == 0xA5
         dk, dv = [torch.zeros_like(t) for t in k], [torch.zeros_like(t) for t in v]
@@ -239,10 +257,14 @@ def test_streaming_stores_and_threads(threads, streaming):
 def test_page_ids_as_list_numpy_int32_and_int64_tensors_agree():
     gen = _gen(8)
     k = random_pool("HND", 5, 8, 2, 16, torch.float32, 1, gen)
-    forms = [[4, 2], np.array([4, 2], dtype=np.int32), torch.tensor([4, 2], dtype=torch.int32),
-             torch.tensor([4, 2], dtype=torch.int64), np.array([4, 2], dtype=np.uint16)]
-    outs = [ops.gather_kv_heads(k, None, ids, page_size=8, head_start=1, num_heads=1,
-                                layout="HND") for ids in forms]
+    forms = [
+        [4, 2],
+        np.array([4, 2], dtype=np.int32),
+        torch.tensor([4, 2], dtype=torch.int32),
+        torch.tensor([4, 2], dtype=torch.int64),
+        np.array([4, 2], dtype=np.uint16),
+    ]
+    outs = [ops.gather_kv_heads(k, None, ids, page_size=8, head_start=1, num_heads=1, layout="HND") for ids in forms]
     assert all(same_bytes(o, outs[0]) for o in outs)
 
 
@@ -261,8 +283,9 @@ def test_zero_tokens_moves_nothing():
     before = k[0].clone()
     out = ops.gather_kv_heads(k, None, [], page_size=4, head_start=0, num_heads=1)
     assert out.numel() == 0
-    ops.scatter_kv_heads(torch.empty(0, dtype=torch.uint8), k, None, [1], page_size=4,
-                         head_start=0, num_heads=1, num_tokens=0)
+    ops.scatter_kv_heads(
+        torch.empty(0, dtype=torch.uint8), k, None, [1], page_size=4, head_start=0, num_heads=1, num_tokens=0
+    )
     assert same_bytes(k[0], before)
 
 
@@ -290,5 +313,4 @@ def test_reference_used_when_library_failed_to_load(monkeypatch):
     k = random_pool("NHD", 3, 2, 2, 8, torch.bfloat16, 1, gen)
     with mock.patch.object(ops, "_run_cpu", side_effect=AssertionError("native called")):
         out = ops.gather_kv_heads(k, None, [2, 0], page_size=2, head_start=1, num_heads=1)
-    assert same_bytes(out, as_bytes(torch.stack([k[0][4, 1], k[0][5, 1], k[0][0, 1],
-                                                 k[0][1, 1]])))
+    assert same_bytes(out, as_bytes(torch.stack([k[0][4, 1], k[0][5, 1], k[0][0, 1], k[0][1, 1]])))

@@ -1,24 +1,27 @@
 """CUDA gather/scatter == the CPU torch reference, bit for bit. Skips itself when torch
 sees no CUDA device; on a GPU machine it requires the CUDA library (built at install or on
 first use) unless no nvcc and no prebuilt library exist there."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from tests.ops.ops_cases import cases, clone_all, emulate_cuda, random_pool, same_bytes
 from sglang_kvxfer import _native, ops
 from sglang_kvxfer._native import build
+from tests.ops.ops_cases import cases, clone_all, emulate_cuda, random_pool, same_bytes
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
 ]
 DEV = "cuda"
-HYP = settings(max_examples=60, deadline=None,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                      HealthCheck.function_scoped_fixture])
+HYP = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,7 +52,7 @@ def test_cuda_gather_and_scatter_equal_cpu_reference(case):
         got = ops.gather_kv_heads(_to(k, DEV), _to(v, DEV), **kw, out=out)
         torch.cuda.synchronize()
         assert same_bytes(got, expect)
-        assert bool((out[expect.numel():] == sentinel).all())
+        assert bool((out[expect.numel() :] == sentinel).all())
 
     dk, dv = case.make_pools(case.dst, gen)
     dkw = case.kwargs(case.dst)
@@ -80,8 +83,7 @@ def test_every_vector_width_and_staging_alignment(dtype, staging_shift, head_dim
     for t in gk + gv:
         t.zero_()
     ops.scatter_kv_heads(got, gk, gv, pages, **kw)
-    assert same_bytes(ops.gather_kv_heads_reference(_to(gk, "cpu"), _to(gv, "cpu"), pages, **kw),
-                      expect)
+    assert same_bytes(ops.gather_kv_heads_reference(_to(gk, "cpu"), _to(gv, "cpu"), pages, **kw), expect)
 
 
 def test_many_layers_and_tiles_in_one_launch():
@@ -107,14 +109,12 @@ def test_two_writers_into_one_decode_pool_on_gpu():
     gk = _to(dk, DEV)
     pages, dst_pages = [3, 0, 2], [7, 1, 4, 0, 6, 2]
     for rank in range(2):
-        staging = ops.gather_kv_heads(_to(src[rank], DEV), None, pages, page_size=16,
-                                      head_start=0, num_heads=2)
-        ops.scatter_kv_heads(staging, gk, None, dst_pages, page_size=8, head_start=2 * rank,
-                             num_heads=2, layout="HND")
-        ref = ops.gather_kv_heads_reference(src[rank], None, pages, page_size=16, head_start=0,
-                                            num_heads=2)
-        ops.scatter_kv_heads_reference(ref, dk, None, dst_pages, page_size=8,
-                                       head_start=2 * rank, num_heads=2, layout="HND")
+        staging = ops.gather_kv_heads(_to(src[rank], DEV), None, pages, page_size=16, head_start=0, num_heads=2)
+        ops.scatter_kv_heads(staging, gk, None, dst_pages, page_size=8, head_start=2 * rank, num_heads=2, layout="HND")
+        ref = ops.gather_kv_heads_reference(src[rank], None, pages, page_size=16, head_start=0, num_heads=2)
+        ops.scatter_kv_heads_reference(
+            ref, dk, None, dst_pages, page_size=8, head_start=2 * rank, num_heads=2, layout="HND"
+        )
     torch.cuda.synchronize()
     assert same_bytes(gk, dk)
 
@@ -128,8 +128,7 @@ def test_runs_on_the_current_stream():
     with torch.cuda.stream(side):
         out = ops.gather_kv_heads(k, None, pages, page_size=16, head_start=2, num_heads=4)
     side.synchronize()
-    expect = ops.gather_kv_heads_reference(_to(k, "cpu"), None, pages, page_size=16,
-                                           head_start=2, num_heads=4)
+    expect = ops.gather_kv_heads_reference(_to(k, "cpu"), None, pages, page_size=16, head_start=2, num_heads=4)
     assert same_bytes(out, expect)
 
 
@@ -137,17 +136,22 @@ def test_cuda_page_id_errors():
     k = _to(random_pool("NHD", 4, 4, 2, 8, torch.float16, 1, torch.Generator()), DEV)
     before = k[0].clone()
     with pytest.raises(ValueError, match=r"page_ids\[1\]=4 is outside \[0, 4\)"):
-        ops.gather_kv_heads(k, None, torch.tensor([0, 4], device=DEV), page_size=4,
-                            head_start=0, num_heads=1)
+        ops.gather_kv_heads(k, None, torch.tensor([0, 4], device=DEV), page_size=4, head_start=0, num_heads=1)
     with pytest.raises(ValueError, match=r"page_ids repeats page 1"):
-        ops.scatter_kv_heads(torch.zeros(4096, dtype=torch.uint8, device=DEV), k, None,
-                             torch.tensor([1, 1], dtype=torch.int32, device=DEV), page_size=4,
-                             head_start=0, num_heads=1)
+        ops.scatter_kv_heads(
+            torch.zeros(4096, dtype=torch.uint8, device=DEV),
+            k,
+            None,
+            torch.tensor([1, 1], dtype=torch.int32, device=DEV),
+            page_size=4,
+            head_start=0,
+            num_heads=1,
+        )
     with pytest.raises(ValueError, match=r"page_ids is on cuda:0 but the KV buffers are on cpu"):
-        ops.gather_kv_heads(_to(k, "cpu"), None, torch.tensor([0], device=DEV), page_size=4,
-                            head_start=0, num_heads=1)
+        ops.gather_kv_heads(_to(k, "cpu"), None, torch.tensor([0], device=DEV), page_size=4, head_start=0, num_heads=1)
     with pytest.raises(ValueError, match=r"out is on cpu but the KV buffers are on cuda:0"):
-        ops.gather_kv_heads(k, None, [0], page_size=4, head_start=0, num_heads=1,
-                            out=torch.empty(64, dtype=torch.uint8))
+        ops.gather_kv_heads(
+            k, None, [0], page_size=4, head_start=0, num_heads=1, out=torch.empty(64, dtype=torch.uint8)
+        )
     torch.cuda.synchronize()
     assert same_bytes(k[0], before)  # the rejected scatter wrote nothing

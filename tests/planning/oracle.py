@@ -3,6 +3,7 @@
 It builds the full KV of every head, places each rank's owned heads into that rank's pool
 token by token with plain loops, and says what every decode pool must hold afterwards.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,5 +1,6 @@
 """Byte plans: property tests over random geometries, page lists, layouts and chunks, with
 real bytes moved and compared against the oracle; and every rejection path's message."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -39,8 +40,7 @@ def scenarios(draw):
 @given(scenarios())
 def test_random_plans_move_exactly_the_right_bytes(s):
     mla, h, p, d, ps, pd, lp, ld, num_tokens, cuts, head_dim, v_head_dim, path, seed = s
-    common = dict(num_layers=2, total_kv_heads=h, head_dim=head_dim, v_head_dim=v_head_dim,
-                  dtype="float32", mla=mla)
+    common = dict(num_layers=2, total_kv_heads=h, head_dim=head_dim, v_head_dim=v_head_dim, dtype="float32", mla=mla)
     gp = KVGeometry(**common, page_size=ps, layout=lp, num_pages=25)
     gd = KVGeometry(**common, page_size=pd, layout=ld, num_pages=22)
     rng = np.random.default_rng(seed)
@@ -55,8 +55,17 @@ def test_random_plans_move_exactly_the_right_bytes(s):
     plan = plan_tp(h, p, d, mla=mla, salt=seed)
     for t in plan.transfers:
         for a, b in zip(bounds, bounds[1:]):  # chunked sends: each chunk planned on its own
-            pair = plan_pair(t, pre[t.prefill_rank], dec[t.decode_rank], src_pages, dst_pages,
-                             num_tokens=num_tokens, token_start=a, token_stop=b, path=path)
+            pair = plan_pair(
+                t,
+                pre[t.prefill_rank],
+                dec[t.decode_rank],
+                src_pages,
+                dst_pages,
+                num_tokens=num_tokens,
+                token_start=a,
+                token_stop=b,
+                path=path,
+            )
             assert pair.num_tokens == b - a
             assert pair.nbytes == 2 * (b - a) * t.num_heads * (gp.head_dim + gp.v_head_dim) * 4
             if path == "staged":
@@ -136,22 +145,41 @@ def test_coalesce_merges_only_runs_contiguous_on_both_sides():
 
 # --- rejections ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("src_pages,dst_pages,kw,words", [
-    ([0, 1, 2], [0, 1], {}, ["prefill page list has 3", "decode page list has 2"]),
-    ([0, 64], [0, 1], {}, ["src_pages[1]=64", "[0, 64)"]),
-    ([0, 1], [-1, 1], {}, ["dst_pages[0]=-1"]),
-    ([0, 1], [3, 3], {}, ["dst_pages repeats page id 3"]),
-    ([[0, 1]], [0, 1], {}, ["src_pages must be a 1-D", "(1, 2)"]),
-    ([0.5, 1.0], [0, 1], {}, ["src_pages must hold integers", "float64"]),
-    ([0, 1], [0, 1], {"num_tokens": 9}, ["prefill page list has 2 page(s) but tokens [0, 9) at page_size 4 need 3"]),
-    ([0, 1, 2], [0, 1], {"num_tokens": 5}, ["prefill page list has 3 page(s) but 5 tokens at page_size 4 need at most 2"]),
-    ([0, 1], [0], {"num_tokens": 9, "token_stop": 8}, ["decode page list has 1 page(s) but tokens [0, 8) at page_size 4 need 2"]),
-    ([0, 1], [0, 1], {"num_tokens": -1}, ["num_tokens=-1"]),
-    ([0, 1], [0, 1], {"token_start": 3, "token_stop": 2}, ["token range [3, 2)", "8 token(s)"]),
-    ([0, 1], [0, 1], {"token_stop": 9}, ["token range [0, 9)"]),
-    ([0, 1], [0, 1], {"token_start": 1.5}, ["token_start=1.5"]),
-    ([0, 1], [0, 1], {"path": "sideways"}, ["path='sideways'", "auto, direct, staged, per_token"]),
-])
+
+@pytest.mark.parametrize(
+    "src_pages,dst_pages,kw,words",
+    [
+        ([0, 1, 2], [0, 1], {}, ["prefill page list has 3", "decode page list has 2"]),
+        ([0, 64], [0, 1], {}, ["src_pages[1]=64", "[0, 64)"]),
+        ([0, 1], [-1, 1], {}, ["dst_pages[0]=-1"]),
+        ([0, 1], [3, 3], {}, ["dst_pages repeats page id 3"]),
+        ([[0, 1]], [0, 1], {}, ["src_pages must be a 1-D", "(1, 2)"]),
+        ([0.5, 1.0], [0, 1], {}, ["src_pages must hold integers", "float64"]),
+        (
+            [0, 1],
+            [0, 1],
+            {"num_tokens": 9},
+            ["prefill page list has 2 page(s) but tokens [0, 9) at page_size 4 need 3"],
+        ),
+        (
+            [0, 1, 2],
+            [0, 1],
+            {"num_tokens": 5},
+            ["prefill page list has 3 page(s) but 5 tokens at page_size 4 need at most 2"],
+        ),
+        (
+            [0, 1],
+            [0],
+            {"num_tokens": 9, "token_stop": 8},
+            ["decode page list has 1 page(s) but tokens [0, 8) at page_size 4 need 2"],
+        ),
+        ([0, 1], [0, 1], {"num_tokens": -1}, ["num_tokens=-1"]),
+        ([0, 1], [0, 1], {"token_start": 3, "token_stop": 2}, ["token range [3, 2)", "8 token(s)"]),
+        ([0, 1], [0, 1], {"token_stop": 9}, ["token range [0, 9)"]),
+        ([0, 1], [0, 1], {"token_start": 1.5}, ["token_start=1.5"]),
+        ([0, 1], [0, 1], {"path": "sideways"}, ["path='sideways'", "auto, direct, staged, per_token"]),
+    ],
+)
 def test_bad_page_lists_and_ranges_are_rejected(src_pages, dst_pages, kw, words):
     t, src, dst = _pair(p=2, d=2)
     with pytest.raises(PlanError) as exc:
@@ -162,7 +190,9 @@ def test_bad_page_lists_and_ranges_are_rejected(src_pages, dst_pages, kw, words)
 
 def test_num_tokens_is_required_when_page_sizes_differ():
     t, src, dst = _pair(p=2, d=2, ps=4, pd=8)
-    with pytest.raises(PlanError, match=r"num_tokens is required when page sizes differ \(prefill page_size=4, decode page_size=8\)"):
+    with pytest.raises(
+        PlanError, match=r"num_tokens is required when page sizes differ \(prefill page_size=4, decode page_size=8\)"
+    ):
         plan_pair(t, src, dst, [0, 1], [0])
     assert plan_pair(t, src, dst, [0, 1], [0], num_tokens=8).num_tokens == 8
 
@@ -170,7 +200,9 @@ def test_num_tokens_is_required_when_page_sizes_differ():
 def test_transfer_must_belong_to_the_placements():
     t, src, dst = _pair(p=2, d=1)
     other = src.geometry.placement(2, 1)
-    with pytest.raises(PlanError, match="transfer is for prefill rank 0 -> decode rank 0, but the placements are prefill rank 1"):
+    with pytest.raises(
+        PlanError, match="transfer is for prefill rank 0 -> decode rank 0, but the placements are prefill rank 1"
+    ):
         plan_pair(t, other, dst, [0], [0])
     wrong_tp = src.geometry.placement(4, 0)
     with pytest.raises(PlanError, match="outside the 2 local head"):

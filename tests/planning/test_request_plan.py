@@ -1,5 +1,6 @@
 """``RequestPlan``: built once, extended per chunk (checking only new pages), cut per token
 range into the same slices and ops ``plan_pair`` gives for that range."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,7 +22,10 @@ def test_slices_cover_the_same_tokens_as_plan_pair(a, b):
     sp, dp = np.arange(8)[::-1].copy(), np.arange(8, 16)
     plan = RequestPlan.build(t, src, dst, sp, dp, num_tokens=32, path="staged")
     one = plan_pair(t, src, dst, sp, dp, num_tokens=32, token_start=a, token_stop=b, path="staged")
-    for mine, theirs in ((plan.gather_slice(a, b), one.gather_slice()), (plan.scatter_slice(a, b), one.scatter_slice())):
+    for mine, theirs in (
+        (plan.gather_slice(a, b), one.gather_slice()),
+        (plan.scatter_slice(a, b), one.scatter_slice()),
+    ):
         assert isinstance(mine, KVSlice) and mine.num_tokens == b - a
         ps = mine.page_size
         tokens = np.arange(a, b)

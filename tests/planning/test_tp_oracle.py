@@ -1,5 +1,6 @@
 """The TP planner against a brute-force oracle, for every valid (H, P, D) with H in 1..64 and
 P, D in 1..16, MHA and MLA, with real bytes moved by the reference executor."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,18 +18,22 @@ def valid(h, t):
     return (t <= h and h % t == 0) or (t > h and t % h == 0)
 
 
-MHA_CASES = [
-    (h, p, d)
-    for h in range(1, 65)
-    for p in range(1, 17)
-    for d in range(1, 17)
-    if valid(h, p) and valid(h, d)
-]
+MHA_CASES = [(h, p, d) for h in range(1, 65) for p in range(1, 17) for d in range(1, 17) if valid(h, p) and valid(h, d)]
 
 # SGLang's closed-form formula gave the wrong head in exactly these
 # (P, D, H) configurations, all with P < H < D.
-SGLANG_WRONG = [(1, 4, 2), (1, 8, 2), (1, 8, 4), (1, 16, 2), (1, 16, 4), (1, 16, 8), (2, 8, 4),
-                (2, 16, 4), (2, 16, 8), (4, 16, 8)]
+SGLANG_WRONG = [
+    (1, 4, 2),
+    (1, 8, 2),
+    (1, 8, 4),
+    (1, 16, 2),
+    (1, 16, 4),
+    (1, 16, 8),
+    (2, 8, 4),
+    (2, 16, 4),
+    (2, 16, 8),
+    (4, 16, 8),
+]
 
 
 def run_oracle(h, p, d, mla=False, salt=0, path=None, variant=0):
@@ -38,8 +43,7 @@ def run_oracle(h, p, d, mla=False, salt=0, path=None, variant=0):
     page_sizes = [1, 2, 4, 3]
     ps, pd = page_sizes[variant % 4], page_sizes[(variant // 4 + h + p) % 4]
     num_tokens = 7
-    common = dict(num_layers=2, total_kv_heads=h, head_dim=2, dtype="float32", mla=mla,
-                  v_head_dim=None if mla else 3)
+    common = dict(num_layers=2, total_kv_heads=h, head_dim=2, dtype="float32", mla=mla, v_head_dim=None if mla else 3)
     gp = KVGeometry(**common, page_size=ps, layout=layouts[variant % 2], num_pages=12)
     gd = KVGeometry(**common, page_size=pd, layout=layouts[(variant + d) % 2], num_pages=11)
     k_full, v_full = full_kv(gp.num_layers, h, num_tokens, gp.head_dim, gp.v_head_dim, seed=h * 1000 + p * 17 + d)
@@ -48,13 +52,16 @@ def run_oracle(h, p, d, mla=False, salt=0, path=None, variant=0):
     dst_pages = rng.permutation(gd.num_pages)[: -(-num_tokens // pd)]
     pre = {r: gp.placement(p, r) for r in range(p)}
     dec = {r: gd.placement(d, r) for r in range(d)}
-    src_pools = {r: place_tokens(pl, empty_pool(pl, POISON), k_full, v_full, src_pages, num_tokens) for r, pl in pre.items()}
+    src_pools = {
+        r: place_tokens(pl, empty_pool(pl, POISON), k_full, v_full, src_pages, num_tokens) for r, pl in pre.items()
+    }
     dst_pools = {r: empty_pool(pl) for r, pl in dec.items()}
     plan = plan_tp(h, p, d, mla=mla, salt=salt)
     paths = set()
     for t in plan.transfers:
-        pair = plan_pair(t, pre[t.prefill_rank], dec[t.decode_rank], src_pages, dst_pages,
-                         num_tokens=num_tokens, path=path)
+        pair = plan_pair(
+            t, pre[t.prefill_rank], dec[t.decode_rank], src_pages, dst_pages, num_tokens=num_tokens, path=path
+        )
         paths.add(pair.path)
         apply_plan(pair, src_pools[t.prefill_rank], dst_pools[t.decode_rank])
     for r, pl in dec.items():
@@ -70,7 +77,7 @@ def check_one_writer_per_slot(plan, h, d, mla):
         mine = owned_heads(h, d, r, mla)
         slots = np.zeros(len(mine), dtype=int)
         for t in plan.writers_of(r):
-            slots[t.dst_head_start: t.dst_head_start + t.num_heads] += 1
+            slots[t.dst_head_start : t.dst_head_start + t.num_heads] += 1
             src = owned_heads(h, plan.prefill_tp, t.prefill_rank, mla)
             # The writer owns what it sends, and the reader owns what it receives.
             assert src.start + t.src_head_start == t.global_head_start
@@ -121,8 +128,9 @@ def test_h2_p1_d8_gives_each_decode_rank_its_own_head():
 
 @pytest.mark.parametrize("path", ["direct", "staged", "per_token"])
 def test_forced_paths_agree_with_the_oracle(path):
-    for i, (h, p, d) in enumerate([(8, 1, 1), (8, 2, 1), (8, 1, 2), (8, 4, 2), (8, 2, 4), (2, 1, 8),
-                                   (2, 8, 2), (4, 2, 8), (6, 3, 2), (12, 4, 6)]):
+    for i, (h, p, d) in enumerate(
+        [(8, 1, 1), (8, 2, 1), (8, 1, 2), (8, 4, 2), (8, 2, 4), (2, 1, 8), (2, 8, 2), (4, 2, 8), (6, 3, 2), (12, 4, 6)]
+    ):
         run_oracle(h, p, d, path=path, variant=i)
 
 
@@ -143,12 +151,15 @@ def test_mla_has_one_writer_per_decode_rank_and_spreads():
     assert used == {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize("h,t,words", [
-    (8, 3, ["total_kv_heads=8", "tp_size=3"]),
-    (6, 4, ["total_kv_heads=6", "tp_size=4"]),
-    (4, 6, ["tp_size=6", "total_kv_heads=4"]),
-    (3, 0, ["tp_size=0"]),
-])
+@pytest.mark.parametrize(
+    "h,t,words",
+    [
+        (8, 3, ["total_kv_heads=8", "tp_size=3"]),
+        (6, 4, ["total_kv_heads=6", "tp_size=4"]),
+        (4, 6, ["tp_size=6", "total_kv_heads=4"]),
+        (3, 0, ["tp_size=0"]),
+    ],
+)
 def test_invalid_tp_pairs_are_rejected_naming_both(h, t, words):
     with pytest.raises(GeometryError) as exc:
         plan_tp(h, t, 1)

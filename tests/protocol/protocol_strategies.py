@@ -1,4 +1,5 @@
 """Hypothesis strategies: one valid instance strategy per protocol message type."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -68,9 +69,7 @@ def geometries(draw):
     )
 
 
-page_id_arrays = st.lists(st.integers(0, 2**31 - 1), max_size=300).map(
-    lambda ids: np.asarray(ids, dtype=np.int32)
-)
+page_id_arrays = st.lists(st.integers(0, 2**31 - 1), max_size=300).map(lambda ids: np.asarray(ids, dtype=np.int32))
 timings = st.dictionaries(
     st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=16),
     seconds,
@@ -81,8 +80,7 @@ timings = st.dictionaries(
 @st.composite
 def prefill_registers(draw):
     size, rank = draw(tp_pairs())
-    return PrefillRegister(draw(names), draw(names), size, rank, draw(endpoints), draw(geometries()),
-                           draw(transports))
+    return PrefillRegister(draw(names), draw(names), size, rank, draw(endpoints), draw(geometries()), draw(transports))
 
 
 @st.composite
@@ -102,20 +100,33 @@ def decode_registers(draw):
     size, rank = draw(tp_pairs())
     geometry = draw(geometries())
     regions = draw(st.lists(blobs, min_size=1, max_size=40))
-    locs = draw(st.lists(st.tuples(st.integers(0, len(regions) - 1), counts),
-                         min_size=geometry.num_buffers, max_size=geometry.num_buffers))
+    locs = draw(
+        st.lists(
+            st.tuples(st.integers(0, len(regions) - 1), counts),
+            min_size=geometry.num_buffers,
+            max_size=geometry.num_buffers,
+        )
+    )
     return DecodeRegister(
-        draw(names), draw(names), size, rank, draw(endpoints), geometry, draw(transports),
-        draw(st.binary(min_size=1, max_size=512)), regions,
-        draw(st.one_of(st.none(), blobs)), draw(st.one_of(st.none(), blobs)), locs,
+        draw(names),
+        draw(names),
+        size,
+        rank,
+        draw(endpoints),
+        geometry,
+        draw(transports),
+        draw(st.binary(min_size=1, max_size=512)),
+        regions,
+        draw(st.one_of(st.none(), blobs)),
+        draw(st.one_of(st.none(), blobs)),
+        locs,
     )
 
 
 @st.composite
 def register_replies(draw):
     ok = draw(st.booleans())
-    return RegisterReply(draw(names), draw(st.integers(0, 1023)), ok, "" if ok else draw(reasons),
-                         draw(geometries()))
+    return RegisterReply(draw(names), draw(st.integers(0, 1023)), ok, "" if ok else draw(reasons), draw(geometries()))
 
 
 @st.composite
@@ -123,9 +134,16 @@ def request_metas(draw):
     size, rank = draw(tp_pairs())
     staged = draw(st.booleans())
     return RequestMeta(
-        draw(rooms), draw(names), rank, size, draw(counts), draw(page_id_arrays),
-        draw(st.integers(-1, 2**31 - 1)), draw(st.booleans()),
-        draw(counts) if staged else -1, draw(positives) if staged else 0,
+        draw(rooms),
+        draw(names),
+        rank,
+        size,
+        draw(counts),
+        draw(page_id_arrays),
+        draw(st.integers(-1, 2**31 - 1)),
+        draw(st.booleans()),
+        draw(counts) if staged else -1,
+        draw(positives) if staged else 0,
     )
 
 
@@ -137,10 +155,10 @@ MESSAGE_STRATEGIES = {
     "RegisterReply": register_replies(),
     "RequestMeta": request_metas(),
     "ChunkAck": st.builds(ChunkAck, rooms, st.integers(0, 1023), counts),
-    "ChunkReady": st.builds(ChunkReady, rooms, st.integers(0, 1023), counts, positives, counts,
-                            positives),
-    "TransferDone": st.builds(TransferDone, rooms, st.integers(0, 1023), counts, counts,
-                              st.binary(max_size=256), timings),
+    "ChunkReady": st.builds(ChunkReady, rooms, st.integers(0, 1023), counts, positives, counts, positives),
+    "TransferDone": st.builds(
+        TransferDone, rooms, st.integers(0, 1023), counts, counts, st.binary(max_size=256), timings
+    ),
     "TransferFailed": st.builds(TransferFailed, rooms, sides, st.integers(0, 1023), reasons),
     "Abort": st.builds(Abort, rooms, sides, st.integers(0, 1023), reasons),
     "Heartbeat": st.builds(Heartbeat, names, sides, st.integers(0, 1023), rooms, seconds),
@@ -150,8 +168,12 @@ any_message = st.one_of(*MESSAGE_STRATEGIES.values())
 
 # Anything msgpack can carry (what a hostile peer can put in any slot of a frame).
 msgpack_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), U64),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=40), st.binary(max_size=40),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), U64),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
+    st.binary(max_size=40),
 )
 msgpack_objects = st.recursive(
     msgpack_scalars,

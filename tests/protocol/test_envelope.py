@@ -1,4 +1,5 @@
 """The authenticated envelope: tags, destinations, replay guards, data-plane secrets."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Strict decoding: every kind of malformed frame is a RemoteProtocolError that says what."""
+
 from __future__ import annotations
 
 import msgpack
@@ -27,13 +28,26 @@ from sglang_kvxfer.protocol import (
 
 GEO = KVGeometry(num_layers=2, total_kv_heads=8, head_dim=64)
 META = RequestMeta(7, "dec-1", 1, 2, 40, [3, 9, 4], 5, True, -1, 0)
-REG = DecodeRegister("0.1.0", "dec-1", 2, 0, "tcp://10.0.0.2:5000", GEO, "tcp", b"agent",
-                     [b"k0", b"k1", b"v0", b"v1"], None, b"aux", [(0, 0), (1, 0), (2, 0), (3, 0)])
+REG = DecodeRegister(
+    "0.1.0",
+    "dec-1",
+    2,
+    0,
+    "tcp://10.0.0.2:5000",
+    GEO,
+    "tcp",
+    b"agent",
+    [b"k0", b"k1", b"v0", b"v1"],
+    None,
+    b"aux",
+    [(0, 0), (1, 0), (2, 0), (3, 0)],
+)
 DONE = TransferDone(7, 0, 4096, 3, b"\x01", {"write": 0.5})
 ABORT = Abort(7, "decode", 1, "client went away")
 BEAT = Heartbeat("pre-1", "prefill", 0, 12, 1234.5)
-REPLY = BootstrapReply(True, 2, GEO, "tcp",
-                       [PrefillRankInfo(0, "tcp://a:1", "s0"), PrefillRankInfo(1, "tcp://a:2", "s1")], "")
+REPLY = BootstrapReply(
+    True, 2, GEO, "tcp", [PrefillRankInfo(0, "tcp://a:1", "s0"), PrefillRankInfo(1, "tcp://a:2", "s1")], ""
+)
 
 
 def envelope(msg):
@@ -126,9 +140,7 @@ def test_decode_of_a_non_bytes_argument_is_a_local_error():
 
 # -- the envelope --------------------------------------------------------------------------------
 def test_envelope_not_an_array():
-    assert "frame must be a msgpack array [version, type, fields], got dict" in rejected(
-        msgpack.packb({"room": 1})
-    )
+    assert "frame must be a msgpack array [version, type, fields], got dict" in rejected(msgpack.packb({"room": 1}))
 
 
 def test_envelope_wrong_length():
@@ -162,9 +174,7 @@ def test_fields_not_a_map():
 
 # -- fields ------------------------------------------------------------------------------------------
 def test_missing_field():
-    assert "invalid RequestMeta from peer: RequestMeta is missing field(s): room" in rejected(
-        tampered(META, room=DROP)
-    )
+    assert "invalid RequestMeta from peer: RequestMeta is missing field(s): room" in rejected(tampered(META, room=DROP))
 
 
 def test_missing_fields_are_all_listed():
@@ -183,7 +193,12 @@ def test_unknown_field():
         (META, "room", None, "RequestMeta.room must be an integer, got NoneType None"),
         (META, "elected", 1, "RequestMeta.elected must be a bool, got int 1"),
         (META, "session", b"dec-1", "RequestMeta.session must be a str, got bytes b'dec-1'"),
-        (META, "dst_page_ids", [3, 9, 4], "RequestMeta.dst_page_ids must be bytes of little-endian int32 page ids, got list"),
+        (
+            META,
+            "dst_page_ids",
+            [3, 9, 4],
+            "RequestMeta.dst_page_ids must be bytes of little-endian int32 page ids, got list",
+        ),
         (META, "tp_size", [2], "RequestMeta.tp_size must be an integer, got list [2]"),
         (REG, "geometry", "bf16", "DecodeRegister.geometry must be a KVGeometry or its dict, got str 'bf16'"),
         (REG, "kv_regions", b"k0", "DecodeRegister.kv_regions must be a list, got bytes b'k0'"),
@@ -205,14 +220,15 @@ def test_wrong_type(msg, field, value, text):
 
 
 def test_wrong_type_inside_a_nested_record_names_the_path():
-    ranks = [{"tp_rank": 0, "endpoint": "tcp://a:1", "session": "s0"},
-             {"tp_rank": 1, "endpoint": 5, "session": "s1"}]
+    ranks = [{"tp_rank": 0, "endpoint": "tcp://a:1", "session": "s0"}, {"tp_rank": 1, "endpoint": 5, "session": "s1"}]
     assert "BootstrapReply.ranks[1].endpoint must be a str, got int 5" in rejected(tampered(REPLY, ranks=ranks))
 
 
 def test_cross_field_rule_inside_a_nested_record_names_the_path():
-    ranks = [{"tp_rank": 0, "endpoint": "tcp://a:1", "session": "s0"},
-             {"tp_rank": 0, "endpoint": "tcp://a:2", "session": "s1"}]
+    ranks = [
+        {"tp_rank": 0, "endpoint": "tcp://a:1", "session": "s0"},
+        {"tp_rank": 0, "endpoint": "tcp://a:2", "session": "s1"},
+    ]
     assert "BootstrapReply.ranks lists a tp_rank twice: [0, 0]" in rejected(tampered(REPLY, ranks=ranks))
 
 
@@ -233,8 +249,15 @@ def test_deeply_nested_value_is_rejected_not_a_recursion_error():
     _, tag, fields = envelope(ABORT)
     del fields["reason"]
     body = msgpack.packb(fields)
-    data = (b"\x93" + msgpack.packb(PROTOCOL_VERSION) + msgpack.packb(tag)
-            + bytes([body[0] + 1]) + body[1:] + msgpack.packb("reason") + nested)
+    data = (
+        b"\x93"
+        + msgpack.packb(PROTOCOL_VERSION)
+        + msgpack.packb(tag)
+        + bytes([body[0] + 1])
+        + body[1:]
+        + msgpack.packb("reason")
+        + nested
+    )
     assert "Abort.reason must be a str, got list [[[[...]]]]" in rejected(data)
 
 
@@ -249,15 +272,33 @@ def test_deeply_nested_value_is_rejected_not_a_recursion_error():
         (META, "aux_slot", -7, "RequestMeta.aux_slot=-7 is out of range [-1, 2147483647]"),
         (META, "staging_offset", 64, "RequestMeta.staging_capacity_bytes=0 does not fit staging_offset=64"),
         (META, "session", "x" * 65, "RequestMeta.session is too long: 65 chars (limit 64)"),
-        (ABORT, "reason", "r" * (MAX_REASON_CHARS + 1),
-         f"Abort.reason is too long: {MAX_REASON_CHARS + 1} chars (limit {MAX_REASON_CHARS})"),
+        (
+            ABORT,
+            "reason",
+            "r" * (MAX_REASON_CHARS + 1),
+            f"Abort.reason is too long: {MAX_REASON_CHARS + 1} chars (limit {MAX_REASON_CHARS})",
+        ),
         (ABORT, "reason", "", "Abort.reason='' is not a non-empty reason"),
-        (DONE, "aux_payload", b"\x00" * (2**20 + 1), "TransferDone.aux_payload is too long: 1048577 bytes (limit 1048576)"),
+        (
+            DONE,
+            "aux_payload",
+            b"\x00" * (2**20 + 1),
+            "TransferDone.aux_payload is too long: 1048577 bytes (limit 1048576)",
+        ),
         (DONE, "timings", {f"t{i}": 0.0 for i in range(33)}, "TransferDone.timings is too long: 33 entries (limit 32)"),
         (DONE, "timings", {"write": float("nan")}, "TransferDone.timings['write']=nan must be a finite number"),
-        (REG, "kv_regions", [b"r"] * (MAX_KV_REGIONS + 1),
-         f"DecodeRegister.kv_regions is too long: {MAX_KV_REGIONS + 1} items (limit {MAX_KV_REGIONS})"),
-        (REG, "kv_regions", [b"r" * (16 * 1024 + 1)], "DecodeRegister.kv_regions[0] is too long: 16385 bytes (limit 16384)"),
+        (
+            REG,
+            "kv_regions",
+            [b"r"] * (MAX_KV_REGIONS + 1),
+            f"DecodeRegister.kv_regions is too long: {MAX_KV_REGIONS + 1} items (limit {MAX_KV_REGIONS})",
+        ),
+        (
+            REG,
+            "kv_regions",
+            [b"r" * (16 * 1024 + 1)],
+            "DecodeRegister.kv_regions[0] is too long: 16385 bytes (limit 16384)",
+        ),
         (REG, "endpoint", "http://x", "DecodeRegister.endpoint='http://x' is not a ZMQ endpoint"),
         (BEAT, "sent_at", float("inf"), "Heartbeat.sent_at=inf must be a finite number"),
         (BEAT, "sent_at", -1.0, "Heartbeat.sent_at=-1.0 must be a finite number >= 0.0"),
@@ -280,7 +321,9 @@ def test_too_many_page_ids():
 
 def test_negative_page_id_on_the_wire():
     ids = np.array([4, -1, 6], dtype="<i4").tobytes()
-    assert "RequestMeta.dst_page_ids[1]=-1 is out of range [0, 2147483647]" in rejected(tampered(META, dst_page_ids=ids))
+    assert "RequestMeta.dst_page_ids[1]=-1 is out of range [0, 2147483647]" in rejected(
+        tampered(META, dst_page_ids=ids)
+    )
 
 
 def test_decoded_page_ids_are_read_only_int32():
@@ -296,7 +339,19 @@ def test_encode_refuses_a_non_message():
 
 def test_encode_refuses_a_frame_the_peer_would_refuse():
     region = bytes(16 * 1024)
-    big = DecodeRegister("0.1.0", "d", 1, 0, "tcp://a:1", GEO, "tcp", b"a",
-                         [region] * (MAX_FRAME_BYTES // len(region) + 1), None, None, [(0, 0)] * 4)
+    big = DecodeRegister(
+        "0.1.0",
+        "d",
+        1,
+        0,
+        "tcp://a:1",
+        GEO,
+        "tcp",
+        b"a",
+        [region] * (MAX_FRAME_BYTES // len(region) + 1),
+        None,
+        None,
+        [(0, 0)] * 4,
+    )
     with pytest.raises(LocalProtocolError, match="DecodeRegister encodes to .* bytes, over MAX_FRAME_BYTES"):
         encode(big)

@@ -2,6 +2,7 @@
 
 Any other exception escaping decode would crash a server's I/O thread; these tests fail on it.
 """
+
 from __future__ import annotations
 
 import msgpack
@@ -84,7 +85,7 @@ def mutated_frames(draw):
         elif op == "insert":
             data[pos:pos] = draw(st.binary(min_size=1, max_size=8))
         else:
-            del data[pos:pos + draw(st.integers(1, 8))]
+            del data[pos : pos + draw(st.integers(1, 8))]
     return bytes(data)
 
 
@@ -95,8 +96,7 @@ def test_mutated_valid_frames(data):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(sorted(MESSAGE_STRATEGIES)).flatmap(lambda tag: MESSAGE_STRATEGIES[tag]),
-       st.integers(0, 2**32))
+@given(st.sampled_from(sorted(MESSAGE_STRATEGIES)).flatmap(lambda tag: MESSAGE_STRATEGIES[tag]), st.integers(0, 2**32))
 def test_every_prefix_of_a_valid_frame_is_rejected(msg, seed):
     data = encode(msg)
     cut = seed % len(data)

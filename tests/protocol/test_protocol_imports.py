@@ -1,4 +1,5 @@
 """The protocol package stays sans-I/O: no sockets, threads, clocks, zmq or torch."""
+
 from __future__ import annotations
 
 import ast
@@ -10,20 +11,27 @@ import sglang_kvxfer.protocol as protocol
 
 PACKAGE_DIR = Path(protocol.__file__).parent
 # Imported by nothing in the protocol, directly or through numpy/msgpack.
-NEVER_LOADED = ("zmq", "torch", "socket", "_socket", "selectors", "asyncio", "multiprocessing",
-                "concurrent", "mori", "nixl")
+NEVER_LOADED = (
+    "zmq",
+    "torch",
+    "socket",
+    "_socket",
+    "selectors",
+    "asyncio",
+    "multiprocessing",
+    "concurrent",
+    "mori",
+    "nixl",
+)
 # Loaded by numpy/msgpack themselves (threading), so checked in our own source instead.
 NEVER_IMPORTED_HERE = NEVER_LOADED + ("threading", "_thread", "time", "datetime", "subprocess")
 
 
 def test_importing_the_protocol_loads_no_io_or_heavy_module():
     code = (
-        "import sys, sglang_kvxfer.protocol;"
-        f"bad=[m for m in {NEVER_LOADED!r} if m in sys.modules];"
-        "print(','.join(bad))"
+        f"import sys, sglang_kvxfer.protocol;bad=[m for m in {NEVER_LOADED!r} if m in sys.modules];print(','.join(bad))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "", f"import sglang_kvxfer.protocol loaded: {out.stdout.strip()}"
 
 

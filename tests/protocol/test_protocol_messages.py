@@ -1,4 +1,5 @@
 """Messages: every type round-trips through the codec; local construction is validated."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,18 +35,37 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 
 def meta(**over):
-    fields = dict(room=7, session="dec-1", tp_rank=1, tp_size=2, num_tokens=40,
-                  dst_page_ids=[3, 9, 4], aux_slot=5, elected=True, staging_offset=-1,
-                  staging_capacity_bytes=0)
+    fields = dict(
+        room=7,
+        session="dec-1",
+        tp_rank=1,
+        tp_size=2,
+        num_tokens=40,
+        dst_page_ids=[3, 9, 4],
+        aux_slot=5,
+        elected=True,
+        staging_offset=-1,
+        staging_capacity_bytes=0,
+    )
     fields.update(over)
     return RequestMeta(**fields)
 
 
 def decode_register(**over):
-    fields = dict(engine_version="0.1.0", session="dec-1", tp_size=2, tp_rank=0,
-                  endpoint="tcp://10.0.0.2:5000", geometry=GEO, transport="tcp",
-                  agent_descriptor=b"agent", kv_regions=[b"k0", b"k1", b"v0", b"v1"],
-                  staging_region=None, aux_region=b"aux", kv_buffer_locs=[(0, 0), (1, 0), (2, 0), (3, 0)])
+    fields = dict(
+        engine_version="0.1.0",
+        session="dec-1",
+        tp_size=2,
+        tp_rank=0,
+        endpoint="tcp://10.0.0.2:5000",
+        geometry=GEO,
+        transport="tcp",
+        agent_descriptor=b"agent",
+        kv_regions=[b"k0", b"k1", b"v0", b"v1"],
+        staging_region=None,
+        aux_region=b"aux",
+        kv_buffer_locs=[(0, 0), (1, 0), (2, 0), (3, 0)],
+    )
     fields.update(over)
     return DecodeRegister(**fields)
 
@@ -109,16 +129,24 @@ def test_page_ids_are_copied_and_read_only():
 
 
 def test_bytes_like_descriptors_become_bytes():
-    m = decode_register(agent_descriptor=bytearray(b"ag"), kv_regions=(memoryview(b"k"),),
-                        kv_buffer_locs=[(0, 0), (0, 64), (0, 128), (0, 192)])
+    m = decode_register(
+        agent_descriptor=bytearray(b"ag"),
+        kv_regions=(memoryview(b"k"),),
+        kv_buffer_locs=[(0, 0), (0, 64), (0, 128), (0, 192)],
+    )
     assert m.agent_descriptor == b"ag" and type(m.agent_descriptor) is bytes
     assert m.kv_regions == (b"k",)
 
 
 def test_kv_buffer_locs_must_match_the_geometry_and_regions():
-    with pytest.raises(LocalProtocolError, match=r"DecodeRegister.kv_buffer_locs has 3 entries; the geometry has 4 KV buffers"):
+    with pytest.raises(
+        LocalProtocolError, match=r"DecodeRegister.kv_buffer_locs has 3 entries; the geometry has 4 KV buffers"
+    ):
         decode_register(kv_buffer_locs=[(0, 0)] * 3)
-    with pytest.raises(LocalProtocolError, match=r"DecodeRegister.kv_buffer_locs\[2\] names region 4; only 4 region\(s\) are registered"):
+    with pytest.raises(
+        LocalProtocolError,
+        match=r"DecodeRegister.kv_buffer_locs\[2\] names region 4; only 4 region\(s\) are registered",
+    ):
         decode_register(kv_buffer_locs=[(0, 0), (1, 0), (4, 0), (3, 0)])
     with pytest.raises(LocalProtocolError, match=r"DecodeRegister.kv_buffer_locs\[0\] has 1 items; needs at least 2"):
         decode_register(kv_buffer_locs=[(0,), (1, 0), (2, 0), (3, 0)])
@@ -174,43 +202,79 @@ def test_a_reason_with_a_lone_surrogate_is_escaped_so_it_can_be_sent():
         (lambda: meta(dst_page_ids=np.array([0, 2**31])), "RequestMeta.dst_page_ids[1]=2147483648 is out of range"),
         (lambda: meta(dst_page_ids=[1, True]), "RequestMeta.dst_page_ids[1] must be an integer page id, got bool"),
         (lambda: meta(dst_page_ids=np.zeros(3)), "RequestMeta.dst_page_ids must be integer page ids, got ndarray"),
-        (lambda: meta(dst_page_ids=np.zeros((2, 2), np.int32)), "RequestMeta.dst_page_ids must be 1-D, got shape (2, 2)"),
-        (lambda: meta(dst_page_ids=b"\x00" * 4), "RequestMeta.dst_page_ids must be an integer array or a list of ints, got bytes"),
-        (lambda: meta(dst_page_ids=np.zeros(MAX_PAGE_IDS + 1, np.int32)),
-         f"RequestMeta.dst_page_ids is too long: {MAX_PAGE_IDS + 1} page ids (limit {MAX_PAGE_IDS})"),
+        (
+            lambda: meta(dst_page_ids=np.zeros((2, 2), np.int32)),
+            "RequestMeta.dst_page_ids must be 1-D, got shape (2, 2)",
+        ),
+        (
+            lambda: meta(dst_page_ids=b"\x00" * 4),
+            "RequestMeta.dst_page_ids must be an integer array or a list of ints, got bytes",
+        ),
+        (
+            lambda: meta(dst_page_ids=np.zeros(MAX_PAGE_IDS + 1, np.int32)),
+            f"RequestMeta.dst_page_ids is too long: {MAX_PAGE_IDS + 1} page ids (limit {MAX_PAGE_IDS})",
+        ),
         (lambda: decode_register(kv_regions=[]), "DecodeRegister.kv_regions has 0 items; needs at least 1"),
         (lambda: decode_register(kv_regions=[b"a", "b"]), "DecodeRegister.kv_regions[1] must be bytes, got str 'b'"),
         (lambda: decode_register(kv_regions=[b""]), "DecodeRegister.kv_regions[0] has 0 bytes; needs at least 1"),
-        (lambda: decode_register(agent_descriptor=b"x" * (4 * 2**20 + 1)),
-         "DecodeRegister.agent_descriptor is too long: 4194305 bytes (limit 4194304)"),
-        (lambda: decode_register(endpoint="10.0.0.1:5000"), "DecodeRegister.endpoint='10.0.0.1:5000' is not a ZMQ endpoint"),
+        (
+            lambda: decode_register(agent_descriptor=b"x" * (4 * 2**20 + 1)),
+            "DecodeRegister.agent_descriptor is too long: 4194305 bytes (limit 4194304)",
+        ),
+        (
+            lambda: decode_register(endpoint="10.0.0.1:5000"),
+            "DecodeRegister.endpoint='10.0.0.1:5000' is not a ZMQ endpoint",
+        ),
         (lambda: decode_register(transport="TCP"), "DecodeRegister.transport='TCP' is not a transport name"),
-        (lambda: decode_register(geometry={**GEO.to_dict(), "dtype": "int3"}),
-         "DecodeRegister.geometry is invalid: dtype='int3' is not supported"),
+        (
+            lambda: decode_register(geometry={**GEO.to_dict(), "dtype": "int3"}),
+            "DecodeRegister.geometry is invalid: dtype='int3' is not supported",
+        ),
         (lambda: decode_register(geometry="bf16"), "DecodeRegister.geometry must be a KVGeometry or its dict, got str"),
         (lambda: decode_register(session="é"), "DecodeRegister.session='é' is not 1 or more printable ASCII"),
         (lambda: TransferFailed(1, "middle", 0, "x"), "TransferFailed.side='middle' must be 'prefill' or 'decode'"),
         (lambda: TransferFailed(1, "decode", 0, "  "), "TransferFailed.reason='  ' is not a non-empty reason"),
-        (lambda: TransferDone(1, 0, 1, 1, b"x" * (2**20 + 1), {}),
-         "TransferDone.aux_payload is too long: 1048577 bytes (limit 1048576)"),
-        (lambda: TransferDone(1, 0, 1, 1, b"", {"t": -1.0}), "TransferDone.timings['t']=-1.0 must be a finite number >= 0.0"),
-        (lambda: TransferDone(1, 0, 1, 1, b"", {"t": float("nan")}), "TransferDone.timings['t']=nan must be a finite number"),
-        (lambda: TransferDone(1, 0, 1, 1, b"", {f"p{i}": 0 for i in range(33)}),
-         "TransferDone.timings is too long: 33 entries (limit 32)"),
-        (lambda: TransferDone(1, 0, 1, 1, b"", [("t", 1.0)]), "TransferDone.timings must be a dict of str -> seconds, got list"),
+        (
+            lambda: TransferDone(1, 0, 1, 1, b"x" * (2**20 + 1), {}),
+            "TransferDone.aux_payload is too long: 1048577 bytes (limit 1048576)",
+        ),
+        (
+            lambda: TransferDone(1, 0, 1, 1, b"", {"t": -1.0}),
+            "TransferDone.timings['t']=-1.0 must be a finite number >= 0.0",
+        ),
+        (
+            lambda: TransferDone(1, 0, 1, 1, b"", {"t": float("nan")}),
+            "TransferDone.timings['t']=nan must be a finite number",
+        ),
+        (
+            lambda: TransferDone(1, 0, 1, 1, b"", {f"p{i}": 0 for i in range(33)}),
+            "TransferDone.timings is too long: 33 entries (limit 32)",
+        ),
+        (
+            lambda: TransferDone(1, 0, 1, 1, b"", [("t", 1.0)]),
+            "TransferDone.timings must be a dict of str -> seconds, got list",
+        ),
         (lambda: ChunkReady(1, 0, 0, 0, 0, 8), "ChunkReady.num_tokens=0 is out of range [1, 9223372036854775807]"),
         (lambda: Heartbeat("s", "prefill", 0, 1, float("inf")), "Heartbeat.sent_at=inf must be a finite number"),
         (lambda: Heartbeat("s", "prefill", 0, 1, 10**400), "Heartbeat.sent_at=1000000"),
         (lambda: RegisterReply("p", 0, True, "mismatch", GEO), "RegisterReply.error must be empty when ok=True"),
         (lambda: RegisterReply("p", 0, False, "", GEO), "RegisterReply.error must say why when ok=False"),
-        (lambda: BootstrapReply(True, 2, GEO, "tcp", [PrefillRankInfo(0, "tcp://a:1", "s")], ""),
-         "BootstrapReply.ranks must list tp_rank 0..1 once each, got [0]"),
-        (lambda: BootstrapReply(True, 1, None, "tcp", [PrefillRankInfo(0, "tcp://a:1", "s")], ""),
-         "BootstrapReply.ready is True but tp_size, geometry or transport is missing"),
-        (lambda: BootstrapReply(False, 2, None, "", [PrefillRankInfo(1, "tcp://a:1", "s")] * 2, "wait"),
-         "BootstrapReply.ranks lists a tp_rank twice: [1, 1]"),
-        (lambda: BootstrapReply(False, 0, None, "", [(0, "tcp://a:1", "s")], "wait"),
-         "BootstrapReply.ranks[0] must be a PrefillRankInfo, got tuple"),
+        (
+            lambda: BootstrapReply(True, 2, GEO, "tcp", [PrefillRankInfo(0, "tcp://a:1", "s")], ""),
+            "BootstrapReply.ranks must list tp_rank 0..1 once each, got [0]",
+        ),
+        (
+            lambda: BootstrapReply(True, 1, None, "tcp", [PrefillRankInfo(0, "tcp://a:1", "s")], ""),
+            "BootstrapReply.ready is True but tp_size, geometry or transport is missing",
+        ),
+        (
+            lambda: BootstrapReply(False, 2, None, "", [PrefillRankInfo(1, "tcp://a:1", "s")] * 2, "wait"),
+            "BootstrapReply.ranks lists a tp_rank twice: [1, 1]",
+        ),
+        (
+            lambda: BootstrapReply(False, 0, None, "", [(0, "tcp://a:1", "s")], "wait"),
+            "BootstrapReply.ranks[0] must be a PrefillRankInfo, got tuple",
+        ),
     ],
 )
 def test_local_construction_rejects_with_a_named_field(build, text):

@@ -1,4 +1,5 @@
 """The per-request state machine: the full table, terminal states, deadlines, monotonicity."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,7 @@ from sglang_kvxfer.protocol import (
     describe_transitions,
 )
 
-B, W, T, S, F = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring,
-                 KVPoll.Success, KVPoll.Failed)
+B, W, T, S, F = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success, KVPoll.Failed)
 FAILURES = (Event.FAIL, Event.ABORT, Event.TIMEOUT)
 
 
@@ -30,8 +30,12 @@ def snapshot(st_: RequestState):
 def in_state(side: Side, state: KVPoll, now: float = 0.0) -> RequestState:
     """A request driven along legal edges to ``state``."""
     req = RequestState(room=1, side=side, now=now)
-    path = {B: [], W: [Event.BOOTSTRAPPED], T: [Event.BOOTSTRAPPED, Event.CHUNK_STARTED],
-            S: [Event.BOOTSTRAPPED, Event.CHUNK_STARTED, Event.TRANSFER_DONE]}
+    path = {
+        B: [],
+        W: [Event.BOOTSTRAPPED],
+        T: [Event.BOOTSTRAPPED, Event.CHUNK_STARTED],
+        S: [Event.BOOTSTRAPPED, Event.CHUNK_STARTED, Event.TRANSFER_DONE],
+    }
     if state is F:
         req.fail("setup", now)
     for event in path.get(state, []):
@@ -42,17 +46,29 @@ def in_state(side: Side, state: KVPoll, now: float = 0.0) -> RequestState:
 
 def test_kvpoll_has_sglangs_values():
     assert [(p.name, int(p)) for p in KVPoll] == [
-        ("Failed", 0), ("Bootstrapping", 1), ("WaitingForInput", 2), ("Transferring", 3), ("Success", 4)
+        ("Failed", 0),
+        ("Bootstrapping", 1),
+        ("WaitingForInput", 2),
+        ("Transferring", 3),
+        ("Success", 4),
     ]
 
 
 def test_the_tables_are_exactly_these_edges():
     failures = {(s, e): F for s in (B, W, T) for e in FAILURES}
-    common = {(B, Event.BOOTSTRAPPED): W, (W, Event.CHUNK_STARTED): T, (T, Event.CHUNK_STARTED): T,
-              (W, Event.TRANSFER_DONE): S, (T, Event.TRANSFER_DONE): S}
+    common = {
+        (B, Event.BOOTSTRAPPED): W,
+        (W, Event.CHUNK_STARTED): T,
+        (T, Event.CHUNK_STARTED): T,
+        (W, Event.TRANSFER_DONE): S,
+        (T, Event.TRANSFER_DONE): S,
+    }
     assert dict(PREFILL_TRANSITIONS) == {**common, **failures}
     assert dict(DECODE_TRANSITIONS) == {
-        **common, **failures, (W, Event.WRITER_DONE): T, (T, Event.WRITER_DONE): T,
+        **common,
+        **failures,
+        (W, Event.WRITER_DONE): T,
+        (T, Event.WRITER_DONE): T,
     }
 
 
@@ -92,7 +108,9 @@ def test_terminal_states_have_no_way_out_and_live_ones_can_always_fail(table):
 
 def test_prefill_has_no_writer_done_event():
     req = in_state(Side.PREFILL, W)
-    with pytest.raises(LocalProtocolError, match="prefill request in state WaitingForInput cannot take event WRITER_DONE"):
+    with pytest.raises(
+        LocalProtocolError, match="prefill request in state WaitingForInput cannot take event WRITER_DONE"
+    ):
         req.handle(Event.WRITER_DONE, 1.0)
 
 
@@ -159,9 +177,7 @@ def test_bad_deadlines_are_refused(kwargs, error, text):
         Deadlines(**kwargs)
 
 
-@pytest.mark.parametrize(
-    "state, limit", [(B, 60.0), (W, 300.0), (T, 120.0)]
-)
+@pytest.mark.parametrize("state, limit", [(B, 60.0), (W, 300.0), (T, 120.0)])
 def test_each_live_state_times_out_at_its_deadline(state, limit):
     req = in_state(Side.DECODE, state, now=1000.0)
     assert req.deadline == 1000.0 + limit
@@ -272,9 +288,11 @@ def test_writer_done_restarts_the_transferring_deadline():
 
 @pytest.mark.parametrize(
     "rank, text",
-    [(5, r"prefill tp_rank=5 is not an expected writer \(expected \[0, 1, 2\]\)"),
-     (True, "prefill tp_rank=True is not an expected writer"),
-     ("1", "prefill tp_rank='1' is not an expected writer")],
+    [
+        (5, r"prefill tp_rank=5 is not an expected writer \(expected \[0, 1, 2\]\)"),
+        (True, "prefill tp_rank=True is not an expected writer"),
+        ("1", "prefill tp_rank='1' is not an expected writer"),
+    ],
 )
 def test_an_unexpected_writer_raises_and_changes_nothing(rank, text):
     req = decode_waiting()
@@ -321,8 +339,11 @@ def test_completion_cannot_bypass_the_writer_count():
     "call, error, text",
     [
         (lambda r: r.writer_done(0, 1.0), LocalProtocolError, "writer_done before expect_writers"),
-        (lambda r: (r.expect_writers([0]), r.expect_writers([1])), LocalProtocolError,
-         r"expected writers already set to \[0\]"),
+        (
+            lambda r: (r.expect_writers([0]), r.expect_writers([1])),
+            LocalProtocolError,
+            r"expected writers already set to \[0\]",
+        ),
         (lambda r: r.expect_writers([]), ValueError, r"tp_ranks=\[\] must be non-empty and distinct"),
         (lambda r: r.expect_writers([1, 1]), ValueError, r"tp_ranks=\[1, 1\] must be non-empty and distinct"),
         (lambda r: r.expect_writers([-1]), ValueError, r"writer tp_rank=-1 must be an integer in \[0, 1024\)"),
@@ -342,8 +363,7 @@ def test_expect_writers_is_decode_only_and_not_after_the_end():
 
 # -- random event sequences ------------------------------------------------------------------------------------
 @settings(max_examples=200, deadline=None)
-@given(st.sampled_from(list(Side)),
-       st.lists(st.tuples(st.sampled_from(list(Event)), st.floats(0, 1000)), max_size=12))
+@given(st.sampled_from(list(Side)), st.lists(st.tuples(st.sampled_from(list(Event)), st.floats(0, 1000)), max_size=12))
 def test_random_event_sequences_keep_the_invariants(side, steps):
     req = RequestState(9, side, now=0.0)
     now = 0.0

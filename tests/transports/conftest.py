@@ -7,6 +7,7 @@ its hook installs in this process and in each peer (``mori`` against ``fake_mori
 runs whether or not the real package is installed. Peers are spawned once per module and
 case; writers are fresh per test.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -41,8 +42,7 @@ def selected_cases(config) -> list[str]:
     if unknown:
         raise pytest.UsageError(f"--transport: no contract cases for {sorted(unknown)}")
     available = set(available_transports())
-    return [case for case, (t, _, _) in CASES.items()
-            if t in names and (t in available or case in HOOKS)]
+    return [case for case, (t, _, _) in CASES.items() if t in names and (t in available or case in HOOKS)]
 
 
 def pytest_generate_tests(metafunc):
@@ -94,8 +94,13 @@ class Writer:
         self.remote = self.transport.import_region("peer", peer.region)
 
     def write(self, lo, ro, sz):
-        return self.transport.write(self.local, self.remote, np.asarray(lo, dtype=np.int64),
-                                    np.asarray(ro, dtype=np.int64), np.asarray(sz, dtype=np.int64))
+        return self.transport.write(
+            self.local,
+            self.remote,
+            np.asarray(lo, dtype=np.int64),
+            np.asarray(ro, dtype=np.int64),
+            np.asarray(sz, dtype=np.int64),
+        )
 
     def close(self):
         self.transport.close()
@@ -111,4 +116,4 @@ def writer(case, peer):
 def apply(model: np.ndarray, src: np.ndarray, lo, ro, sz) -> None:
     """What the batch must do to the peer's region, applied to a numpy model of it."""
     for l, r, n in zip(lo, ro, sz):
-        model[r:r + n] = src[l:l + n]
+        model[r : r + n] = src[l : l + n]

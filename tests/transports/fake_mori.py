@@ -25,6 +25,7 @@ Test knobs live on ``engine.fake``: ``gate`` (clear it to hold completions), ``r
 (the next submit raises ``RuntimeError`` with that text), ``fail_next`` ((code, message)
 for the next transfer) and ``events`` (queued ``PeerFailureEvent``s).
 """
+
 from __future__ import annotations
 
 import enum
@@ -37,9 +38,9 @@ import socket
 import struct
 import sys
 import threading
-import weakref
 import time
 import types
+import weakref
 from collections import deque
 
 import msgpack
@@ -78,10 +79,19 @@ class IOEngineConfig:
 
 
 class RdmaBackendConfig:
-    def __init__(self, qp_per_transfer=1, post_batch_size=-1, num_worker_threads=-1,
-                 poll_cq_mode=PollCqMode.POLLING, enable_notification=True, notif_per_qp=1024,
-                 enable_transfer_chunking=False, chunk_bytes=65536, max_chunks_per_transfer=64,
-                 num_nics_per_transfer=1):
+    def __init__(
+        self,
+        qp_per_transfer=1,
+        post_batch_size=-1,
+        num_worker_threads=-1,
+        poll_cq_mode=PollCqMode.POLLING,
+        enable_notification=True,
+        notif_per_qp=1024,
+        enable_transfer_chunking=False,
+        chunk_bytes=65536,
+        max_chunks_per_transfer=64,
+        num_nics_per_transfer=1,
+    ):
         self.qp_per_transfer, self.post_batch_size = qp_per_transfer, post_batch_size
         self.num_worker_threads, self.poll_cq_mode = num_worker_threads, poll_cq_mode
         self.enable_notification, self.notif_per_qp = enable_notification, notif_per_qp
@@ -102,10 +112,9 @@ def _unpack_array(blob, n: int, defaults: list) -> list:
         raise RuntimeError("std::bad_cast") from None
     if not isinstance(obj, list) or len(obj) > n:
         raise RuntimeError("std::bad_cast")
-    obj = obj + defaults[len(obj):]  # MORI accepts a short array, defaulting the rest
+    obj = obj + defaults[len(obj) :]  # MORI accepts a short array, defaulting the rest
     for value, default in zip(obj, defaults):
-        if type(value) is not type(default) and not (isinstance(default, int)
-                                                     and isinstance(value, int)):
+        if type(value) is not type(default) and not (isinstance(default, int) and isinstance(value, int)):
             raise RuntimeError("std::bad_cast")
     return obj
 
@@ -135,7 +144,7 @@ class EngineDesc:
         return msgpack.packb(self._f, use_bin_type=True)
 
     @staticmethod
-    def unpack(blob) -> "EngineDesc":
+    def unpack(blob) -> EngineDesc:
         return EngineDesc._make(_unpack_array(blob, 6, EngineDesc._DEFAULTS))
 
     def __eq__(self, other):
@@ -147,8 +156,7 @@ class MemoryDesc:
     ipc_offset, fabric_handle, vpod_id, vpod_ppod_id, fabric_offset, fabric_alloc_size]``."""
 
     _DEFAULTS = ["", 0, -1, "", 0, 0, 0, bytes(64), -1, 0, bytes(64), -1, "", 0, 0]
-    _NAMES = ("engine_key", "id", "device_id", "device_bus_id", "data", "size", "loc",
-              "ipc_handle", "numa_node")
+    _NAMES = ("engine_key", "id", "device_id", "device_bus_id", "data", "size", "loc", "ipc_handle", "numa_node")
 
     def __init__(self):
         self._f = list(self._DEFAULTS)
@@ -169,7 +177,7 @@ class MemoryDesc:
         return msgpack.packb(self._f, use_bin_type=True)
 
     @staticmethod
-    def unpack(blob) -> "MemoryDesc":
+    def unpack(blob) -> MemoryDesc:
         desc = MemoryDesc()
         desc._f = _unpack_array(blob, 15, MemoryDesc._DEFAULTS)
         return desc
@@ -179,8 +187,7 @@ class MemoryDesc:
 
 
 class PeerFailureEvent:
-    def __init__(self, remote_engine_key, reason, qp_num=0, port_num=1, device_name="fake0",
-                 detail=""):
+    def __init__(self, remote_engine_key, reason, qp_num=0, port_num=1, device_name="fake0", detail=""):
         self.remote_engine_key, self.reason, self.qp_num = remote_engine_key, reason, qp_num
         self.port_num, self.device_name, self.detail = port_num, device_name, detail
 
@@ -230,8 +237,9 @@ class TransferStatus:
     def WaitFor(self, timeout_ms=-1):
         with self._cond:
             if self._code == StatusCode.IN_PROGRESS and timeout_ms != 0:
-                self._cond.wait_for(lambda: self._code != StatusCode.IN_PROGRESS,
-                                    None if timeout_ms < 0 else timeout_ms / 1000)
+                self._cond.wait_for(
+                    lambda: self._code != StatusCode.IN_PROGRESS, None if timeout_ms < 0 else timeout_ms / 1000
+                )
             return self._code
 
 
@@ -242,7 +250,7 @@ class _Knobs:
         self.raise_on_submit: str | None = None
         self.fail_next: tuple | None = None
         self.events: deque = deque()
-        self.submits: list = []   # (local offsets, remote offsets, sizes) per batch_write call
+        self.submits: list = []  # (local offsets, remote offsets, sizes) per batch_write call
         self.sessions_created = 0
         self.rdma_devices = None  # MORI_RDMA_DEVICES as the RDMA backend saw it
 
@@ -287,7 +295,7 @@ class _Engine:
             _IN_PROCESS.add(key)
         self.fake = _Knobs()
         self.backends: dict = {}
-        self._mems: dict[int, tuple] = {}      # id -> (MemoryDesc, visible to the backend)
+        self._mems: dict[int, tuple] = {}  # id -> (MemoryDesc, visible to the backend)
         self._remotes: dict[str, EngineDesc] = {}
         self._mem_ids, self._uids = itertools.count(0), itertools.count(0)
         self._jobs: queue.Queue = queue.Queue()
@@ -309,8 +317,7 @@ class _Engine:
             self._server = socket.create_server((self._desc[3], self._desc[4]))
             self._servers.append(self._server)
             self._desc[4] = self._server.getsockname()[1]
-            threading.Thread(target=_serve_control, args=(weakref.ref(self), self._server),
-                             daemon=True).start()
+            threading.Thread(target=_serve_control, args=(weakref.ref(self), self._server), daemon=True).start()
         self.backends[BackendType(type)] = config or RdmaBackendConfig()
 
     def register_remote_engine(self, desc: EngineDesc):
@@ -322,10 +329,16 @@ class _Engine:
     def register_memory(self, ptr: int, size: int, device_id: int, mem_loc):
         allow_ptrace_writes()  # lets peers "RDMA write" here with process_vm_writev
         gpu = mem_loc == MemoryLocationType.GPU
-        desc = MemoryDesc._make(engine_key=self._desc[0], id=next(self._mem_ids),
-                                device_id=device_id, data=ptr, size=size, loc=int(mem_loc),
-                                device_bus_id=f"0000:{device_id + 1:02x}:00.0" if gpu else "",
-                                numa_node=-1 if gpu else 0)
+        desc = MemoryDesc._make(
+            engine_key=self._desc[0],
+            id=next(self._mem_ids),
+            device_id=device_id,
+            data=ptr,
+            size=size,
+            loc=int(mem_loc),
+            device_bus_id=f"0000:{device_id + 1:02x}:00.0" if gpu else "",
+            numa_node=-1 if gpu else 0,
+        )
         self._mems[desc.id] = (desc, BackendType.RDMA in self.backends)
         with _LIVE_LOCK:
             _LIVE_MEMORY.add((desc.engine_key, desc.id))
@@ -344,8 +357,7 @@ class _Engine:
             return None
         remote = self._remotes.get(remote_mem.engine_key)
         if remote is None:
-            raise RuntimeError(f"BuildRdmaConn: remote engine {remote_mem.engine_key} is not "
-                               "registered")
+            raise RuntimeError(f"BuildRdmaConn: remote engine {remote_mem.engine_key} is not registered")
         local = self._mems.get(local_mem.id)
         if local is None or not local[1] or local[0] != local_mem:
             raise RuntimeError("RdmaBackend::CreateSession: no local RDMA candidate found")
@@ -356,15 +368,16 @@ class _Engine:
         except OSError as exc:
             raise RuntimeError(f"TCP connect to {remote.host}:{remote.port} failed: {exc}") from None
         if not found or size != remote_mem.size:
-            raise RuntimeError(f"RdmaBackend::CreateSession: remote MR size mismatch for engine "
-                               f"{remote.key} (id {remote_mem.id}: {size} vs {remote_mem.size})")
+            raise RuntimeError(
+                f"RdmaBackend::CreateSession: remote MR size mismatch for engine "
+                f"{remote.key} (id {remote_mem.id}: {size} vs {remote_mem.size})"
+            )
         self.fake.sessions_created += 1
         return IOEngineSession(self, local_mem, remote_mem, remote.pid)
 
     def batch_write(self, local_mds, local_offs, remote_mds, remote_offs, sizes, uids):
         statuses = []
-        for lmd, lo, rmd, ro, sz, uid in zip(local_mds, local_offs, remote_mds, remote_offs,
-                                            sizes, uids):
+        for lmd, lo, rmd, ro, sz, uid in zip(local_mds, local_offs, remote_mds, remote_offs, sizes, uids):
             session = self.create_session(lmd, rmd)
             statuses.append(session.batch_write(lo, ro, sz, uid))
         return statuses
@@ -400,8 +413,10 @@ class _Engine:
             raise RuntimeError("assertion failed: localOffsets.size() == remoteOffsets.size()")
         for i in range(sz.shape[0]):
             if sz[i] > UINT32_MAX:
-                status.Update(StatusCode.ERR_INVALID_ARGS, f"single request size {sz[i]} "
-                              "exceeds UINT32_MAX; split it before submitting")
+                status.Update(
+                    StatusCode.ERR_INVALID_ARGS,
+                    f"single request size {sz[i]} exceeds UINT32_MAX; split it before submitting",
+                )
                 return
             if lo[i] + sz[i] > session.local.size or ro[i] + sz[i] > session.remote.size:
                 status.Update(StatusCode.ERR_INVALID_ARGS, "length out of range")
@@ -417,8 +432,11 @@ class _Engine:
             status.Update(code, message)
             return
         with _LIVE_LOCK:
-            gone = [m for m in (session.local, session.remote)
-                    if (m.engine_key, m.id) not in _LIVE_MEMORY and m.engine_key in _IN_PROCESS]
+            gone = [
+                m
+                for m in (session.local, session.remote)
+                if (m.engine_key, m.id) not in _LIVE_MEMORY and m.engine_key in _IN_PROCESS
+            ]
         if gone:
             status.Update(StatusCode.ERR_NOT_FOUND, "memory region was deregistered")
             return
@@ -426,9 +444,13 @@ class _Engine:
             cma_write(session.remote_pid, session.local.data + lo, session.remote.data + ro, sz)
         except OSError as exc:
             if exc.errno == errno.ESRCH:
-                self.fake.events.append(PeerFailureEvent(
-                    session.remote.engine_key, PeerFailureReason.PEER_UNREACHABLE,
-                    detail="RETRY_EXC_ERR: remote process gone"))
+                self.fake.events.append(
+                    PeerFailureEvent(
+                        session.remote.engine_key,
+                        PeerFailureReason.PEER_UNREACHABLE,
+                        detail="RETRY_EXC_ERR: remote process gone",
+                    )
+                )
             status.Update(StatusCode.ERR_RDMA_OP, f"ibv_post_send/CQE error: {exc}")
         else:
             status.Update(StatusCode.SUCCESS, "")
@@ -477,6 +499,7 @@ def _serve_control(engine_ref, server) -> None:
             engine._answer(sock)
             del engine
 
+
 class IOEngine124(_Engine):
     """``mori.io.IOEngine`` of wheel 1.2.4, which adds ``pop_peer_failure``."""
 
@@ -513,17 +536,22 @@ def install(peer_failure_api: bool = True):
     pkg, cpp, io = (types.ModuleType(n) for n in ("mori", "mori.cpp", "mori.io"))
     pkg.__path__ = []
     for module in (pkg, cpp, io):
-        module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None,
-                                                         is_package=module is pkg)
-    shared = dict(IOEngineConfig=IOEngineConfig, StatusCode=StatusCode, BackendType=BackendType,
-                  EngineDesc=EngineDesc, MemoryDesc=MemoryDesc,
-                  MemoryLocationType=MemoryLocationType, PollCqMode=PollCqMode,
-                  RdmaBackendConfig=RdmaBackendConfig, XgmiBackendConfig=XgmiBackendConfig)
+        module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None, is_package=module is pkg)
+    shared = dict(
+        IOEngineConfig=IOEngineConfig,
+        StatusCode=StatusCode,
+        BackendType=BackendType,
+        EngineDesc=EngineDesc,
+        MemoryDesc=MemoryDesc,
+        MemoryLocationType=MemoryLocationType,
+        PollCqMode=PollCqMode,
+        RdmaBackendConfig=RdmaBackendConfig,
+        XgmiBackendConfig=XgmiBackendConfig,
+    )
     if peer_failure_api:
         shared.update(PeerFailureEvent=PeerFailureEvent, PeerFailureReason=PeerFailureReason)
     vars(cpp).update(shared, TransferStatus=TransferStatus)
-    vars(io).update(shared, IOEngine=IOEngine124 if peer_failure_api else _Engine,
-                    IOEngineSession=IOEngineSession)
+    vars(io).update(shared, IOEngine=IOEngine124 if peer_failure_api else _Engine, IOEngineSession=IOEngineSession)
     pkg.cpp, pkg.io = cpp, io
     sys.modules.update({"mori": pkg, "mori.cpp": cpp, "mori.io": io})
 
@@ -533,4 +561,5 @@ def install(peer_failure_api: bool = True):
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
+
     return undo

@@ -1,4 +1,5 @@
 """Batch validation, coalescing, tickets, descriptors and the registry (no processes)."""
+
 from __future__ import annotations
 
 import threading
@@ -7,13 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from sglang_kvxfer.errors import (PeerGoneError, TransferTimeoutError, TransportError,
-                                  TransportUnavailableError)
-from sglang_kvxfer.transports import (available_transports, get_transport, register_transport,
-                                      registered_transports)
+from sglang_kvxfer.errors import PeerGoneError, TransferTimeoutError, TransportError, TransportUnavailableError
+from sglang_kvxfer.transports import available_transports, get_transport, register_transport, registered_transports
 from sglang_kvxfer.transports._common import UseTable, pack_descriptor, unpack_descriptor
-from sglang_kvxfer.transports.base import (Entries, coalesce, parse_device, tensor_memory,
-                                           validate_batch)
+from sglang_kvxfer.transports.base import Entries, coalesce, parse_device, tensor_memory, validate_batch
 from sglang_kvxfer.transports.ticket import Ticket, TicketState, wait_all
 
 
@@ -32,15 +30,20 @@ def test_valid_batch_comes_back_as_int64():
 
 def test_entry_past_remote_end_names_index_offset_size_and_region():
     with pytest.raises(ValueError) as info:
-        validate_batch(100, 64, _arr(0, 0, 0), _arr(0, 8, 60), _arr(8, 8, 5),
-                       remote_name="remote region 3 of peer 'd0'")
-    assert str(info.value) == ("entry 2: remote offset 60 + size 5 = 65 exceeds remote region 3 "
-                               "of peer 'd0' of 64 bytes")
+        validate_batch(
+            100, 64, _arr(0, 0, 0), _arr(0, 8, 60), _arr(8, 8, 5), remote_name="remote region 3 of peer 'd0'"
+        )
+    assert str(info.value) == (
+        "entry 2: remote offset 60 + size 5 = 65 exceeds remote region 3 of peer 'd0' of 64 bytes"
+    )
 
 
 def test_entry_past_local_end_is_rejected():
-    with pytest.raises(ValueError, match=r"entry 0: local offset 99 \+ size 2 = 101 exceeds "
-                                         r"local region of 100 bytes"):
+    with pytest.raises(
+        ValueError,
+        match=r"entry 0: local offset 99 \+ size 2 = 101 exceeds "
+        r"local region of 100 bytes",
+    ):
         validate_batch(100, 100, _arr(99), _arr(0), _arr(2))
 
 
@@ -62,8 +65,7 @@ def test_negative_value_names_the_array_and_index(field):
     arrays = {"local_offsets": _arr(0, 1), "remote_offsets": _arr(0, 1), "sizes": _arr(1, 1)}
     arrays[field] = _arr(0, -4)
     with pytest.raises(ValueError, match=f"{field}\\[1\\] = -4 is negative"):
-        validate_batch(100, 100, arrays["local_offsets"], arrays["remote_offsets"],
-                       arrays["sizes"])
+        validate_batch(100, 100, arrays["local_offsets"], arrays["remote_offsets"], arrays["sizes"])
 
 
 def test_length_mismatch_lists_all_three_lengths():
@@ -82,8 +84,7 @@ def test_two_dimensional_array_is_rejected():
 
 
 def test_uint64_beyond_int64_is_rejected():
-    with pytest.raises(ValueError, match="remote_offsets\\[0\\] = 18446744073709551615 does not "
-                                         "fit in int64"):
+    with pytest.raises(ValueError, match="remote_offsets\\[0\\] = 18446744073709551615 does not fit in int64"):
         validate_batch(100, 100, _arr(0), np.array([2**64 - 1], np.uint64), _arr(0))
 
 
@@ -108,8 +109,7 @@ def test_coalesce_keeps_entries_contiguous_on_one_side_only():
 
 def test_coalesce_drops_zero_size_entries():
     e = coalesce(Entries(_arr(0, 4, 4), _arr(0, 4, 99), _arr(4, 4, 0)))
-    assert (e.local_offsets.tolist(), e.remote_offsets.tolist(), e.sizes.tolist()) == (
-        [0], [0], [8])
+    assert (e.local_offsets.tolist(), e.remote_offsets.tolist(), e.sizes.tolist()) == ([0], [0], [8])
 
 
 def test_coalesce_moves_the_same_bytes_as_the_batch():
@@ -117,13 +117,12 @@ def test_coalesce_moves_the_same_bytes_as_the_batch():
     n, slot = 500, 64
     slots = rng.permutation(n)
     lo = np.where(rng.random(n) < 0.5, slots * slot, rng.permutation(n) * slot)
-    e = Entries(lo.astype(np.int64), (slots * slot).astype(np.int64),
-                rng.integers(0, slot + 1, n).astype(np.int64))
+    e = Entries(lo.astype(np.int64), (slots * slot).astype(np.int64), rng.integers(0, slot + 1, n).astype(np.int64))
     src = rng.integers(0, 256, n * slot, dtype=np.uint8)
     want, got = np.zeros_like(src), np.zeros_like(src)
     for batch, out in ((e, want), (coalesce(e), got)):
         for l, r, s in zip(batch.local_offsets, batch.remote_offsets, batch.sizes):
-            out[r:r + s] = src[l:l + s]
+            out[r : r + s] = src[l : l + s]
     np.testing.assert_array_equal(got, want)
     assert coalesce(e).num_entries < e.num_entries
 
@@ -208,8 +207,11 @@ def test_wait_all_sees_a_failure_that_arrives_while_waiting():
 
 
 def test_wait_all_timeout_counts_pending():
-    with pytest.raises(TransferTimeoutError, match=r"1 of 2 tickets not complete after 0.01 s "
-                                                   r"\(first: b\)"):
+    with pytest.raises(
+        TransferTimeoutError,
+        match=r"1 of 2 tickets not complete after 0.01 s "
+        r"\(first: b\)",
+    ):
         wait_all([Ticket.completed("a"), Ticket("b")], 0.01)
 
 
@@ -224,8 +226,7 @@ def test_wait_all_of_done_and_empty():
 def test_descriptor_round_trip_and_field_checks():
     blob = pack_descriptor("tcp", "region", agent="a", region=3, nbytes=10)
     assert unpack_descriptor(blob, "tcp", "region", {"region": int})["nbytes"] == 10
-    with pytest.raises(ValueError, match="descriptor is for transport 'tcp'; transport 'local' "
-                                         "cannot use it"):
+    with pytest.raises(ValueError, match="descriptor is for transport 'tcp'; transport 'local' cannot use it"):
         unpack_descriptor(blob, "local", "region", {})
     with pytest.raises(ValueError, match="expected a tcp agent descriptor, got 'region'"):
         unpack_descriptor(blob, "tcp", "agent", {})
@@ -295,8 +296,9 @@ def test_unknown_transport_lists_registered_ones():
 
 
 def test_missing_package_names_it():
-    register_transport("fake-nixl", "sglang_kvxfer.transports.nixl:NixlTransport",
-                       requires={"nixl_fake_module_xyz": "nixl-fake"})
+    register_transport(
+        "fake-nixl", "sglang_kvxfer.transports.nixl:NixlTransport", requires={"nixl_fake_module_xyz": "nixl-fake"}
+    )
     try:
         assert "fake-nixl" in registered_transports()
         assert "fake-nixl" not in available_transports()
@@ -314,8 +316,9 @@ def test_missing_package_names_it():
 def test_broken_module_is_unavailable_not_a_crash():
     register_transport("broken", "sglang_kvxfer.transports.no_such_module:X")
     try:
-        with pytest.raises(TransportUnavailableError, match="could not be imported from "
-                                                            "sglang_kvxfer.transports.no_such"):
+        with pytest.raises(
+            TransportUnavailableError, match="could not be imported from sglang_kvxfer.transports.no_such"
+        ):
             get_transport("broken")
     finally:
         from sglang_kvxfer import transports
@@ -339,7 +342,6 @@ def test_importing_transports_pulls_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, sglang_kvxfer.transports.local, sglang_kvxfer.transports.tcp;"
-            "print('torch' in sys.modules)")
+    code = "import sys, sglang_kvxfer.transports.local, sglang_kvxfer.transports.tcp;print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

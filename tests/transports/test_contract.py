@@ -3,6 +3,7 @@
 Every test writes from this process into a spawned peer's region and compares the peer's
 bytes with a numpy model of what the batch must have done.
 """
+
 from __future__ import annotations
 
 import threading
@@ -10,16 +11,15 @@ import threading
 import numpy as np
 import pytest
 
-from tests.transports.conftest import REGION_BYTES, Writer, apply
 from sglang_kvxfer.errors import PeerGoneError, TransferTimeoutError, TransportError
 from sglang_kvxfer.transports import RemoteRegion, TicketState, wait_all
+from tests.transports.conftest import REGION_BYTES, Writer, apply
 from tests.transports.transport_peer import WRITER_SECRET, wait_until
 
 TIMEOUT_S = 10.0
 
 
-def random_batch(rng, n: int, slot: int, src_bytes: int = REGION_BYTES,
-                 dst_lo: int = 0, dst_hi: int = REGION_BYTES):
+def random_batch(rng, n: int, slot: int, src_bytes: int = REGION_BYTES, dst_lo: int = 0, dst_hi: int = REGION_BYTES):
     """n entries into distinct ``slot``-sized destination slots of [dst_lo, dst_hi)."""
     slots = rng.choice((dst_hi - dst_lo) // slot, size=n, replace=False)
     sz = rng.integers(0, slot + 1, size=n)
@@ -80,8 +80,11 @@ def test_out_of_range_remote_entry_rejects_the_whole_batch(writer, peer):
 
 def test_out_of_range_local_entry_rejects_the_whole_batch(writer, peer):
     model = peer.fill(6)
-    with pytest.raises(ValueError, match=r"entry 1: local offset 4194304 \+ size 1 = 4194305 "
-                                         r"exceeds local region"):
+    with pytest.raises(
+        ValueError,
+        match=r"entry 1: local offset 4194304 \+ size 1 = 4194305 "
+        r"exceeds local region",
+    ):
         writer.write([0, REGION_BYTES], [0, 64], [64, 1])
     np.testing.assert_array_equal(peer.read(), model)
 
@@ -99,8 +102,7 @@ def test_unknown_remote_region_id_is_refused(writer, peer):
 
 def test_deregistered_local_region_is_refused(writer, peer):
     writer.transport.deregister(writer.local)
-    with pytest.raises(ValueError, match=f"local region {writer.local.region_id} is not "
-                                         "registered"):
+    with pytest.raises(ValueError, match=f"local region {writer.local.region_id} is not registered"):
         writer.write([0], [0], [8])
 
 
@@ -147,9 +149,12 @@ def test_many_concurrent_batches_from_several_threads(writer, peer):
     for t in range(threads):
         rng = np.random.default_rng(100 + t)
         span = quarter // batches_per_thread  # each batch owns a disjoint destination span
-        plans.append([random_batch(rng, 40, 1024, dst_lo=t * quarter + b * span,
-                                   dst_hi=t * quarter + (b + 1) * span)
-                      for b in range(batches_per_thread)])
+        plans.append(
+            [
+                random_batch(rng, 40, 1024, dst_lo=t * quarter + b * span, dst_hi=t * quarter + (b + 1) * span)
+                for b in range(batches_per_thread)
+            ]
+        )
 
     def run(batches):
         try:
@@ -189,8 +194,7 @@ def test_peer_that_dies_mid_batch_fails_tickets_without_hanging(case, fresh_peer
             after.wait(TIMEOUT_S)
         assert after.poll() is TicketState.FAILED and "peer 'peer'" in after.reason
         failures = []
-        assert wait_until(lambda: failures.extend(writer.transport.peer_failures()) or failures,
-                          TIMEOUT_S)
+        assert wait_until(lambda: failures.extend(writer.transport.peer_failures()) or failures, TIMEOUT_S)
         assert failures[0].peer_id == "peer" and failures[0].reason
         assert writer.transport.peer_failures() == []  # drained
     finally:

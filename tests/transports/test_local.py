@@ -1,5 +1,6 @@
 """The ``local`` transport beyond the shared contract: shared buffers, CMA permission
 errors, same-host checks, forged descriptors."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -44,8 +45,11 @@ def test_shared_buffer_rejects_bad_sizes():
         alloc_shared(1.5)
     torch = pytest.importorskip("torch")
     with alloc_shared(64) as buf:
-        with pytest.raises(ValueError, match=r"shape \(4, 4\) of torch.float64 needs 128 bytes, "
-                                             r"buffer has 64"):
+        with pytest.raises(
+            ValueError,
+            match=r"shape \(4, 4\) of torch.float64 needs 128 bytes, "
+            r"buffer has 64",
+        ):
             buf.as_tensor(torch.float64, (4, 4))
 
 
@@ -54,15 +58,15 @@ def test_region_inside_a_shared_buffer_is_shm_kind():
         region = t.register(buf.ptr + 4096, 8192)
         desc = unpack_descriptor(region.descriptor, "local", "region", {})
         assert desc["kind"] == "shm" and desc["offset"] == 4096 and desc["path"] == buf.path
-        with pytest.raises(ValueError, match="still holds 1 registered region\\(s\\); "
-                                             "deregister them before close"):
+        with pytest.raises(ValueError, match="still holds 1 registered region\\(s\\); deregister them before close"):
             buf.close()
         t.deregister(region)
         buf.close()
         assert buf.closed
         private = np.zeros(100, np.uint8)
-        assert unpack_descriptor(t.register(private.ctypes.data, 100).descriptor, "local",
-                                 "region", {})["kind"] == "cma"
+        assert (
+            unpack_descriptor(t.register(private.ctypes.data, 100).descriptor, "local", "region", {})["kind"] == "cma"
+        )
 
 
 def test_register_tensor_of_a_shared_buffer_is_shm_kind():
@@ -78,8 +82,10 @@ def test_register_tensor_of_a_shared_buffer_is_shm_kind():
 def test_private_memory_with_cma_disabled_fails_at_registration():
     private = np.zeros(100, np.uint8)
     with LocalTransport(allow_cma=False) as t:
-        with pytest.raises(TransportError, match="private memory and allow_cma=False; allocate it "
-                                                 "with alloc_shared\\(\\) or use the 'tcp'"):
+        with pytest.raises(
+            TransportError,
+            match="private memory and allow_cma=False; allocate it with alloc_shared\\(\\) or use the 'tcp'",
+        ):
             t.register(private.ctypes.data, 100)
 
 
@@ -141,8 +147,7 @@ def test_cma_refused_by_the_kernel_says_why_and_suggests_tcp():
         assert parent.poll(TIMEOUT_S)
         msg = parent.recv()
         proc.join(TIMEOUT_S)
-        assert msg.startswith("TransportError: the kernel does not permit process_vm_writev "
-                              "into peer 'peer'"), msg
+        assert msg.startswith("TransportError: the kernel does not permit process_vm_writev into peer 'peer'"), msg
         assert "Operation not permitted" in msg and "'tcp' transport" in msg
     finally:
         peer.close()
@@ -152,8 +157,9 @@ def test_peer_on_another_host_is_refused():
     with LocalTransport() as t:
         desc = unpack_descriptor(t.agent_descriptor(), "local", "agent", {})
         desc.update(boot_id="00000000-other-host")
-        forged = pack_descriptor("local", "agent", **{k: v for k, v in desc.items()
-                                                      if k not in ("transport", "what", "version")})
+        forged = pack_descriptor(
+            "local", "agent", **{k: v for k, v in desc.items() if k not in ("transport", "what", "version")}
+        )
         with pytest.raises(TransportError, match="runs on another host .*use the 'tcp' transport"):
             t.add_peer("far", forged)
 
@@ -175,16 +181,16 @@ def test_tcp_descriptor_is_refused_by_local():
     from sglang_kvxfer.transports.tcp import TcpTransport
 
     with LocalTransport() as t, TcpTransport() as other:
-        with pytest.raises(ValueError, match="descriptor is for transport 'tcp'; transport "
-                                             "'local' cannot use it"):
+        with pytest.raises(ValueError, match="descriptor is for transport 'tcp'; transport 'local' cannot use it"):
             t.add_peer("p", other.agent_descriptor())
 
 
 def _forge_region(descriptor: bytes, **changes) -> bytes:
     desc = unpack_descriptor(descriptor, "local", "region", {})
     desc.update(changes)
-    return pack_descriptor("local", "region", **{k: v for k, v in desc.items()
-                                                 if k not in ("transport", "what", "version")})
+    return pack_descriptor(
+        "local", "region", **{k: v for k, v in desc.items() if k not in ("transport", "what", "version")}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -197,12 +203,14 @@ def shm_peer():
 def test_forged_shm_descriptor_larger_than_the_buffer_is_refused(shm_peer):
     with LocalTransport() as t:
         t.add_peer("p", shm_peer.agent)
-        with pytest.raises(ValueError, match=r"offset 0 \+ nbytes 2097152 exceeds the shared "
-                                             r"buffer's 1048576 bytes"):
+        with pytest.raises(
+            ValueError,
+            match=r"offset 0 \+ nbytes 2097152 exceeds the shared "
+            r"buffer's 1048576 bytes",
+        ):
             t.import_region("p", _forge_region(shm_peer.region, nbytes=2 << 20))
         with pytest.raises(TransportError, match="has 1048576 bytes, descriptor says 2097152"):
-            t.import_region("p", _forge_region(shm_peer.region, nbytes=2 << 20,
-                                               map_bytes=2 << 20))
+            t.import_region("p", _forge_region(shm_peer.region, nbytes=2 << 20, map_bytes=2 << 20))
         with pytest.raises(TransportError, match="is no longer the peer's shared buffer"):
             t.import_region("p", _forge_region(shm_peer.region, inode=1))
 
@@ -253,18 +261,25 @@ def test_cpu_and_cuda_regions_cannot_be_mixed(shm_peer):
         region = t.register(src.ctypes.data, 64)
         t._targets.add(("p", 77), _Target("cuda", 64, "cuda:0"))
         remote = RemoteRegion("p", 77, 64, "cuda:0")
-        with pytest.raises(ValueError, match="same kind of memory: local region 1 is cpu, the "
-                                             "remote region is cuda:0"):
+        with pytest.raises(ValueError, match="same kind of memory: local region 1 is cpu, the remote region is cuda:0"):
             t.write(region, remote, np.array([0]), np.array([0]), np.array([8]))
 
 
 def _cuda_region(agent: str, **ipc_changes) -> bytes:
-    ipc = {"device": 0, "handle": b"\0" * 64, "storage_bytes": 4096, "storage_offset": 0,
-           "ref_handle": b"x", "ref_offset": 0, "event_handle": b"\0" * 64, "event_sync": False,
-           "byte_offset": 0, "nbytes": 4096}
+    ipc = {
+        "device": 0,
+        "handle": b"\0" * 64,
+        "storage_bytes": 4096,
+        "storage_offset": 0,
+        "ref_handle": b"x",
+        "ref_offset": 0,
+        "event_handle": b"\0" * 64,
+        "event_sync": False,
+        "byte_offset": 0,
+        "nbytes": 4096,
+    }
     ipc.update(ipc_changes)
-    return pack_descriptor("local", "region", agent=agent, region=1, nbytes=4096,
-                           device="cuda:0", kind="cuda", ipc=ipc)
+    return pack_descriptor("local", "region", agent=agent, region=1, nbytes=4096, device="cuda:0", kind="cuda", ipc=ipc)
 
 
 def test_malformed_cuda_descriptor_names_the_field(shm_peer):

@@ -1,5 +1,6 @@
 """CUDA IPC writes of the ``local`` transport between two processes (needs a CUDA device;
 skips itself without one)."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -81,7 +82,7 @@ def test_cuda_ipc_write_lands_byte_exact(cuda_peer):
         want = np.zeros(N, dtype=np.uint8)
         host = src.cpu().numpy()
         for l, r, s in zip(lo, ro, sz):
-            want[r:r + s] = host[l:l + s]
+            want[r : r + s] = host[l : l + s]
         np.testing.assert_array_equal(got, want)
 
 

@@ -6,6 +6,7 @@ waiting, peer-failure events, and the subprocess probe with its messages.
 Two transports in this process write to each other: the fake's "RDMA" is process_vm_writev
 to the engine's own pid here, so real bytes move and are compared.
 """
+
 from __future__ import annotations
 
 import gc
@@ -20,14 +21,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from tests.transports import fake_mori
 from sglang_kvxfer import transports
-from sglang_kvxfer.errors import (PeerGoneError, TransferTimeoutError, TransportError,
-                                  TransportUnavailableError)
+from sglang_kvxfer.errors import PeerGoneError, TransferTimeoutError, TransportError, TransportUnavailableError
 from sglang_kvxfer.transports import TicketState, get_transport
+from sglang_kvxfer.transports.mori import MoriTransport
 from sglang_kvxfer.transports.mori import probe as _mori_probe
 from sglang_kvxfer.transports.mori import transport as mori
-from sglang_kvxfer.transports.mori import MoriTransport
+from tests.transports import fake_mori
 
 TIMEOUT_S = 10.0
 SC = fake_mori.StatusCode
@@ -56,11 +56,10 @@ class Pair:
         self.engine = self.a._engine
 
     def post(self, lo, ro, sz):
-        return self.a.write(self.local, self.remote, *(np.asarray(v, dtype=np.int64)
-                                                       for v in (lo, ro, sz)))
+        return self.a.write(self.local, self.remote, *(np.asarray(v, dtype=np.int64) for v in (lo, ro, sz)))
 
     def landed(self, lo, ro, sz) -> bool:
-        return all((self.dst[r:r + n] == self.src[l:l + n]).all() for l, r, n in zip(lo, ro, sz))
+        return all((self.dst[r : r + n] == self.src[l : l + n]).all() for l, r, n in zip(lo, ro, sz))
 
     def close(self):
         self.engine.fake.gate.set()
@@ -80,20 +79,26 @@ def pair():
 
 def test_missing_mori_names_the_package(monkeypatch):
     monkeypatch.setattr(transports, "_importable", lambda module: False)
-    with pytest.raises(TransportUnavailableError, match=r"'amd-mori' \(module 'mori'\).*"
-                                                        "pip install amd-mori"):
+    with pytest.raises(
+        TransportUnavailableError,
+        match=r"'amd-mori' \(module 'mori'\).*"
+        "pip install amd-mori",
+    ):
         get_transport("mori")
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"host": "0.0.0.0"}, "host='0.0.0.0' cannot be advertised to peers"),
-    ({"nics": "mlx5_0,,"}, None),  # empty items are dropped: valid
-    ({"nics": [""]}, r"nics must be RDMA device names like \['mlx5_0', 'mlx5_1'\]"),
-    ({"qp_per_transfer": 0}, "qp_per_transfer must be an int >= 1, got 0"),
-    ({"num_worker_threads": 0}, "num_worker_threads must be an int >= 1 or -1, got 0"),
-    ({"post_batch_size": -2}, "post_batch_size must be an int >= 1 or -1, got -2"),
-    ({"max_entry_bytes": 2**32}, "max_entry_bytes must be <= 4294967295"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"host": "0.0.0.0"}, "host='0.0.0.0' cannot be advertised to peers"),
+        ({"nics": "mlx5_0,,"}, None),  # empty items are dropped: valid
+        ({"nics": [""]}, r"nics must be RDMA device names like \['mlx5_0', 'mlx5_1'\]"),
+        ({"qp_per_transfer": 0}, "qp_per_transfer must be an int >= 1, got 0"),
+        ({"num_worker_threads": 0}, "num_worker_threads must be an int >= 1 or -1, got 0"),
+        ({"post_batch_size": -2}, "post_batch_size must be an int >= 1 or -1, got -2"),
+        ({"max_entry_bytes": 2**32}, "max_entry_bytes must be <= 4294967295"),
+    ],
+)
 def test_options_are_checked(options, message):
     if message is None:
         MoriTransport(**{**FAKE, **options}).close()
@@ -111,12 +116,11 @@ def test_backend_config_maps_our_options_and_nics(monkeypatch):
         assert cfg.enable_notification is False  # completion travels on our own channel
         assert t._engine.fake.rdma_devices is None
     monkeypatch.setenv("KVXFER_MORI_QP_PER_TRANSFER", "8")
-    with MoriTransport(**FAKE, nics=["mlx5_0", "mlx5_3"], num_worker_threads=2,
-                       post_batch_size=16) as t:
+    with MoriTransport(**FAKE, nics=["mlx5_0", "mlx5_3"], num_worker_threads=2, post_batch_size=16) as t:
         cfg = t._engine.backends[fake_mori.BackendType.RDMA]
         assert (cfg.qp_per_transfer, cfg.post_batch_size, cfg.num_worker_threads) == (8, 16, 2)
         assert t._engine.fake.rdma_devices == "mlx5_0,mlx5_3"  # seen by the backend...
-        assert "MORI_RDMA_DEVICES" not in os.environ          # ...and not left behind
+        assert "MORI_RDMA_DEVICES" not in os.environ  # ...and not left behind
 
 
 def test_descriptors_carry_mori_packed_arrays(pair):
@@ -129,8 +133,7 @@ def test_descriptors_carry_mori_packed_arrays(pair):
     region = msgpack.unpackb(pair.local.descriptor, raw=False)
     md = msgpack.unpackb(region["md"], raw=False)  # MemoryDesc.pack(): 15 fields
     assert len(md) == 15
-    assert (md[0], md[2], md[4], md[5], md[6]) == (key, -1, pair.src.ctypes.data,
-                                                  pair.src.nbytes, 1)  # CPU, device -1
+    assert (md[0], md[2], md[4], md[5], md[6]) == (key, -1, pair.src.ctypes.data, pair.src.nbytes, 1)  # CPU, device -1
     gpu = pair.a.register(pair.src.ctypes.data, 4096, "cuda:1")
     md = msgpack.unpackb(msgpack.unpackb(gpu.descriptor, raw=False)["md"], raw=False)
     assert (md[2], md[6], gpu.device) == (1, 2, "cuda:1")  # device 1, GPU
@@ -139,11 +142,13 @@ def test_descriptors_carry_mori_packed_arrays(pair):
 def test_bad_descriptors_are_refused(pair):
     env = msgpack.unpackb(pair.target.descriptor, raw=False)
     env["md"] = b"\xc1garbage"
-    with pytest.raises(ValueError, match=r"region .* of peer 'b': not a MORI MemoryDesc "
-                                         r"\(std::bad_cast\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"region .* of peer 'b': not a MORI MemoryDesc "
+        r"\(std::bad_cast\)",
+    ):
         pair.a.import_region("b", msgpack.packb(env, use_bin_type=True))
-    with pytest.raises(ValueError, match="region descriptor belongs to engine 'kvxfer-.*', "
-                                         "but peer 'b' is engine"):
+    with pytest.raises(ValueError, match="region descriptor belongs to engine 'kvxfer-.*', but peer 'b' is engine"):
         pair.a.import_region("b", pair.local.descriptor)
     with pytest.raises(ValueError, match="already imported"):
         pair.a.import_region("b", pair.target.descriptor)
@@ -184,7 +189,7 @@ def test_a_batch_is_one_mori_call_with_coalesced_lists(pair):
     lo, ro, sz = slots * 2048 + 7, slots * 2048, rng.integers(1, 2041, 300)
     pair.post(lo, ro, sz).wait(TIMEOUT_S)
     assert pair.landed(lo, ro, sz)
-    (got_lo, got_ro, got_sz), = pair.engine.fake.submits
+    ((got_lo, got_ro, got_sz),) = pair.engine.fake.submits
     assert len(got_sz) == 300 and sorted(got_ro) == got_ro  # sorted by remote offset
     pair.post([0, 4096, 8192], [0, 4096, 8192], [4096, 4096, 4096]).wait(TIMEOUT_S)
     assert pair.engine.fake.submits[-1] == ([0], [0], [12288])  # contiguous: one entry
@@ -194,9 +199,11 @@ def test_entries_over_the_limit_are_split():
     p = Pair(max_entry_bytes=1000)
     try:
         p.post([10], [20], [4096]).wait(TIMEOUT_S)
-        assert p.engine.fake.submits[-1] == ([10, 1010, 2010, 3010, 4010],
-                                             [20, 1020, 2020, 3020, 4020],
-                                             [1000, 1000, 1000, 1000, 96])
+        assert p.engine.fake.submits[-1] == (
+            [10, 1010, 2010, 3010, 4010],
+            [20, 1020, 2020, 3020, 4020],
+            [1000, 1000, 1000, 1000, 96],
+        )
         assert p.landed([10], [20], [4096])
     finally:
         p.close()
@@ -218,12 +225,18 @@ def test_statuses_stay_referenced_until_terminal(pair):
     assert pair.landed([0], [0], [4096])
 
 
-@pytest.mark.parametrize("code, error, text", [
-    (SC.ERR_BAD_STATE, TransportError, "the write to peer 'b' failed: ERR_BAD_STATE: no route"),
-    (SC.ERR_GPU_OP, TransportError, "ERR_GPU_OP: no route"),
-    (SC.ERR_RDMA_OP, PeerGoneError, "RDMA write to peer 'b' failed (ERR_RDMA_OP: no route); the "
-                                    "peer is unreachable or gone"),
-])
+@pytest.mark.parametrize(
+    "code, error, text",
+    [
+        (SC.ERR_BAD_STATE, TransportError, "the write to peer 'b' failed: ERR_BAD_STATE: no route"),
+        (SC.ERR_GPU_OP, TransportError, "ERR_GPU_OP: no route"),
+        (
+            SC.ERR_RDMA_OP,
+            PeerGoneError,
+            "RDMA write to peer 'b' failed (ERR_RDMA_OP: no route); the peer is unreachable or gone",
+        ),
+    ],
+)
 def test_status_codes_become_our_errors(pair, code, error, text):
     pair.engine.fake.fail_next = (code, "no route")
     ticket = pair.post([0], [0], [64])
@@ -247,8 +260,7 @@ def test_status_codes_become_our_errors(pair, code, error, text):
 
 def test_errors_found_at_submission_fail_the_ticket_at_once(pair):
     # Past our own validation (a caller of _write), MORI's bound check is the last line.
-    entries = transports.base.Entries(np.array([0]), np.array([(1 << 20) - 10]),
-                                      np.array([64]))
+    entries = transports.base.Entries(np.array([0]), np.array([(1 << 20) - 10]), np.array([64]))
     ticket = pair.a._write(pair.local, pair.remote, entries)
     assert ticket.poll() is TicketState.FAILED
     assert "ERR_INVALID_ARGS: length out of range" in ticket.reason
@@ -278,10 +290,12 @@ def test_wait_all_lets_failure_win_and_keeps_the_deadline(pair):
 
 def test_peer_failure_events_are_drained(pair):
     key = pair.b._key
-    pair.engine.fake.events.append(fake_mori.PeerFailureEvent(
-        key, fake_mori.PeerFailureReason.PEER_UNREACHABLE, qp_num=7, detail="retry exceeded"))
-    pair.engine.fake.events.append(fake_mori.PeerFailureEvent(
-        "", fake_mori.PeerFailureReason.LOCAL_PORT_DOWN, detail="link down"))
+    pair.engine.fake.events.append(
+        fake_mori.PeerFailureEvent(key, fake_mori.PeerFailureReason.PEER_UNREACHABLE, qp_num=7, detail="retry exceeded")
+    )
+    pair.engine.fake.events.append(
+        fake_mori.PeerFailureEvent("", fake_mori.PeerFailureReason.LOCAL_PORT_DOWN, detail="link down")
+    )
     failures = pair.a.peer_failures()
     assert [f.peer_id for f in failures] == ["b", "(local device)"]
     assert "PEER_UNREACHABLE on fake0 port 1 qp 7: retry exceeded" in failures[0].reason
@@ -294,8 +308,7 @@ def test_peer_failure_events_are_drained(pair):
 def test_a_pending_write_fails_when_its_peer_fails(pair):
     pair.engine.fake.gate.clear()
     ticket = pair.post([0], [0], [64])
-    pair.engine.fake.events.append(fake_mori.PeerFailureEvent(
-        pair.b._key, fake_mori.PeerFailureReason.LOCAL_QP_ERROR))
+    pair.engine.fake.events.append(fake_mori.PeerFailureEvent(pair.b._key, fake_mori.PeerFailureReason.LOCAL_QP_ERROR))
     with pytest.raises(PeerGoneError, match="LOCAL_QP_ERROR"):
         ticket.wait(TIMEOUT_S)
     assert len(pair.a._inflight) == 1  # its status is still referenced, not yet terminal
@@ -342,8 +355,9 @@ def test_unreachable_peer_fails_import_region(pair):
     server.shutdown(socket.SHUT_RDWR)
     server.close()
     try:
-        with pytest.raises(TransportError, match="cannot open a session from local region 1 "
-                                                 "to region 1 of peer 'gone'"):
+        with pytest.raises(
+            TransportError, match="cannot open a session from local region 1 to region 1 of peer 'gone'"
+        ):
             pair.a.import_region("gone", region.descriptor)
         assert pair.a._peers["gone"].regions == {}  # nothing half-imported
     finally:
@@ -370,16 +384,18 @@ def _tree(root, *, kfd=True, gpu=True, smi=True, ports=()):
     return str(root)
 
 
-@pytest.mark.parametrize("tree, nics, text", [
-    ({"kfd": False}, (), "no AMD GPU: /dev/kfd does not exist"),
-    ({"gpu": False}, (), "no AMD GPU: /dev/kfd exists but no KFD topology node has SIMDs"),
-    ({"smi": False}, (), "ROCm SMI library librocm_smi64.so not found"),
-    ({}, (), "no RDMA device port in state ACTIVE; /sys/class/infiniband is empty"),
-    ({"ports": [("mlx5_0", 1, "1: DOWN")]}, (), "ports seen: mlx5_0/1: 1: DOWN"),
-    ({"ports": [("mlx5_0", 1, "4: ACTIVE")]}, ("mlx5_1",), "no RDMA device port in state "
-                                                           "ACTIVE among nics mlx5_1"),
-    ({"ports": [("mlx5_0", 1, "4: ACTIVE")]}, ("mlx5_0",), None),
-])
+@pytest.mark.parametrize(
+    "tree, nics, text",
+    [
+        ({"kfd": False}, (), "no AMD GPU: /dev/kfd does not exist"),
+        ({"gpu": False}, (), "no AMD GPU: /dev/kfd exists but no KFD topology node has SIMDs"),
+        ({"smi": False}, (), "ROCm SMI library librocm_smi64.so not found"),
+        ({}, (), "no RDMA device port in state ACTIVE; /sys/class/infiniband is empty"),
+        ({"ports": [("mlx5_0", 1, "1: DOWN")]}, (), "ports seen: mlx5_0/1: 1: DOWN"),
+        ({"ports": [("mlx5_0", 1, "4: ACTIVE")]}, ("mlx5_1",), "no RDMA device port in state ACTIVE among nics mlx5_1"),
+        ({"ports": [("mlx5_0", 1, "4: ACTIVE")]}, ("mlx5_0",), None),
+    ],
+)
 def test_host_facts_say_what_is_missing(tmp_path, monkeypatch, tree, nics, text):
     monkeypatch.setenv("LD_LIBRARY_PATH", "")
     missing = _mori_probe.host_facts(_tree(tmp_path, **tree), nics)
@@ -391,7 +407,8 @@ def _shim(tmp_path, create_backend: str):
     pkg = tmp_path / "shim/mori"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "io.py").write_text(textwrap.dedent(f"""
+    (pkg / "io.py").write_text(
+        textwrap.dedent(f"""
         import os
         class BackendType: RDMA = 2
         class PollCqMode: POLLING = 0
@@ -403,22 +420,26 @@ def _shim(tmp_path, create_backend: str):
             def __init__(self, key, config): pass
             def create_backend(self, kind, config):
                 {create_backend}
-    """))
+    """)
+    )
     return str(tmp_path / "shim")
 
 
-@pytest.mark.parametrize("create_backend, text", [
-    ("os._exit(255)", "the MORI-IO probe process exited with status 255 during stage "
-                      "'backend'"),
-    ("os.abort()", "the MORI-IO probe process was killed by signal 6 during stage 'backend'"),
-    ("raise RuntimeError('no active RDMA device on this host')",
-     "creating MORI-IO's RDMA backend failed (RuntimeError: no active RDMA device on this host)"),
-    ("pass", None),
-])
+@pytest.mark.parametrize(
+    "create_backend, text",
+    [
+        ("os._exit(255)", "the MORI-IO probe process exited with status 255 during stage 'backend'"),
+        ("os.abort()", "the MORI-IO probe process was killed by signal 6 during stage 'backend'"),
+        (
+            "raise RuntimeError('no active RDMA device on this host')",
+            "creating MORI-IO's RDMA backend failed (RuntimeError: no active RDMA device on this host)",
+        ),
+        ("pass", None),
+    ],
+)
 def test_probe_child_survives_what_mori_does(tmp_path, monkeypatch, create_backend, text):
     root = _tree(tmp_path / "root", ports=[("mlx5_0", 1, "4: ACTIVE")])
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([_shim(tmp_path, create_backend),
-                                                      *sys.path]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([_shim(tmp_path, create_backend), *sys.path]))
     missing = _mori_probe._run_child((), root, 60)
     assert missing is None if text is None else text in missing
 
@@ -429,25 +450,29 @@ def test_probe_reports_mori_missing_and_caches_its_verdict(tmp_path, monkeypatch
     real = _mori_probe._run_child
     monkeypatch.setattr(_mori_probe, "_run_child", lambda *a: runs.append(a) or real(*a))
     for _ in range(2):
-        with pytest.raises(TransportUnavailableError, match="transport 'mori' cannot run here: "
-                                                            "mori.io cannot be imported"):
+        with pytest.raises(
+            TransportUnavailableError, match="transport 'mori' cannot run here: mori.io cannot be imported"
+        ):
             MoriTransport(host="127.0.0.1")  # probe=True: the child has no fake mori
     assert len(runs) == 1
 
 
 def test_probe_runs_as_a_module(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "sglang_kvxfer.transports.mori.probe",
-                          "--root", str(tmp_path), "--no-backend"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_kvxfer.transports.mori.probe", "--root", str(tmp_path), "--no-backend"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0
     assert '"stage": "done", "ok": false' in out.stdout.splitlines()[-1]
 
 
 def test_importing_the_module_loads_no_mori_and_no_torch():
-    code = ("import sys, sglang_kvxfer.transports.mori;"
-            "print([m for m in ('mori', 'mori.io', 'torch') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60)
+    code = (
+        "import sys, sglang_kvxfer.transports.mori;print([m for m in ('mori', 'mori.io', 'torch') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
 
 

@@ -5,6 +5,7 @@ and an ACTIVE RDMA port (the probe runs in a child, so a host without them canno
 pytest); otherwise every test skips with the probe's reason. The writer is this process,
 the target a spawned peer with its own engine, as in the contract suite.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -54,7 +55,7 @@ def test_host_memory_batches_land_byte_exact(writer, peer):
     writer.wait_all(tickets, TIMEOUT_S)  # engine.wait_all in slices
     for lo, ro, sz in batches:
         for l, r, k in zip(lo, ro, sz):
-            model[r:r + k] = src[l:l + k]
+            model[r : r + k] = src[l : l + k]
     np.testing.assert_array_equal(peer.read(), model)
 
 
@@ -70,8 +71,8 @@ def test_gpu_memory_is_written_into_host_memory(writer, peer):
     model = peer.fill(4)
     writer.write(local, remote, [0, 1 << 20], [4096, 3 << 20], [65536, 1 << 20]).wait(TIMEOUT_S)
     host = src.cpu().numpy()
-    model[4096:4096 + 65536] = host[:65536]
-    model[3 << 20:4 << 20] = host[1 << 20:2 << 20]
+    model[4096 : 4096 + 65536] = host[:65536]
+    model[3 << 20 : 4 << 20] = host[1 << 20 : 2 << 20]
     np.testing.assert_array_equal(peer.read(), model)
 
 

@@ -5,6 +5,7 @@ Two transports in this process write to each other (UCX loopback); tests that ne
 process to stop use a peer process. A NIXL agent in this process is covered by the exit
 guard in tests/conftest.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,15 +34,17 @@ def test_missing_nixl_names_the_package(monkeypatch):
 
 
 @needs_nixl
-@pytest.mark.parametrize("options, message", [
-    ({"ucx_error_handling_mode": "always"}, "ucx_error_handling_mode must be 'none' or 'peer', "
-                                            "got 'always'"),
-    ({"ucx_tls": "tcp,,sm"}, "ucx_tls='tcp,,sm' has an empty item"),
-    ({"ucx_tls": 5}, "ucx_tls must be a str like 'tcp' or 'sm', got int"),
-    ({"num_workers": 0}, "num_workers must be an int >= 1, got 0"),
-    ({"max_prepped_descs": 0}, r"max_prepped_descs must be an int in \[1, 2\*\*31\), got 0"),
-    ({"progress_interval_s": 0}, r"progress_interval_s must be in \(0, 1\] seconds, got 0"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"ucx_error_handling_mode": "always"}, "ucx_error_handling_mode must be 'none' or 'peer', got 'always'"),
+        ({"ucx_tls": "tcp,,sm"}, "ucx_tls='tcp,,sm' has an empty item"),
+        ({"ucx_tls": 5}, "ucx_tls must be a str like 'tcp' or 'sm', got int"),
+        ({"num_workers": 0}, "num_workers must be an int >= 1, got 0"),
+        ({"max_prepped_descs": 0}, r"max_prepped_descs must be an int in \[1, 2\*\*31\), got 0"),
+        ({"progress_interval_s": 0}, r"progress_interval_s must be in \(0, 1\] seconds, got 0"),
+    ],
+)
 def test_bad_options_are_refused_with_their_value(options, message):
     with pytest.raises((ValueError, TypeError), match=message):
         get_transport("nixl", **options)
@@ -79,7 +82,7 @@ class Pair:
         lo, ro, sz = (np.asarray(v, dtype=np.int64) for v in (lo, ro, sz))
         self.a.write(self.local, self.remote, lo, ro, sz).wait(TIMEOUT_S)
         for l, r, n in zip(lo, ro, sz):
-            np.testing.assert_array_equal(self.dst[r:r + n], self.src[l:l + n])
+            np.testing.assert_array_equal(self.dst[r : r + n], self.src[l : l + n])
 
     def close(self):
         self.a.close()
@@ -98,8 +101,7 @@ def test_page_sized_batches_reuse_the_prepared_lists(pair):
     rng = np.random.default_rng(1)
     for _ in range(3):  # 4 KiB pages at page-aligned slots: prepared once, indexed after
         pages = rng.choice(256, size=40, replace=False)
-        pair.write(rng.choice(256, size=40, replace=False) * 4096, pages * 4096,
-                   np.full(40, 4096))
+        pair.write(rng.choice(256, size=40, replace=False) * 4096, pages * 4096, np.full(40, 4096))
     assert pair.a.path_counts == {"prepped": 3, "per_batch": 0}
     assert list(pair.a._dlists[("local", pair.local.region_id)]) == [4096]
     assert list(pair.a._dlists[("b", pair.remote.region_id)]) == [4096]
@@ -113,16 +115,14 @@ def test_page_sized_batches_reuse_the_prepared_lists(pair):
 def test_descriptors_are_checked(pair):
     tcp = get_transport("tcp")
     try:
-        with pytest.raises(ValueError, match="descriptor is for transport 'tcp'; transport "
-                                             "'nixl' cannot use it"):
+        with pytest.raises(ValueError, match="descriptor is for transport 'tcp'; transport 'nixl' cannot use it"):
             pair.a.add_peer("t", tcp.agent_descriptor())
     finally:
         tcp.close()
     with pytest.raises(ValueError, match="peer 'me' is this agent itself"):
         pair.a.add_peer("me", pair.a.agent_descriptor())
     own = pair.a.register(pair.src.ctypes.data, 4096)  # a's region, offered as b's
-    with pytest.raises(ValueError, match="region descriptor belongs to agent 'nixl-.*', but "
-                                         "peer 'b' is agent"):
+    with pytest.raises(ValueError, match="region descriptor belongs to agent 'nixl-.*', but peer 'b' is agent"):
         pair.a.import_region("b", own.descriptor)
     desc = msgpack.unpackb(pair.target.descriptor, raw=False)
     desc["mem"] = "FILE"
@@ -171,19 +171,21 @@ def test_remove_peer_fails_a_write_the_stopped_peer_cannot_finish():
 
 
 def test_exit_process_flushes_and_keeps_the_status():
-    code = ("import sys; from sglang_kvxfer.transports.nixl import exit_process;"
-            "print('written'); sys.stderr.write('also'); exit_process(3)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
+    code = (
+        "import sys; from sglang_kvxfer.transports.nixl import exit_process;"
+        "print('written'); sys.stderr.write('also'); exit_process(3)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 3
     assert out.stdout == "written\n" and out.stderr == "also"
 
 
 def test_importing_the_module_loads_no_nixl_and_no_torch():
-    code = ("import sys, sglang_kvxfer.transports.nixl;"
-            "print([m for m in ('nixl_cu12', 'nixl', 'torch') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60)
+    code = (
+        "import sys, sglang_kvxfer.transports.nixl;"
+        "print([m for m in ('nixl_cu12', 'nixl', 'torch') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
 
 

@@ -1,6 +1,7 @@
 """The ``tcp`` transport beyond the shared contract: the receiver's own checks (forged
 descriptors, raw malformed frames, grants), connection loss, stalls, splitting over
 connections. Attacks on the listening port are in tests/faults/test_tcp_port_abuse.py."""
+
 from __future__ import annotations
 
 import socket
@@ -17,8 +18,19 @@ from sglang_kvxfer.transports.base import Entries
 from sglang_kvxfer.transports.tcp import TcpTransport
 from sglang_kvxfer.transports.tcp.conn import _recv_exact
 from sglang_kvxfer.transports.tcp.transport import _split
-from sglang_kvxfer.transports.tcp.wire import (ACK, CHALLENGE, HEADER, HELLO, HELLO_OK, MAGIC,
-                                               T_BYE, T_WRITE, WIRE_VERSION, hello_mac, key_id)
+from sglang_kvxfer.transports.tcp.wire import (
+    ACK,
+    CHALLENGE,
+    HEADER,
+    HELLO,
+    HELLO_OK,
+    MAGIC,
+    T_BYE,
+    T_WRITE,
+    WIRE_VERSION,
+    hello_mac,
+    key_id,
+)
 from tests.transports.transport_peer import wait_until
 
 TIMEOUT_S = 10.0
@@ -49,8 +61,7 @@ def sender():
 def _forge(descriptor: bytes, what: str, **changes) -> bytes:
     desc = unpack_descriptor(descriptor, "tcp", what, {})
     desc.update(changes)
-    return pack_descriptor("tcp", what, **{k: v for k, v in desc.items()
-                                           if k not in ("transport", "what", "version")})
+    return pack_descriptor("tcp", what, **{k: v for k, v in desc.items() if k not in ("transport", "what", "version")})
 
 
 def test_receiver_refuses_a_write_past_its_region_and_keeps_serving(receiver, sender):
@@ -60,9 +71,12 @@ def test_receiver_refuses_a_write_past_its_region_and_keeps_serving(receiver, se
     st.add_peer("r", rt.agent_descriptor(), secret=SECRET)
     inflated = st.import_region("r", _forge(rregion.descriptor, "region", nbytes=4 * N))
     ticket = st.write(sregion, inflated, np.array([0]), np.array([N - 10]), np.array([100]))
-    with pytest.raises(TransportError, match=f"refused the write: entry 0: offset {N - 10} \\+ "
-                                             f"size 100 = {N + 90} exceeds region "
-                                             f"{rregion.region_id} of {N} bytes"):
+    with pytest.raises(
+        TransportError,
+        match=f"refused the write: entry 0: offset {N - 10} \\+ "
+        f"size 100 = {N + 90} exceeds region "
+        f"{rregion.region_id} of {N} bytes",
+    ):
         ticket.wait(TIMEOUT_S)
     np.testing.assert_array_equal(mem, before)
     st.write(sregion, inflated, np.array([5]), np.array([0]), np.array([64])).wait(TIMEOUT_S)
@@ -78,8 +92,7 @@ def test_write_to_a_deregistered_region_is_refused_by_the_receiver(receiver, sen
     rt.deregister(rregion)
     before = mem.copy()
     ticket = st.write(sregion, remote, np.array([0]), np.array([0]), np.array([64]))
-    with pytest.raises(TransportError, match=f"region {rregion.region_id} is not open to this "
-                                             "writer"):
+    with pytest.raises(TransportError, match=f"region {rregion.region_id} is not open to this writer"):
         ticket.wait(TIMEOUT_S)
     np.testing.assert_array_equal(mem, before)
 
@@ -110,8 +123,7 @@ def _closed_by_peer(sock) -> bool:
 def _write_frame(sock, xfer_id, region_id, pairs, payload: bytes, total=None):
     table = np.array(pairs, dtype="<u8").reshape(-1, 2)
     total = len(payload) if total is None else total
-    sock.sendall(HEADER.pack(T_WRITE, len(table), xfer_id, region_id, total) + table.tobytes()
-                 + payload)
+    sock.sendall(HEADER.pack(T_WRITE, len(table), xfer_id, region_id, total) + table.tobytes() + payload)
 
 
 def test_raw_out_of_range_frame_is_acked_as_refused_and_not_performed(receiver):
@@ -120,8 +132,11 @@ def test_raw_out_of_range_frame_is_acked_as_refused_and_not_performed(receiver):
     with _raw_connect(rt) as sock:
         # entry 1 runs past the end: the whole frame is refused, entry 0 is not performed
         _write_frame(sock, 41, rregion.region_id, [(0, 4), (N - 2, 4)], b"\xaa" * 8)
-        assert _read_ack(sock) == (1, 41, f"entry 1: offset {N - 2} + size 4 = {N + 2} exceeds "
-                                          f"region {rregion.region_id} of {N} bytes")
+        assert _read_ack(sock) == (
+            1,
+            41,
+            f"entry 1: offset {N - 2} + size 4 = {N + 2} exceeds region {rregion.region_id} of {N} bytes",
+        )
         _write_frame(sock, 42, 999, [(0, 4)], b"\xbb" * 4)
         status, xfer_id, reason = _read_ack(sock)
         assert (status, xfer_id) == (1, 42) and "region 999 is not open to this writer" in reason
@@ -163,8 +178,9 @@ def test_writer_with_a_wrong_secret_is_refused_and_told_why_locally(receiver, se
     st.add_peer("r", rt.agent_descriptor(), secret=b"w" * 32)
     remote = st.import_region("r", rregion.descriptor)
     ticket = st.write(sregion, remote, np.array([0]), np.array([0]), np.array([64]))
-    with pytest.raises(PeerGoneError, match="closed the connection at the handshake: it has no "
-                                            "grant for this writer's secret"):
+    with pytest.raises(
+        PeerGoneError, match="closed the connection at the handshake: it has no grant for this writer's secret"
+    ):
         ticket.wait(TIMEOUT_S)
     assert wait_until(lambda: rt.refused_connections == 1, TIMEOUT_S)
     np.testing.assert_array_equal(mem, before)
@@ -261,8 +277,7 @@ class _StallingReceiver:
         sock.sendall(HELLO_OK.pack(MAGIC, WIRE_VERSION))
 
     def descriptor(self) -> bytes:
-        return pack_descriptor("tcp", "agent", agent="staller", host="127.0.0.1",
-                               port=self.server.getsockname()[1])
+        return pack_descriptor("tcp", "agent", agent="staller", host="127.0.0.1", port=self.server.getsockname()[1])
 
     def close(self):
         self.server.close()
@@ -282,11 +297,13 @@ def test_stalled_peer_fails_the_connection_after_io_timeout(sender):
     try:
         region = st.register(src.ctypes.data, N)
         st.add_peer("s", staller.descriptor(), secret=SECRET)
-        remote = st.import_region("s", pack_descriptor("tcp", "region", agent="staller",
-                                                       region=1, nbytes=N, device="cpu"))
+        remote = st.import_region(
+            "s", pack_descriptor("tcp", "region", agent="staller", region=1, nbytes=N, device="cpu")
+        )
         tickets = [st.write(region, remote, *_big_batch()) for _ in range(16)]  # > socket buffers
-        with pytest.raises(PeerGoneError, match="connection 0 to peer 's' at 127.0.0.1:.* lost: "
-                                                "(timed out|no progress)"):
+        with pytest.raises(
+            PeerGoneError, match="connection 0 to peer 's' at 127.0.0.1:.* lost: (timed out|no progress)"
+        ):
             tickets[-1].wait(TIMEOUT_S)
         assert all(t.poll() is TicketState.FAILED for t in tickets)
         assert [f.peer_id for f in st.peer_failures()] == ["s"]
@@ -302,8 +319,9 @@ def test_close_fails_pending_tickets_in_bounded_time():
     try:
         region = st.register(src.ctypes.data, N)
         st.add_peer("s", staller.descriptor(), secret=SECRET)
-        remote = st.import_region("s", pack_descriptor("tcp", "region", agent="staller",
-                                                       region=1, nbytes=N, device="cpu"))
+        remote = st.import_region(
+            "s", pack_descriptor("tcp", "region", agent="staller", region=1, nbytes=N, device="cpu")
+        )
         tickets = [st.write(region, remote, *_big_batch()) for _ in range(16)]
         with pytest.raises(TransferTimeoutError):
             tickets[0].wait(0.1)
@@ -323,10 +341,8 @@ def test_unreachable_peer_fails_the_ticket_and_is_reported(sender):
     dead = socket.create_server(("127.0.0.1", 0))
     port = dead.getsockname()[1]
     dead.close()  # nothing listens there now
-    st.add_peer("gone", pack_descriptor("tcp", "agent", agent="x", host="127.0.0.1", port=port),
-                secret=SECRET)
-    remote = st.import_region("gone", pack_descriptor("tcp", "region", agent="x", region=1,
-                                                      nbytes=N, device="cpu"))
+    st.add_peer("gone", pack_descriptor("tcp", "agent", agent="x", host="127.0.0.1", port=port), secret=SECRET)
+    remote = st.import_region("gone", pack_descriptor("tcp", "region", agent="x", region=1, nbytes=N, device="cpu"))
     ticket = st.write(sregion, remote, np.array([0]), np.array([0]), np.array([8]))
     with pytest.raises(PeerGoneError, match=f"peer 'gone' at 127.0.0.1:{port} lost: .*refused"):
         ticket.wait(TIMEOUT_S)
@@ -359,10 +375,10 @@ def test_deregister_during_a_torn_frame_stops_the_receive():
         rregion = rt.register(mem.ctypes.data, N)
         rt.authorize_peer("raw-test", RAW_SECRET, [rregion])
         sock = connect(rt)
-        sock.sendall(HEADER.pack(T_WRITE, 1, 1, rregion.region_id, 4096)
-                     + np.array([[0, 4096]], "<u8").tobytes() + b"\x01" * 100)
-        assert wait_until(lambda: any(c.region_id == rregion.region_id for c in rt._inbound),
-                          TIMEOUT_S)
+        sock.sendall(
+            HEADER.pack(T_WRITE, 1, 1, rregion.region_id, 4096) + np.array([[0, 4096]], "<u8").tobytes() + b"\x01" * 100
+        )
+        assert wait_until(lambda: any(c.region_id == rregion.region_id for c in rt._inbound), TIMEOUT_S)
         start = time.monotonic()
         rt.deregister(rregion)  # the receive into the region is cut off, then it returns
         assert time.monotonic() - start < 5
@@ -381,8 +397,7 @@ class _raw_connect_later:
             s.close()
 
 
-def test_share_with_more_entries_than_a_frame_holds_goes_as_several_frames(receiver, sender,
-                                                                          monkeypatch):
+def test_share_with_more_entries_than_a_frame_holds_goes_as_several_frames(receiver, sender, monkeypatch):
     from sglang_kvxfer.transports.tcp import transport as tcp
 
     monkeypatch.setattr(tcp, "_FRAME_ENTRIES", 7)
@@ -397,7 +412,7 @@ def test_share_with_more_entries_than_a_frame_holds_goes_as_several_frames(recei
     assert next(st._xfer_ids) - before - 1 == 8  # frames posted
     ticket.wait(TIMEOUT_S)
     for l, r in zip(lo, ro):
-        np.testing.assert_array_equal(mem[r:r + 64], src[l:l + 64])
+        np.testing.assert_array_equal(mem[r : r + 64], src[l : l + 64])
 
 
 @pytest.mark.parametrize("shares", [2, 3, 7])
@@ -407,14 +422,14 @@ def test_split_covers_the_batch_in_order_with_even_shares(shares):
     e = Entries(rng.integers(0, 10**6, 40), np.cumsum(sz) - sz + 17, sz)
     parts = _split(e, shares)
     assert len(parts) == shares
-    joined = [np.concatenate([getattr(p, f) for p in parts])
-              for f in ("local_offsets", "remote_offsets", "sizes")]
+    joined = [np.concatenate([getattr(p, f) for p in parts]) for f in ("local_offsets", "remote_offsets", "sizes")]
+
     # the pieces, in order, cover exactly the original bytes (local and remote alike)
-    expand = lambda offs, sizes: np.concatenate([np.arange(o, o + s) for o, s in zip(offs, sizes)])
-    np.testing.assert_array_equal(expand(joined[0], joined[2]),
-                                  expand(e.local_offsets, e.sizes))
-    np.testing.assert_array_equal(expand(joined[1], joined[2]),
-                                  expand(e.remote_offsets, e.sizes))
+    def expand(offs, sizes):
+        return np.concatenate([np.arange(o, o + s) for o, s in zip(offs, sizes)])
+
+    np.testing.assert_array_equal(expand(joined[0], joined[2]), expand(e.local_offsets, e.sizes))
+    np.testing.assert_array_equal(expand(joined[1], joined[2]), expand(e.remote_offsets, e.sizes))
     total = e.total_bytes
     assert all(abs(p.total_bytes - total / shares) <= 1 for p in parts)
 
@@ -433,8 +448,7 @@ def test_constructor_and_register_checks():
     with pytest.raises(ValueError, match="max_handshakes must be an int >= 1, got 0"):
         TcpTransport(max_handshakes=0)
     with TcpTransport() as t:
-        with pytest.raises(TransportError, match="tcp moves host memory only, got device "
-                                                 "'cuda:0'"):
+        with pytest.raises(TransportError, match="tcp moves host memory only, got device 'cuda:0'"):
             t.register(0x1000, 64, "cuda:0")
         with pytest.raises(ValueError, match="region 5 is not registered here"):
             from sglang_kvxfer.transports.base import Region

@@ -4,6 +4,7 @@ The contract tests write into this peer's region from the test process and read 
 back through the pipe; they can also stop or kill it. Commands and replies are small
 tuples; every wait on the pipe has a timeout.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -84,13 +85,11 @@ class PeerProcess:
     ``hook`` ("module:function") runs in the peer before its transport is created.
     """
 
-    def __init__(self, name: str, options: dict, memory: str, nbytes: int,
-                 hook: str | None = None):
+    def __init__(self, name: str, options: dict, memory: str, nbytes: int, hook: str | None = None):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.nbytes = nbytes
-        self.proc = ctx.Process(target=_serve, args=(child, name, options, memory, nbytes, hook),
-                                daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, name, options, memory, nbytes, hook), daemon=True)
         self.proc.start()
         child.close()
         reply = self._reply()
@@ -121,8 +120,9 @@ class PeerProcess:
         """SIGSTOP the peer and wait until all its threads are stopped (that is not
         immediate: a busy thread runs on for a while, tens of ms on a loaded machine)."""
         os.kill(self.pid, signal.SIGSTOP)
-        if not wait_until(lambda: all(state in "tT" for state in _thread_states(self.pid)),
-                          PEER_TIMEOUT_S, interval_s=0.001):
+        if not wait_until(
+            lambda: all(state in "tT" for state in _thread_states(self.pid)), PEER_TIMEOUT_S, interval_s=0.001
+        ):
             raise TimeoutError(f"peer {self.pid} did not stop within {PEER_TIMEOUT_S} s")
 
     def kill(self) -> None:

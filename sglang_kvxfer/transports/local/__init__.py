@@ -6,6 +6,7 @@ used) exports and copies device memory. Shared host memory (``alloc_shared``) li
 ``transports._memory``, which ``tcp`` and the engine use too. Importing this package must
 not import torch.
 """
+
 from sglang_kvxfer.transports.local.transport import LocalTransport, SharedBuffer, alloc_shared
 
 __all__ = ["LocalTransport", "SharedBuffer", "alloc_shared"]

@@ -8,6 +8,7 @@ peer as a ``uint8`` tensor, and ``CudaCopier.post`` enqueues one device copy per
 a side stream and returns a poll function backed by a CUDA event. It must not touch host
 memory, sockets or tickets. Imported only when a CUDA region is used.
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,8 +27,9 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def export_tensor(tensor: torch.Tensor) -> dict:
     """The IPC description of a contiguous CUDA tensor's bytes (only ints, bools and bytes)."""
     storage = tensor.untyped_storage()
-    (device, handle, storage_bytes, storage_offset, ref_handle, ref_offset, event_handle,
-     event_sync) = storage._share_cuda_()
+    (device, handle, storage_bytes, storage_offset, ref_handle, ref_offset, event_handle, event_sync) = (
+        storage._share_cuda_()
+    )
     return {
         "device": int(device),
         "handle": bytes(handle),
@@ -42,21 +44,37 @@ def export_tensor(tensor: torch.Tensor) -> dict:
     }
 
 
-IPC_FIELDS = {"device": int, "handle": bytes, "storage_bytes": int, "storage_offset": int,
-              "ref_handle": bytes, "ref_offset": int, "event_handle": bytes, "event_sync": bool,
-              "byte_offset": int, "nbytes": int}
+IPC_FIELDS = {
+    "device": int,
+    "handle": bytes,
+    "storage_bytes": int,
+    "storage_offset": int,
+    "ref_handle": bytes,
+    "ref_offset": int,
+    "event_handle": bytes,
+    "event_sync": bool,
+    "byte_offset": int,
+    "nbytes": int,
+}
 
 
 def import_tensor(desc: dict) -> torch.Tensor:
     """Open a peer's exported tensor as ``uint8[nbytes]`` on its device (cross-process only)."""
     for name, kind in IPC_FIELDS.items():
         if not isinstance(desc.get(name), kind):
-            raise ValueError(f"local CUDA region descriptor: ipc field {name!r} is "
-                             f"{desc.get(name)!r}, expected {kind.__name__}")
+            raise ValueError(
+                f"local CUDA region descriptor: ipc field {name!r} is {desc.get(name)!r}, expected {kind.__name__}"
+            )
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
-        desc["device"], desc["handle"], desc["storage_bytes"], desc["storage_offset"],
-        desc["ref_handle"], desc["ref_offset"], desc["event_handle"], desc["event_sync"],
+        desc["device"],
+        desc["handle"],
+        desc["storage_bytes"],
+        desc["storage_offset"],
+        desc["ref_handle"],
+        desc["ref_offset"],
+        desc["event_handle"],
+        desc["event_sync"],
     )
     out = torch.empty(0, dtype=torch.uint8, device=f"cuda:{desc['device']}")
     out.set_(storage, desc["byte_offset"], (desc["nbytes"],), (1,))
@@ -76,8 +94,9 @@ class CudaCopier:
                 self._streams[device] = torch.cuda.Stream(device=device)
             return self._streams[device]
 
-    def post(self, src: torch.Tensor, dst: torch.Tensor, src_offsets: np.ndarray,
-             dst_offsets: np.ndarray, sizes: np.ndarray):
+    def post(
+        self, src: torch.Tensor, dst: torch.Tensor, src_offsets: np.ndarray, dst_offsets: np.ndarray, sizes: np.ndarray
+    ):
         """Enqueue ``dst[d:d+n] = src[s:s+n]`` per entry; return a callable, True once landed.
 
         ``src`` and ``dst`` are ``uint8`` CUDA tensors; the side stream first waits for the
@@ -89,7 +108,7 @@ class CudaCopier:
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for s, d, n in zip(src_offsets.tolist(), dst_offsets.tolist(), sizes.tolist()):
-                    dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+                    dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
         return event.query

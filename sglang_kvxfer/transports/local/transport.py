@@ -19,6 +19,7 @@ CUDA IPC handles it learns; ``authorize_peer`` is recorded but the kernel, not t
 decides. It never calls ``PR_SET_PTRACER_ANY`` unless ``KVXFER_LOCAL_PTRACE_ANY=1``.
 This module must not open sockets or import torch unless a CUDA region is used.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,21 +32,34 @@ import select
 import socket
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from sglang_kvxfer.errors import PeerGoneError, TransportError
 from sglang_kvxfer.transports import _memory
-from sglang_kvxfer.transports._memory import SharedBuffer, alloc_shared
 from sglang_kvxfer.transports._common import UseTable, pack_descriptor, unpack_descriptor
-from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
-                                           Ticket, Transport, check_secret, parse_device,
-                                           tensor_memory)
+from sglang_kvxfer.transports._memory import SharedBuffer, alloc_shared
+from sglang_kvxfer.transports.base import (
+    Caps,
+    Entries,
+    PeerFailure,
+    Region,
+    RemoteRegion,
+    Ticket,
+    Transport,
+    check_secret,
+    parse_device,
+    tensor_memory,
+)
+
+if TYPE_CHECKING:
+    from sglang_kvxfer.transports.local.cuda_ipc import CudaCopier
 
 __all__ = ["LocalTransport", "SharedBuffer", "alloc_shared"]
 
 _NAME = "local"
 _AGENT_FIELDS = {"agent": str, "boot_id": str, "pidns": int, "pid": int}
 _REGION_FIELDS = {"agent": str, "region": int, "nbytes": int, "device": str, "kind": str}
-_KIND_FIELDS = {
+_KIND_FIELDS: dict[str, dict[str, type]] = {
     "shm": {"path": str, "inode": int, "map_bytes": int, "offset": int},
     "cma": {"pid": int, "addr": int},
     "cuda": {"ipc": dict},
@@ -80,8 +94,8 @@ class _Target:
     kind: str
     nbytes: int
     device: str
-    base: int = 0            # shm: address of the region in our mapping; cma: in the peer
-    mapping: object = None   # shm: the mmap; cuda: the uint8 tensor
+    base: int = 0  # shm: address of the region in our mapping; cma: in the peer
+    mapping: Any = None  # shm: the mmap; cuda: the uint8 tensor
 
 
 class LocalTransport(Transport):
@@ -96,11 +110,9 @@ class LocalTransport(Transport):
     """
 
     name = _NAME
-    caps = Caps(mem_kinds=frozenset({"cpu", "cuda"}), same_host_only=True,
-                read_supported=False, one_sided=True)
+    caps = Caps(mem_kinds=frozenset({"cpu", "cuda"}), same_host_only=True, read_supported=False, one_sided=True)
 
-    def __init__(self, *, agent_id: str | None = None, allow_cma: bool = True,
-                 deregister_timeout_s: float = 5.0):
+    def __init__(self, *, agent_id: str | None = None, allow_cma: bool = True, deregister_timeout_s: float = 5.0):
         super().__init__()
         self._agent = agent_id or f"local-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self._boot_id, self._pidns = _host_identity()
@@ -108,17 +120,18 @@ class LocalTransport(Transport):
         self._timeout_s = deregister_timeout_s
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._regions = UseTable()   # region_id -> _LocalRegion
-        self._targets = UseTable()   # (peer_id, region_id) -> _Target
+        self._regions = UseTable()  # region_id -> _LocalRegion
+        self._targets = UseTable()  # (peer_id, region_id) -> _Target
         self._peers: dict[str, _Peer] = {}
         self._grants: dict[str, frozenset] = {}  # recorded only: see the module docstring
         self._failures: list[PeerFailure] = []
-        self._cuda = None            # cuda_ipc.CudaCopier, created on first CUDA write
+        self._cuda: CudaCopier | None = None  # created on first CUDA write
 
     # -- descriptors and peers ----------------------------------------------------------
     def agent_descriptor(self) -> bytes:
-        return pack_descriptor(_NAME, "agent", agent=self._agent, boot_id=self._boot_id,
-                               pidns=self._pidns, pid=os.getpid())
+        return pack_descriptor(
+            _NAME, "agent", agent=self._agent, boot_id=self._boot_id, pidns=self._pidns, pid=os.getpid()
+        )
 
     def add_peer(self, peer_id: str, descriptor: bytes, secret: bytes | None = None) -> None:
         """``secret`` is checked and not used (the kernel decides who may write, see the
@@ -128,9 +141,11 @@ class LocalTransport(Transport):
         _check_peer_id(peer_id)
         desc = unpack_descriptor(descriptor, _NAME, "agent", _AGENT_FIELDS)
         if desc["boot_id"] != self._boot_id:
-            raise TransportError(f"peer {peer_id!r} runs on another host (boot_id "
-                                 f"{desc['boot_id']}, ours {self._boot_id}); 'local' is "
-                                 "same-host only: use the 'tcp' transport")
+            raise TransportError(
+                f"peer {peer_id!r} runs on another host (boot_id "
+                f"{desc['boot_id']}, ours {self._boot_id}); 'local' is "
+                "same-host only: use the 'tcp' transport"
+            )
         pidfd = None
         if desc["pidns"] == self._pidns:
             try:
@@ -185,20 +200,19 @@ class LocalTransport(Transport):
         self._check_register_args(ptr, nbytes)
         kind, _ = parse_device(device)
         if kind == "cuda":
-            raise TypeError("local: register CUDA memory with register_tensor(t): the CUDA IPC "
-                            "handle comes from torch's allocator")
+            raise TypeError(
+                "local: register CUDA memory with register_tensor(t): the CUDA IPC handle comes from torch's allocator"
+            )
         buf = _memory.find_shared(ptr, nbytes)
         region_id = next(self._ids)
         if buf is not None:
-            extra = dict(kind="shm", path=buf.path, inode=buf.inode, map_bytes=buf.nbytes,
-                         offset=ptr - buf.ptr)
+            extra = dict(kind="shm", path=buf.path, inode=buf.inode, map_bytes=buf.nbytes, offset=ptr - buf.ptr)
         else:
             self._check_cma_allowed(ptr, nbytes)
             try:
                 _memory.allow_ptrace_writes()
             except TransportError as exc:
-                raise TransportError(f"local: region at {ptr:#x} ({nbytes} bytes) is private "
-                                     f"memory: {exc}") from None
+                raise TransportError(f"local: region at {ptr:#x} ({nbytes} bytes) is private memory: {exc}") from None
             extra = dict(kind="cma", pid=os.getpid(), addr=ptr)
         return self._add_region(region_id, ptr, nbytes, "cpu", extra, keepalive=buf)
 
@@ -210,23 +224,28 @@ class LocalTransport(Transport):
 
         self._check_open()
         extra = dict(kind="cuda", ipc=_cuda_ipc.export_tensor(tensor))
-        return self._add_region(next(self._ids), ptr, nbytes, f"cuda:{tensor.device.index}",
-                                extra, keepalive=_cuda_ipc.flat_bytes(tensor))
+        return self._add_region(
+            next(self._ids), ptr, nbytes, f"cuda:{tensor.device.index}", extra, keepalive=_cuda_ipc.flat_bytes(tensor)
+        )
 
     def _check_cma_allowed(self, ptr: int, nbytes: int) -> None:
         where = f"region at {ptr:#x} ({nbytes} bytes) is private memory"
         if not self._allow_cma:
-            raise TransportError(f"local: {where} and allow_cma=False; allocate it with "
-                                 "alloc_shared() or use the 'tcp' transport")
+            raise TransportError(
+                f"local: {where} and allow_cma=False; allocate it with alloc_shared() or use the 'tcp' transport"
+            )
         blocker = _memory.cma_blocker()
         if blocker is not None:
-            raise TransportError(f"local: {where}, which peers would write with "
-                                 f"process_vm_writev, but {blocker}; allocate it with "
-                                 "alloc_shared() or use the 'tcp' transport")
+            raise TransportError(
+                f"local: {where}, which peers would write with "
+                f"process_vm_writev, but {blocker}; allocate it with "
+                "alloc_shared() or use the 'tcp' transport"
+            )
 
     def _add_region(self, region_id, ptr, nbytes, device, extra, keepalive) -> Region:
-        descriptor = pack_descriptor(_NAME, "region", agent=self._agent, region=region_id,
-                                     nbytes=nbytes, device=device, **extra)
+        descriptor = pack_descriptor(
+            _NAME, "region", agent=self._agent, region=region_id, nbytes=nbytes, device=device, **extra
+        )
         region = Region(region_id, ptr, nbytes, device, descriptor)
         self._regions.add(region_id, _LocalRegion(region, extra["kind"], keepalive))
         if isinstance(keepalive, SharedBuffer):
@@ -251,31 +270,35 @@ class LocalTransport(Transport):
             raise ValueError(f"local region descriptor: unknown kind {kind!r}")
         desc = unpack_descriptor(descriptor, _NAME, "region", _KIND_FIELDS[kind])
         if desc["agent"] != peer.agent:
-            raise ValueError(f"region descriptor belongs to agent {desc['agent']!r}, but peer "
-                             f"{peer_id!r} is agent {peer.agent!r}")
+            raise ValueError(
+                f"region descriptor belongs to agent {desc['agent']!r}, but peer {peer_id!r} is agent {peer.agent!r}"
+            )
         target = self._open_target(peer_id, peer, kind, desc)
         remote = RemoteRegion(peer_id, desc["region"], desc["nbytes"], desc["device"])
         try:
             self._targets.add((peer_id, remote.region_id), target)
         except ValueError:
             _release_target(target)
-            raise ValueError(f"region {remote.region_id} of peer {peer_id!r} is already "
-                             "imported") from None
+            raise ValueError(f"region {remote.region_id} of peer {peer_id!r} is already imported") from None
         return remote
 
     def _open_target(self, peer_id: str, peer: _Peer, kind: str, desc: dict) -> _Target:
         nbytes = desc["nbytes"]
         if kind == "shm":
             if desc["offset"] < 0 or desc["offset"] + nbytes > desc["map_bytes"]:
-                raise ValueError(f"local region descriptor: offset {desc['offset']} + nbytes "
-                                 f"{nbytes} exceeds the shared buffer's {desc['map_bytes']} bytes")
+                raise ValueError(
+                    f"local region descriptor: offset {desc['offset']} + nbytes "
+                    f"{nbytes} exceeds the shared buffer's {desc['map_bytes']} bytes"
+                )
             mm = _memory.open_shared(desc["path"], desc["inode"], desc["map_bytes"])
             return _Target("shm", nbytes, "cpu", _memory.mapping_address(mm) + desc["offset"], mm)
         if kind == "cma":
             if peer.pidfd is None:
-                raise TransportError(f"peer {peer_id!r} runs in another pid namespace, so its "
-                                     "private memory cannot be written with process_vm_writev; "
-                                     "it should allocate with alloc_shared() or use 'tcp'")
+                raise TransportError(
+                    f"peer {peer_id!r} runs in another pid namespace, so its "
+                    "private memory cannot be written with process_vm_writev; "
+                    "it should allocate with alloc_shared() or use 'tcp'"
+                )
             try:
                 _memory.cma_probe(desc["pid"], desc["addr"], nbytes)
             except OSError as exc:
@@ -288,8 +311,9 @@ class LocalTransport(Transport):
         except ValueError:
             raise
         except Exception as exc:  # torch raises RuntimeError/AssertionError without CUDA
-            raise TransportError(f"cannot open peer {peer_id!r}'s CUDA region by CUDA IPC: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+            raise TransportError(
+                f"cannot open peer {peer_id!r}'s CUDA region by CUDA IPC: {type(exc).__name__}: {exc}"
+            ) from exc
         return _Target("cuda", nbytes, desc["device"], mapping=tensor)
 
     # -- writes -------------------------------------------------------------------------
@@ -302,8 +326,10 @@ class LocalTransport(Transport):
         try:
             dst = self._targets.acquire((remote.peer_id, remote.region_id))
             if dst is None:
-                raise ValueError(f"remote region {remote.region_id} of peer {remote.peer_id!r} "
-                                 "is not imported (import_region it first)")
+                raise ValueError(
+                    f"remote region {remote.region_id} of peer {remote.peer_id!r} "
+                    "is not imported (import_region it first)"
+                )
             try:
                 return self._copy(label, peer, remote.peer_id, src.value, dst.value, entries)
             finally:
@@ -320,12 +346,13 @@ class LocalTransport(Transport):
             raise PeerGoneError(peer.failed)
         lease = self._targets.acquire((remote.peer_id, remote.region_id))
         if lease is None:
-            raise ValueError(f"remote region {remote.region_id} of peer {remote.peer_id!r} "
-                             "is not imported (import_region it first)")
+            raise ValueError(
+                f"remote region {remote.region_id} of peer {remote.peer_id!r} is not imported (import_region it first)"
+            )
         try:
             target = lease.value
             if target.kind == "cuda":
-                yield target.mapping[offset: offset + nbytes]
+                yield target.mapping[offset : offset + nbytes]
             elif target.kind == "shm" and nbytes:
                 import torch
 
@@ -336,12 +363,13 @@ class LocalTransport(Transport):
         finally:
             self._targets.release(lease)
 
-    def _copy(self, label, peer: _Peer, peer_id: str, src: _LocalRegion, dst: _Target,
-              entries: Entries) -> Ticket:
+    def _copy(self, label, peer: _Peer, peer_id: str, src: _LocalRegion, dst: _Target, entries: Entries) -> Ticket:
         if (src.region.device == "cpu") != (dst.device == "cpu"):
-            raise ValueError(f"local writes need both regions in the same kind of memory: local "
-                             f"region {src.region.region_id} is {src.region.device}, the remote "
-                             f"region is {dst.device}")
+            raise ValueError(
+                f"local writes need both regions in the same kind of memory: local "
+                f"region {src.region.region_id} is {src.region.device}, the remote "
+                f"region is {dst.device}"
+            )
         if peer.failed is not None:
             return Ticket.failed(label, PeerGoneError(peer.failed))
         if entries.num_entries == 0:
@@ -352,6 +380,10 @@ class LocalTransport(Transport):
                 from sglang_kvxfer.transports.local.cuda_ipc import CudaCopier
 
                 self._cuda = CudaCopier()
+            import torch  # loaded with cuda_ipc: a CUDA write comes from a registered tensor
+
+            if not isinstance(src.keepalive, torch.Tensor):
+                raise TransportError(f"local region {src.region.region_id} is not backed by a CUDA tensor")
             poll = self._cuda.post(src.keepalive, dst.mapping, lo, ro, sz)
             return Ticket(label, progress=poll)
         try:
@@ -415,7 +447,9 @@ def _cma_error(peer_id: str, exc: OSError, *, probing: bool) -> TransportError:
         return TransportError(
             f"the kernel does not permit process_vm_writev into peer {peer_id!r} ({exc}): it "
             "needs the same user, ptrace permission (kernel.yama.ptrace_scope <= 1) and a "
-            "dumpable peer; have the peer allocate with alloc_shared() or use the 'tcp' transport")
+            "dumpable peer; have the peer allocate with alloc_shared() or use the 'tcp' transport"
+        )
     what = "probing" if probing else "writing"
-    return TransportError(f"{what} peer {peer_id!r}'s private memory failed: {exc} (is the "
-                          "region still registered and mapped?)")
+    return TransportError(
+        f"{what} peer {peer_id!r}'s private memory failed: {exc} (is the region still registered and mapped?)"
+    )

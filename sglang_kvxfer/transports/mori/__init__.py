@@ -6,6 +6,7 @@ sglang_kvxfer.transports.mori.probe``) whether MORI-IO can run here. Importing t
 must not import mori, torch or ``probe`` (runpy warns when the module it runs is already
 imported by its package).
 """
+
 from sglang_kvxfer.transports.mori.transport import MoriTransport
 
 __all__ = ["MoriTransport"]

@@ -7,6 +7,7 @@ as ``MORI_RDMA_DEVICES`` while the backend is created), importing ``mori.io`` af
 subprocess probe, and creating the engine with its RDMA backend before any memory is
 registered. It must not know about regions, peers or tickets (``transports.mori`` does).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -33,10 +34,8 @@ def int_option(name, value, low, allow=()):
 def _nic_list(nics) -> tuple[str, ...]:
     if isinstance(nics, str):
         nics = [n.strip() for n in nics.split(",") if n.strip()]
-    if not isinstance(nics, (list, tuple)) or not all(isinstance(n, str) and n and "," not in n
-                                                      for n in nics):
-        raise ValueError(f"nics must be RDMA device names like ['mlx5_0', 'mlx5_1'] or "
-                         f"'mlx5_0,mlx5_1', got {nics!r}")
+    if not isinstance(nics, (list, tuple)) or not all(isinstance(n, str) and n and "," not in n for n in nics):
+        raise ValueError(f"nics must be RDMA device names like ['mlx5_0', 'mlx5_1'] or 'mlx5_0,mlx5_1', got {nics!r}")
     return tuple(nics)
 
 
@@ -52,32 +51,49 @@ class EngineSettings:
     post_batch_size: int
 
     @classmethod
-    def resolve(cls, host, port, nics, qp_per_transfer, num_worker_threads,
-                post_batch_size) -> "EngineSettings":
+    def resolve(cls, host, port, nics, qp_per_transfer, num_worker_threads, post_batch_size) -> EngineSettings:
         host = envs.KVXFER_MORI_HOST.get() if host is None else host
         if host == "":
             host = socket.gethostbyname(socket.gethostname())
         if not isinstance(host, str) or host in ("0.0.0.0", "::"):
-            raise ValueError(f"host={host!r} cannot be advertised to peers; give the address "
-                             "peers should connect to (KVXFER_MORI_HOST)")
+            raise ValueError(
+                f"host={host!r} cannot be advertised to peers; give the address "
+                "peers should connect to (KVXFER_MORI_HOST)"
+            )
         return cls(
-            host, int_option("port", port, 0),
+            host,
+            int_option("port", port, 0),
             _nic_list(envs.KVXFER_MORI_NICS.get() if nics is None else nics),
-            int_option("qp_per_transfer", envs.KVXFER_MORI_QP_PER_TRANSFER.get()
-                        if qp_per_transfer is None else qp_per_transfer, 1),
-            int_option("num_worker_threads", envs.KVXFER_MORI_WORKERS.get()
-                        if num_worker_threads is None else num_worker_threads, 1, (-1,)),
-            int_option("post_batch_size", envs.KVXFER_MORI_POST_BATCH_SIZE.get()
-                        if post_batch_size is None else post_batch_size, 1, (-1,)))
+            int_option(
+                "qp_per_transfer",
+                envs.KVXFER_MORI_QP_PER_TRANSFER.get() if qp_per_transfer is None else qp_per_transfer,
+                1,
+            ),
+            int_option(
+                "num_worker_threads",
+                envs.KVXFER_MORI_WORKERS.get() if num_worker_threads is None else num_worker_threads,
+                1,
+                (-1,),
+            ),
+            int_option(
+                "post_batch_size",
+                envs.KVXFER_MORI_POST_BATCH_SIZE.get() if post_batch_size is None else post_batch_size,
+                1,
+                (-1,),
+            ),
+        )
 
     def describe(self) -> dict:
-        return {"host": self.host, "port": self.port,
-                "MORI_RDMA_DEVICES": ",".join(self.nics) or
-                os.environ.get("MORI_RDMA_DEVICES", "") or "(all)",
-                "qp_per_transfer": self.qp_per_transfer,
-                "num_worker_threads": self.num_worker_threads,
-                "post_batch_size": self.post_batch_size, "poll_cq_mode": "POLLING",
-                "enable_notification": False}
+        return {
+            "host": self.host,
+            "port": self.port,
+            "MORI_RDMA_DEVICES": ",".join(self.nics) or os.environ.get("MORI_RDMA_DEVICES", "") or "(all)",
+            "qp_per_transfer": self.qp_per_transfer,
+            "num_worker_threads": self.num_worker_threads,
+            "post_batch_size": self.post_batch_size,
+            "poll_cq_mode": "POLLING",
+            "enable_notification": False,
+        }
 
 
 def create_engine(key: str, settings: EngineSettings, probe: bool):
@@ -91,21 +107,29 @@ def create_engine(key: str, settings: EngineSettings, probe: bool):
     try:
         io = importlib.import_module("mori.io")
     except ImportError as exc:
-        raise TransportUnavailableError(f"transport 'mori' needs 'amd-mori' (module "
-                                        f"'mori.io'): {exc}") from exc
+        raise TransportUnavailableError(f"transport 'mori' needs 'amd-mori' (module 'mori.io'): {exc}") from exc
     engine = io.IOEngine(key, io.IOEngineConfig(settings.host, settings.port))
     # MORI reads MORI_RDMA_DEVICES when the RDMA backend discovers devices.
     try:
         with env_override("MORI_RDMA_DEVICES", ",".join(settings.nics or ())):
             # Notification off: completion travels on the engine's own control channel.
-            engine.create_backend(io.BackendType.RDMA, io.RdmaBackendConfig(
-                settings.qp_per_transfer, settings.post_batch_size, settings.num_worker_threads,
-                io.PollCqMode.POLLING, False))
+            engine.create_backend(
+                io.BackendType.RDMA,
+                io.RdmaBackendConfig(
+                    settings.qp_per_transfer,
+                    settings.post_batch_size,
+                    settings.num_worker_threads,
+                    io.PollCqMode.POLLING,
+                    False,
+                ),
+            )
     except Exception as exc:
-        raise TransportError(f"mori: creating the RDMA backend failed ({type(exc).__name__}: "
-                             f"{exc}) with {settings.describe()}") from exc
+        raise TransportError(
+            f"mori: creating the RDMA backend failed ({type(exc).__name__}: {exc}) with {settings.describe()}"
+        ) from exc
     desc = engine.get_engine_desc()
     if desc.port <= 0:
-        raise TransportError(f"mori: the engine has no control-plane port ({desc.port}) after "
-                             "creating the RDMA backend")
+        raise TransportError(
+            f"mori: the engine has no control-plane port ({desc.port}) after creating the RDMA backend"
+        )
     return io, engine

@@ -16,6 +16,7 @@ costs a child, not the caller. The child checks, in order, and stops at the firs
 It prints one JSON line per stage and a final ``{"ok": ..., "missing": ...}``. ``check``
 caches verdicts per (nics, root). This module must not import mori in the caller.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,14 +91,17 @@ def _active_ports(root: str, nics: tuple[str, ...]) -> tuple[list[str], list[str
 def host_facts(root: str = "/", nics: tuple[str, ...] = ()) -> str | None:
     """What this host lacks for MORI-IO's RDMA backend (checks 2-4), or None; reads files only."""
     if not os.path.exists(_path(root, "/dev/kfd")):
-        return ("no AMD GPU: /dev/kfd does not exist (the amdgpu kernel driver is not loaded); "
-                f"{NEEDS}, even for host memory")
+        return (
+            "no AMD GPU: /dev/kfd does not exist (the amdgpu kernel driver is not loaded); "
+            f"{NEEDS}, even for host memory"
+        )
     if not _gpu_nodes(root):
-        return ("no AMD GPU: /dev/kfd exists but no KFD topology node has SIMDs; "
-                f"{NEEDS}, even for host memory")
+        return f"no AMD GPU: /dev/kfd exists but no KFD topology node has SIMDs; {NEEDS}, even for host memory"
     if _rocm_smi(root) is None:
-        return ("ROCm SMI library librocm_smi64.so not found (LD_LIBRARY_PATH, /opt/rocm/lib); "
-                "MORI-IO exits the process without it")
+        return (
+            "ROCm SMI library librocm_smi64.so not found (LD_LIBRARY_PATH, /opt/rocm/lib); "
+            "MORI-IO exits the process without it"
+        )
     active, seen = _active_ports(root, nics)
     if not active:
         among = f" among nics {','.join(nics)}" if nics else ""
@@ -121,8 +125,11 @@ def main(argv=None) -> int:
     try:
         import mori.io as mio
     except Exception as exc:  # ImportError, or OSError from a missing ROCm library
-        _stage("done", ok=False, missing=f"mori.io cannot be imported ({type(exc).__name__}: "
-                                         f"{exc}); {NEEDS} (ROCm 7 userspace and torch)")
+        _stage(
+            "done",
+            ok=False,
+            missing=f"mori.io cannot be imported ({type(exc).__name__}: {exc}); {NEEDS} (ROCm 7 userspace and torch)",
+        )
         return 0
     _stage("facts")
     missing = host_facts(args.root, nics)
@@ -133,11 +140,9 @@ def main(argv=None) -> int:
         _stage("backend")
         try:
             engine = mio.IOEngine(f"kvxfer-probe-{os.getpid()}", mio.IOEngineConfig("127.0.0.1", 0))
-            engine.create_backend(mio.BackendType.RDMA, mio.RdmaBackendConfig(
-                1, -1, -1, mio.PollCqMode.POLLING, False))
+            engine.create_backend(mio.BackendType.RDMA, mio.RdmaBackendConfig(1, -1, -1, mio.PollCqMode.POLLING, False))
         except Exception as exc:
-            _stage("done", ok=False, missing=f"creating MORI-IO's RDMA backend failed "
-                                             f"({type(exc).__name__}: {exc})")
+            _stage("done", ok=False, missing=f"creating MORI-IO's RDMA backend failed ({type(exc).__name__}: {exc})")
             return 0
     _stage("done", ok=True, missing=None)
     return 0
@@ -176,11 +181,12 @@ def _run_child(nics: tuple[str, ...], root: str, timeout_s: float) -> str | None
     last = stages[-1] if stages else {"stage": "start"}
     if last.get("stage") == "done":
         return None if last.get("ok") else str(last.get("missing"))
-    how = (f"was killed by signal {-out.returncode}" if out.returncode < 0
-           else f"exited with status {out.returncode}")
+    how = f"was killed by signal {-out.returncode}" if out.returncode < 0 else f"exited with status {out.returncode}"
     tail = (out.stderr.strip().splitlines() or [""])[-1][:300]
-    return (f"the MORI-IO probe process {how} during stage {last.get('stage')!r} (MORI-IO "
-            f"ends the process when ROCm or the RDMA device is unusable){': ' + tail if tail else ''}")
+    return (
+        f"the MORI-IO probe process {how} during stage {last.get('stage')!r} (MORI-IO "
+        f"ends the process when ROCm or the RDMA device is unusable){': ' + tail if tail else ''}"
+    )
 
 
 if __name__ == "__main__":

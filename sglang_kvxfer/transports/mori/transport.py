@@ -21,6 +21,7 @@ checked in a child process that MORI can run (MORI ends the process with ``exit`
 when ROCm, an AMD GPU or an active RDMA port is missing). This module owns peers, regions,
 sessions, statuses and their tickets; it must not import mori at import time.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,15 +32,24 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from sglang_kvxfer.errors import PeerGoneError, TransferTimeoutError, TransportError
 from sglang_kvxfer.transports._common import UseTable, open_write, pack_descriptor, unpack_descriptor
-from sglang_kvxfer.transports.mori.engine import (UINT32_MAX, EngineSettings, int_option,
-                                                   create_engine)
-from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
-                                           Ticket, Transport, check_secret, parse_device)
+from sglang_kvxfer.transports.base import (
+    Caps,
+    Entries,
+    PeerFailure,
+    Region,
+    RemoteRegion,
+    Ticket,
+    Transport,
+    check_secret,
+    parse_device,
+)
+from sglang_kvxfer.transports.mori.engine import UINT32_MAX, EngineSettings, create_engine, int_option
 from sglang_kvxfer.transports.ticket import _check_timeout, pending_or_raise
 
 __all__ = ["MoriTransport"]
@@ -47,21 +57,21 @@ __all__ = ["MoriTransport"]
 log = logging.getLogger("sglang_kvxfer.transports.mori")
 
 _NAME = "mori"
-_WAIT_SLICE_MS = 50              # longest single block inside engine.wait_all
-_EVENT_POLL_S = 0.005            # how often a pending ticket drains pop_peer_failure
-_abandoned: list = []            # statuses never terminal at close: MORI may still write them
+_WAIT_SLICE_MS = 50  # longest single block inside engine.wait_all
+_EVENT_POLL_S = 0.005  # how often a pending ticket drains pop_peer_failure
+_abandoned: list = []  # statuses never terminal at close: MORI may still write them
 
 
 @dataclass
 class _MoriRegion:
     region: Region
-    md: object                       # MORI MemoryDesc
+    md: object  # MORI MemoryDesc
 
 
 @dataclass
 class _Peer:
-    key: str                         # MORI engine key
-    desc: object                     # MORI EngineDesc
+    key: str  # MORI engine key
+    desc: object  # MORI EngineDesc
     regions: dict = field(default_factory=dict)  # region_id -> (RemoteRegion, MemoryDesc)
     failed: str | None = None
 
@@ -71,9 +81,9 @@ class _Xfer:
 
     __slots__ = ("transport", "peer_id", "status", "lease", "ticket")
 
-    def __init__(self, transport, peer_id, status, lease):
+    def __init__(self, transport: MoriTransport, peer_id: str, status: Any, lease: UseTable.Lease, label: str):
         self.transport, self.peer_id, self.status, self.lease = transport, peer_id, status, lease
-        self.ticket: Ticket | None = None
+        self.ticket = Ticket(label, progress=self)
 
     def __call__(self) -> bool:  # the ticket's progress hook
         return self.transport._progress(self)
@@ -104,28 +114,35 @@ class MoriTransport(Transport):
     """
 
     name = _NAME
-    caps = Caps(mem_kinds=frozenset({"cpu", "cuda"}), same_host_only=False,
-                read_supported=False, one_sided=True)
+    caps = Caps(mem_kinds=frozenset({"cpu", "cuda"}), same_host_only=False, read_supported=False, one_sided=True)
 
-    def __init__(self, *, host: str | None = None, port: int = 0, nics=None,
-                 qp_per_transfer: int | None = None, num_worker_threads: int | None = None,
-                 post_batch_size: int | None = None, engine_key: str | None = None,
-                 probe: bool = True, warmup: bool = True, max_entry_bytes: int = UINT32_MAX,
-                 close_timeout_s: float = 5.0):
+    def __init__(
+        self,
+        *,
+        host: str | None = None,
+        port: int = 0,
+        nics=None,
+        qp_per_transfer: int | None = None,
+        num_worker_threads: int | None = None,
+        post_batch_size: int | None = None,
+        engine_key: str | None = None,
+        probe: bool = True,
+        warmup: bool = True,
+        max_entry_bytes: int = UINT32_MAX,
+        close_timeout_s: float = 5.0,
+    ):
         super().__init__()
-        settings = EngineSettings.resolve(host, port, nics, qp_per_transfer,
-                                          num_worker_threads, post_batch_size)
+        settings = EngineSettings.resolve(host, port, nics, qp_per_transfer, num_worker_threads, post_batch_size)
         self._max_entry = int_option("max_entry_bytes", max_entry_bytes, 1)
         if self._max_entry > UINT32_MAX:
-            raise ValueError(f"max_entry_bytes must be <= {UINT32_MAX} (MORI's limit), got "
-                             f"{max_entry_bytes}")
+            raise ValueError(f"max_entry_bytes must be <= {UINT32_MAX} (MORI's limit), got {max_entry_bytes}")
         self._warmup, self._close_timeout_s = warmup, close_timeout_s
         self._key = engine_key or f"kvxfer-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self.settings = settings.describe()
         self._io, self._engine = create_engine(self._key, settings, probe)
         self._lock = threading.RLock()  # MORI's engine tables are not thread-safe
         self._ids = itertools.count(1)
-        self._regions = UseTable()      # region_id -> _MoriRegion
+        self._regions = UseTable()  # region_id -> _MoriRegion
         self._peers: dict[str, _Peer] = {}
         self._sessions: dict[tuple, object] = {}  # (local rid, peer id, remote rid) -> session
         self._inflight: set[_Xfer] = set()
@@ -135,8 +152,7 @@ class MoriTransport(Transport):
     # -- descriptors and peers ----------------------------------------------------------
     def agent_descriptor(self) -> bytes:
         self._check_open()
-        return pack_descriptor(_NAME, "agent", engine=self._key,
-                               desc=bytes(self._engine.get_engine_desc().pack()))
+        return pack_descriptor(_NAME, "agent", engine=self._key, desc=bytes(self._engine.get_engine_desc().pack()))
 
     def add_peer(self, peer_id: str, descriptor: bytes, secret: bytes | None = None) -> None:
         """``secret`` is checked and not used: MORI does not authenticate engines (any
@@ -150,9 +166,11 @@ class MoriTransport(Transport):
         env = unpack_descriptor(descriptor, _NAME, "agent", {"engine": str, "desc": bytes})
         desc = self._unpack(self._io.EngineDesc, env["desc"], f"agent descriptor of {peer_id!r}")
         if desc.key != env["engine"] or desc.port <= 0 or desc.host in ("", "0.0.0.0", "::"):
-            raise ValueError(f"agent descriptor of {peer_id!r}: MORI EngineDesc key={desc.key!r} "
-                             f"host={desc.host!r} port={desc.port} is not a reachable engine "
-                             f"{env['engine']!r}")
+            raise ValueError(
+                f"agent descriptor of {peer_id!r}: MORI EngineDesc key={desc.key!r} "
+                f"host={desc.host!r} port={desc.port} is not a reachable engine "
+                f"{env['engine']!r}"
+            )
         if peer_id in self._peers:  # a restarted or re-registered peer replaces its record
             try:
                 self.remove_peer(peer_id)
@@ -178,8 +196,7 @@ class MoriTransport(Transport):
             peer = self._peers.pop(peer_id, None)
         if peer is None:
             raise ValueError(f"unknown peer {peer_id!r}")
-        self._settle(lambda x: x.peer_id == peer_id,
-                     f"peer {peer_id!r} was removed with the write pending")
+        self._settle(lambda x: x.peer_id == peer_id, f"peer {peer_id!r} was removed with the write pending")
         with self._lock:
             for key in [k for k in self._sessions if k[1] == peer_id]:
                 del self._sessions[key]
@@ -196,11 +213,13 @@ class MoriTransport(Transport):
             try:
                 md = self._engine.register_memory(ptr, nbytes, index, loc)
             except Exception as exc:
-                raise TransportError(f"mori: registering {nbytes} bytes at {ptr:#x} on {device} "
-                                     f"failed ({type(exc).__name__}: {exc})") from exc
+                raise TransportError(
+                    f"mori: registering {nbytes} bytes at {ptr:#x} on {device} failed ({type(exc).__name__}: {exc})"
+                ) from exc
             region_id = next(self._ids)
-            descriptor = pack_descriptor(_NAME, "region", engine=self._key, region=region_id,
-                                         device=device, md=bytes(md.pack()))
+            descriptor = pack_descriptor(
+                _NAME, "region", engine=self._key, region=region_id, device=device, md=bytes(md.pack())
+            )
             region = Region(region_id, ptr, nbytes, device, descriptor)
             self._regions.add(region_id, _MoriRegion(region, md))
             if self._warmup:  # a peer that cannot be reached now fails its writes later
@@ -216,8 +235,7 @@ class MoriTransport(Transport):
         rid = region.region_id
         if self._regions.get(rid) is None:
             raise ValueError(f"region {rid} is not registered here")
-        self._settle(lambda x: x.lease.key == rid,
-                     f"local region {rid} was deregistered while being sent")
+        self._settle(lambda x: x.lease.key == rid, f"local region {rid} was deregistered while being sent")
         entry = self._regions.remove(rid, self._close_timeout_s)
         with self._lock:
             for key in [k for k in self._sessions if k[0] == rid]:
@@ -226,22 +244,21 @@ class MoriTransport(Transport):
 
     def import_region(self, peer_id: str, descriptor: bytes) -> RemoteRegion:
         self._check_open()
-        env = unpack_descriptor(descriptor, _NAME, "region", {"engine": str, "region": int,
-                                                              "device": str, "md": bytes})
+        env = unpack_descriptor(descriptor, _NAME, "region", {"engine": str, "region": int, "device": str, "md": bytes})
         with self._lock:
             peer = self._peers.get(peer_id)
             if peer is None:
                 raise ValueError(f"unknown peer {peer_id!r} (add_peer it first)")
-            md = self._unpack(self._io.MemoryDesc, env["md"],
-                              f"region {env['region']} of peer {peer_id!r}")
+            md = self._unpack(self._io.MemoryDesc, env["md"], f"region {env['region']} of peer {peer_id!r}")
             if env["engine"] != peer.key or md.engine_key != peer.key:
-                raise ValueError(f"region descriptor belongs to engine {md.engine_key!r}, but "
-                                 f"peer {peer_id!r} is engine {peer.key!r}")
+                raise ValueError(
+                    f"region descriptor belongs to engine {md.engine_key!r}, but "
+                    f"peer {peer_id!r} is engine {peer.key!r}"
+                )
             if md.size <= 0:
                 raise ValueError(f"mori region descriptor: size must be > 0, got {md.size}")
             if env["region"] in peer.regions:
-                raise ValueError(f"region {env['region']} of peer {peer_id!r} is already "
-                                 "imported")
+                raise ValueError(f"region {env['region']} of peer {peer_id!r} is already imported")
             remote = RemoteRegion(peer_id, env["region"], int(md.size), env["device"])
             peer.regions[remote.region_id] = (remote, md)
             if self._warmup:
@@ -263,13 +280,17 @@ class MoriTransport(Transport):
             try:
                 session = self._engine.create_session(local.md, md)
             except RuntimeError as exc:  # unknown remote MR, unreachable control plane...
-                raise TransportError(f"mori: cannot open a session from local region "
-                                     f"{local_id} to region {remote_id} of peer {peer_id!r}: "
-                                     f"{exc}") from exc
+                raise TransportError(
+                    f"mori: cannot open a session from local region "
+                    f"{local_id} to region {remote_id} of peer {peer_id!r}: "
+                    f"{exc}"
+                ) from exc
             if session is None:
-                raise TransportError(f"mori: no MORI backend moves local region {local_id} "
-                                     f"({local.region.device}) to region {remote_id} of peer "
-                                     f"{peer_id!r} ({remote.device})")
+                raise TransportError(
+                    f"mori: no MORI backend moves local region {local_id} "
+                    f"({local.region.device}) to region {remote_id} of peer "
+                    f"{peer_id!r} ({remote.device})"
+                )
             self._sessions[key] = session
         return session
 
@@ -282,24 +303,30 @@ class MoriTransport(Transport):
             self._reap()
             peer = self._peers.get(remote.peer_id)
             imported = peer.regions.get(remote.region_id, (None,))[0] if peer is not None else None
-            lease, done = open_write(label, peer, imported, remote, self._regions, local, entries)
-            if done is not None:
-                return done
+            opened = open_write(label, peer, imported, remote, self._regions, local, entries)
+            if isinstance(opened, Ticket):
+                return opened
+            _, lease = opened
             entries = _split_large(entries, self._max_entry)
             try:
                 session = self._warm(local.region_id, remote.peer_id, remote.region_id)
-                status = session.batch_write(entries.local_offsets.tolist(),
-                                             entries.remote_offsets.tolist(),
-                                             entries.sizes.tolist(),
-                                             session.allocate_transfer_uid())
+                status = session.batch_write(
+                    entries.local_offsets.tolist(),
+                    entries.remote_offsets.tolist(),
+                    entries.sizes.tolist(),
+                    session.allocate_transfer_uid(),
+                )
             except Exception as exc:  # MORI raises for some failures instead of a status
                 self._regions.release(lease)
-                return Ticket.failed(label, exc if isinstance(exc, TransportError) else
-                                     TransportError(f"mori: posting the write to peer "
-                                                    f"{remote.peer_id!r} raised "
-                                                    f"{type(exc).__name__}: {exc}"))
-            xfer = _Xfer(self, remote.peer_id, status, lease)
-            xfer.ticket = Ticket(label, progress=xfer)
+                return Ticket.failed(
+                    label,
+                    exc
+                    if isinstance(exc, TransportError)
+                    else TransportError(
+                        f"mori: posting the write to peer {remote.peer_id!r} raised {type(exc).__name__}: {exc}"
+                    ),
+                )
+            xfer = _Xfer(self, remote.peer_id, status, lease, label)
             self._inflight.add(xfer)
             xfer.ticket.poll()  # errors found at submission are already on the status
             return xfer.ticket
@@ -324,13 +351,12 @@ class MoriTransport(Transport):
         name = getattr(code, "name", str(code))
         message = xfer.status.Message()
         if code == sc.INIT:
-            return TransportError(f"mori: MORI never started the write to peer "
-                                  f"{xfer.peer_id!r} (status INIT)")
+            return TransportError(f"mori: MORI never started the write to peer {xfer.peer_id!r} (status INIT)")
         if code != sc.ERR_RDMA_OP:
-            return TransportError(f"mori: the write to peer {xfer.peer_id!r} failed: "
-                                  f"{name}: {message}")
-        reason = (f"mori: RDMA write to peer {xfer.peer_id!r} failed ({name}: {message}); "
-                  "the peer is unreachable or gone")
+            return TransportError(f"mori: the write to peer {xfer.peer_id!r} failed: {name}: {message}")
+        reason = (
+            f"mori: RDMA write to peer {xfer.peer_id!r} failed ({name}: {message}); the peer is unreachable or gone"
+        )
         with self._lock:
             self._peer_failed(xfer.peer_id, reason)
         return PeerGoneError(reason)
@@ -362,9 +388,11 @@ class MoriTransport(Transport):
                 return
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
-                raise TransferTimeoutError(f"{len(pending)} of {len(tickets)} tickets not "
-                                           f"complete after {timeout_s} s (first: "
-                                           f"{pending[0].label})")
+                raise TransferTimeoutError(
+                    f"{len(pending)} of {len(tickets)} tickets not "
+                    f"complete after {timeout_s} s (first: "
+                    f"{pending[0].label})"
+                )
             statuses = [t._progress.status for t in pending if isinstance(t._progress, _Xfer)]
             if statuses:
                 self._engine.wait_all(statuses, max(1, min(_WAIT_SLICE_MS, left_ms)))
@@ -395,12 +423,13 @@ class MoriTransport(Transport):
             if event is None:
                 break
             reason_name = getattr(event.reason, "name", str(event.reason))
-            text = (f"mori: peer failure {reason_name} on {event.device_name} port "
-                    f"{event.port_num} qp {event.qp_num}: {event.detail}")
+            text = (
+                f"mori: peer failure {reason_name} on {event.device_name} port "
+                f"{event.port_num} qp {event.qp_num}: {event.detail}"
+            )
             peer_id = by_key.get(event.remote_engine_key)
             if peer_id is None:
-                self._failures.append(PeerFailure(event.remote_engine_key or "(local device)",
-                                                  text))
+                self._failures.append(PeerFailure(event.remote_engine_key or "(local device)", text))
             else:
                 self._peer_failed(peer_id, f"{text} (peer {peer_id!r})")
 
@@ -432,8 +461,7 @@ class MoriTransport(Transport):
                 xfer.ticket._fail(TransportError(f"mori: {reason}"))
                 if xfer.status.Code() == in_progress:
                     _abandoned.append(xfer.status)
-                    log.warning("mori: %s; a MORI status is kept for the process lifetime",
-                                reason)
+                    log.warning("mori: %s; a MORI status is kept for the process lifetime", reason)
                 self._finish(xfer)
 
     def _close(self) -> None:
@@ -457,5 +485,8 @@ def _split_large(entries: Entries, limit: int) -> Entries:
     pieces = -(-sz // limit)
     owner = np.repeat(np.arange(sz.shape[0]), pieces)
     start = (np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * limit
-    return Entries(entries.local_offsets[owner] + start, entries.remote_offsets[owner] + start,
-                   np.minimum(limit, sz[owner] - start))
+    return Entries(
+        entries.local_offsets[owner] + start,
+        entries.remote_offsets[owner] + start,
+        np.minimum(limit, sz[owner] - start),
+    )

@@ -4,6 +4,7 @@
 has ``exit_process`` for processes that created a UCX backend. Importing this package
 must not import nixl or torch (NIXL is imported when the first transport is created).
 """
+
 from sglang_kvxfer.transports.nixl.agent import exit_process, ucx_backend_created
 from sglang_kvxfer.transports.nixl.transport import NixlTransport
 

@@ -6,6 +6,7 @@ environment's ``UCX_*``; creating the agent and backend with ``UCX_TLS`` applied
 the backend is created; ``exit_process`` for processes that created a backend. It must not
 know about regions, peers or tickets (``transports.nixl`` does).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -13,6 +14,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 from sglang_kvxfer import envs
 from sglang_kvxfer.errors import TransportError, TransportUnavailableError
@@ -33,7 +35,7 @@ def ucx_backend_created() -> bool:
     return _backend_created
 
 
-def exit_process(code: int = 0):
+def exit_process(code: int = 0) -> NoReturn:
     """End this process now with exit status ``code``, after flushing logs and stdio.
 
     Where rdma-core's ibverbs providers are installed, a process that created a UCX backend
@@ -43,6 +45,8 @@ def exit_process(code: int = 0):
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is None:  # sys.__stdout__/__stderr__ are None without a console
+            continue
         try:
             stream.flush()
         except (AttributeError, OSError, ValueError):
@@ -62,8 +66,9 @@ def import_api():
         if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs INFO lines to stdout by default
             logging.getLogger("nixl").setLevel(logging.WARNING)
         return api
-    raise TransportUnavailableError("transport 'nixl' needs 'nixl-cu12' (pip install --no-deps "
-                                    "nixl-cu12): " + "; ".join(errors))
+    raise TransportUnavailableError(
+        "transport 'nixl' needs 'nixl-cu12' (pip install --no-deps nixl-cu12): " + "; ".join(errors)
+    )
 
 
 def _name_list(value, what: str) -> str:
@@ -79,18 +84,18 @@ def _name_list(value, what: str) -> str:
 class UcxSettings:
     """The UCX side of a transport: what is set, and what follows for ``Caps``."""
 
-    tls: str             # our UCX_TLS, applied while the backend is created ("" = none)
-    devices: str         # the backend's ucx_devices ("" = UCX_NET_DEVICES or all)
+    tls: str  # our UCX_TLS, applied while the backend is created ("" = none)
+    devices: str  # the backend's ucx_devices ("" = UCX_NET_DEVICES or all)
     error_mode: str | None  # ucx_error_handling_mode, None = NIXL's default (peer)
-    host_only: bool      # every allowed UCX transport reaches this host only
-    one_sided: bool      # False over tcp only: the target's progress emulates each put
+    host_only: bool  # every allowed UCX transport reaches this host only
+    one_sided: bool  # False over tcp only: the target's progress emulates each put
 
     @classmethod
-    def resolve(cls, ucx_tls, ucx_net_devices, ucx_error_handling_mode) -> "UcxSettings":
-        tls = _name_list(envs.KVXFER_NIXL_UCX_TLS.get() if ucx_tls is None else ucx_tls,
-                         "ucx_tls")
-        devices = _name_list(envs.KVXFER_NIXL_UCX_NET_DEVICES.get() if ucx_net_devices is None
-                             else ucx_net_devices, "ucx_net_devices")
+    def resolve(cls, ucx_tls, ucx_net_devices, ucx_error_handling_mode) -> UcxSettings:
+        tls = _name_list(envs.KVXFER_NIXL_UCX_TLS.get() if ucx_tls is None else ucx_tls, "ucx_tls")
+        devices = _name_list(
+            envs.KVXFER_NIXL_UCX_NET_DEVICES.get() if ucx_net_devices is None else ucx_net_devices, "ucx_net_devices"
+        )
         effective = tls or os.environ.get("UCX_TLS", "").strip()
         names = {t.strip().lstrip("^") for t in effective.split(",") if t.strip()}
         host_only = bool(names) and not effective.startswith("^") and names <= _HOST_ONLY_TLS
@@ -103,17 +108,17 @@ class UcxSettings:
 
     def describe(self) -> dict:
         """The effective settings, for error messages and ``NixlTransport.ucx_settings``."""
-        return {"UCX_TLS": self.tls or os.environ.get("UCX_TLS", "").strip() or "(UCX default)",
-                "ucx_devices": self.devices or os.environ.get("UCX_NET_DEVICES", "") or "(all)",
-                "ucx_error_handling_mode": self.error_mode or "(NIXL default)"}
+        return {
+            "UCX_TLS": self.tls or os.environ.get("UCX_TLS", "").strip() or "(UCX default)",
+            "ucx_devices": self.devices or os.environ.get("UCX_NET_DEVICES", "") or "(all)",
+            "ucx_error_handling_mode": self.error_mode or "(NIXL default)",
+        }
 
 
-def create_agent(api, name: str, ucx: UcxSettings, num_workers: int | None,
-                 progress_thread: bool):
+def create_agent(api, name: str, ucx: UcxSettings, num_workers: int | None, progress_thread: bool):
     """A NIXL agent named ``name`` with one UCX backend configured by ``ucx``."""
     global _backend_created
-    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread,
-                                                       backends=[]))
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
     params = {}
     if ucx.error_mode is not None:
         params["ucx_error_handling_mode"] = ucx.error_mode
@@ -127,8 +132,9 @@ def create_agent(api, name: str, ucx: UcxSettings, num_workers: int | None,
         with env_override("UCX_TLS", ucx.tls):
             agent.create_backend("UCX", params)
     except Exception as exc:
-        raise TransportError(f"nixl: creating the UCX backend failed ({type(exc).__name__}: "
-                             f"{exc}) with {described}") from exc
+        raise TransportError(
+            f"nixl: creating the UCX backend failed ({type(exc).__name__}: {exc}) with {described}"
+        ) from exc
     finally:
         _backend_created = True
     return agent

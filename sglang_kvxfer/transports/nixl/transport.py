@@ -24,6 +24,7 @@ created a UCX backend leave through (a libnl destructor can crash them at exit).
 This module owns regions, peers, prepared lists and writes; NIXL is imported when the
 first transport is created. It must not import torch.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -34,15 +35,24 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from sglang_kvxfer.errors import PeerGoneError, TransportError
 from sglang_kvxfer.transports._common import UseTable, open_write, pack_descriptor, unpack_descriptor
-from sglang_kvxfer.transports.nixl.agent import (UcxSettings, create_agent, exit_process,
-                                                  import_api, ucx_backend_created)
-from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
-                                           Ticket, Transport, check_secret, parse_device)
+from sglang_kvxfer.transports.base import (
+    Caps,
+    Entries,
+    PeerFailure,
+    Region,
+    RemoteRegion,
+    Ticket,
+    Transport,
+    check_secret,
+    parse_device,
+)
+from sglang_kvxfer.transports.nixl.agent import UcxSettings, create_agent, exit_process, import_api, ucx_backend_created
 
 __all__ = ["NixlTransport", "exit_process", "ucx_backend_created"]
 
@@ -52,14 +62,23 @@ _NAME = "nixl"
 _MAX_BLOCK_SIZES = 4  # prepared descriptor lists kept per region (one per block size)
 _MAX_BLOCKS_PER_ENTRY = 8  # prepared lists are used while entries span at most this on average
 _AGENT_FIELDS = {"agent": str, "md": bytes}
-_REGION_FIELDS = {"agent": str, "region": int, "addr": int, "nbytes": int, "device": str,
-                  "mem": str, "dev_id": int, "md": bytes}
+_REGION_FIELDS = {
+    "agent": str,
+    "region": int,
+    "addr": int,
+    "nbytes": int,
+    "device": str,
+    "mem": str,
+    "dev_id": int,
+    "md": bytes,
+}
+
 
 @dataclass
 class _NixlRegion:
     region: Region
-    reg: object            # NIXL's registration list, for deregister_memory
-    mem: str               # "DRAM" | "VRAM"
+    reg: object  # NIXL's registration list, for deregister_memory
+    mem: str  # "DRAM" | "VRAM"
     dev_id: int
 
 
@@ -74,19 +93,28 @@ class _Target:
 @dataclass
 class _Peer:
     agent: str
-    regions: dict = field(default_factory=dict)  # region_id -> _Target
+    regions: dict[int, _Target] = field(default_factory=dict)  # region_id -> _Target
     failed: str | None = None
 
 
 class _Xfer:
-    """One posted batch: its NIXL request, the lists made for it, the lease on its source."""
+    """One posted batch: its NIXL request, the lists made for it, the lease on its source,
+    and the ticket it is the progress hook of (returned once NIXL has taken the request)."""
 
     __slots__ = ("transport", "peer_id", "handle", "extra", "lease", "ticket", "succeeded")
 
-    def __init__(self, transport, peer_id, handle, extra, lease):
+    def __init__(
+        self,
+        transport: NixlTransport,
+        peer_id: str,
+        handle: Any,
+        extra: tuple[Any, ...],
+        lease: UseTable.Lease | None,
+        label: str,
+    ):
         self.transport, self.peer_id = transport, peer_id
         self.handle, self.extra, self.lease = handle, extra, lease
-        self.ticket: Ticket | None = None
+        self.ticket = Ticket(label, progress=self)
         self.succeeded = False  # set when NIXL reported DONE
 
     def __call__(self) -> bool:  # the ticket's progress hook
@@ -120,36 +148,52 @@ class NixlTransport(Transport):
     name = _NAME
     # The default UCX choice; an instance refines it from its UCX settings (tcp only: not
     # one-sided; host-only transports: same host only).
-    caps = Caps(mem_kinds=frozenset({"cpu", "cuda"}), same_host_only=False,
-                read_supported=False, one_sided=True)
+    caps = Caps(mem_kinds=frozenset({"cpu", "cuda"}), same_host_only=False, read_supported=False, one_sided=True)
 
-    def __init__(self, *, agent_id: str | None = None, ucx_tls: str | None = None,
-                 ucx_net_devices: str | None = None, ucx_error_handling_mode: str | None = None,
-                 num_workers: int | None = None, progress_thread: bool = False,
-                 progress_interval_s: float = 0.001, max_prepped_descs: int = 1 << 18,
-                 close_timeout_s: float = 5.0):
+    def __init__(
+        self,
+        *,
+        agent_id: str | None = None,
+        ucx_tls: str | None = None,
+        ucx_net_devices: str | None = None,
+        ucx_error_handling_mode: str | None = None,
+        num_workers: int | None = None,
+        progress_thread: bool = False,
+        progress_interval_s: float = 0.001,
+        max_prepped_descs: int = 1 << 18,
+        close_timeout_s: float = 5.0,
+    ):
         super().__init__()
         ucx = UcxSettings.resolve(ucx_tls, ucx_net_devices, ucx_error_handling_mode)
-        if num_workers is not None and (isinstance(num_workers, bool) or
-                                        not isinstance(num_workers, int) or num_workers < 1):
+        if num_workers is not None and (
+            isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1
+        ):
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-        if not progress_thread and (isinstance(progress_interval_s, bool) or not isinstance(
-                progress_interval_s, (int, float)) or not 0 < progress_interval_s <= 1):
-            raise ValueError(f"progress_interval_s must be in (0, 1] seconds, got "
-                             f"{progress_interval_s!r}")
-        if (isinstance(max_prepped_descs, bool) or not isinstance(max_prepped_descs, int)
-                or not 1 <= max_prepped_descs < 2**31):
-            raise ValueError(f"max_prepped_descs must be an int in [1, 2**31), got "
-                             f"{max_prepped_descs!r}")
-        self.caps = Caps(mem_kinds=frozenset({"cpu", "cuda"}), same_host_only=ucx.host_only,
-                         read_supported=False, one_sided=ucx.one_sided)
+        if not progress_thread and (
+            isinstance(progress_interval_s, bool)
+            or not isinstance(progress_interval_s, (int, float))
+            or not 0 < progress_interval_s <= 1
+        ):
+            raise ValueError(f"progress_interval_s must be in (0, 1] seconds, got {progress_interval_s!r}")
+        if (
+            isinstance(max_prepped_descs, bool)
+            or not isinstance(max_prepped_descs, int)
+            or not 1 <= max_prepped_descs < 2**31
+        ):
+            raise ValueError(f"max_prepped_descs must be an int in [1, 2**31), got {max_prepped_descs!r}")
+        self.caps = Caps(
+            mem_kinds=frozenset({"cpu", "cuda"}),
+            same_host_only=ucx.host_only,
+            read_supported=False,
+            one_sided=ucx.one_sided,
+        )
         self.ucx_settings = ucx.describe()
         self._max_descs, self._close_timeout_s = max_prepped_descs, close_timeout_s
         self._name = agent_id or f"nixl-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self._agent = create_agent(import_api(), self._name, ucx, num_workers, progress_thread)
         self._lock = threading.RLock()  # every agent call and table change happens under it
         self._ids = itertools.count(1)
-        self._regions = UseTable()      # region_id -> _NixlRegion
+        self._regions = UseTable()  # region_id -> _NixlRegion
         self._peers: dict[str, _Peer] = {}
         self._dlists: dict[tuple, dict] = {}  # ("local", rid) | (peer, rid) -> {block: handle}
         self._inflight: set[_Xfer] = set()
@@ -158,8 +202,12 @@ class NixlTransport(Transport):
         self._stop = threading.Event()
         self._pump = None
         if not progress_thread:
-            self._pump = threading.Thread(target=self._progress_loop, args=(progress_interval_s,),
-                                          daemon=True, name=f"kvxfer-nixl-progress-{self._name}")
+            self._pump = threading.Thread(
+                target=self._progress_loop,
+                args=(progress_interval_s,),
+                daemon=True,
+                name=f"kvxfer-nixl-progress-{self._name}",
+            )
             self._pump.start()
 
     def _progress_loop(self, interval_s: float) -> None:
@@ -218,8 +266,7 @@ class NixlTransport(Transport):
             peer = self._peers.pop(peer_id, None)
         if peer is None:
             raise ValueError(f"unknown peer {peer_id!r}")
-        self._settle(lambda x: x.peer_id == peer_id,
-                     f"peer {peer_id!r} was removed with the write pending")
+        self._settle(lambda x: x.peer_id == peer_id, f"peer {peer_id!r} was removed with the write pending")
         with self._lock:
             for rid in peer.regions:
                 self._release_dlists((peer_id, rid))
@@ -233,19 +280,28 @@ class NixlTransport(Transport):
         self._check_open()
         self._check_register_args(ptr, nbytes)
         kind, index = parse_device(device)
-        mem, dev_id, device = ("DRAM", 0, "cpu") if kind == "cpu" else ("VRAM", index,
-                                                                          f"cuda:{index}")
+        mem, dev_id, device = ("DRAM", 0, "cpu") if kind == "cpu" else ("VRAM", index, f"cuda:{index}")
         with self._lock:
             try:
                 reg = self._agent.register_memory([(ptr, nbytes, dev_id, "")], mem)
                 md = self._agent.get_partial_agent_metadata(reg, inc_conn_info=False)
             except Exception as exc:
-                raise TransportError(f"nixl: registering {nbytes} bytes at {ptr:#x} as {mem} "
-                                     f"failed ({type(exc).__name__}: {exc})") from exc
+                raise TransportError(
+                    f"nixl: registering {nbytes} bytes at {ptr:#x} as {mem} failed ({type(exc).__name__}: {exc})"
+                ) from exc
             region_id = next(self._ids)
-            descriptor = pack_descriptor(_NAME, "region", agent=self._name, region=region_id,
-                                         addr=ptr, nbytes=nbytes, device=device, mem=mem,
-                                         dev_id=dev_id, md=bytes(md))
+            descriptor = pack_descriptor(
+                _NAME,
+                "region",
+                agent=self._name,
+                region=region_id,
+                addr=ptr,
+                nbytes=nbytes,
+                device=device,
+                mem=mem,
+                dev_id=dev_id,
+                md=bytes(md),
+            )
             region = Region(region_id, ptr, nbytes, device, descriptor)
             self._regions.add(region_id, _NixlRegion(region, reg, mem, dev_id))
         return region
@@ -254,8 +310,7 @@ class NixlTransport(Transport):
         rid = region.region_id
         if self._regions.get(rid) is None:
             raise ValueError(f"region {rid} is not registered here")
-        self._settle(lambda x: x.lease.key == rid,
-                     f"local region {rid} was deregistered while being sent")
+        self._settle(lambda x: x.lease.key == rid, f"local region {rid} was deregistered while being sent")
         entry = self._regions.remove(rid, self._close_timeout_s)
         with self._lock:
             self._release_dlists(("local", rid))
@@ -269,18 +324,20 @@ class NixlTransport(Transport):
             if peer is None:
                 raise ValueError(f"unknown peer {peer_id!r} (add_peer it first)")
             if desc["agent"] != peer.agent:
-                raise ValueError(f"region descriptor belongs to agent {desc['agent']!r}, but "
-                                 f"peer {peer_id!r} is agent {peer.agent!r}")
+                raise ValueError(
+                    f"region descriptor belongs to agent {desc['agent']!r}, but "
+                    f"peer {peer_id!r} is agent {peer.agent!r}"
+                )
             if desc["mem"] not in ("DRAM", "VRAM") or desc["nbytes"] <= 0:
-                raise ValueError(f"nixl region descriptor: mem={desc['mem']!r} (DRAM or VRAM) "
-                                 f"and nbytes={desc['nbytes']} (> 0) expected")
+                raise ValueError(
+                    f"nixl region descriptor: mem={desc['mem']!r} (DRAM or VRAM) "
+                    f"and nbytes={desc['nbytes']} (> 0) expected"
+                )
             if desc["region"] in peer.regions:
-                raise ValueError(f"region {desc['region']} of peer {peer_id!r} is already "
-                                 "imported")
+                raise ValueError(f"region {desc['region']} of peer {peer_id!r} is already imported")
             self._load_md(desc["md"], peer.agent, f"region {desc['region']} of peer {peer_id!r}")
             remote = RemoteRegion(peer_id, desc["region"], desc["nbytes"], desc["device"])
-            peer.regions[remote.region_id] = _Target(remote, desc["addr"], desc["mem"],
-                                                     desc["dev_id"])
+            peer.regions[remote.region_id] = _Target(remote, desc["addr"], desc["mem"], desc["dev_id"])
         return remote
 
     # -- writes -------------------------------------------------------------------------
@@ -290,11 +347,18 @@ class NixlTransport(Transport):
             self._check_open()
             peer = self._peers.get(remote.peer_id)
             target = peer.regions.get(remote.region_id) if peer is not None else None
-            lease, done = open_write(label, peer, target.remote if target is not None else None,
-                                     remote, self._regions, local, entries)
-            if done is not None:
-                return done
-            xfer = _Xfer(self, remote.peer_id, None, (), lease)
+            opened = open_write(
+                label, peer, target.remote if target is not None else None, remote, self._regions, local, entries
+            )
+            if isinstance(opened, Ticket):
+                return opened
+            peer, lease = opened
+            if target is None:  # open_write raises for a region that is not imported
+                raise ValueError(
+                    f"remote region {remote.region_id} of peer {remote.peer_id!r} "
+                    "is not imported (import_region it first)"
+                )
+            xfer = _Xfer(self, remote.peer_id, None, (), lease, label)
             try:
                 xfer.handle, xfer.extra = self._request(lease.value, peer, target, entries)
                 state = self._agent.transfer(xfer.handle)
@@ -307,9 +371,9 @@ class NixlTransport(Transport):
                 return Ticket.completed(label)
             if state != "PROC":
                 self._finish(xfer)
-                return Ticket.failed(label, TransportError(
-                    f"nixl: posting a write to peer {remote.peer_id!r} returned {state!r}"))
-            xfer.ticket = Ticket(label, progress=xfer)
+                return Ticket.failed(
+                    label, TransportError(f"nixl: posting a write to peer {remote.peer_id!r} returned {state!r}")
+                )
             self._inflight.add(xfer)
             return xfer.ticket
 
@@ -317,27 +381,29 @@ class NixlTransport(Transport):
         """A NIXL transfer request for ``entries`` and the lists to release with it."""
         lo, ro, sz = entries.local_offsets, entries.remote_offsets, entries.sizes
         block = int(np.gcd.reduce(np.concatenate((lo, ro, sz))))
-        local_key, remote_key = ("local", src.region.region_id), (target.remote.peer_id,
-                                                                   target.remote.region_id)
+        local_key, remote_key = ("local", src.region.region_id), (target.remote.peer_id, target.remote.region_id)
         # Prepared lists pay off for page-sized entries; entries of many blocks each would
         # make NIXL walk (and merge) many descriptors, so those get lists of their own.
-        if (max(src.region.nbytes, target.remote.nbytes) // block <= self._max_descs
-                and entries.total_bytes // block <= _MAX_BLOCKS_PER_ENTRY * sz.shape[0]):
-            lh = self._prepped(local_key, block, "NIXL_INIT_AGENT", src.region.ptr,
-                               src.region.nbytes, src.mem, src.dev_id)
-            rh = self._prepped(remote_key, block, peer.agent, target.addr,
-                               target.remote.nbytes, target.mem, target.dev_id)
+        if (
+            max(src.region.nbytes, target.remote.nbytes) // block <= self._max_descs
+            and entries.total_bytes // block <= _MAX_BLOCKS_PER_ENTRY * sz.shape[0]
+        ):
+            lh = self._prepped(
+                local_key, block, "NIXL_INIT_AGENT", src.region.ptr, src.region.nbytes, src.mem, src.dev_id
+            )
+            rh = self._prepped(
+                remote_key, block, peer.agent, target.addr, target.remote.nbytes, target.mem, target.dev_id
+            )
             if lh is not None and rh is not None:
                 self.path_counts["prepped"] += 1
                 handle = self._agent.make_prepped_xfer(
-                    "WRITE", lh, _block_indices(lo, sz, block), rh, _block_indices(ro, sz, block))
+                    "WRITE", lh, _block_indices(lo, sz, block), rh, _block_indices(ro, sz, block)
+                )
                 return handle, ()
         self.path_counts["per_batch"] += 1
-        lh = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", _rows(src.region.ptr + lo, sz,
-                                                                  src.dev_id), src.mem)
+        lh = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", _rows(src.region.ptr + lo, sz, src.dev_id), src.mem)
         try:
-            rh = self._agent.prep_xfer_dlist(peer.agent, _rows(target.addr + ro, sz,
-                                                               target.dev_id), target.mem)
+            rh = self._agent.prep_xfer_dlist(peer.agent, _rows(target.addr + ro, sz, target.dev_id), target.mem)
         except Exception:
             lh.release()
             raise
@@ -356,15 +422,17 @@ class NixlTransport(Transport):
         if handle is None and len(lists) < _MAX_BLOCK_SIZES:
             count = nbytes // block
             handle = self._agent.prep_xfer_dlist(
-                agent, _rows(addr + block * np.arange(count, dtype=np.int64),
-                             np.full(count, block, dtype=np.int64), dev_id), mem)
+                agent,
+                _rows(addr + block * np.arange(count, dtype=np.int64), np.full(count, block, dtype=np.int64), dev_id),
+                mem,
+            )
             lists[block] = handle
         return handle
 
     def _progress(self, xfer: _Xfer) -> bool:
         with self._lock:
             if xfer.handle is None:  # another thread finished it (its ticket is set, or is
-                return xfer.succeeded   # about to be set to DONE by that thread)
+                return xfer.succeeded  # about to be set to DONE by that thread)
             try:
                 state = self._agent.check_xfer_state(xfer.handle)
             except Exception as exc:
@@ -376,8 +444,7 @@ class NixlTransport(Transport):
             if state == "DONE":
                 xfer.succeeded = True
             else:
-                xfer.ticket._fail(TransportError(f"nixl: the write to peer {xfer.peer_id!r} "
-                                                 f"ended in state {state!r}"))
+                xfer.ticket._fail(TransportError(f"nixl: the write to peer {xfer.peer_id!r} ended in state {state!r}"))
             self._finish(xfer)
             return xfer.succeeded
 
@@ -399,8 +466,7 @@ class NixlTransport(Transport):
         """The one place NIXL's exceptions become ours; a disconnect fails the peer."""
         kind = type(exc).__name__
         if kind != "nixlRemoteDisconnectError":
-            return TransportError(f"nixl: {doing} a write to peer {peer_id!r} failed "
-                                  f"({kind}: {exc})")
+            return TransportError(f"nixl: {doing} a write to peer {peer_id!r} failed ({kind}: {exc})")
         reason = f"nixl: peer {peer_id!r} disconnected ({kind} while {doing} a write)"
         peer = self._peers.get(peer_id)
         if peer is not None and peer.failed is None:

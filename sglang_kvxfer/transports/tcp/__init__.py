@@ -5,6 +5,7 @@ has the two connection ends and ``ConnOwner``, the narrow interface through whic
 reach the transport; ``wire`` has the frame layouts and the handshake proof. Importing this
 package must not import torch.
 """
+
 from sglang_kvxfer.transports.tcp.transport import TcpTransport
 
 __all__ = ["TcpTransport"]

@@ -14,6 +14,7 @@ Both ends reach their transport only through ``ConnOwner`` (below); the frame la
 in ``wire``. This module must not register memory or manage peers and grants, and must not
 import ``transport``: ``TcpTransport`` owns those and implements ``ConnOwner``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -32,10 +33,24 @@ import numpy as np
 from sglang_kvxfer.errors import PeerGoneError, TransportError
 from sglang_kvxfer.transports._common import UseTable
 from sglang_kvxfer.transports._memory import IOV_MAX
-from sglang_kvxfer.transports.tcp.wire import (ACK, CHALLENGE, HEADER, HELLO, HELLO_OK, MAGIC,
-                                               MAX_ENTRIES, MAX_TEXT, NONCE_BYTES, T_ACK, T_BYE,
-                                               T_WRITE, WIRE_VERSION, _Violation, hello_mac,
-                                               key_id)
+from sglang_kvxfer.transports.tcp.wire import (
+    ACK,
+    CHALLENGE,
+    HEADER,
+    HELLO,
+    HELLO_OK,
+    MAGIC,
+    MAX_ENTRIES,
+    MAX_TEXT,
+    NONCE_BYTES,
+    T_ACK,
+    T_BYE,
+    T_WRITE,
+    WIRE_VERSION,
+    _Violation,
+    hello_mac,
+    key_id,
+)
 from sglang_kvxfer.transports.ticket import Ticket
 
 log = logging.getLogger("sglang_kvxfer.transports.tcp")
@@ -106,8 +121,8 @@ class ConnOwner(Protocol):
         connection to it (sets its ``peer_id`` and ``key_id``) and return True, or False
         when the grant was replaced or revoked meanwhile.
     refuse_inbound(inbound, why) : the handshake failed; count and log it (rate-limited).
-    admit_write(inbound, region_id, offsets, sizes) : ``(lease, None)`` when the bound
-        writer may write these entries into ``region_id``, else ``(None, why)``; raises
+    admit_write(inbound, region_id, offsets, sizes) : a lease when the bound writer may
+        write these entries into ``region_id``, else why not (a ``str``); raises
         ``_Violation`` (the connection closes) when the writer's grant is gone.
     inbound_closed(inbound, reason) : the inbound connection ended; ``reason`` is None
         for a clean end, else why (a peer failure once the writer was bound).
@@ -128,11 +143,11 @@ class ConnOwner(Protocol):
 
     def refuse_inbound(self, inbound: _Inbound, why: str) -> None: ...
 
-    def admit_write(self, inbound: _Inbound, region_id: int, offsets: np.ndarray,
-                    sizes: np.ndarray) -> tuple[UseTable.Lease | None, str | None]: ...
+    def admit_write(
+        self, inbound: _Inbound, region_id: int, offsets: np.ndarray, sizes: np.ndarray
+    ) -> UseTable.Lease | str: ...
 
     def inbound_closed(self, inbound: _Inbound, reason: str | None) -> None: ...
-
 
 
 # -- socket helpers ---------------------------------------------------------------------
@@ -142,7 +157,7 @@ def _send_all(sock: socket.socket, bufs: list, on_progress=None) -> None:
     """Send every buffer (memoryviews), up to IOV_MAX per ``sendmsg``; resumes partial sends."""
     i, n = 0, len(bufs)
     while i < n:
-        sent = sock.sendmsg(bufs[i:i + IOV_MAX])
+        sent = sock.sendmsg(bufs[i : i + IOV_MAX])
         if on_progress is not None:
             on_progress()
         while i < n and sent >= bufs[i].nbytes:
@@ -161,7 +176,7 @@ def _recv_all_into(sock: socket.socket, bufs: list, *, eof_ok: bool = False) -> 
     while i < n and bufs[i].nbytes == 0:
         i += 1
     while i < n:
-        got = sock.recvmsg_into(bufs[i:i + IOV_MAX])[0]
+        got = sock.recvmsg_into(bufs[i : i + IOV_MAX])[0]
         if got == 0:
             if first and eof_ok:
                 return False
@@ -230,7 +245,7 @@ class _Conn:
         self.dead: str | None = None
         self.stopping = False
         self.retiring = False  # the reader said BYE: finish what is queued, then go
-        self.closing = False   # the sender has said BYE itself: no job is accepted any more
+        self.closing = False  # the sender has said BYE itself: no job is accepted any more
         self.last_progress = time.monotonic()
         self.threads: list[threading.Thread] = []
 
@@ -251,8 +266,9 @@ class _Conn:
         job.ticket._fail(PeerGoneError(reason))
 
     def _start(self) -> None:
-        thread = threading.Thread(target=self._run_sender, daemon=True,
-                                  name=f"kvxfer-tcp-send-{self.peer_id}-{self.index}")
+        thread = threading.Thread(
+            target=self._run_sender, daemon=True, name=f"kvxfer-tcp-send-{self.peer_id}-{self.index}"
+        )
         self.threads.append(thread)
         thread.start()
 
@@ -265,11 +281,10 @@ class _Conn:
 
     def _run_sender(self) -> None:
         try:
-            self._connect()
+            sock = self._connect()
             while True:
                 with self.cond:
-                    while (not self.queue and not self.stopping and not self.retiring
-                           and self.dead is None):
+                    while not self.queue and not self.stopping and not self.retiring and self.dead is None:
                         self.cond.wait()
                     if self.dead is not None:
                         return
@@ -279,46 +294,51 @@ class _Conn:
                     job = self.sending = self.queue.popleft()
                     self.outstanding[job.xfer_id] = job.ticket
                 try:
-                    _send_all(self.sock, job.bufs, self._touch)
+                    _send_all(sock, job.bufs, self._touch)
                 finally:
                     with self.cond:
                         self.sending = None
                     self.owner.release_lease(job.lease)  # the source is no longer read
-            self.sock.sendall(HEADER.pack(T_BYE, 0, 0, 0, 0))
+            sock.sendall(HEADER.pack(T_BYE, 0, 0, 0, 0))
         except (OSError, _Violation) as exc:
             self.fail(f"connection {self.index} to {self.where} lost: {_describe(exc)}")
 
-    def _connect(self) -> None:
+    def _connect(self) -> socket.socket:
+        """Connect and authenticate; start the ACK reader. Returns the socket (``self.sock``)."""
         timeout = self.owner.conn_settings.io_timeout_s
-        self.sock = socket.create_connection((self.peer.host, self.peer.port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        magic, version, nonce = CHALLENGE.unpack(_recv_exact(self.sock, CHALLENGE.size))
+        sock = self.sock = socket.create_connection((self.peer.host, self.peer.port), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        magic, version, nonce = CHALLENGE.unpack(_recv_exact(sock, CHALLENGE.size))
         if magic != MAGIC or version != WIRE_VERSION:
-            raise _Violation(f"not a kvxfer tcp reader of wire version {WIRE_VERSION} (magic "
-                             f"{magic!r}, version {version})")
+            raise _Violation(
+                f"not a kvxfer tcp reader of wire version {WIRE_VERSION} (magic {magic!r}, version {version})"
+            )
         secret = self.peer.secret
         kid = key_id(secret)
-        self.sock.sendall(HELLO.pack(MAGIC, WIRE_VERSION, kid,
-                                     hello_mac(secret, nonce, self.peer.agent, kid)))
+        sock.sendall(HELLO.pack(MAGIC, WIRE_VERSION, kid, hello_mac(secret, nonce, self.peer.agent, kid)))
         try:
-            magic, version = HELLO_OK.unpack(_recv_exact(self.sock, HELLO_OK.size))
+            magic, version = HELLO_OK.unpack(_recv_exact(sock, HELLO_OK.size))
         except ConnectionError:
-            raise _Violation("the reader closed the connection at the handshake: it has no "
-                             "grant for this writer's secret (authorize_peer on the reader, "
-                             "secret= on add_peer here) or it was revoked") from None
+            raise _Violation(
+                "the reader closed the connection at the handshake: it has no "
+                "grant for this writer's secret (authorize_peer on the reader, "
+                "secret= on add_peer here) or it was revoked"
+            ) from None
         if magic != MAGIC or version != WIRE_VERSION:
             raise _Violation(f"bad HELLO_OK (magic {magic!r}, version {version})")
-        reader = threading.Thread(target=self._run_acks, daemon=True,
-                                  name=f"kvxfer-tcp-ack-{self.peer_id}-{self.index}")
+        reader = threading.Thread(
+            target=self._run_acks, args=(sock,), daemon=True, name=f"kvxfer-tcp-ack-{self.peer_id}-{self.index}"
+        )
         self.threads.append(reader)
         reader.start()
+        return sock
 
-    def _run_acks(self) -> None:
+    def _run_acks(self, sock: socket.socket) -> None:
         buf = bytearray()
         try:
             while True:
                 try:
-                    chunk = self.sock.recv(1 << 16)
+                    chunk = sock.recv(1 << 16)
                 except TimeoutError:
                     with self.cond:
                         waiting = bool(self.outstanding) or self.sending is not None
@@ -333,7 +353,7 @@ class _Conn:
                         if retired:  # nobody stops a replaced connection: close it here
                             self.dead = "retired after the reader's BYE"
                     if retired:
-                        self.sock.close()
+                        sock.close()
                     if ending:
                         return
                     raise ConnectionError("connection closed by the peer")
@@ -342,15 +362,15 @@ class _Conn:
                 while len(buf) >= ACK.size:
                     kind, status, n, xfer_id = ACK.unpack_from(buf)
                     if kind == T_BYE and n == 0:  # the reader closes this idle connection
-                        del buf[:ACK.size]
+                        del buf[: ACK.size]
                         self._retire()
                         continue
                     if kind != T_ACK or n > MAX_TEXT:
                         raise _Violation(f"bad ACK frame (type {kind}, reason length {n})")
                     if len(buf) < ACK.size + n:
                         break
-                    reason = bytes(buf[ACK.size:ACK.size + n]).decode(errors="replace")
-                    del buf[:ACK.size + n]
+                    reason = bytes(buf[ACK.size : ACK.size + n]).decode(errors="replace")
+                    del buf[: ACK.size + n]
                     self._acked(xfer_id, status, reason)
         except (OSError, _Violation) as exc:
             self.fail(f"connection {self.index} to {self.where} lost: {_describe(exc)}")
@@ -424,13 +444,12 @@ class _Inbound:
 
     def __init__(self, owner: ConnOwner, sock: socket.socket, addr):
         self.owner, self.sock, self.addr = owner, sock, addr
-        self.peer_id: str | None = None    # set once the writer proved a granted secret
+        self.peer_id: str | None = None  # set once the writer proved a granted secret
         self.key_id: bytes | None = None
         self.region_id: int | None = None  # the region being filled right now
         self.bye_sent = False
         self.cut = False  # closed here on purpose (revoke_peer): not a peer failure
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"kvxfer-tcp-recv-{addr[0]}:{addr[1]}")
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"kvxfer-tcp-recv-{addr[0]}:{addr[1]}")
 
     def _run(self) -> None:
         reason = None
@@ -452,12 +471,14 @@ class _Inbound:
         try:
             self.sock.settimeout(settings.handshake_timeout_s)
             self.sock.sendall(CHALLENGE.pack(MAGIC, WIRE_VERSION, nonce))
-            magic, version, kid, mac = HELLO.unpack(_recv_exact_by(self.sock, HELLO.size,
-                                                                    deadline))
+            magic, version, kid, mac = HELLO.unpack(_recv_exact_by(self.sock, HELLO.size, deadline))
         except OSError as exc:
-            owner.refuse_inbound(self, f"no HELLO ({_describe(exc)}; the deadline is "
-                                       f"{settings.handshake_timeout_s} s, and the oldest "
-                                       "pending handshake is dropped when too many are open)")
+            owner.refuse_inbound(
+                self,
+                f"no HELLO ({_describe(exc)}; the deadline is "
+                f"{settings.handshake_timeout_s} s, and the oldest "
+                "pending handshake is dropped when too many are open)",
+            )
             return False
         grant = owner.grant_for_key(kid)
         # compute a MAC either way, so a probe cannot time whether a key id is granted
@@ -466,8 +487,12 @@ class _Inbound:
             owner.refuse_inbound(self, f"bad HELLO (magic {magic!r}, version {version})")
             return False
         if not hmac.compare_digest(mac, expected) or grant is None:
-            owner.refuse_inbound(self, "HELLO with an unknown key id" if grant is None else
-                                 f"HELLO for peer {grant.peer_id!r} with a wrong MAC")
+            owner.refuse_inbound(
+                self,
+                "HELLO with an unknown key id"
+                if grant is None
+                else f"HELLO for peer {grant.peer_id!r} with a wrong MAC",
+            )
             return False
         if not owner.bind_inbound(self, grant):  # revoked meanwhile
             owner.refuse_inbound(self, f"grant of peer {grant.peer_id!r} was revoked")
@@ -496,8 +521,7 @@ class _Inbound:
         what it already sent and say BYE itself."""
         settings = self.owner.conn_settings
         while True:
-            self.sock.settimeout(settings.io_timeout_s if self.bye_sent
-                                 else settings.idle_timeout_s)
+            self.sock.settimeout(settings.io_timeout_s if self.bye_sent else settings.idle_timeout_s)
             try:
                 got = self.sock.recv_into(header)
             except TimeoutError:
@@ -519,8 +543,9 @@ class _Inbound:
         offsets, sizes = pairs[:, 0], pairs[:, 1]
         if sum(sizes.tolist()) != total:
             raise _Violation(f"frame {xfer_id}: entry sizes do not add up to {total} bytes")
-        lease, refusal = self.owner.admit_write(self, region_id, offsets, sizes)
-        if refusal is not None:
+        lease = self.owner.admit_write(self, region_id, offsets, sizes)
+        if isinstance(lease, str):
+            refusal = lease
             log.warning("tcp: refused a write from peer %r: %s", self.peer_id, refusal)
             self._drain(total)
             self._ack(xfer_id, 1, refusal)
@@ -528,8 +553,7 @@ class _Inbound:
         try:
             self.region_id = region_id
             mem = lease.value.mem
-            _recv_all_into(self.sock, [mem[o:o + n] for o, n in zip(offsets.tolist(),
-                                                                    sizes.tolist())])
+            _recv_all_into(self.sock, [mem[o : o + n] for o, n in zip(offsets.tolist(), sizes.tolist())])
         finally:
             self.region_id = None
             self.owner.release_lease(lease)

@@ -21,6 +21,7 @@ This module owns peers, regions, splitting and lifetime, and is the ``ConnOwner`
 connections; the connection ends are in ``conn``, the wire format in ``wire``. It must not
 import torch.
 """
+
 from __future__ import annotations
 
 import collections
@@ -40,11 +41,19 @@ from sglang_kvxfer import envs
 from sglang_kvxfer.errors import TransportError
 from sglang_kvxfer.transports._common import UseTable, open_write, pack_descriptor, unpack_descriptor
 from sglang_kvxfer.transports._memory import view
-from sglang_kvxfer.transports.tcp.conn import (ConnSettings, Grant, _Conn, _Inbound, _Job,
-                                               _shutdown)
+from sglang_kvxfer.transports.base import (
+    Caps,
+    Entries,
+    PeerFailure,
+    Region,
+    RemoteRegion,
+    Ticket,
+    Transport,
+    check_secret,
+    parse_device,
+)
+from sglang_kvxfer.transports.tcp.conn import ConnSettings, Grant, PeerAddress, _Conn, _Inbound, _Job, _shutdown
 from sglang_kvxfer.transports.tcp.wire import HEADER, MAX_ENTRIES, T_WRITE, _Violation, key_id
-from sglang_kvxfer.transports.base import (Caps, Entries, PeerFailure, Region, RemoteRegion,
-                                           Ticket, Transport, check_secret, parse_device)
 
 __all__ = ["TcpTransport"]
 
@@ -53,9 +62,9 @@ log = logging.getLogger("sglang_kvxfer.transports.tcp")
 _NAME = "tcp"
 _FRAME_ENTRIES = MAX_ENTRIES  # a share with more entries goes as several frames
 # Defaults of the constructor's listener limits (candidates for KVXFER_TCP_* variables).
-HANDSHAKE_TIMEOUT_S = 5.0   # an accepted connection must have proved its secret by then
-IDLE_TIMEOUT_S = 60.0       # an established connection without a frame this long gets BYE
-MAX_HANDSHAKES = 64         # connections in the handshake at once; more drop the oldest
+HANDSHAKE_TIMEOUT_S = 5.0  # an accepted connection must have proved its secret by then
+IDLE_TIMEOUT_S = 60.0  # an established connection without a frame this long gets BYE
+MAX_HANDSHAKES = 64  # connections in the handshake at once; more drop the oldest
 
 
 @dataclass
@@ -80,8 +89,7 @@ class _TcpRegion:
 
 
 def _slice(entries: Entries, start: int, stop: int) -> Entries:
-    return Entries(entries.local_offsets[start:stop], entries.remote_offsets[start:stop],
-                   entries.sizes[start:stop])
+    return Entries(entries.local_offsets[start:stop], entries.remote_offsets[start:stop], entries.sizes[start:stop])
 
 
 def _split(entries: Entries, shares: int) -> list[Entries]:
@@ -92,7 +100,7 @@ def _split(entries: Entries, shares: int) -> list[Entries]:
     ends = np.cumsum(sz)
     total = int(ends[-1])
     cuts = total * np.arange(1, shares, dtype=np.int64) // shares
-    starts = np.union1d(ends - sz, cuts)            # byte positions where a piece begins
+    starts = np.union1d(ends - sz, cuts)  # byte positions where a piece begins
     stops = np.append(starts[1:], total)
     owner = np.searchsorted(ends, starts, side="right")  # entry each piece falls in
     delta = starts - (ends - sz)[owner]
@@ -128,45 +136,60 @@ class TcpTransport(Transport):
     """
 
     name = _NAME
-    caps = Caps(mem_kinds=frozenset({"cpu"}), same_host_only=False, read_supported=False,
-                one_sided=False, authenticates_peers=True)
+    caps = Caps(
+        mem_kinds=frozenset({"cpu"}),
+        same_host_only=False,
+        read_supported=False,
+        one_sided=False,
+        authenticates_peers=True,
+    )
 
-    def __init__(self, *, host: str | None = None, port: int = 0,
-                 num_connections: int | None = None, io_timeout_s: float | None = None,
-                 split_min_bytes: int = 1 << 20, agent_id: str | None = None,
-                 close_timeout_s: float = 5.0, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_handshakes: int = MAX_HANDSHAKES):
+    def __init__(
+        self,
+        *,
+        host: str | None = None,
+        port: int = 0,
+        num_connections: int | None = None,
+        io_timeout_s: float | None = None,
+        split_min_bytes: int = 1 << 20,
+        agent_id: str | None = None,
+        close_timeout_s: float = 5.0,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_handshakes: int = MAX_HANDSHAKES,
+    ):
         super().__init__()
         host = envs.KVXFER_TCP_HOST.get() if host is None else host
         if host in ("", "0.0.0.0", "::"):
-            raise ValueError(f"host={host!r} cannot be advertised to peers; give the address "
-                             "peers should connect to (KVXFER_TCP_HOST)")
+            raise ValueError(
+                f"host={host!r} cannot be advertised to peers; give the address "
+                "peers should connect to (KVXFER_TCP_HOST)"
+            )
         conns = envs.KVXFER_TCP_CONNECTIONS.get() if num_connections is None else num_connections
         if isinstance(conns, bool) or not isinstance(conns, int) or not 1 <= conns <= 64:
             raise ValueError(f"num_connections must be an int in [1, 64], got {conns!r}")
         timeout = envs.KVXFER_TCP_IO_TIMEOUT_S.get() if io_timeout_s is None else io_timeout_s
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"io_timeout_s must be > 0, got {timeout!r}")
-        for name, value in (("handshake_timeout_s", handshake_timeout_s),
-                            ("idle_timeout_s", idle_timeout_s)):
+        for name, value in (("handshake_timeout_s", handshake_timeout_s), ("idle_timeout_s", idle_timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
-        if isinstance(max_handshakes, bool) or not isinstance(max_handshakes, int) \
-                or max_handshakes < 1:
+        if isinstance(max_handshakes, bool) or not isinstance(max_handshakes, int) or max_handshakes < 1:
             raise ValueError(f"max_handshakes must be an int >= 1, got {max_handshakes!r}")
         if not isinstance(split_min_bytes, int) or split_min_bytes < 1:
             raise ValueError(f"split_min_bytes must be an int >= 1, got {split_min_bytes!r}")
         self._agent = agent_id or f"tcp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self._num_conns = conns
         self._split_min, self._close_timeout_s = split_min_bytes, close_timeout_s
-        self.conn_settings = ConnSettings(self._agent, float(timeout), float(handshake_timeout_s),
-                                          float(idle_timeout_s))
+        self.conn_settings = ConnSettings(
+            self._agent, float(timeout), float(handshake_timeout_s), float(idle_timeout_s)
+        )
         self._max_handshakes = max_handshakes
         self._lock = threading.Lock()
         self._ids, self._xfer_ids = itertools.count(1), itertools.count(1)
         self._regions = UseTable()  # region_id -> _TcpRegion
         self._peers: dict[str, _Peer] = {}
-        self._grants: dict[str, Grant] = {}        # reader side: peer_id -> grant
+        self._grants: dict[str, Grant] = {}  # reader side: peer_id -> grant
         self._grant_keys: dict[bytes, Grant] = {}  # key id -> grant
         self._inbound: set[_Inbound] = set()
         self._handshaking: collections.deque[_Inbound] = collections.deque()
@@ -177,8 +200,7 @@ class TcpTransport(Transport):
         self._listener = socket.create_server((host, port), family=family, backlog=128)
         self._listener.settimeout(0.5)  # so the accept loop also notices close() by itself
         self._host, self._port = host, self._listener.getsockname()[1]
-        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
-                                          name=f"kvxfer-tcp-accept-{self._port}")
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name=f"kvxfer-tcp-accept-{self._port}")
         self._acceptor.start()
 
     @property
@@ -197,19 +219,19 @@ class TcpTransport(Transport):
         if not isinstance(peer_id, str) or not peer_id:
             raise ValueError(f"peer_id must be a non-empty str, got {peer_id!r}")
         if secret is None:
-            raise ValueError(f"tcp: add_peer({peer_id!r}) needs secret=, the bytes that peer "
-                             "was given for this writer by authorize_peer (tcp readers refuse "
-                             "unauthenticated writers)")
+            raise ValueError(
+                f"tcp: add_peer({peer_id!r}) needs secret=, the bytes that peer "
+                "was given for this writer by authorize_peer (tcp readers refuse "
+                "unauthenticated writers)"
+            )
         secret = check_secret(secret)
-        desc = unpack_descriptor(descriptor, _NAME, "agent", {"agent": str, "host": str,
-                                                              "port": int})
+        desc = unpack_descriptor(descriptor, _NAME, "agent", {"agent": str, "host": str, "port": int})
         peer = _Peer(desc["agent"], desc["host"], desc["port"], secret)
         peer.conns = [_Conn(self, peer_id, peer, i) for i in range(self._num_conns)]
         with self._lock:
             old = self._peers.pop(peer_id, None)
         if old is not None:
-            self._stop_peer(peer_id, old, f"peer {peer_id!r} was replaced (add_peer) with the "
-                                          "write pending")
+            self._stop_peer(peer_id, old, f"peer {peer_id!r} was replaced (add_peer) with the write pending")
         with self._lock:
             self._peers[peer_id] = peer
 
@@ -243,15 +265,15 @@ class TcpTransport(Transport):
         with self._lock:
             other = self._grant_keys.get(grant.key_id)
             if other is not None and other.peer_id != peer_id:
-                raise ValueError(f"this secret is already granted to peer {other.peer_id!r}; "
-                                 "each writer needs a secret of its own")
+                raise ValueError(
+                    f"this secret is already granted to peer {other.peer_id!r}; each writer needs a secret of its own"
+                )
             old = self._grants.get(peer_id)
             if old is not None:
                 self._grant_keys.pop(old.key_id, None)
             self._grants[peer_id] = grant
             self._grant_keys[grant.key_id] = grant
-            stale = [c for c in self._inbound if c.peer_id == peer_id
-                     and c.key_id != grant.key_id]
+            stale = [c for c in self._inbound if c.peer_id == peer_id and c.key_id != grant.key_id]
         for conn in stale:
             conn.cut = True
             _shutdown(conn.sock)
@@ -306,19 +328,24 @@ class TcpTransport(Transport):
             else:
                 self._refusals_unlogged += 1
         if report:
-            log.warning("tcp: refused an inbound connection from %s: %s%s", inbound.addr, why,
-                        f" ({quiet} more refused since the last report)" if quiet else "")
+            log.warning(
+                "tcp: refused an inbound connection from %s: %s%s",
+                inbound.addr,
+                why,
+                f" ({quiet} more refused since the last report)" if quiet else "",
+            )
 
     # -- regions ------------------------------------------------------------------------
     def register(self, ptr: int, nbytes: int, device: str = "cpu") -> Region:
         self._check_open()
         self._check_register_args(ptr, nbytes)
         if parse_device(device)[0] != "cpu":
-            raise TransportError(f"tcp moves host memory only, got device {device!r}; stage "
-                                 "device data in a host region or use 'local'/'nixl'/'mori'")
+            raise TransportError(
+                f"tcp moves host memory only, got device {device!r}; stage "
+                "device data in a host region or use 'local'/'nixl'/'mori'"
+            )
         region_id = next(self._ids)
-        descriptor = pack_descriptor(_NAME, "region", agent=self._agent, region=region_id,
-                                     nbytes=nbytes, device="cpu")
+        descriptor = pack_descriptor(_NAME, "region", agent=self._agent, region=region_id, nbytes=nbytes, device="cpu")
         region = Region(region_id, ptr, nbytes, "cpu", descriptor)
         self._regions.add(region_id, _TcpRegion(region, view(ptr, nbytes)))
         return region
@@ -333,8 +360,11 @@ class TcpTransport(Transport):
             for c in inbound:
                 _shutdown(c.sock)
             for c in outbound:
-                c.fail(f"local region {rid} was deregistered while being sent",
-                       peer_failure=False, error_cls=TransportError)
+                c.fail(
+                    f"local region {rid} was deregistered while being sent",
+                    peer_failure=False,
+                    error_cls=TransportError,
+                )
 
         if self._regions.remove(rid, self._close_timeout_s, stop_users) is None:
             raise ValueError(f"region {rid} is not registered here")
@@ -344,34 +374,37 @@ class TcpTransport(Transport):
         peer = self._peers.get(peer_id)
         if peer is None:
             raise ValueError(f"unknown peer {peer_id!r} (add_peer it first)")
-        desc = unpack_descriptor(descriptor, _NAME, "region", {"agent": str, "region": int,
-                                                               "nbytes": int, "device": str})
+        desc = unpack_descriptor(
+            descriptor, _NAME, "region", {"agent": str, "region": int, "nbytes": int, "device": str}
+        )
         if desc["agent"] != peer.agent:
-            raise ValueError(f"region descriptor belongs to agent {desc['agent']!r}, but peer "
-                             f"{peer_id!r} is agent {peer.agent!r}")
+            raise ValueError(
+                f"region descriptor belongs to agent {desc['agent']!r}, but peer {peer_id!r} is agent {peer.agent!r}"
+            )
         if desc["nbytes"] <= 0:
             raise ValueError(f"tcp region descriptor: nbytes must be > 0, got {desc['nbytes']}")
         remote = RemoteRegion(peer_id, desc["region"], desc["nbytes"], desc["device"])
         with self._lock:
             if remote.region_id in peer.regions:
-                raise ValueError(f"region {remote.region_id} of peer {peer_id!r} is already "
-                                 "imported")
+                raise ValueError(f"region {remote.region_id} of peer {peer_id!r} is already imported")
             peer.regions[remote.region_id] = remote
         return remote
 
-    def admit_write(self, inbound: _Inbound, region_id: int, offsets: np.ndarray,
-                    sizes: np.ndarray):
-        """Receiver check of one frame: ``(lease, None)`` or ``(None, why it is refused)``.
+    def admit_write(
+        self, inbound: _Inbound, region_id: int, offsets: np.ndarray, sizes: np.ndarray
+    ) -> UseTable.Lease | str:
+        """Receiver check of one frame: a lease on the region, or why it is refused.
 
         Raises ``_Violation`` (the connection closes) when the writer's grant is gone."""
+        if inbound.peer_id is None:
+            raise _Violation("a WRITE frame before the writer proved a granted secret")
         grant = self._grants.get(inbound.peer_id)
         if grant is None or grant.key_id != inbound.key_id:
             raise _Violation(f"the grant of peer {inbound.peer_id!r} was revoked or replaced")
         # one answer for "absent" and "not yours": a writer learns nothing of other grants
         lease = self._regions.acquire(region_id) if region_id in grant.region_ids else None
         if lease is None:
-            return None, (f"region {region_id} is not open to this writer (not registered, "
-                          "deregistered, or not granted to it)")
+            return f"region {region_id} is not open to this writer (not registered, deregistered, or not granted to it)"
         nbytes = lease.value.region.nbytes
         limit = np.uint64(nbytes)
         bad = (offsets > limit) | (sizes > limit - np.minimum(offsets, limit))
@@ -379,42 +412,43 @@ class TcpTransport(Transport):
             self._regions.release(lease)
             i = int(np.argmax(bad))
             off, size = int(offsets[i]), int(sizes[i])
-            return None, (f"entry {i}: offset {off} + size {size} = {off + size} exceeds "
-                          f"region {region_id} of {nbytes} bytes")
-        return lease, None
+            return f"entry {i}: offset {off} + size {size} = {off + size} exceeds region {region_id} of {nbytes} bytes"
+        return lease
 
     # -- writes -------------------------------------------------------------------------
     def _write(self, local: Region, remote: RemoteRegion, entries: Entries) -> Ticket:
         label = f"tcp write {local.region_id}->{remote.peer_id}:{remote.region_id}"
         peer = self._peers.get(remote.peer_id)
         imported = peer.regions.get(remote.region_id) if peer is not None else None
-        lease, done = open_write(label, peer, imported, remote, self._regions, local, entries)
-        if done is not None:
-            return done
-        shares = _split(entries, min(self._num_conns,
-                                     max(1, entries.total_bytes // self._split_min)))
-        frames = [(i, _slice(share, a, a + _FRAME_ENTRIES)) for i, share in enumerate(shares)
-                  for a in range(0, share.num_entries, _FRAME_ENTRIES)]
+        opened = open_write(label, peer, imported, remote, self._regions, local, entries)
+        if isinstance(opened, Ticket):
+            return opened
+        peer, lease = opened
+        shares = _split(entries, min(self._num_conns, max(1, entries.total_bytes // self._split_min)))
+        frames = [
+            (i, _slice(share, a, a + _FRAME_ENTRIES))
+            for i, share in enumerate(shares)
+            for a in range(0, share.num_entries, _FRAME_ENTRIES)
+        ]
         ticket = Ticket(label, parts=len(frames))
         mem = lease.value.mem
         jobs = []
         for n, (i, frame) in enumerate(frames):
-            frame_lease = lease if n == 0 else self._regions.acquire(local.region_id)
+            frame_lease = lease if n == 0 else self._regions.retain(lease)
             xfer_id = next(self._xfer_ids)
             table = np.empty((frame.num_entries, 2), dtype="<u8")
             table[:, 0], table[:, 1] = frame.remote_offsets, frame.sizes
-            bufs = [memoryview(HEADER.pack(T_WRITE, frame.num_entries, xfer_id,
-                                           remote.region_id, frame.total_bytes)),
-                    memoryview(table.tobytes())]
-            bufs += [mem[o:o + size] for o, size in zip(frame.local_offsets.tolist(),
-                                                        frame.sizes.tolist())]
+            bufs = [
+                memoryview(HEADER.pack(T_WRITE, frame.num_entries, xfer_id, remote.region_id, frame.total_bytes)),
+                memoryview(table.tobytes()),
+            ]
+            bufs += [mem[o : o + size] for o, size in zip(frame.local_offsets.tolist(), frame.sizes.tolist())]
             jobs.append((i, _Job(xfer_id, ticket, frame_lease, bufs)))
         # picked and queued under the lock: a connection retiring meanwhile (reader's BYE,
         # see _Conn._retire) cannot be handed a job it would never send
         with self._lock:
             first, peer.turn = peer.turn, peer.turn + len(shares)
-            conns = [self._live_conn(remote.peer_id, peer, (first + i) % self._num_conns)
-                     for i in range(len(shares))]
+            conns = [self._live_conn(remote.peer_id, peer, (first + i) % self._num_conns) for i in range(len(shares))]
             for i, job in jobs:
                 conns[i].submit(job)
         return ticket
@@ -427,7 +461,9 @@ class TcpTransport(Transport):
         return conn
 
     # -- failures and lifetime ----------------------------------------------------------
-    def peer_lost(self, peer_id: str, peer: _Peer, reason: str) -> None:
+    def peer_lost(self, peer_id: str, peer: PeerAddress, reason: str) -> None:
+        if not isinstance(peer, _Peer):  # our connections are given our _Peer records
+            raise TypeError(f"tcp: peer_lost expects the _Peer record of {peer_id!r}, got {type(peer).__name__}")
         with self._lock:
             if peer.failed is not None or self._closed:
                 return
@@ -473,8 +509,7 @@ class TcpTransport(Transport):
                     sock.close()
                     return
                 # a flood of silent connections must not hold threads: drop the oldest
-                evicted = (self._handshaking.popleft()
-                           if len(self._handshaking) >= self._max_handshakes else None)
+                evicted = self._handshaking.popleft() if len(self._handshaking) >= self._max_handshakes else None
                 self._handshaking.append(inbound)
                 self._inbound.add(inbound)
             if evicted is not None:

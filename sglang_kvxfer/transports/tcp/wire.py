@@ -13,6 +13,7 @@ BYE is an ACK frame of type BYE. No pickle, no eval.
 This module must not open sockets, start threads or know about regions and peers
 (``conn`` moves these frames, ``transport`` owns the rest).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,13 +23,13 @@ import struct
 MAGIC, WIRE_VERSION = b"KVXT", 2
 NONCE_BYTES, KEY_ID_BYTES = 32, 16
 CHALLENGE = struct.Struct("<4sH2x32s")  # magic, version, nonce (reader -> writer, first)
-HELLO = struct.Struct("<4sH2x16s32s")   # magic, version, key id, HMAC-SHA256
-HELLO_OK = struct.Struct("<4sH2x")      # magic, version
-HEADER = struct.Struct("<B3xIQQQ")     # type, n_entries, xfer_id, region_id, total_bytes
-ACK = struct.Struct("<BB2xIQ")         # type, status (0 ok, 1 refused), reason length, xfer_id
+HELLO = struct.Struct("<4sH2x16s32s")  # magic, version, key id, HMAC-SHA256
+HELLO_OK = struct.Struct("<4sH2x")  # magic, version
+HEADER = struct.Struct("<B3xIQQQ")  # type, n_entries, xfer_id, region_id, total_bytes
+ACK = struct.Struct("<BB2xIQ")  # type, status (0 ok, 1 refused), reason length, xfer_id
 T_WRITE, T_ACK, T_BYE = 1, 2, 3
-MAX_ENTRIES = 1 << 20                  # entries per frame the receiver accepts
-MAX_TEXT = 1 << 12                     # agent names and reasons
+MAX_ENTRIES = 1 << 20  # entries per frame the receiver accepts
+MAX_TEXT = 1 << 12  # agent names and reasons
 
 
 class _Violation(Exception):
