@@ -254,8 +254,9 @@ class PrefillDataPath(RankBase[PrefillRoom]):
         self, rec: PrefillRoom, plan: RequestPlan, peer: DecodePeer, meta: RequestMeta, a: int, b: int, slot_bytes: int
     ) -> _Slot:
         """Gather tokens [a, b) for one staging slot and start moving it. Where the transport
-        maps the reader's staging here (``local`` shared memory, CUDA IPC) the gather writes
-        straight into the slot: no local staging and no transport write."""
+        maps the reader's staging here (``local`` shared memory, CUDA IPC) on the KV
+        buffers' device, the gather writes straight into the slot: no local staging and no
+        transport write. Otherwise it gathers into local staging and ``write()`` moves it."""
         t = plan.transfer
         remote = peer.staging
         if remote is None:  # _write_staged checked it already
@@ -267,12 +268,14 @@ class PrefillDataPath(RankBase[PrefillRoom]):
         remote_off = self._acquire_slot(rec, t.decode_rank, meta, slot_bytes)
         local_off = None
         try:
+            in_place = False
             with self._live_transport.remote_view(remote, remote_off, nbytes) as view:
-                if view is not None:
+                if view is not None and self._gatherable(view):
                     t1 = time.perf_counter()
                     self._gather(piece, view)
                     ticket = Ticket.completed(f"room {rec.room}: gathered into the reader's slot")
-            if view is None:
+                    in_place = True
+            if not in_place:
                 local_off = self._alloc_local(rec, nbytes)
                 t1 = time.perf_counter()
                 staging = self._live_staging
@@ -291,6 +294,18 @@ class PrefillDataPath(RankBase[PrefillRoom]):
         rec.timings["wait"] += t1 - t_planned  # flow control: a free staging slot on both sides
         rec.timings["gather"] += t2 - t1
         return _Slot(ticket, local_off, remote_off, nbytes, a, b, t2)
+
+    def _gatherable(self, view: object) -> bool:
+        """Whether the gather kernel may write ``view`` in place: a view on another device
+        than the KV buffers may not (the reader's slot mapped over CUDA IPC on its GPU while
+        this pool sits on another; the kernel refuses ``out`` on a foreign device). Those
+        slots go through local staging and ``write()``, which copies across devices."""
+        device = getattr(view, "device", None)
+        if device is None:
+            return True
+        import torch
+
+        return torch.device(device) == self._live_pool.buffers[0].device
 
     def _gather(self, piece: KVSlice, out) -> None:
         from sglang_kvxfer import ops

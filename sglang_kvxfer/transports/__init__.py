@@ -105,6 +105,10 @@ def get_transport(name: str, **options) -> Transport:
 
 register_transport("local", "sglang_kvxfer.transports.local:LocalTransport")
 register_transport("tcp", "sglang_kvxfer.transports.tcp:TcpTransport")
-# nixl-cu12 ships the module nixl_cu12; the `nixl` meta package's module has the same API.
-register_transport("nixl", "sglang_kvxfer.transports.nixl:NixlTransport", requires={"nixl_cu12|nixl": "nixl-cu12"})
+# nixl-cu12 / nixl-cu13 ship the modules nixl_cu12 / nixl_cu13 (the `nixl` meta package
+# installs them); older `nixl` releases have the same API as `nixl`. Which one is used:
+# transports.nixl.agent.api_modules.
+register_transport(
+    "nixl", "sglang_kvxfer.transports.nixl:NixlTransport", requires={"nixl_cu12|nixl_cu13|nixl": "nixl-cu12"}
+)
 register_transport("mori", "sglang_kvxfer.transports.mori:MoriTransport", requires={"mori": "amd-mori"})

@@ -93,14 +93,42 @@ class Launcher:
                 self.proc.wait(5)
 
 
-def alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie nobody reaped counts as gone)."""
+def started_at(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), None if it is gone: with
+    the pid, it names one process even if the pid is reused later."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        return None
+
+
+def alive(pid: int, since: int | None = None) -> bool:
+    """True while ``pid`` runs (a zombie nobody reaped counts as gone; so does another
+    process that reused the pid, when ``since`` is the original's start time)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             state = next(line for line in f if line.startswith("State:"))
     except (FileNotFoundError, ProcessLookupError, StopIteration):
         return False
+    if since is not None and started_at(pid) != since:
+        return False
     return "Z" not in state.split()[1]
+
+
+def describe(pid: int) -> str:
+    """What a process that should be gone is doing (for failure messages)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read()
+    except OSError:
+        return f"pid {pid}: gone"
+    return (
+        f"pid {pid}: {fields.get('State', '?').strip()}, ppid {fields.get('PPid', '?').strip()}, "
+        f"threads {fields.get('Threads', '?').strip()}, wchan {wchan}"
+    )
 
 
 def wait_until(cond, timeout_s: float, what: str) -> float:
@@ -236,10 +264,15 @@ def test_a_sigkilled_launcher_takes_its_ranks_along_within_seconds():
             time.sleep(0.5)
         finally:
             rp.close()
-        assert all(alive(p) for p in pids)
+        since = {p: started_at(p) for p in pids}
+        assert all(alive(p, since[p]) for p in pids)
         pre.proc.kill()
-        gone = wait_until(lambda: not any(alive(p) for p in pids), 10, "rank processes gone")
-        assert gone < 3.0, f"ranks outlived their launcher by {gone:.1f} s"
+        t0 = time.monotonic()
+        while any(alive(p, since[p]) for p in pids) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        gone = time.monotonic() - t0
+        survivors = [describe(p) for p in pids if alive(p, since[p])]
+        assert not survivors and gone < 3.0, f"ranks outlived their launcher by {gone:.1f} s: {survivors}"
     finally:
         pre.stop()
 

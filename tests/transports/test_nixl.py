@@ -8,9 +8,11 @@ guard in tests/conftest.py.
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
+import types
 
 import msgpack
 import numpy as np
@@ -19,6 +21,7 @@ import pytest
 from sglang_kvxfer import transports
 from sglang_kvxfer.errors import TransportError, TransportUnavailableError
 from sglang_kvxfer.transports import TicketState, get_transport
+from sglang_kvxfer.transports.nixl import agent
 from tests.facts import needs_nixl
 from tests.transports.transport_peer import PeerProcess
 
@@ -29,8 +32,57 @@ def test_missing_nixl_names_the_package(monkeypatch):
     monkeypatch.setattr(transports, "_importable", lambda module: False)
     with pytest.raises(TransportUnavailableError) as info:
         get_transport("nixl")
-    assert "'nixl-cu12' (module 'nixl_cu12' or 'nixl')" in str(info.value)
+    assert "'nixl-cu12' (module 'nixl_cu12' or 'nixl_cu13' or 'nixl')" in str(info.value)
     assert "pip install nixl-cu12" in str(info.value)
+
+
+@pytest.fixture
+def fake_nixl_cu13(tmp_path, monkeypatch):
+    """A stand-in ``nixl_cu13`` package (``_api`` only) first on ``sys.path``; the real
+    ``nixl_cu12`` and ``nixl``, where installed, are hidden from the registry's probe."""
+    pkg = tmp_path / "nixl_cu13"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_api.py").write_text("FAKE = 'nixl_cu13'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # also invalidates the import system's caches
+    probe = transports._importable
+    monkeypatch.setattr(transports, "_importable", lambda mod: mod not in ("nixl_cu12", "nixl") and probe(mod))
+    yield
+    for name in ("nixl_cu13._api", "nixl_cu13"):
+        sys.modules.pop(name, None)
+
+
+def test_cuda13_wheel_alone_makes_nixl_available(fake_nixl_cu13):
+    importlib.invalidate_caches()
+    assert "nixl" in transports.available_transports()
+    assert "nixl_cu13" not in sys.modules  # probing imports nothing
+
+
+def test_import_api_takes_the_cuda13_wheel(fake_nixl_cu13, monkeypatch):
+    monkeypatch.setattr(agent, "_torch_cuda_major", lambda: 13)
+    assert agent.import_api().FAKE == "nixl_cu13"
+
+
+@pytest.mark.parametrize(
+    "major, first",
+    [(13, "nixl_cu13._api"), (12, "nixl_cu12._api"), (None, "nixl_cu12._api"), (11, "nixl_cu12._api")],
+)
+def test_api_modules_put_torchs_cuda_major_first(monkeypatch, major, first):
+    monkeypatch.setattr(agent, "_torch_cuda_major", lambda: major)
+    names = agent.api_modules()
+    assert names[0] == first
+    assert sorted(names) == ["nixl._api", "nixl_cu12._api", "nixl_cu13._api"]
+
+
+@pytest.mark.parametrize(
+    "cuda, version, major",
+    [("13.0", "2.11.0+cu130", 13), (None, "2.11.0+cu130", 13), (None, "2.9.0+cu128", 12), (None, "2.9.0", None)],
+)
+def test_torch_cuda_major_without_importing_torch(monkeypatch, cuda, version, major):
+    fake_torch = types.SimpleNamespace(version=types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch if cuda else None)
+    monkeypatch.setattr(agent.importlib.metadata, "version", lambda dist: version)
+    assert agent._torch_cuda_major() == major
 
 
 @needs_nixl

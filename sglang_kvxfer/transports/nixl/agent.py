@@ -1,6 +1,7 @@
 """Creating a NIXL agent with its UCX backend, and leaving a process that has one.
 
-Owns: importing NIXL's Python API (``nixl_cu12`` or ``nixl``) and quieting its stdout
+Owns: importing NIXL's Python API (``nixl_cu13``, ``nixl_cu12`` or ``nixl``; see
+``api_modules`` for the order) and quieting its stdout
 logging; resolving the UCX settings from our options, ``KVXFER_NIXL_*`` and the
 environment's ``UCX_*``; creating the agent and backend with ``UCX_TLS`` applied only while
 the backend is created; ``exit_process`` for processes that created a backend. It must not
@@ -10,8 +11,10 @@ know about regions, peers or tickets (``transports.nixl`` does).
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import NoReturn
@@ -20,9 +23,12 @@ from sglang_kvxfer import envs
 from sglang_kvxfer.errors import TransportError, TransportUnavailableError
 from sglang_kvxfer.transports._common import env_override
 
-__all__ = ["UcxSettings", "create_agent", "exit_process", "import_api", "ucx_backend_created"]
+__all__ = ["UcxSettings", "api_modules", "create_agent", "exit_process", "import_api", "ucx_backend_created"]
 
-_API_MODULES = ("nixl_cu12._api", "nixl._api")
+# NIXL's API ships per CUDA major (nixl-cu12, nixl-cu13; the `nixl` meta package can pull
+# both) and, in older releases, as `nixl` itself. Without a hint from torch, cu12 goes first:
+# its wheels run on drivers older than 580, which CUDA 13 needs.
+_API_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
 # UCX transports that only reach peers on this host; UCX has no peer-failure handler for
 # them, so the backend must run with ucx_error_handling_mode=none.
 _HOST_ONLY_TLS = {"sm", "shm", "cma", "posix", "sysv", "xpmem", "knem", "self"}
@@ -54,10 +60,38 @@ def exit_process(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
+def _torch_cuda_major() -> int | None:
+    """The CUDA major of this process's torch, found without importing torch:
+    ``torch.version.cuda`` where torch is imported already, else the installed wheel's local
+    version (``2.11.0+cu130`` -> 13). None when unknown: no torch, a CPU or ROCm build, or a
+    wheel without the tag (PyPI's default build) that is not imported yet."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(getattr(torch, "version", None), "cuda", None)
+    if isinstance(cuda, str):
+        major = cuda.partition(".")[0]
+        return int(major) if major.isdigit() else None
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    tag = re.search(r"\+cu(\d+)\d$", version)  # the last digit is the minor: cu130, cu128
+    return int(tag.group(1)) if tag else None
+
+
+def api_modules() -> tuple[str, ...]:
+    """The modules ``import_api`` tries, in order: the wheel for torch's CUDA major first
+    (a cu13 torch needs ``nixl_cu13``), then ``nixl_cu12``, ``nixl_cu13``, ``nixl``."""
+    major = _torch_cuda_major()
+    first = f"nixl_cu{major}._api"
+    if first in _API_MODULES:
+        return (first, *(name for name in _API_MODULES if name != first))
+    return _API_MODULES
+
+
 def import_api():
-    """NIXL's ``_api`` module, from ``nixl_cu12`` or else ``nixl``."""
+    """NIXL's ``_api`` module, from the first of ``api_modules()`` that imports."""
     errors = []
-    for name in _API_MODULES:
+    for name in api_modules():
         try:
             api = importlib.import_module(name)
         except ImportError as exc:
@@ -67,7 +101,8 @@ def import_api():
             logging.getLogger("nixl").setLevel(logging.WARNING)
         return api
     raise TransportUnavailableError(
-        "transport 'nixl' needs 'nixl-cu12' (pip install --no-deps nixl-cu12): " + "; ".join(errors)
+        "transport 'nixl' needs 'nixl-cu12' or, with a CUDA 13 torch, 'nixl-cu13' "
+        "(pip install --no-deps nixl-cu12): " + "; ".join(errors)
     )
 
 
