@@ -221,7 +221,19 @@ def test_a_killed_rank_fails_its_request_at_once_and_is_restarted(pair, side):
     wait_until(all_up(victim_remote, before["restarts"] + 1), 30, f"{side} rank restart")
     after = victim_remote.info(10)
     assert after["pids"][1] != pid and after["pids"][0] == before["pids"][0]
-    res = run_one(rp, rd, job(room + 10, tokens=40, chunk=16))
+    # Peer ranks of the other server learn that the old process is gone by its silence
+    # (heartbeat timeout, 3 s here): a request inside that window may still fail, with that
+    # reason; after it, every request is served by the restarted rank.
+    served_at, room_next = None, room + 10
+    while served_at is None and time.monotonic() - t_kill < 20:
+        res = run_one(rp, rd, job(room_next, tokens=40, chunk=16))
+        room_next += 1
+        if res.ok:
+            served_at = time.monotonic()
+        else:
+            assert "is gone" in res.reason or "died" in res.reason, res.reason
+    assert served_at is not None, f"no request served within 20 s of the kill: {res.reason}"
+    res = run_one(rp, rd, job(room_next, tokens=40, chunk=16))
     assert res.ok and res.verified, res.reason
     log = victim_launcher.stderr()
     assert f"{side} rank 1 (pid {pid}) died: killed by SIGKILL" in log and "restarted as pid" in log, log
