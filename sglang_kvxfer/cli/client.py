@@ -29,6 +29,7 @@ from sglang_kvxfer.cli.common import (
     check_pool_fits,
     check_ranges,
     parse_tokens,
+    summary_shape,
 )
 from sglang_kvxfer.cli.demo import render
 from sglang_kvxfer.cli.progress import Progress
@@ -174,15 +175,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_tp=ip["tp_size"],
         decode_tp=idc["tp_size"],
         transport=ip["transport"],
-        total_kv_heads=gp.total_kv_heads,
-        mla=gp.mla,
-        layers=gp.num_layers,
-        head_dim=gp.head_dim,
-        dtype=gp.dtype,
-        prefill_page_size=gp.page_size,
-        decode_page_size=gd.page_size,
-        prefill_layout=gp.layout.value,
-        decode_layout=gd.layout.value,
+        **summary_shape(gp, gd),
         verify=not args.no_verify,
     )
     print(json.dumps(summary) if args.json else render(summary))

@@ -247,3 +247,18 @@ def engine_options(args: argparse.Namespace) -> dict:
         "transfer_timeout_s": args.transfer_timeout,
         "heartbeat_timeout_s": args.heartbeat_timeout,
     }
+
+
+def summary_shape(gp: KVGeometry, gd: KVGeometry) -> dict:
+    """The model and pool fields of a run's summary (``cluster.workload.summarize``)."""
+    return dict(
+        total_kv_heads=gp.total_kv_heads,
+        mla=gp.mla,
+        layers=gp.num_layers,
+        head_dim=gp.head_dim,
+        dtype=gp.dtype,
+        prefill_page_size=gp.page_size,
+        decode_page_size=gd.page_size,
+        prefill_layout=gp.layout.value,
+        decode_layout=gd.layout.value,
+    )

@@ -26,6 +26,7 @@ from sglang_kvxfer.cli.common import (
     parse_tokens,
     pool_pages,
     side_geometry,
+    summary_shape,
 )
 from sglang_kvxfer.cli.progress import Progress
 from sglang_kvxfer.cluster.workload import make_requests, run_workload, summarize
@@ -138,15 +139,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
         transport=args.transport,
-        total_kv_heads=gp.total_kv_heads,
-        mla=gp.mla,
-        layers=gp.num_layers,
-        head_dim=gp.head_dim,
-        dtype=gp.dtype,
-        prefill_page_size=gp.page_size,
-        decode_page_size=gd.page_size,
-        prefill_layout=gp.layout.value,
-        decode_layout=gd.layout.value,
+        **summary_shape(gp, gd),
         verify=not args.no_verify,
     )
 
