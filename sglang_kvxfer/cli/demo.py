@@ -163,6 +163,7 @@ def render(s: dict) -> str:
 
 
 def _interrupt(*_) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one must not cut the unwinding short
     raise KeyboardInterrupt  # unwinds through the groups' close(): no rank outlives the demo
 
 

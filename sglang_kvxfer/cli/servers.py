@@ -21,7 +21,6 @@ import queue
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -156,7 +155,9 @@ class _ClientPort:
             raise KVXferError(f"cannot listen for clients on {host}:{port}: {exc}") from None
         self.handler: Callable[[bytes, dict], None] | None = None
         self._replies: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
+        from sglang_kvxfer.cluster.group import StopFlag
+
+        self._stop = StopFlag()  # set from signal handlers: no locks
 
     def reply(self, ident: bytes, obj: dict) -> None:
         seq = self._seqs.pop((ident, obj.get("id")), 0)

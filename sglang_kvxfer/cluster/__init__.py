@@ -20,6 +20,7 @@ _EXPORTS = {
     "open_groups": "group",
     "arm_parent_death_signal": "group",
     "describe_exit": "group",
+    "StopFlag": "group",
     "rank_main": "rank",
     "make_requests": "workload",
     "run_workload": "workload",

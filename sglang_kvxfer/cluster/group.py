@@ -29,7 +29,7 @@ import msgpack
 
 from sglang_kvxfer.errors import KVXferError, TransferTimeoutError
 
-__all__ = ["RankGroup", "make_spec", "open_groups", "arm_parent_death_signal", "describe_exit"]
+__all__ = ["RankGroup", "make_spec", "open_groups", "arm_parent_death_signal", "describe_exit", "StopFlag"]
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -76,6 +76,24 @@ def make_spec(
         "log_level": log_level,
         "metrics_port": metrics_port,
     }
+
+
+class StopFlag:
+    """A stop request that a signal handler may set: unlike ``threading.Event.set`` it takes
+    no lock. A handler that takes a lock deadlocks the main thread when a second signal lands
+    inside the first handler, and signals do come in bursts: ``PR_SET_PDEATHSIG`` fires once
+    per launcher thread as the child is handed from one dying thread to the next."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
 
 
 def arm_parent_death_signal(sig: int = signal.SIGTERM, parent_pid: int | None = None) -> bool:

@@ -33,6 +33,7 @@ import msgpack
 import numpy as np
 
 if TYPE_CHECKING:
+    from sglang_kvxfer.cluster.group import StopFlag
     from sglang_kvxfer.engine.decode import DecodeManager
     from sglang_kvxfer.engine.manager import RankBase, RequestHandle
     from sglang_kvxfer.engine.pool import KVPool
@@ -326,12 +327,13 @@ def rank_main(specs_bytes: bytes, conn) -> None:
     """
     import multiprocessing as mp
 
-    from sglang_kvxfer.cluster.group import arm_parent_death_signal
+    from sglang_kvxfer.cluster.group import StopFlag, arm_parent_death_signal
 
-    stop = threading.Event()
-    serving = threading.Event()
+    stop, serving = StopFlag(), StopFlag()  # set from the signal handler: no locks
 
     def on_term(*_):
+        if stop.is_set():
+            return  # a later signal of a burst: the first one is being acted on
         stop.set()
         if not serving.is_set():
             raise _Stop()
@@ -414,7 +416,7 @@ def _leave_if_nixl() -> None:
         agent.exit_process(0)
 
 
-def _serve(servers: list[RankServer], conn, lock: threading.Lock, stop: threading.Event) -> str:
+def _serve(servers: list[RankServer], conn, lock: threading.Lock, stop: StopFlag) -> str:
     """Run commands until told to stop; returns why: "stop", "eof", "parent" or "signal"."""
     parent = os.getppid()
     pool = ThreadPoolExecutor(max_workers=sum(s.concurrency for s in servers), thread_name_prefix="job")

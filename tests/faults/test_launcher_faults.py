@@ -289,6 +289,38 @@ def test_a_sigkilled_launcher_takes_its_ranks_along_within_seconds():
         pre.stop()
 
 
+def test_a_burst_of_sigterms_ends_a_rank_promptly():
+    """PR_SET_PDEATHSIG sends one signal per launcher thread as they die: a burst of
+    SIGTERMs must end a busy rank as one does (a second one landing inside the first
+    handler once deadlocked the rank for good)."""
+    pre = Launcher("prefill", "--tp", "1", "--bootstrap-port", str(free_port()), "--restart-ranks", "0")
+    try:
+        pre.wait_ready()
+        rp = client(pre.address)
+        try:
+            pid = rp.info(10)["pids"][0]
+            rp.submit(job(13, delay_s=30.0))  # no decode peer: the rank holds this job
+            time.sleep(0.5)
+            since = started_at(pid)
+            # two shells send SIGTERMs back to back until the rank is gone
+            storm = [
+                subprocess.Popen(["bash", "-c", f"for i in $(seq 20000); do kill -TERM {pid} 2>/dev/null || exit 0; done"])
+                for _ in range(2)
+            ]
+            for proc in storm:
+                proc.wait(30)
+            t0 = time.monotonic()
+            while alive(pid, since) and time.monotonic() - t0 < 10:
+                time.sleep(0.05)
+            assert not alive(pid, since), f"after a burst of SIGTERMs the rank still runs: {describe(pid)}"
+            wait_until(lambda: rp.info(10)["states"][0] == "down", 5, "the rank marked down")
+        finally:
+            rp.close()
+        assert pre.proc.poll() is None, pre.stderr()
+    finally:
+        pre.stop()
+
+
 def test_sigterm_ends_the_launcher_and_its_ranks_without_a_traceback():
     pre = Launcher("prefill", "--tp", "2", "--bootstrap-port", str(free_port()))
     try:
