@@ -304,7 +304,9 @@ def test_a_burst_of_sigterms_ends_a_rank_promptly():
             since = started_at(pid)
             # two shells send SIGTERMs back to back until the rank is gone
             storm = [
-                subprocess.Popen(["bash", "-c", f"for i in $(seq 20000); do kill -TERM {pid} 2>/dev/null || exit 0; done"])
+                subprocess.Popen(
+                    ["bash", "-c", f"for i in $(seq 20000); do kill -TERM {pid} 2>/dev/null || exit 0; done"]
+                )
                 for _ in range(2)
             ]
             for proc in storm:
