@@ -8,7 +8,10 @@ the CUDA one) but never torch. The compiler commands live in
 * ``libkvxfer_cpu.so``: always tried; a failure is a warning (ops then use the torch
   reference, or build the library on first use if a compiler appears later).
 * ``libkvxfer_cuda.so``: when ``nvcc`` is found (it compiles in a few seconds), unless
-  ``KVXFER_BUILD_CUDA=0``; with ``KVXFER_BUILD_CUDA=1`` a failure fails the install.
+  ``KVXFER_BUILD_CUDA=0``; with ``KVXFER_BUILD_CUDA=1`` a failure fails the install. The
+  build takes the nvcc of torch's CUDA major version where one is installed and then links
+  the CUDA runtime shared (torch's libcudart), else static (see ``build.CudaToolchain``).
+  Build with ``--no-build-isolation`` so the installed torch is visible.
 """
 
 import shutil
@@ -44,7 +47,10 @@ class BuildNative(build_ext):
                 native_build.build_cpu(out)
             else:
                 archs = envs.KVXFER_CUDA_ARCHS.get().split(",")
-                native_build.build_cuda(out, archs)
+                toolchain = native_build.cuda_toolchain()
+                if toolchain is not None:
+                    print(f"sglang_kvxfer: building {out.name} with {toolchain.describe()}")
+                native_build.build_cuda(out, archs, toolchain=toolchain)
         except native_build.BuildError as exc:
             if ext.kind == "cuda" and envs.KVXFER_BUILD_CUDA.get() == "1":
                 raise

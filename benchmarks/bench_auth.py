@@ -66,6 +66,7 @@ def frame_costs(n: int = 20000) -> dict:
         elected=True,
         staging_offset=0,
         staging_capacity_bytes=1 << 20,
+        staging_region=b"\x00" * 64,
     )
     key = secrets.token_bytes(32)
     payload = codec.encode(msg)

@@ -5,8 +5,14 @@ times ``gather_kv_heads`` (pool pages -> staging), ``scatter_kv_heads`` (staging
 pages) and the baseline: ``torch`` ``copy_`` of a staging-sized buffer on CPU, a
 device-to-device ``copy_`` on GPU. Bandwidth counts bytes read + bytes written
 (2 x staging bytes for all three), so ``ratio = kernel GB/s / copy GB/s`` compares equal
-work. Each figure is the median of ``--repeats`` runs, and the three are interleaved per
+work. Each figure is the median of ``--repeats`` runs, and the runs are interleaved per
 repeat so machine noise hits them alike.
+
+On CUDA each op is timed twice: the full call (argument checks, the host sort of the page
+ids, the pinned upload of the pointer table, the launch) as ``gather_gbps``, and the kernel
+alone as ``gather_kernel_gbps`` (table and page ids uploaded once before timing; CUDA events
+around the launch only, queued behind a short device sleep so host work cannot show). Both
+get a ratio against the device-to-device copy of the same bytes measured in the same run.
 
 Pools hold ``--pool-heads`` heads; a config moves heads ``[0, num_heads)`` of every token
 of a request whose pages are a random permutation of the pool (as after a busy scheduler).
@@ -63,15 +69,22 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+# A device sleep queued before the start event: the host work of the timed call (ctypes,
+# argument packing) happens while the GPU sleeps, so the events see the kernel alone.
+_LEAD_CYCLES = 2_000_000
+
+
 class Timer:
     """Wall time on CPU; CUDA events on GPU (the ops are asynchronous there)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def __call__(self, fn) -> float:
+    def __call__(self, fn, device_only: bool = False) -> float:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if device_only:
+                torch.cuda._sleep(_LEAD_CYCLES)
             start.record()
             fn()
             end.record()
@@ -111,18 +124,28 @@ def bench_config(device, dtype, layout, head_dim, page_size, num_heads, args, st
         "gather": lambda: ops.gather_kv_heads(k, v, page_ids, out=staging, **kw),
         "scatter": lambda: ops.scatter_kv_heads(staging, k, v, page_ids, **kw),
     }
+    device_only = {"copy"}
+    if device.type == "cuda" and ops.backend_for(device) == "native-cuda":
+        runs["gather_kernel"] = ops.cuda_kernel_launcher(staging, k, v, page_ids, gather=True, **kw)
+        runs["scatter_kernel"] = ops.cuda_kernel_launcher(staging, k, v, page_ids, gather=False, **kw)
+        device_only |= {"gather_kernel", "scatter_kernel"}
     for fn in runs.values():  # warm-up: page faults, library load, caches
         fn()
-    times = {name: [] for name in runs}
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, fn in runs.items():
-            times[name].append(timer(fn))
+            times[name].append(timer(fn, device_only=name in device_only))
     med = {name: statistics.median(ts) for name, ts in times.items()}
     del runs  # free the pools before the next config (the closures held them)
     k = v = staging = src = dst = None
     if device.type == "cuda":
         torch.cuda.empty_cache()  # pools of the next config differ in size
     gbps = {name: 2 * nbytes / t / 1e9 for name, t in med.items()}
+    kernel = {}
+    for op in ("gather", "scatter"):
+        if f"{op}_kernel" in gbps:
+            kernel[f"{op}_kernel_gbps"] = round(gbps[f"{op}_kernel"], 2)
+            kernel[f"{op}_kernel_ratio"] = round(gbps[f"{op}_kernel"] / gbps["copy"], 3)
     return {
         "layout": layout,
         "head_dim": head_dim,
@@ -137,6 +160,7 @@ def bench_config(device, dtype, layout, head_dim, page_size, num_heads, args, st
         "copy_gbps": round(gbps["copy"], 2),
         "gather_ratio": round(gbps["gather"] / gbps["copy"], 3),
         "scatter_ratio": round(gbps["scatter"] / gbps["copy"], 3),
+        **kernel,
         "median_s": {name: round(t, 6) for name, t in med.items()},
     }
 
@@ -182,10 +206,15 @@ def main(argv=None) -> int:
                             timer,
                         )
                     )
+                    r = results[-1]
+                    alone = (
+                        f" (kernel alone: gather x{r['gather_kernel_ratio']} scatter x{r['scatter_kernel_ratio']})"
+                        if "gather_kernel_ratio" in r
+                        else ""
+                    )
                     print(
-                        f"# {results[-1]['layout']} d={head_dim} ps={page_size} "
-                        f"n={num_heads}: gather x{results[-1]['gather_ratio']} scatter "
-                        f"x{results[-1]['scatter_ratio']}",
+                        f"# {r['layout']} d={head_dim} ps={page_size} n={num_heads}: gather "
+                        f"x{r['gather_ratio']} scatter x{r['scatter_ratio']}{alone}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -202,10 +231,22 @@ def main(argv=None) -> int:
         "repeats": repeats,
         "bytes_counted": "read + written (2 x staging bytes) for gather, scatter and copy",
         "baseline": "torch copy_ device-to-device" if gpu else "torch copy_ host memory",
+        "timed": (
+            "gather/scatter: the full call (checks, page-id sort, table upload, launch); "
+            "*_kernel: the launch alone (table and ids uploaded once), CUDA events behind a device sleep"
+            if gpu
+            else "wall time of the full call"
+        ),
         "results": results,
         "summary_page16_dim128": {
             "min_gather_ratio": min((r["gather_ratio"] for r in target), default=None),
             "min_scatter_ratio": min((r["scatter_ratio"] for r in target), default=None),
+            "min_gather_kernel_ratio": min(
+                (r["gather_kernel_ratio"] for r in target if "gather_kernel_ratio" in r), default=None
+            ),
+            "min_scatter_kernel_ratio": min(
+                (r["scatter_kernel_ratio"] for r in target if "scatter_kernel_ratio" in r), default=None
+            ),
             "target_ratio": 0.9 if gpu else 0.7,
         },
     }

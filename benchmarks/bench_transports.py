@@ -147,6 +147,9 @@ def target_main(conn, name: str, options: dict, memory: str, stage_bytes: int) -
             conn.send(None)
         elif cmd == "stage_serve":  # scatter staged chunks until told chunk -1
             conn.send(stage_serve(conn, stage, dst, args[0]))
+        elif cmd == "grant":  # the writer proves this secret (tcp refuses unauthenticated writers)
+            transport.authorize_peer("bench-writer", args[0], [r for r in (region, stage_region) if r is not None])
+            conn.send(None)
         elif cmd == "exit":
             transport.close()
             conn.send(None)
@@ -294,7 +297,9 @@ def bench_variant(variant: str, args) -> tuple[list[dict], dict | None]:
     transport = get_transport(name, **{**options, **WRITER_OPTIONS.get(name, {})})
     src = np.random.default_rng(1).integers(0, 256, REGION, dtype=np.uint8)
     local = transport.register(src.ctypes.data, REGION)
-    transport.add_peer("target", target.agent)
+    secret = os.urandom(32)
+    target.call("grant", secret)
+    transport.add_peer("target", target.agent, secret=secret)
     remote = transport.import_region("target", target.region)
     plain_dst = np.zeros(REGION, np.uint8)
     results, stage_row = [], None
@@ -457,7 +462,8 @@ def bench_staging(variant, transport, local, remote, src, target, args) -> dict:
 def pick_variants(wanted: list[str], explicit: bool, parser) -> tuple[list[str], dict]:
     """The variants to run, and why a wanted transport is skipped (only when not explicit)."""
     from sglang_kvxfer.errors import TransportUnavailableError
-    from sglang_kvxfer.transports import _mori_probe, available_transports
+    from sglang_kvxfer.transports import available_transports
+    from sglang_kvxfer.transports.mori import probe as mori_probe
 
     skipped = {}
     for name in ("nixl", "mori"):
@@ -467,7 +473,7 @@ def pick_variants(wanted: list[str], explicit: bool, parser) -> tuple[list[str],
             skipped[name] = f"{name} is not installed (pip install -e '.[{name}]')"
         elif name == "mori":
             try:
-                _mori_probe.check()
+                mori_probe.check()
             except TransportUnavailableError as exc:
                 skipped[name] = str(exc)
     if explicit and skipped:

@@ -195,11 +195,23 @@ KVXFER_API const char* kvxfer_cuda_last_error(void) {
   return g_last_error.c_str();
 }
 
+static std::string cuda_version_text(int version) {
+  if (version <= 0) return "none";
+  return std::to_string(version / 1000) + "." + std::to_string((version % 1000) / 10);
+}
+
 KVXFER_API int kvxfer_cuda_probe(void) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
-    return fail(KVXFER_ERR_CUDA, std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err));
+    // The usual cause is a driver older than the runtime this library uses: say both.
+    int driver = 0, runtime = 0;
+    (void)cudaDriverGetVersion(&driver);
+    (void)cudaRuntimeGetVersion(&runtime);
+    return fail(KVXFER_ERR_CUDA, std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err) +
+                                     " (the driver supports CUDA " + cuda_version_text(driver) +
+                                     ", this library's runtime is CUDA " +
+                                     cuda_version_text(runtime) + ")");
   }
   if (count < 1) return fail(KVXFER_ERR_CUDA, "no CUDA device is visible");
   return KVXFER_OK;

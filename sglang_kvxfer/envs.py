@@ -131,7 +131,9 @@ KVXFER_STAGING_BYTES = _define(
     "KVXFER_STAGING_BYTES",
     512 << 20,
     int,
-    "Size of each rank's staging arena (prefill: gather buffers; decode: windows lent to writers).",
+    "Cap of each rank's staging arena (prefill: gather buffers; decode: windows lent to "
+    "writers). Nothing is allocated until a transfer is staged; the arena then grows on "
+    "demand, in registered segments, up to this many bytes.",
 )
 KVXFER_STAGING_SLOT_BYTES = _define(
     "KVXFER_STAGING_SLOT_BYTES",
@@ -191,6 +193,14 @@ KVXFER_TCP_IO_TIMEOUT_S = _define(
     "`tcp` transport: a connection with writes pending that makes no progress (bytes sent or "
     "ACK received) for this many seconds is failed, and so are its tickets.",
 )
+KVXFER_TCP_BOUNCE_BYTES = _define(
+    "KVXFER_TCP_BOUNCE_BYTES",
+    4 << 20,
+    int,
+    "`tcp` transport, GPU regions: bytes of each of the two pinned host buffers per "
+    "connection end that device memory moves through (the copy of one chunk overlaps the "
+    "wire of the previous one); 4096 to 2^30.",
+)
 
 KVXFER_LOCAL_PTRACE_ANY = _define(
     "KVXFER_LOCAL_PTRACE_ANY",
@@ -210,6 +220,15 @@ KVXFER_SGLANG_TRANSPORT = _define(
     "use (`local`, `tcp`, `nixl`, `mori`); `auto` takes `local` for CPU KV pools and the "
     "installed RDMA transport (`mori`, then `nixl`) for GPU pools. Set the same on prefill "
     "and decode.",
+)
+
+KVXFER_RECORDS_FILE = _define(
+    "KVXFER_RECORDS_FILE",
+    "",
+    lambda s: s.strip(),
+    "SGLang backend: append one JSON line per finished request and rank to this file "
+    "(room, side, tp_rank, ok, reason, bytes, ops, phases, transfer_s, tail_s; times are "
+    "that rank's monotonic seconds). Unset: no file.",
 )
 
 
@@ -248,6 +267,14 @@ KVXFER_DISABLE_NATIVE = _define(
     _bool,
     "`1`: never load the compiled gather/scatter libraries; `sglang_kvxfer.ops` uses its "
     "pure-torch reference on every device.",
+)
+KVXFER_REQUIRE_NATIVE = _define(
+    "KVXFER_REQUIRE_NATIVE",
+    False,
+    _bool,
+    "`1`: an engine whose KV pools are on a CUDA device refuses to start when the native "
+    "CUDA gather/scatter library is not loaded, naming why (no nvcc, a driver older than its "
+    "runtime, ...). Unset: it starts, logs the reason at ERROR once and uses the torch reference.",
 )
 KVXFER_BUILD_CUDA = _define(
     "KVXFER_BUILD_CUDA",

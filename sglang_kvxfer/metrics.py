@@ -189,8 +189,8 @@ class MetricsServer:
     ``kvxfer_transfer_bytes`` (histogram of bytes per request), ``kvxfer_transfer_ops``
     (counter of descriptors), ``kvxfer_transfer_phase_seconds{phase}`` (counter of busy
     time), ``kvxfer_transfer_failures{reason}`` (counter, ``reason`` in
-    ``FAILURE_KINDS``), ``kvxfer_requests_in_flight`` and ``kvxfer_staging_bytes_in_use``
-    / ``kvxfer_staging_bytes_capacity`` (gauges read at scrape time),
+    ``FAILURE_KINDS``), ``kvxfer_requests_in_flight`` and ``kvxfer_staging_bytes_in_use``,
+    ``kvxfer_staging_bytes_allocated`` / ``kvxfer_staging_bytes_capacity`` (gauges read at scrape time),
     ``kvxfer_security_events{kind}`` (room conflicts, frames from unexpected or unregistered
     sessions, the unattached-room cap) and ``kvxfer_control_frames_dropped{reason}``
     (unauthenticated, replayed, spoofed, malformed), both read at scrape time. Counters gain
@@ -261,7 +261,15 @@ class MetricsServer:
             prom.Gauge("kvxfer_staging_bytes_in_use", "Bytes of the staging arena allocated now", names, registry=reg)
         ).set_function(self._staging_used)
         child(
-            prom.Gauge("kvxfer_staging_bytes_capacity", "Size of the staging arena", names, registry=reg)
+            prom.Gauge("kvxfer_staging_bytes_capacity", "Cap of the staging arena", names, registry=reg)
+        ).set_function(self._staging_cap)
+        child(
+            prom.Gauge(
+                "kvxfer_staging_bytes_allocated",
+                "Memory the staging arena holds now (0 until a transfer is staged)",
+                names,
+                registry=reg,
+            )
         ).set_function(self._staging_size)
         reg.register(_SecurityCollector(mgr, ids))
         self._lock = threading.Lock()
@@ -285,6 +293,10 @@ class MetricsServer:
     def _staging_size(self) -> float:
         staging = self._mgr.staging
         return float(staging.nbytes) if staging is not None else 0.0
+
+    def _staging_cap(self) -> float:
+        staging = self._mgr.staging
+        return float(staging.cap_bytes) if staging is not None else 0.0
 
     def observe(self, record: RequestRecord) -> None:
         """Count one finished request (called by the manager, on its threads)."""

@@ -32,6 +32,7 @@ import torch
 
 from sglang_kvxfer import _native, envs
 from sglang_kvxfer._ops_args import KVCall, parse_call, staging_bytes_view, staging_nbytes
+from sglang_kvxfer.errors import KVXferError
 
 __all__ = [
     "gather_kv_heads",
@@ -40,6 +41,8 @@ __all__ = [
     "scatter_kv_heads_reference",
     "staging_nbytes",
     "backend_for",
+    "check_native_backend",
+    "cuda_kernel_launcher",
 ]
 
 logger = logging.getLogger(__name__)
@@ -251,6 +254,31 @@ def backend_for(device) -> str:
     return f"native-{kind}" if lib is not None else "reference"
 
 
+def check_native_backend(device) -> None:
+    """What an engine calls at start for its KV pools' ``device``: on CUDA, the native
+    library must be loaded, since the torch reference is far slower there.
+
+    A missing library raises ``KVXferError`` when ``KVXFER_REQUIRE_NATIVE=1``, else is
+    logged at ERROR once per process with the loader's reason. CPU devices pass: the
+    CPU reference is a tolerable fallback and the library builds on first use.
+    """
+    kind = torch.device(device).type
+    if kind != "cuda":
+        return
+    reason = _native.unavailable_reason("cuda")
+    if not reason:
+        return
+    text = (
+        f"KV pools on {device} but the native CUDA gather/scatter library is not loaded: {reason}. "
+        "Staged transfers would use the much slower torch reference"
+    )
+    if envs.KVXFER_REQUIRE_NATIVE.get():
+        raise KVXferError(f"{text}; refusing to start (KVXFER_REQUIRE_NATIVE=1)")
+    if "cuda-engine" not in _warned_fallback:
+        _warned_fallback.add("cuda-engine")
+        logger.error("%s (set KVXFER_REQUIRE_NATIVE=1 to refuse to start instead)", text)
+
+
 # ---- dispatch ----------------------------------------------------------------------------
 
 
@@ -332,25 +360,31 @@ def _run_cpu(
     _native.check_status(lib, code, name)
 
 
-def _run_cuda(lib: _native.Library, call: KVCall, staging: torch.Tensor, gather: bool) -> None:
-    pool, sl = _descs(call)
+def _cuda_table(call: KVCall) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(pointer alignment, device table, device page ids) of a call, uploaded on the current
+    stream: one host->device copy of the layer pointers, plus the page ids when they come
+    from the host. Pinned + non_blocking keeps the stream asynchronous; torch's allocators
+    keep both buffers alive until the stream has consumed them."""
     ptrs = [t.data_ptr() for t in call.layers]
     # Largest power of two (<= 16) dividing every layer pointer: bounds the vector width.
     align = 16
     for p in ptrs:
         align = math.gcd(align, p)
+    host_ids = None if isinstance(call.page_ids, torch.Tensor) else call.page_ids
+    packed = np.asarray(ptrs, dtype=np.uint64).view(np.int64)
+    if host_ids is not None:
+        packed = np.concatenate([packed, host_ids])
+    table = torch.from_numpy(packed).pin_memory().to(call.device, non_blocking=True)
+    dev_ids = call.page_ids if host_ids is None else table[len(ptrs) :]
+    return align, table, dev_ids
+
+
+def _launch_cuda(
+    lib, call: KVCall, staging: torch.Tensor, gather: bool, align: int, table, dev_ids, descs=None
+) -> None:
+    pool, sl = descs or _descs(call)
+    name = "kvxfer_gather_cuda" if gather else "kvxfer_scatter_cuda"
     with torch.cuda.device(call.device):
-        stream = torch.cuda.current_stream(call.device)
-        # One host->device copy per call: the pointer table, plus the page ids when they
-        # come from the host. Pinned + non_blocking keeps the stream asynchronous; torch's
-        # allocators keep both buffers alive until the stream has consumed them.
-        host_ids = None if isinstance(call.page_ids, torch.Tensor) else call.page_ids
-        packed = np.asarray(ptrs, dtype=np.uint64).view(np.int64)
-        if host_ids is not None:
-            packed = np.concatenate([packed, host_ids])
-        table = torch.from_numpy(packed).pin_memory().to(call.device, non_blocking=True)
-        dev_ids = call.page_ids if host_ids is None else table[len(ptrs) :]
-        name = "kvxfer_gather_cuda" if gather else "kvxfer_scatter_cuda"
         code = getattr(lib.handle, name)(
             pool,
             table.data_ptr(),
@@ -359,9 +393,37 @@ def _run_cuda(lib: _native.Library, call: KVCall, staging: torch.Tensor, gather:
             sl,
             staging.data_ptr(),
             staging.numel(),
-            stream.cuda_stream,
+            torch.cuda.current_stream(call.device).cuda_stream,
         )
     _native.check_status(lib, code, name)
+
+
+def _run_cuda(lib: _native.Library, call: KVCall, staging: torch.Tensor, gather: bool) -> None:
+    with torch.cuda.device(call.device):
+        align, table, dev_ids = _cuda_table(call)
+        _launch_cuda(lib, call, staging, gather, align, table, dev_ids)
+
+
+def cuda_kernel_launcher(staging, k_buffers, v_buffers, page_ids, *, gather: bool, **slice_fields):
+    """A benchmark's view of the CUDA kernel alone: validate once, upload the pointer table
+    and the page ids once, and return a callable that only launches the gather (``gather``)
+    or scatter kernel on the current stream (no checks, no host sort, no upload, no sync).
+
+    Arguments are those of ``gather_kv_heads`` (``staging`` as its ``out``) or
+    ``scatter_kv_heads``; the callable holds the table and the buffers. Raises
+    ``KVXferError`` where the native CUDA library is not loaded (``KVXferError`` names why).
+    """
+    call = parse_call(k_buffers, v_buffers, page_ids, unique_pages=not gather, **slice_fields)
+    if call.device.type != "cuda":
+        raise ValueError(f"cuda_kernel_launcher needs CUDA buffers, got {call.device}")
+    lib = _native.cuda_library()
+    if lib is None:
+        raise KVXferError(f"the native CUDA library is not loaded: {_native.unavailable_reason('cuda')}")
+    view = staging_bytes_view(staging, "out" if gather else "staging", call)
+    with torch.cuda.device(call.device):
+        align, table, dev_ids = _cuda_table(call)
+    descs = _descs(call)
+    return lambda: _launch_cuda(lib, call, view, gather, align, table, dev_ids, descs)
 
 
 # ---- reference ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ __all__ = [
     "cpu_library",
     "cuda_library",
     "status",
+    "unavailable_reason",
     "check_status",
 ]
 
@@ -131,6 +132,15 @@ def status() -> dict[str, str]:
     return out
 
 
+def unavailable_reason(kind: str) -> str:
+    """Why the ``kind`` library is not loaded (it is loaded or loadable: ``""``)."""
+    if envs.KVXFER_DISABLE_NATIVE.get():
+        return "KVXFER_DISABLE_NATIVE=1"
+    if _get(kind) is not None:
+        return ""
+    return str(_loaded.get(kind, "")) or "unknown"
+
+
 def check_status(lib: Library, code: int, function: str) -> None:
     """Raises for a non-zero status of ``function``: the one native-to-Python error map."""
     if code == 0:
@@ -159,6 +169,8 @@ def _load(kind: str) -> Library:
     path = _PACKAGE_DIR / _FILENAMES[kind]
     if not path.is_file():
         path = _build_on_demand(kind)
+    if kind == "cuda":
+        _load_torch_cuda_runtime()
     handle = ctypes.CDLL(str(path))
     for name, (argtypes, restype) in _SIGNATURES[kind].items():
         fn = getattr(handle, name)
@@ -174,6 +186,16 @@ def _load(kind: str) -> Library:
     return lib
 
 
+def _load_torch_cuda_runtime() -> None:
+    """A library built with ``-cudart=shared`` needs libcudart.so.<major>: the one torch
+    loads with its CUDA libraries (its pip wheels keep it outside the linker's path), so
+    import torch first. Without torch the linker searches its usual path."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+
+
 def _cache_dir() -> Path:
     configured = envs.KVXFER_CACHE_DIR.get()
     if configured:
@@ -187,15 +209,19 @@ def _build_on_demand(kind: str) -> Path:
     src = build.find_sources()
     if src is None:
         raise build.BuildError(f"{_FILENAMES[kind]} is not installed and no csrc/ to build it")
+    toolchain = None
     if kind == "cpu":
         tool, archs = build.find_cxx(), []
+        settings = [tool or ""]
     else:
-        tool, archs = build.find_nvcc(), envs.KVXFER_CUDA_ARCHS.get().split(",")
+        toolchain, archs = build.cuda_toolchain(), envs.KVXFER_CUDA_ARCHS.get().split(",")
+        tool = toolchain.nvcc if toolchain else None
+        settings = [tool or "", toolchain.version or "", toolchain.cudart] if toolchain else []
     if tool is None:
         raise build.BuildError(
             f"{_FILENAMES[kind]} is not installed and no {'C++ compiler' if kind == 'cpu' else 'nvcc'} to build it"
         )
-    out = _cache_dir() / f"{kind}-{build.source_digest(src, kind, tool, *archs)}" / _FILENAMES[kind]
+    out = _cache_dir() / f"{kind}-{build.source_digest(src, kind, *settings, *archs)}" / _FILENAMES[kind]
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -205,7 +231,7 @@ def _build_on_demand(kind: str) -> Path:
             if kind == "cpu":
                 build.build_cpu(out, src)
             else:
-                build.build_cuda(out, archs, src)
+                build.build_cuda(out, archs, src, toolchain=toolchain)
     return out
 
 

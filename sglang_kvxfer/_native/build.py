@@ -11,11 +11,16 @@ before the package's dependencies exist), or decide *whether* to build.
 
 from __future__ import annotations
 
+import functools
+import glob
 import hashlib
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_kvxfer.envs import parse_archs  # stdlib-only, like this module
@@ -27,13 +32,17 @@ __all__ = [
     "SOURCES",
     "build_cpu",
     "build_cuda",
+    "CudaToolchain",
     "cpu_command",
     "cuda_command",
+    "cuda_toolchain",
     "find_cxx",
     "find_nvcc",
     "find_sources",
+    "nvcc_version",
     "parse_archs",
     "source_digest",
+    "torch_cuda_version",
 ]
 
 CPU_LIBRARY = "libkvxfer_cpu.so"
@@ -79,15 +88,99 @@ def find_cxx() -> str | None:
     return None
 
 
-def find_nvcc() -> str | None:
-    """``nvcc`` on PATH, else under ``$CUDA_HOME``/``$CUDA_PATH``, else /usr/local/cuda."""
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
-            return os.path.join(root, "bin", "nvcc")
-    return None
+def _nvcc_candidates() -> list[str]:
+    """Every ``nvcc`` we can see, in order of preference: PATH, ``$CUDA_HOME``,
+    ``$CUDA_PATH``, /usr/local/cuda, then /usr/local/cuda-X.Y (newest first)."""
+    found = []
+    on_path = shutil.which("nvcc")
+    if on_path:
+        found.append(on_path)
+    versioned: list[str] = sorted(glob.glob("/usr/local/cuda-*"), key=_version_key, reverse=True)
+    for root in [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda", *versioned]:
+        path = os.path.join(root, "bin", "nvcc") if root else ""
+        if root and os.access(path, os.X_OK) and path not in found:
+            found.append(path)
+    return found
+
+
+def _version_key(text: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", os.path.basename(text))) or (0,)
+
+
+def find_nvcc(cuda_version: str | None = None) -> str | None:
+    """An ``nvcc``: with ``cuda_version`` (e.g. torch's ``"13.0"``) the first one of that
+    major version, else the first one found (PATH, ``$CUDA_HOME``/``$CUDA_PATH``,
+    /usr/local/cuda, /usr/local/cuda-X.Y)."""
+    candidates = _nvcc_candidates()
+    if cuda_version:
+        major = cuda_version.split(".")[0]
+        for nvcc in candidates:
+            version = nvcc_version(nvcc)
+            if version is not None and version.split(".")[0] == major:
+                return nvcc
+    return candidates[0] if candidates else None
+
+
+@functools.cache
+def nvcc_version(nvcc: str) -> str | None:
+    """``"13.0"`` from ``nvcc --version``; None when it cannot run or says no release."""
+    try:
+        proc = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"release (\d+\.\d+)", proc.stdout)
+    return match.group(1) if match else None
+
+
+def torch_cuda_version() -> str | None:
+    """The CUDA version the installed torch was built with (``torch.version.cuda``), read
+    from ``torch/version.py`` without importing torch; None for no torch or a CPU build."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([\d.]+)['\"]", text, re.M)
+    return match.group(1) if match else None
+
+
+@dataclass(frozen=True)
+class CudaToolchain:
+    """The ``nvcc`` a CUDA build uses and how it links the CUDA runtime.
+
+    ``cudart`` is ``"shared"`` when nvcc's major version is torch's: the library then uses
+    the libcudart torch already loaded, so it runs wherever torch's CUDA runs. Otherwise
+    ``"static"``: the library carries nvcc's runtime, which needs a driver at least that new
+    (CUDA 13 needs driver >= 580); a too-old driver shows in the loader's reason.
+    """
+
+    nvcc: str
+    version: str | None
+    torch_cuda: str | None
+    cudart: str
+
+    def describe(self) -> str:
+        return (
+            f"{self.nvcc} (CUDA {self.version or '?'}), torch built with CUDA {self.torch_cuda or 'none'}, "
+            f"cudart {self.cudart}"
+        )
+
+
+def cuda_toolchain() -> CudaToolchain | None:
+    """The nvcc matching torch's CUDA major version where one is installed, else the first
+    nvcc found; None when there is none."""
+    torch_cuda = torch_cuda_version()
+    nvcc = find_nvcc(torch_cuda)
+    if nvcc is None:
+        return None
+    version = nvcc_version(nvcc)
+    same_major = bool(torch_cuda and version and torch_cuda.split(".")[0] == version.split(".")[0])
+    return CudaToolchain(nvcc, version, torch_cuda, "shared" if same_major else "static")
 
 
 def cpu_command(cxx: str, src_dir: Path, out: Path) -> list[str]:
@@ -108,12 +201,14 @@ def cpu_command(cxx: str, src_dir: Path, out: Path) -> list[str]:
     ]
 
 
-def cuda_command(nvcc: str, src_dir: Path, out: Path, archs: list[str]) -> list[str]:
+def cuda_command(nvcc: str, src_dir: Path, out: Path, archs: list[str], cudart: str = "static") -> list[str]:
     """SASS for every arch, plus PTX of the newest so later GPUs can JIT it.
 
-    The CUDA runtime is linked statically (nvcc's default): the library then needs only
-    the driver, not a libcudart of the same version as the one torch was built with.
+    ``cudart``: ``"shared"`` links libcudart.so of nvcc's major version (the one torch
+    loaded, see ``CudaToolchain``); ``"static"`` carries nvcc's runtime in the library.
     """
+    if cudart not in ("shared", "static"):
+        raise ValueError(f"cudart={cudart!r} must be 'shared' or 'static'")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     # PTX of an arch-specific target (90a) does not run on later GPUs: use the plain number.
     newest = max(int(a.rstrip("af")) for a in archs)
@@ -125,6 +220,7 @@ def cuda_command(nvcc: str, src_dir: Path, out: Path, archs: list[str]) -> list[
         "-shared",
         "-Xcompiler",
         "-fPIC,-fvisibility=hidden",
+        f"-cudart={cudart}",
         *gencode,
         f"-I{src_dir}",
         str(src_dir / "kvxfer_cuda.cu"),
@@ -166,12 +262,19 @@ def build_cpu(out: Path, src_dir: Path | None = None, timeout_s: float = BUILD_T
     return _run_atomic(lambda tmp: cpu_command(cxx, src_dir, tmp), Path(out), timeout_s)
 
 
-def build_cuda(out: Path, archs: list[str], src_dir: Path | None = None, timeout_s: float = BUILD_TIMEOUT_S) -> Path:
-    """Builds ``libkvxfer_cuda.so`` at ``out`` for ``archs``; raises ``BuildError``."""
+def build_cuda(
+    out: Path,
+    archs: list[str],
+    src_dir: Path | None = None,
+    timeout_s: float = BUILD_TIMEOUT_S,
+    toolchain: CudaToolchain | None = None,
+) -> Path:
+    """Builds ``libkvxfer_cuda.so`` at ``out`` for ``archs`` with ``toolchain`` (default:
+    ``cuda_toolchain()``); raises ``BuildError``."""
     src_dir = src_dir or find_sources()
     if src_dir is None:
         raise BuildError("the csrc/ sources are not present")
-    nvcc = find_nvcc()
-    if nvcc is None:
+    tc = toolchain or cuda_toolchain()
+    if tc is None:
         raise BuildError("nvcc not found (put it on PATH or set CUDA_HOME)")
-    return _run_atomic(lambda tmp: cuda_command(nvcc, src_dir, tmp, archs), Path(out), timeout_s)
+    return _run_atomic(lambda tmp: cuda_command(tc.nvcc, src_dir, tmp, archs, tc.cudart), Path(out), timeout_s)

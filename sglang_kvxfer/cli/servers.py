@@ -108,7 +108,9 @@ def resolve_transport(args: argparse.Namespace, role: str, bootstrap: str) -> st
             loop = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
         except (OSError, ValueError):
             loop = False
-        return "local" if loop else "tcp"
+        from sglang_kvxfer.transports import choose_transport
+
+        return choose_transport(args.devices.split(","), same_host=loop)
     from sglang_kvxfer.engine import bootstrap as boot
     from sglang_kvxfer.protocol.messages import BootstrapQuery
 
@@ -120,6 +122,9 @@ def resolve_transport(args: argparse.Namespace, role: str, bootstrap: str) -> st
             f"bootstrap {bootstrap} knows no prefill group yet ({reply.reason}); "
             f"start the prefill group first or pass --transport"
         )
+    from sglang_kvxfer.transports import check_serves_devices
+
+    check_serves_devices(reply.transport, args.devices.split(","))  # decode pools may sit elsewhere
     return reply.transport
 
 

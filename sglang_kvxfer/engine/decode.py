@@ -18,6 +18,7 @@ the one its room expects (``_from_expected``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -66,6 +67,10 @@ class DecodeManager(RankBase[DecodeRoom]):
 
     def __init__(self, config: EngineConfig, pool: KVPool | None = None):
         self._groups: dict[str, PrefillGroup] = {}  # before the I/O thread starts
+        # Grants to the prefill sessions (pool + staging segments) are replaced as a whole
+        # under this lock, so the newest list of regions is the one that stays.
+        self._export_lock = threading.Lock()
+        self._exported_segments = 0
         super().__init__(config, pool)
 
     # -- bootstrap and registration --------------------------------------------------------------
@@ -137,15 +142,8 @@ class DecodeManager(RankBase[DecodeRoom]):
                 if info.tp_rank in candidates:
                     group.peers[info.tp_rank] = Peer(info.session, info.tp_rank, info.endpoint, now)
                     group.placements[info.tp_rank] = geometry.placement(reply.tp_size, info.tp_rank)
-        # The data plane: each candidate writer may write into this rank's pool and staging
-        # only, proving the secret of its (writer, reader) session pair.
-        staging_region = self._live_staging.region
-        exported = list(self._live_pool.regions) + ([staging_region] if staging_region is not None else [])
         try:
-            for peer in list(group.peers.values()):
-                self._live_transport.authorize_peer(
-                    peer.session, peer_secret(self.config.key, peer.session, self.session), exported
-                )
+            self._export([group])
         except KVXferError as exc:
             return self._group_failed(group, f"cannot export this rank's memory to the prefill ranks: {exc}")
         register = DecodeRegister(
@@ -159,11 +157,32 @@ class DecodeManager(RankBase[DecodeRoom]):
             agent_descriptor=self._live_transport.agent_descriptor(),
             kv_regions=tuple(self.kv_descriptors),
             kv_buffer_locs=tuple((loc.region, loc.offset) for loc in self._live_pool.locs),
-            staging_region=self.staging_descriptor,
             aux_region=None,
         )
         for peer in list(group.peers.values()):
             self._live_control.send(peer.endpoint, register)
+
+    def _export(self, groups: list[PrefillGroup] | None = None) -> None:
+        """The data plane: each candidate writer (of ``groups``, default every live group)
+        may write into this rank's pool and staging segments only, proving the secret of its
+        (writer, reader) session pair. Called again whenever the staging arena grew."""
+        with self._export_lock:
+            staging = self._live_staging
+            num_segments = staging.num_segments
+            exported = list(self._live_pool.regions) + staging.regions
+            every = groups is None
+            with self._lock:
+                if groups is None:
+                    groups = [
+                        g for g in self._groups.values() if g.status in (GroupStatus.REGISTERING, GroupStatus.READY)
+                    ]
+                sessions = [p.session for g in groups for p in g.peers.values()]
+            for session in sessions:
+                self._live_transport.authorize_peer(
+                    session, peer_secret(self.config.key, session, self.session), exported
+                )
+            if every:  # every live writer may now write into num_segments segments
+                self._exported_segments = num_segments
 
     def _group_failed(self, group: PrefillGroup, reason: str) -> None:
         log.error("decode rank %d: %s", self.tp_rank, reason)
@@ -270,10 +289,19 @@ class DecodeManager(RankBase[DecodeRoom]):
                 rec.candidates = tuple(group.peers)
                 rec.state.expect_writers(list(writers))
                 rec.meta_sent, rec.meta_pending, rec.waiting_for = True, False, ""
+        if not problem and self._live_staging.num_segments != self._exported_segments:
+            try:  # a window lies in a new staging segment: its writers may write there first
+                self._export()
+            except KVXferError as exc:
+                problem = f"cannot export this rank's staging memory to the prefill ranks: {exc}"
         if problem:
             return self._fail_room(rec, problem)
         for p, peer in group.peers.items():
             offset, capacity = rec.windows.get(p, (-1, 0))
+            region = None
+            if offset >= 0:  # the window's segment and its offset there
+                loc = self._live_staging.locate(offset)
+                offset, region = loc.offset, self._open(loc.region, "staging region").descriptor
             self._live_control.send(
                 peer.endpoint,
                 RequestMeta(
@@ -287,6 +315,7 @@ class DecodeManager(RankBase[DecodeRoom]):
                     elected=p in writers,
                     staging_offset=offset,
                     staging_capacity_bytes=capacity,
+                    staging_region=region,
                 ),
             )
 
@@ -333,10 +362,10 @@ class DecodeManager(RankBase[DecodeRoom]):
             if offset is None:
                 for off, _ in lent.values():
                     staging.free(off)
-                if STAGING_SLOTS * slot > staging.nbytes:
+                if STAGING_SLOTS * slot > staging.cap_bytes:
                     raise TransferFailedError(
                         f"one token of this pair needs {slot} B of staging; the arena "
-                        f"holds {staging.nbytes} B (KVXFER_STAGING_BYTES)",
+                        f"may hold {staging.cap_bytes} B (KVXFER_STAGING_BYTES)",
                         rec.room,
                     )
                 return None
@@ -406,8 +435,10 @@ class DecodeManager(RankBase[DecodeRoom]):
         now = time.monotonic()
         try:
             plan = self._writer(rec, msg.tp_rank)
-            offset, capacity = rec.windows.get(msg.tp_rank, (-1, 0))
-            if not (offset <= msg.staging_offset and msg.staging_offset + msg.chunk_bytes <= offset + capacity):
+            window, capacity = rec.windows.get(msg.tp_rank, (-1, 0))
+            # ChunkReady speaks offsets in the window's staging segment, as RequestMeta did.
+            offset, base = (-1, 0) if window < 0 else self._live_staging.locate(window)[1:]
+            if not (0 <= offset <= msg.staging_offset and msg.staging_offset + msg.chunk_bytes <= offset + capacity):
                 raise TransferFailedError(
                     f"ChunkReady from prefill rank {msg.tp_rank} points outside its "
                     f"staging window [{offset}, {offset + capacity})",
@@ -424,9 +455,9 @@ class DecodeManager(RankBase[DecodeRoom]):
                 rec.state.handle(Event.CHUNK_STARTED, now)
         except KVXferError as exc:
             return self._fail_room(rec, str(exc))
-        self.worker_for(rec.room).submit(lambda: self._scatter(rec, plan, msg))
+        self.worker_for(rec.room).submit(lambda: self._scatter(rec, plan, msg, base + msg.staging_offset))
 
-    def _scatter(self, rec: DecodeRoom, plan: RequestPlan, msg: ChunkReady) -> None:
+    def _scatter(self, rec: DecodeRoom, plan: RequestPlan, msg: ChunkReady, arena_offset: int) -> None:
         from sglang_kvxfer import ops
 
         if rec.state.is_terminal:
@@ -436,16 +467,14 @@ class DecodeManager(RankBase[DecodeRoom]):
         try:
             piece = plan.scatter_slice(msg.token_start, msg.token_start + msg.num_tokens)
             pool = self._live_pool
-            ops.scatter_kv_heads(
-                self._live_staging.view(msg.staging_offset, msg.chunk_bytes),
-                pool.buffers[: g.num_layers],
-                pool.buffers[g.num_layers :] if g.has_v else None,
-                piece,
+            staging = self._live_staging.view(arena_offset, msg.chunk_bytes)
+            # On the copy stream, waited for by event: the slot is returned only once the
+            # bytes are in the pool, and the model's streams are not synchronized.
+            self.copy_stream.run(
+                lambda: ops.scatter_kv_heads(
+                    staging, pool.buffers[: g.num_layers], pool.buffers[g.num_layers :] if g.has_v else None, piece
+                )
             )
-            if self.config.device.startswith("cuda"):
-                import torch
-
-                torch.cuda.current_stream(self.config.device).synchronize()
         except Exception as exc:
             return self._fail_room(
                 rec, f"scatter of tokens [{msg.token_start}, {msg.token_start + msg.num_tokens}) failed: {exc}"

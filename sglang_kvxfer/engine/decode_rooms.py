@@ -62,7 +62,7 @@ class DecodeRoom:
         self.meta_sent = False
         self.writers: dict[int, HeadTransfer] = {}  # prefill rank -> its heads
         self.plans: dict[int, RequestPlan] = {}  # prefill rank -> the pair's plan (scatter slices)
-        self.windows: dict[int, tuple[int, int]] = {}  # prefill rank -> (offset, capacity)
+        self.windows: dict[int, tuple[int, int]] = {}  # prefill rank -> (arena offset, capacity)
         self.candidates: tuple[int, ...] = ()
         self.aux_payload = b""
         self.bytes = 0

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 
 from sglang_kvxfer.engine.config import EngineConfig
 from sglang_kvxfer.engine.control import ControlChannel
+from sglang_kvxfer.engine.copystream import CopyStream
 from sglang_kvxfer.engine.pool import KVPool, StagingArena
 from sglang_kvxfer.protocol.fields import Side
 from sglang_kvxfer.protocol.messages import Heartbeat
@@ -121,14 +122,20 @@ class RankBase(abc.ABC, Generic[R]):
         self._workers: list[Worker] = []
         self._helpers: list[threading.Thread] = []
         try:
+            device = pool.device if pool is not None else config.device
+            from sglang_kvxfer import ops  # torch: not at import time
+
+            ops.check_native_backend(device)  # before any memory is taken
             self.transport = transport = get_transport(config.transport, **config.transport_options)
             shared = config.transport == "local" and config.device == "cpu"
             if pool is not None and pool.placement != self.placement:
                 raise ValueError("pool was built for another placement than config")
             self.pool = pool = pool or KVPool.allocate(self.placement, config.device, shared=shared)
+            # Gathers and scatters run on this rank's own stream of the pool's device.
+            self.copy_stream = CopyStream(pool.device)
             self.kv_descriptors = pool.register(transport)
-            self.staging = staging = StagingArena(config.staging_bytes, config.device, shared=shared)
-            self.staging_descriptor = staging.register(transport)
+            # Lazy: no byte until a transfer is staged, then grown on demand up to the cap.
+            self.staging = StagingArena(config.staging_bytes, pool.device, shared=shared, transport=transport)
             self._workers = [
                 Worker(f"kvxfer-{self.side.value}{config.tp_rank}-w{i}") for i in range(config.num_workers)
             ]

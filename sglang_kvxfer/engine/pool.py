@@ -2,9 +2,10 @@
 
 Owns ``KVPool`` (a rank's KV buffers as torch tensors, either allocated here in one block
 or wrapped around buffers someone else allocated, and their registration with a
-transport), ``StagingArena`` (a registered byte region with a first-fit allocator, for the
-staged data path) and ``PageAllocator`` (page ids of a pool for the synthetic servers). It
-must not speak the protocol or move bytes between processes.
+transport), ``StagingArena`` (registered byte segments, allocated on first use and grown
+on demand up to a cap, with a first-fit allocator, for the staged data path) and
+``PageAllocator`` (page ids of a pool for the synthetic servers). It must not speak the
+protocol or move bytes between processes.
 """
 
 from __future__ import annotations
@@ -12,18 +13,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from sglang_kvxfer.errors import KVXferError
 from sglang_kvxfer.geometry import RankPlacement
 
 if TYPE_CHECKING:
     from sglang_kvxfer.transports.base import Region, Transport
 
-__all__ = ["BufferLoc", "KVPool", "StagingArena", "PageAllocator", "torch_dtype"]
+__all__ = ["BufferLoc", "KVPool", "StagingArena", "StagingLoc", "PageAllocator", "torch_dtype"]
 
 _ALIGN = 256  # buffer and staging offsets: keeps 16-byte vector copies aligned
+MIN_SEGMENT_BYTES = 1 << 20  # the smallest segment a staging arena adds
 
 
 def _align(n: int) -> int:
@@ -221,78 +224,180 @@ class KVPool:
         self._owners = []
 
 
+class StagingLoc(NamedTuple):
+    """Where an arena offset lives: its segment's ``region`` (None when the arena has no
+    transport), the offset inside that segment, and the segment's first arena offset."""
+
+    region: Region | None
+    offset: int
+    base: int
+
+
+class _Segment:
+    """One allocation of an arena: a registered byte block with its own free list."""
+
+    def __init__(self, base: int, tensor, owner, region: Region | None):
+        self.base, self.nbytes = base, int(tensor.numel())
+        self.tensor, self.owner, self.region = tensor, owner, region
+        self.free: list[tuple[int, int]] = [(0, self.nbytes)]  # sorted (local offset, size)
+
+
 class StagingArena:
-    """A registered byte region with a thread-safe first-fit allocator.
+    """Staging memory of one rank, allocated on first use and grown on demand up to a cap,
+    with a thread-safe first-fit allocator.
 
     Used on both sides of the staged path: the writer gathers into it before a write; the
-    reader lends windows of it to writers.
+    reader lends windows of it to writers. A rank that never stages allocates nothing. The
+    arena grows by segments, each at least as large as all earlier ones together (so a few
+    segments reach ``cap_bytes``) and registered with ``transport`` as its own region.
+    Offsets are arena-wide: segment k holds ``[base_k, base_k + size_k)``; an allocation
+    never spans two segments. Segments live until ``close()``, so a region a peer imported
+    stays valid.
     """
 
-    def __init__(self, nbytes: int, device: str = "cpu", shared: bool = False):
-        if nbytes < _ALIGN:
-            raise ValueError(f"staging arena of {nbytes} bytes is too small (minimum {_ALIGN})")
-        self.nbytes = _align(nbytes)
-        self.tensor, owner = _alloc_bytes(self.nbytes, device, shared)
-        self._owners = [owner] if owner is not None else []
-        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # sorted (offset, size)
-        self._used: dict[int, int] = {}
+    def __init__(
+        self,
+        cap_bytes: int,
+        device: str = "cpu",
+        shared: bool = False,
+        transport: Transport | None = None,
+        min_segment_bytes: int | None = None,
+    ):
+        if cap_bytes < _ALIGN:
+            raise ValueError(f"staging arena of {cap_bytes} bytes is too small (minimum {_ALIGN})")
+        self.cap_bytes = _align(cap_bytes)
+        self.device, self.shared = device, shared
+        self._transport = transport
+        self._min_segment = _align(max(min_segment_bytes or MIN_SEGMENT_BYTES, _ALIGN))
+        self._segments: list[_Segment] = []
+        self._used: dict[int, int] = {}  # arena offset -> size
         self._lock = threading.Lock()
-        self.region: Region | None = None
-        self._transport: Transport | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated now (0 until the first ``alloc``; at most ``cap_bytes``)."""
+        with self._lock:
+            return sum(seg.nbytes for seg in self._segments)
 
     @property
     def used_bytes(self) -> int:
         with self._lock:
             return sum(self._used.values())
 
+    @property
+    def num_segments(self) -> int:
+        with self._lock:
+            return len(self._segments)
+
+    @property
+    def regions(self) -> list[Region]:
+        """The registered region of every segment, oldest first."""
+        with self._lock:
+            return [seg.region for seg in self._segments if seg.region is not None]
+
     def alloc(self, nbytes: int) -> int | None:
-        """Offset of a free window of ``nbytes`` (aligned), or None when none fits now."""
+        """Arena offset of a free window of ``nbytes`` (aligned), growing the arena when no
+        segment has room and the cap allows; None when none fits now.
+
+        Raises:
+            KVXferError: the memory of a new segment could not be allocated or registered.
+        """
         size = _align(max(nbytes, 1))
         with self._lock:
-            for i, (off, free) in enumerate(self._free):
-                if free >= size:
-                    if free == size:
-                        self._free.pop(i)
-                    else:
-                        self._free[i] = (off + size, free - size)
-                    self._used[off] = size
+            for seg in self._segments:
+                off = self._take(seg, size)
+                if off is not None:
                     return off
+            grown = self._grow(size)
+            return None if grown is None else self._take(grown, size)
+
+    def _take(self, seg: _Segment, size: int) -> int | None:
+        for i, (off, free) in enumerate(seg.free):
+            if free >= size:
+                if free == size:
+                    seg.free.pop(i)
+                else:
+                    seg.free[i] = (off + size, free - size)
+                self._used[seg.base + off] = size
+                return seg.base + off
         return None
+
+    def _grow(self, size: int) -> _Segment | None:
+        total = sum(seg.nbytes for seg in self._segments)
+        room = self.cap_bytes - total
+        if size > room:
+            return None
+        nbytes = min(room, _align(max(size, total, self._min_segment)))
+        try:
+            tensor, owner = _alloc_bytes(nbytes, self.device, self.shared)
+        except (RuntimeError, OSError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            raise KVXferError(
+                f"the staging arena cannot grow by {nbytes} B on {self.device} "
+                f"({total} B allocated, cap {self.cap_bytes} B, KVXFER_STAGING_BYTES): {exc}"
+            ) from None
+        region = None
+        if self._transport is not None:
+            try:
+                region = self._transport.register_tensor(tensor)
+            except BaseException:
+                if owner is not None:
+                    owner.close()
+                raise
+        seg = _Segment(total, tensor, owner, region)
+        self._segments.append(seg)
+        return seg
+
+    def _segment(self, offset: int) -> _Segment:
+        for seg in self._segments:
+            if seg.base <= offset < seg.base + seg.nbytes:
+                return seg
+        raise ValueError(f"staging offset {offset} is outside the arena ({len(self._segments)} segment(s))")
 
     def free(self, offset: int) -> None:
         with self._lock:
             size = self._used.pop(offset, None)
             if size is None:
                 raise ValueError(f"staging offset {offset} is not allocated")
-            self._free.append((offset, size))
-            self._free.sort()
+            seg = self._segment(offset)
+            seg.free.append((offset - seg.base, size))
+            seg.free.sort()
             merged: list[tuple[int, int]] = []
-            for off, sz in self._free:
+            for off, sz in seg.free:
                 if merged and merged[-1][0] + merged[-1][1] == off:
                     merged[-1] = (merged[-1][0], merged[-1][1] + sz)
                 else:
                     merged.append((off, sz))
-            self._free = merged
+            seg.free = merged
+
+    def locate(self, offset: int) -> StagingLoc:
+        """The segment region of arena ``offset`` and the offset inside it."""
+        with self._lock:
+            seg = self._segment(offset)
+        return StagingLoc(seg.region, offset - seg.base, seg.base)
 
     def view(self, offset: int, nbytes: int):
-        return self.tensor[offset : offset + nbytes]
-
-    def register(self, transport: Transport) -> bytes:
-        region = transport.register_tensor(self.tensor)
-        self.region, self._transport = region, transport
-        return region.descriptor
+        """A uint8 tensor over ``nbytes`` at arena ``offset`` (inside one segment)."""
+        with self._lock:
+            seg = self._segment(offset)
+        local = offset - seg.base
+        if local + nbytes > seg.nbytes:
+            raise ValueError(f"staging [{offset}, {offset + nbytes}) crosses the end of its segment")
+        return seg.tensor[local : local + nbytes]
 
     def close(self) -> None:
-        if self._transport is not None and self.region is not None:
-            try:
-                self._transport.deregister(self.region)
-            except Exception:
-                pass
-        self._transport, self.region = None, None
-        self.tensor = None
-        for owner in self._owners:
-            owner.close()
-        self._owners = []
+        with self._lock:
+            segments, self._segments = self._segments, []
+            self._used = {}
+        for seg in segments:
+            if self._transport is not None and seg.region is not None:
+                try:
+                    self._transport.deregister(seg.region)
+                except Exception:  # the transport may already be closed
+                    pass
+            seg.tensor = None
+            if seg.owner is not None:
+                seg.owner.close()
+        self._transport = None
 
 
 class PageAllocator:

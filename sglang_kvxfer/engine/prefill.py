@@ -48,7 +48,7 @@ from sglang_kvxfer.protocol.messages import (
     TransferFailed,
 )
 from sglang_kvxfer.protocol.state import Event, KVPoll
-from sglang_kvxfer.transports.base import RemoteRegion
+from sglang_kvxfer.transports.base import RemoteRegion, Transport
 
 __all__ = ["PrefillManager", "KVSender"]
 
@@ -56,14 +56,25 @@ log = logging.getLogger("sglang_kvxfer.prefill")
 
 
 class DecodePeer(Peer):
-    """A registered decode rank: its placement, imported regions and buffer locations."""
+    """A registered decode rank: its placement, imported regions and buffer locations, and
+    the staging segments its ``RequestMeta``s named (imported on first use)."""
 
-    def __init__(self, msg: DecodeRegister, regions: list[RemoteRegion], staging: RemoteRegion | None, now: float):
+    def __init__(self, msg: DecodeRegister, regions: list[RemoteRegion], now: float):
         super().__init__(msg.session, msg.tp_rank, msg.endpoint, now)
         self.placement = msg.geometry.placement(msg.tp_size, msg.tp_rank)
         self.regions = regions
         self.locs = [BufferLoc(int(r), int(o)) for r, o in msg.kv_buffer_locs]
-        self.staging = staging
+        self._staging: dict[bytes, RemoteRegion] = {}
+        self._staging_lock = threading.Lock()
+
+    def staging_segment(self, transport: Transport, descriptor: bytes) -> RemoteRegion:
+        """The peer's staging segment ``descriptor`` as a ``RemoteRegion`` (imported once:
+        a decode rank's segments live as long as its session)."""
+        with self._staging_lock:
+            region = self._staging.get(descriptor)
+            if region is None:
+                region = self._staging[descriptor] = transport.import_region(self.session, descriptor)
+            return region
 
 
 class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
@@ -222,10 +233,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
                 msg.session, msg.agent_descriptor, secret=peer_secret(self.config.key, self.session, msg.session)
             )
             regions = [transport.import_region(msg.session, d) for d in msg.kv_regions]
-            staging = (
-                transport.import_region(msg.session, msg.staging_region) if msg.staging_region is not None else None
-            )
-            peer = DecodePeer(msg, regions, staging, time.monotonic())
+            peer = DecodePeer(msg, regions, time.monotonic())
             for b, loc in enumerate(peer.locs):
                 if (
                     not 0 <= loc.region < len(regions)
@@ -475,9 +483,12 @@ class KVSender(RequestHandle):
         """Hand over the next pages of the request (page-aligned; the last chunk ends it).
 
         ``aux`` (last chunk only) reaches every decode reader with ``TransferDone``.
-        ``ready`` (optional, e.g. a ``torch.cuda.Event``): the worker calls its
-        ``synchronize()`` before it reads these pages, so a chunk can be handed over while
-        the forward that writes it is still running.
+        ``ready`` (optional): marks when these pages' KV is written, so a chunk can be
+        handed over while the forward that writes it is still running. A
+        ``torch.cuda.Event`` recorded on the producer's stream: the gathers of the staged
+        path wait for it on the engine's own copy stream (no host wait; the producer's
+        stream is never synchronized); a direct write, or any other object with a
+        ``synchronize()`` method, waits for it on the worker thread first.
         """
         if self._finished:
             raise ValueError(f"room {self.room}: send() after the last chunk")

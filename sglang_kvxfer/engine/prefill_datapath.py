@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from sglang_kvxfer.engine.manager import RankBase
-from sglang_kvxfer.engine.prefill_rooms import Chunk, PrefillRoom
+from sglang_kvxfer.engine.prefill_rooms import Chunk, PrefillRoom, Synchronizable
 from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeoutError
 from sglang_kvxfer.metrics import SINCE_FIRST_BYTE, SINCE_LAST_CHUNK
 from sglang_kvxfer.planning import DataPath, HeadTransfer, KVSlice, RequestPlan, TPPlan
@@ -28,7 +28,7 @@ from sglang_kvxfer.planning.byteplan import staged_op_count
 from sglang_kvxfer.protocol.fields import STAGING_SLOTS
 from sglang_kvxfer.protocol.messages import ChunkReady, RequestMeta, TransferDone
 from sglang_kvxfer.protocol.state import Event, KVPoll
-from sglang_kvxfer.transports.base import Ticket, TicketState, wait_all
+from sglang_kvxfer.transports.base import RemoteRegion, Ticket, TicketState, wait_all
 
 if TYPE_CHECKING:
     from sglang_kvxfer.engine.prefill import DecodePeer
@@ -94,8 +94,9 @@ class PrefillDataPath(RankBase[PrefillRoom]):
     # -- the data path (worker thread) -----------------------------------------------------------
     def _send_chunk(self, rec: PrefillRoom, chunk: Chunk) -> None:
         g = self.config.geometry
-        if chunk.ready is not None:
-            chunk.ready.synchronize()  # the forward that writes these pages may still run
+        # The forward that writes these pages may still run: gathers wait for ``ready`` on
+        # the copy stream; a direct write (the transport reads the pool) waits here first.
+        ready = chunk.ready
         rec.src_pages = np.concatenate([rec.src_pages, chunk.pages])
         tp_plan, total = self._layout(rec)
         start = rec.tokens_sent
@@ -124,9 +125,12 @@ class PrefillDataPath(RankBase[PrefillRoom]):
                 peer = self._peer_of(meta)
                 plan = self._reader_plan(rec, t, peer, meta)
                 if meta.staging_offset < 0:
+                    if ready is not None:
+                        ready.synchronize()
+                        ready = None
                     tickets += self._write_direct(rec, plan, peer, start, stop)
                 else:
-                    self._write_staged(rec, plan, peer, meta, start, stop)
+                    self._write_staged(rec, plan, peer, meta, start, stop, ready)
             if tickets:
                 t0 = time.perf_counter()
                 wait_all(tickets, self.config.transfer_timeout_s)
@@ -213,13 +217,22 @@ class PrefillDataPath(RankBase[PrefillRoom]):
         return tickets
 
     def _write_staged(
-        self, rec: PrefillRoom, plan: RequestPlan, peer: DecodePeer, meta: RequestMeta, start: int, stop: int
+        self,
+        rec: PrefillRoom,
+        plan: RequestPlan,
+        peer: DecodePeer,
+        meta: RequestMeta,
+        start: int,
+        stop: int,
+        ready: Synchronizable | None = None,
     ) -> None:
         """Stream tokens [start, stop) through the reader's two staging slots: gather slot
-        k+1 while slot k is on the wire; announce each slot once its write completed."""
+        k+1 while slot k is on the wire; announce each slot once its write completed. Each
+        gather is ordered after ``ready`` (the chunk's producer event)."""
         t = plan.transfer
-        if peer.staging is None:
-            raise TransferFailedError(f"decode rank {t.decode_rank} registered no staging region", rec.room)
+        if meta.staging_region is None:  # RequestMeta refuses a staged window without one
+            raise TransferFailedError(f"decode rank {t.decode_rank} named no staging region", rec.room)
+        remote = peer.staging_segment(self._live_transport, meta.staging_region)
         slot_bytes = meta.staging_capacity_bytes // STAGING_SLOTS
         per_token = plan.token_nbytes
         step = slot_bytes // per_token
@@ -233,7 +246,7 @@ class PrefillDataPath(RankBase[PrefillRoom]):
             while a < stop or inflight:
                 if a < stop and len(inflight) < STAGING_SLOTS:
                     b = min(stop, a + step)
-                    inflight.append(self._post_slot(rec, plan, peer, meta, a, b, slot_bytes))
+                    inflight.append(self._post_slot(rec, plan, remote, meta, a, b, slot_bytes, ready))
                     a = b
                     continue
                 self._complete_slot(rec, t, peer, inflight.popleft())
@@ -251,16 +264,21 @@ class PrefillDataPath(RankBase[PrefillRoom]):
             raise
 
     def _post_slot(
-        self, rec: PrefillRoom, plan: RequestPlan, peer: DecodePeer, meta: RequestMeta, a: int, b: int, slot_bytes: int
+        self,
+        rec: PrefillRoom,
+        plan: RequestPlan,
+        remote: RemoteRegion,
+        meta: RequestMeta,
+        a: int,
+        b: int,
+        slot_bytes: int,
+        ready: Synchronizable | None = None,
     ) -> _Slot:
         """Gather tokens [a, b) for one staging slot and start moving it. Where the transport
         maps the reader's staging here (``local`` shared memory, CUDA IPC) on the KV
         buffers' device, the gather writes straight into the slot: no local staging and no
         transport write. Otherwise it gathers into local staging and ``write()`` moves it."""
         t = plan.transfer
-        remote = peer.staging
-        if remote is None:  # _write_staged checked it already
-            raise TransferFailedError(f"decode rank {t.decode_rank} registered no staging region", rec.room)
         t0 = time.perf_counter()
         piece = plan.gather_slice(a, b)  # a view of the plan's pages: nothing is planned again
         nbytes = plan.nbytes(a, b)
@@ -272,16 +290,17 @@ class PrefillDataPath(RankBase[PrefillRoom]):
             with self._live_transport.remote_view(remote, remote_off, nbytes) as view:
                 if view is not None and self._gatherable(view):
                     t1 = time.perf_counter()
-                    self._gather(piece, view)
+                    self._gather(piece, view, ready)
                     ticket = Ticket.completed(f"room {rec.room}: gathered into the reader's slot")
                     in_place = True
             if not in_place:
                 local_off = self._alloc_local(rec, nbytes)
                 t1 = time.perf_counter()
                 staging = self._live_staging
-                self._gather(piece, staging.view(local_off, nbytes))
+                self._gather(piece, staging.view(local_off, nbytes), ready)
+                loc = staging.locate(local_off)  # the segment region holding local_off
                 ticket = self._live_transport.write(
-                    self._open(staging.region, "staging region"), remote, [local_off], [remote_off], [nbytes]
+                    self._open(loc.region, "staging region"), remote, [loc.offset], [remote_off], [nbytes]
                 )
         except BaseException:
             if local_off is not None:
@@ -307,15 +326,19 @@ class PrefillDataPath(RankBase[PrefillRoom]):
 
         return torch.device(device) == self._live_pool.buffers[0].device
 
-    def _gather(self, piece: KVSlice, out) -> None:
+    def _gather(self, piece: KVSlice, out, ready: Synchronizable | None = None) -> None:
+        """Gather ``piece`` into ``out`` on the copy stream, after ``ready``; returns once
+        the bytes are in ``out`` (an event wait: the model's streams are not synchronized)."""
         from sglang_kvxfer import ops
 
         g = self.config.geometry
         pool = self._live_pool
-        ops.gather_kv_heads(
-            pool.buffers[: g.num_layers], pool.buffers[g.num_layers :] if g.has_v else None, piece, out=out
+        self.copy_stream.run(
+            lambda: ops.gather_kv_heads(
+                pool.buffers[: g.num_layers], pool.buffers[g.num_layers :] if g.has_v else None, piece, out=out
+            ),
+            ready,
         )
-        self._sync_device()
 
     def _complete_slot(self, rec: PrefillRoom, t: HeadTransfer, peer: DecodePeer, entry: _Slot) -> None:
         ticket, local_off, remote_off, nbytes, a, b, t_posted = entry
@@ -379,15 +402,9 @@ class PrefillDataPath(RankBase[PrefillRoom]):
             if time.monotonic() > deadline:
                 raise TransferTimeoutError(
                     f"room {rec.room}: no {nbytes} B free in the prefill staging "
-                    f"arena ({self._live_staging.nbytes} B, KVXFER_STAGING_BYTES)"
+                    f"arena (cap {self._live_staging.cap_bytes} B, KVXFER_STAGING_BYTES)"
                 )
             time.sleep(0.001)
-
-    def _sync_device(self) -> None:
-        if self.config.device.startswith("cuda"):
-            import torch
-
-            torch.cuda.current_stream(self.config.device).synchronize()
 
     def _finish(self, rec: PrefillRoom, readers, aux: bytes) -> None:
         timings = {k: round(v, 6) for k, v in rec.timings.items()}

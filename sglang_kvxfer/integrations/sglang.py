@@ -18,6 +18,7 @@ lookup patch in ``sglang_install``. Importing this module imports SGLang's base 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -305,6 +306,7 @@ class _Request:
     def _observe(self, state: int) -> int:
         if state == KVPoll.Failed or state == KVPoll.Success:
             self.conclude_state = int(state)
+            self._write_record()
             return self.conclude_state
         self._status = max(self._status, int(state))
         return self._status
@@ -318,6 +320,22 @@ class _Request:
         if self._engine is not None:
             self._engine.abort(reason)
         log.warning("kvxfer room %d failed: %s", self.bootstrap_room, reason)
+        self._write_record()
+
+    def _write_record(self) -> None:
+        """Append this request's record to ``KVXFER_RECORDS_FILE`` (once; never raises)."""
+        path = envs.KVXFER_RECORDS_FILE.get()
+        if not path or self._engine is None or getattr(self, "_recorded", False):
+            return
+        self._recorded = True
+        try:
+            line = self._engine.record.to_dict()
+            if self._reason and not line.get("reason"):
+                line.update(ok=False, reason=self._reason)
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except Exception:
+            log.warning("kvxfer room %d: could not append its record to %s", self.bootstrap_room, path, exc_info=True)
 
     def _fail_from(self, where: str, exc: Exception) -> None:
         """A scheduler call failed: fail this request with why, never raise into the loop."""

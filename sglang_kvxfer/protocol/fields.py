@@ -59,7 +59,7 @@ __all__ = [
 # -- limits --------------------------------------------------------------------------------
 # Bump PROTOCOL_VERSION on any change of a message's fields or their meaning; peers with a
 # different version are rejected at the first frame with a message saying so.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: staging_region moved from DecodeRegister to RequestMeta
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name
 MAX_ENDPOINT_CHARS = 256  # "tcp://host:port"

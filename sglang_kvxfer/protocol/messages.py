@@ -194,7 +194,9 @@ class DecodeRegister(Message):
     ``kv_regions`` holds the descriptors of the regions the KV buffers live in (one per
     buffer, or one for a pool allocated in one block); ``kv_buffer_locs`` gives, per buffer
     (K_0..K_{L-1}, V_0..V_{L-1}), its ``(region index, byte offset)``.
-    ``staging_region`` / ``aux_region`` are None when this rank has none.
+    ``aux_region`` is None when this rank has none. Staging memory is not registered
+    here: it is allocated on first staged use, and each ``RequestMeta`` names the segment
+    its window lies in.
     """
 
     engine_version: Name
@@ -206,7 +208,6 @@ class DecodeRegister(Message):
     transport: TransportName
     agent_descriptor: AgentDescriptor
     kv_regions: KVRegions
-    staging_region: MaybeRegion
     aux_region: MaybeRegion
     kv_buffer_locs: BufferLocs
 
@@ -251,7 +252,8 @@ class RequestMeta(Message):
     ``dst_page_ids``: read-only ``numpy.int32`` array ``[num_pages]`` of this decode rank's
     pages. ``elected``: whether this prefill rank writes to this decode rank for this room.
     ``staging_offset`` / ``staging_capacity_bytes``: this pair's window in the decode
-    staging region, or ``-1`` / ``0`` on the direct path.
+    staging region ``staging_region`` (the descriptor of the staging segment holding it), or
+    ``-1`` / ``0`` / None on the direct path.
     """
 
     room: Room
@@ -264,6 +266,7 @@ class RequestMeta(Message):
     elected: Bool
     staging_offset: OffsetOrNone
     staging_capacity_bytes: Count
+    staging_region: MaybeRegion
 
     def _validate(self) -> None:
         _rank_below_size(self)
@@ -273,6 +276,12 @@ class RequestMeta(Message):
                 "staging_capacity_bytes",
                 f"={self.staging_capacity_bytes} does not fit staging_offset={self.staging_offset} "
                 "(direct path: offset -1 and capacity 0; staged: offset >= 0 and capacity > 0)",
+            )
+        if direct != (self.staging_region is None):
+            self._bad(
+                "staging_region",
+                f"must be {'None on the direct path' if direct else 'a region descriptor on the staged path'} "
+                f"(staging_offset={self.staging_offset})",
             )
 
 

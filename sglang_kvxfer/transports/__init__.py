@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sglang_kvxfer.errors import TransportUnavailableError
-from sglang_kvxfer.transports.base import Caps, PeerFailure, Region, RemoteRegion, Transport
+from sglang_kvxfer.transports.base import Caps, PeerFailure, Region, RemoteRegion, Transport, parse_device
 from sglang_kvxfer.transports.ticket import Ticket, TicketState, wait_all
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "available_transports",
     "registered_transports",
     "register_transport",
+    "choose_transport",
+    "check_serves_devices",
     "Transport",
     "Caps",
     "Region",
@@ -101,6 +104,43 @@ def get_transport(name: str, **options) -> Transport:
     except ImportError as exc:
         raise TransportUnavailableError(f"transport {name!r} could not be imported from {module_name}: {exc}") from exc
     return getattr(module, attr)(**options)
+
+
+def _transport_class(name: str) -> type[Transport]:
+    entry = _REGISTRY[name]
+    module_name, _, attr = entry.target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+# the transports whose modules import no library and no torch: their caps can be read here
+_BUILT_IN = ("local", "tcp")
+
+
+def check_serves_devices(name: str, devices: Sequence[str]) -> None:
+    """Raise ``TransportUnavailableError`` when built-in transport ``name`` cannot register
+    memory of every one of ``devices`` (``"cpu"``, ``"cuda:N"``); other transports are
+    not imported for this and pass."""
+    if name not in _BUILT_IN:
+        return
+    kinds = sorted({parse_device(d)[0] for d in devices})
+    caps = _transport_class(name).caps
+    missing = [k for k in kinds if k not in caps.mem_kinds]
+    if missing:
+        raise TransportUnavailableError(
+            f"transport {name!r} cannot move {' or '.join(missing)} memory (it moves "
+            f"{', '.join(sorted(caps.mem_kinds))}); pick a transport that can"
+        )
+
+
+def choose_transport(devices: Sequence[str], *, same_host: bool) -> str:
+    """What ``--transport auto`` means for KV pools on ``devices``: ``local`` when every
+    peer runs on this host (shared memory, CUDA IPC), else ``tcp`` (host memory directly,
+    GPU memory through pinned host bounce buffers). RDMA transports are never picked
+    here: ask for ``nixl`` or ``mori`` by name. Raises ``TransportUnavailableError`` when
+    the pick cannot move memory of one of the devices."""
+    name = "local" if same_host else "tcp"
+    check_serves_devices(name, devices)
+    return name
 
 
 register_transport("local", "sglang_kvxfer.transports.local:LocalTransport")

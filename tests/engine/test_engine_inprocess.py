@@ -11,6 +11,7 @@ import zmq
 
 from sglang_kvxfer.engine import BootstrapServer, EngineConfig, KVManager, KVPoll, KVReceiver, KVSender
 from sglang_kvxfer.errors import TransferFailedError
+from sglang_kvxfer.protocol import PROTOCOL_VERSION
 
 from .harness import FAST, Cluster, geometry, wait_terminal
 
@@ -162,8 +163,8 @@ def test_malformed_frames_are_logged_and_dropped(caplog):
         payloads = [
             b"\x00garbage",
             msgpack.packb([99, "Heartbeat", {}]),
-            msgpack.packb([1, "Heartbeat", {"session": 5}]),
-            msgpack.packb([1, "NoSuchMessage", {}]),
+            msgpack.packb([PROTOCOL_VERSION, "Heartbeat", {"session": 5}]),
+            msgpack.packb([PROTOCOL_VERSION, "NoSuchMessage", {}]),
             msgpack.packb({"a": 1}),
         ]
         # Authenticated envelopes around malformed payloads (a key holder's bug), and one

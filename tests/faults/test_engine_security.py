@@ -82,6 +82,7 @@ def meta_for(room: int, session: str, pages, tokens: int) -> RequestMeta:
         elected=True,
         staging_offset=-1,
         staging_capacity_bytes=0,
+        staging_region=None,
     )
 
 

@@ -137,3 +137,67 @@ def test_disable_native_env_var(monkeypatch):
     monkeypatch.setenv("KVXFER_DISABLE_NATIVE", "maybe")
     with pytest.raises(ValueError, match="KVXFER_DISABLE_NATIVE='maybe'"):
         _native.cpu_library()
+
+
+def _fake_nvcc(root: Path, release: str) -> str:
+    """``root/bin/nvcc`` that prints ``release`` as ``nvcc --version`` does."""
+    (root / "bin").mkdir(parents=True)
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.1'\n")
+    nvcc.chmod(0o755)
+    return str(nvcc)
+
+
+def _fake_torch(monkeypatch, tmp_path: Path, version_py: str) -> None:
+    """``build`` sees a torch package whose version.py is ``version_py`` (never imported)."""
+    import types
+
+    pkg = tmp_path / "faketorch"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('never imported')\n")
+    (pkg / "version.py").write_text(version_py)
+    spec = types.SimpleNamespace(origin=str(pkg / "__init__.py"))
+    util = types.SimpleNamespace(find_spec=lambda name: spec if name == "torch" else None)
+    monkeypatch.setattr(build, "importlib", types.SimpleNamespace(util=util))
+
+
+def test_torch_cuda_version_is_read_without_importing_torch(monkeypatch, tmp_path):
+    import torch
+
+    assert build.torch_cuda_version() == torch.version.cuda  # this machine's torch, as torch says
+    _fake_torch(monkeypatch, tmp_path, "__version__ = '2.11.0+cu130'\ncuda: Optional[str] = '13.0'\n")
+    assert build.torch_cuda_version() == "13.0"
+
+
+def test_cuda_build_takes_the_nvcc_of_torchs_cuda_and_links_its_runtime_shared(monkeypatch, tmp_path):
+    on_path = _fake_nvcc(tmp_path / "cuda-13.0", "13.0")
+    home = _fake_nvcc(tmp_path / "cuda-12.8", "12.8")
+    monkeypatch.setenv("PATH", f"{Path(on_path).parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda-12.8"))
+    assert build.find_nvcc() == on_path  # no preference: the first found
+    assert build.find_nvcc("12.4") == home  # torch's major version wins over PATH order
+    _fake_torch(monkeypatch, tmp_path, "cuda: Optional[str] = '12.4'\n")
+    tc = build.cuda_toolchain()
+    assert (tc.nvcc, tc.version, tc.torch_cuda, tc.cudart) == (home, "12.8", "12.4", "shared")
+    assert "torch built with CUDA 12.4, cudart shared" in tc.describe()
+    _fake_torch(monkeypatch, tmp_path / "b", "cuda: Optional[str] = '11.8'\n")  # no nvcc 11 here
+    tc = build.cuda_toolchain()
+    assert (tc.nvcc, tc.cudart) == (on_path, "static")
+    _fake_torch(monkeypatch, tmp_path / "c", "cuda: Optional[str] = None\n")  # a CPU torch
+    assert build.cuda_toolchain().cudart == "static"
+
+
+def test_cuda_command_links_the_runtime_as_asked():
+    assert "-cudart=static" in build.cuda_command("nvcc", CSRC, Path("o.so"), ["90"])
+    assert "-cudart=shared" in build.cuda_command("nvcc", CSRC, Path("o.so"), ["90"], cudart="shared")
+    with pytest.raises(ValueError, match="cudart='dynamic' must be 'shared' or 'static'"):
+        build.cuda_command("nvcc", CSRC, Path("o.so"), ["90"], cudart="dynamic")
+
+
+@needs_nvcc
+def test_shared_cudart_build_needs_the_runtime_of_nvccs_major_version(tmp_path):
+    tc = build.CudaToolchain(NVCC, build.nvcc_version(NVCC), None, "shared")
+    out = build.build_cuda(tmp_path / build.CUDA_LIBRARY, ["90"], toolchain=tc)
+    dynamic = subprocess.run(["readelf", "-d", str(out)], capture_output=True, text=True, timeout=60).stdout
+    major = tc.version.split(".")[0]
+    assert f"[libcudart.so.{major}]" in dynamic, dynamic

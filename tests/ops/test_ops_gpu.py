@@ -10,12 +10,10 @@ from hypothesis import HealthCheck, given, settings
 
 from sglang_kvxfer import _native, ops
 from sglang_kvxfer._native import build
+from tests.facts import needs_cuda
 from tests.ops.ops_cases import cases, clone_all, emulate_cuda, random_pool, same_bytes
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
-]
+pytestmark = [pytest.mark.gpu, needs_cuda]
 DEV = "cuda"
 HYP = settings(
     max_examples=60,
@@ -155,3 +153,71 @@ def test_cuda_page_id_errors():
         )
     torch.cuda.synchronize()
     assert same_bytes(k[0], before)  # the rejected scatter wrote nothing
+
+
+# ~0.2-0.5 s on current GPUs (1-2 GHz): far longer than a launch, so a copy that does not
+# wait for the producer reads the pool before the fill lands.
+_SLEEP_CYCLES = 400_000_000
+
+
+@pytest.mark.parametrize("with_ready", [True, False], ids=["ready", "no-ready"])
+def test_copy_stream_orders_the_gather_after_the_producers_event(with_ready):
+    from sglang_kvxfer.engine.copystream import CopyStream
+
+    k = [torch.zeros(64 * 16, 8, 128, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    pages = list(range(63, -1, -1))
+    kw = dict(page_size=16, head_start=2, num_heads=4)
+    out = torch.full((ops.staging_nbytes(2, 64 * 16, 4, 128, 0, 2),), 0xA5, dtype=torch.uint8, device=DEV)
+    torch.cuda.synchronize()
+    producer = torch.cuda.Stream()  # the model's forward: a long kernel, then the KV write
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(_SLEEP_CYCLES)
+        for t in k:
+            t.fill_(3.0)
+        ready = torch.cuda.Event()
+        ready.record(producer)
+    copies = CopyStream(DEV)
+    copies.run(lambda: ops.gather_kv_heads(k, None, pages, out=out, **kw), ready if with_ready else None)
+    got = out.clone()  # what the gather wrote by the time run() returned
+    producer.synchronize()
+    expect = ops.gather_kv_heads_reference([t.cpu() for t in k], None, pages, **kw)
+    if with_ready:
+        assert same_bytes(got.cpu(), expect)  # every byte of the fill
+    else:
+        # Not ordered: the gather ran while the producer slept and read the zeros.
+        assert not same_bytes(got.cpu(), expect)
+        assert bool((got == 0).all())
+
+
+def test_copy_stream_leaves_the_callers_stream_alone():
+    from sglang_kvxfer.engine.copystream import CopyStream
+
+    k = [torch.ones(64 * 16, 8, 128, dtype=torch.bfloat16, device=DEV)]
+    out = torch.empty(ops.staging_nbytes(1, 64 * 16, 4, 128, 0, 2), dtype=torch.uint8, device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_SLEEP_CYCLES)  # the caller's (default) stream is busy
+    CopyStream(DEV).run(
+        lambda: ops.gather_kv_heads(k, None, list(range(64)), out=out, page_size=16, head_start=0, num_heads=4)
+    )
+    assert not torch.cuda.current_stream().query()  # returned without waiting for the caller's stream
+    torch.cuda.synchronize()
+    assert bool((out.view(torch.bfloat16) == 1).all())
+
+
+def test_kernel_launcher_moves_the_same_bytes_as_the_full_call():
+    gen = torch.Generator().manual_seed(5)
+    k = _to(random_pool("HND", 32, 16, 8, 128, torch.bfloat16, 2, gen), DEV)
+    v = _to(random_pool("HND", 32, 16, 8, 128, torch.bfloat16, 2, gen), DEV)
+    pages = torch.randperm(32, generator=gen).tolist()
+    kw = dict(page_size=16, head_start=1, num_heads=3, layout="HND")
+    expect = ops.gather_kv_heads(k, v, pages, **kw)
+    staging = torch.zeros_like(expect)
+    launch = ops.cuda_kernel_launcher(staging, k, v, pages, gather=True, **kw)
+    launch()
+    torch.cuda.synchronize()
+    assert same_bytes(staging, expect)
+    dk = [torch.zeros_like(t) for t in k]
+    dv = [torch.zeros_like(t) for t in v]
+    ops.cuda_kernel_launcher(staging, dk, dv, pages, gather=False, **kw)()
+    torch.cuda.synchronize()
+    assert same_bytes(ops.gather_kv_heads(dk, dv, pages, **kw), expect)

@@ -118,7 +118,6 @@ def decode_registers(draw):
         draw(st.binary(min_size=1, max_size=512)),
         regions,
         draw(st.one_of(st.none(), blobs)),
-        draw(st.one_of(st.none(), blobs)),
         locs,
     )
 
@@ -144,6 +143,7 @@ def request_metas(draw):
         draw(st.booleans()),
         draw(counts) if staged else -1,
         draw(positives) if staged else 0,
+        draw(blobs) if staged else None,
     )
 
 

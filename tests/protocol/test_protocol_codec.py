@@ -27,7 +27,7 @@ from sglang_kvxfer.protocol import (
 )
 
 GEO = KVGeometry(num_layers=2, total_kv_heads=8, head_dim=64)
-META = RequestMeta(7, "dec-1", 1, 2, 40, [3, 9, 4], 5, True, -1, 0)
+META = RequestMeta(7, "dec-1", 1, 2, 40, [3, 9, 4], 5, True, -1, 0, None)
 REG = DecodeRegister(
     "0.1.0",
     "dec-1",
@@ -38,7 +38,6 @@ REG = DecodeRegister(
     "tcp",
     b"agent",
     [b"k0", b"k1", b"v0", b"v1"],
-    None,
     b"aux",
     [(0, 0), (1, 0), (2, 0), (3, 0)],
 )
@@ -203,7 +202,8 @@ def test_unknown_field():
         (REG, "geometry", "bf16", "DecodeRegister.geometry must be a KVGeometry or its dict, got str 'bf16'"),
         (REG, "kv_regions", b"k0", "DecodeRegister.kv_regions must be a list, got bytes b'k0'"),
         (REG, "kv_regions", [b"k0", "k1"], "DecodeRegister.kv_regions[1] must be bytes, got str 'k1'"),
-        (REG, "staging_region", "none", "DecodeRegister.staging_region must be bytes, got str 'none'"),
+        (REG, "aux_region", "none", "DecodeRegister.aux_region must be bytes, got str 'none'"),
+        (META, "staging_region", "none", "RequestMeta.staging_region must be bytes, got str 'none'"),
         (DONE, "aux_payload", "x", "TransferDone.aux_payload must be bytes, got str 'x'"),
         (DONE, "timings", [1.0], "TransferDone.timings must be a dict of str -> seconds, got list"),
         (DONE, "timings", {"write": "fast"}, "TransferDone.timings['write'] must be a number, got str 'fast'"),
@@ -349,7 +349,6 @@ def test_encode_refuses_a_frame_the_peer_would_refuse():
         "tcp",
         b"a",
         [region] * (MAX_FRAME_BYTES // len(region) + 1),
-        None,
         None,
         [(0, 0)] * 4,
     )

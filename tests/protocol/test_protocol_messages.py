@@ -46,6 +46,7 @@ def meta(**over):
         elected=True,
         staging_offset=-1,
         staging_capacity_bytes=0,
+        staging_region=None,
     )
     fields.update(over)
     return RequestMeta(**fields)
@@ -62,7 +63,6 @@ def decode_register(**over):
         transport="tcp",
         agent_descriptor=b"agent",
         kv_regions=[b"k0", b"k1", b"v0", b"v1"],
-        staging_region=None,
         aux_region=b"aux",
         kv_buffer_locs=[(0, 0), (1, 0), (2, 0), (3, 0)],
     )
@@ -197,6 +197,14 @@ def test_a_reason_with_a_lone_surrogate_is_escaped_so_it_can_be_sent():
         (lambda: meta(aux_slot=-2), "RequestMeta.aux_slot=-2 is out of range [-1, 2147483647]"),
         (lambda: meta(staging_offset=0), "RequestMeta.staging_capacity_bytes=0 does not fit staging_offset=0"),
         (lambda: meta(staging_capacity_bytes=8), "staging_capacity_bytes=8 does not fit staging_offset=-1"),
+        (
+            lambda: meta(staging_region=b"seg"),
+            "RequestMeta.staging_region must be None on the direct path (staging_offset=-1)",
+        ),
+        (
+            lambda: meta(staging_offset=0, staging_capacity_bytes=8),
+            "RequestMeta.staging_region must be a region descriptor on the staged path (staging_offset=0)",
+        ),
         (lambda: meta(dst_page_ids=[1, -2]), "RequestMeta.dst_page_ids[1]=-2 is out of range [0, 2147483647]"),
         (lambda: meta(dst_page_ids=[2**31]), "RequestMeta.dst_page_ids[0]=2147483648 is out of range"),
         (lambda: meta(dst_page_ids=np.array([0, 2**31])), "RequestMeta.dst_page_ids[1]=2147483648 is out of range"),

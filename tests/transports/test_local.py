@@ -267,6 +267,7 @@ def test_cpu_and_cuda_regions_cannot_be_mixed(shm_peer):
 
 def _cuda_region(agent: str, **ipc_changes) -> bytes:
     ipc = {
+        "gpu": "GPU-00000000-0000-0000-0000-000000000001",
         "device": 0,
         "handle": b"\0" * 64,
         "storage_bytes": 4096,
@@ -297,7 +298,9 @@ def test_cuda_region_that_cannot_be_opened_is_a_transport_error(shm_peer):
     with LocalTransport() as t:
         t.add_peer("p", shm_peer.agent)
         # no CUDA here, or (on a GPU machine) a handle of zeros: either way it cannot open
-        with pytest.raises(TransportError, match="cannot open peer 'p'.s CUDA region by CUDA IPC"):
+        with pytest.raises(
+            TransportError, match=r"cannot open peer 'p'.s CUDA region \(GPU-0+-0000-0000-0000-0+1\) by CUDA IPC"
+        ):
             t.import_region("p", _cuda_region(agent))
 
 

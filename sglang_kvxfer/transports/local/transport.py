@@ -8,10 +8,17 @@ How bytes move, by the kind of the destination region:
   (up to 1024 entries a call). Registration fails if this host forbids it; ``import_region``
   probes it with a 1-byte read and says why it is refused.
 * ``cuda``: a CUDA tensor shared by CUDA IPC (``local.cuda_ipc``); a write is an async device
-  copy on a side stream and the ticket completes on a CUDA event.
+  copy on a side stream and the ticket completes on a CUDA event. The descriptor names the
+  exporter's GPU by UUID, so the importer maps it on its own index of that GPU whatever
+  either process's ``CUDA_VISIBLE_DEVICES`` (``remote_view`` hands out no view of a GPU
+  this process cannot see: such writes go through ``write()``).
 
 CPU writes complete inside ``write()`` on the caller's thread (no receiver thread exists).
-A peer's exit is seen through a pidfd: writes after it fail with ``PeerGoneError``.
+A peer's exit is seen through a pidfd: writes after it fail with ``PeerGoneError``. Memory
+mapped by CUDA IPC is never written once its exporter has exited (that can corrupt this
+process's CUDA context): every CUDA post and every CUDA ``remote_view`` first polls the
+peer's pidfd (one non-blocking ``select``, about a microsecond per batch, not per entry),
+and a peer in another pid namespace, whose exit cannot be seen, is refused CUDA IPC.
 
 Trust boundary: the Unix user. Any process of the same user can open ``/proc/<pid>/fd/<n>``
 of a shared pool, ``process_vm_writev`` private memory where the kernel allows it, and open
@@ -96,6 +103,8 @@ class _Target:
     device: str
     base: int = 0  # shm: address of the region in our mapping; cma: in the peer
     mapping: Any = None  # shm: the mmap; cuda: the uint8 tensor
+    gpu: str = ""  # cuda: the exporter's GPU identity (cuda_ipc.gpu_identity)
+    gpu_visible: bool = False  # cuda: that GPU is visible here, as ``device``
 
 
 class LocalTransport(Transport):
@@ -274,7 +283,9 @@ class LocalTransport(Transport):
                 f"region descriptor belongs to agent {desc['agent']!r}, but peer {peer_id!r} is agent {peer.agent!r}"
             )
         target = self._open_target(peer_id, peer, kind, desc)
-        remote = RemoteRegion(peer_id, desc["region"], desc["nbytes"], desc["device"])
+        # a CUDA region is named by where it is mapped here, not by the exporter's index
+        device = target.device if kind == "cuda" else desc["device"]
+        remote = RemoteRegion(peer_id, desc["region"], desc["nbytes"], device)
         try:
             self._targets.add((peer_id, remote.region_id), target)
         except ValueError:
@@ -304,17 +315,33 @@ class LocalTransport(Transport):
             except OSError as exc:
                 raise _cma_error(peer_id, exc, probing=True) from None
             return _Target("cma", nbytes, "cpu", desc["addr"])
+        return self._open_cuda_target(peer_id, peer, nbytes, desc["ipc"])
+
+    def _open_cuda_target(self, peer_id: str, peer: _Peer, nbytes: int, ipc: object) -> _Target:
         from sglang_kvxfer.transports.local import cuda_ipc as _cuda_ipc
 
+        ipc = _cuda_ipc.check_ipc(ipc)
+        if peer.pidfd is None:
+            raise TransportError(
+                f"peer {peer_id!r} runs in another pid namespace, so this process cannot see "
+                "it exit, and writing CUDA IPC memory of an exited exporter can corrupt this "
+                "process's CUDA context; run both in one pid namespace, or use 'tcp' or 'nixl'"
+            )
+        if self._exited(peer):
+            raise PeerGoneError(f"peer {peer_id!r} (pid {peer.pid}) has exited; its CUDA region is not opened")
         try:
-            tensor = _cuda_ipc.import_tensor(desc["ipc"])
+            index = _cuda_ipc.local_index(ipc["gpu"])
+            # an invisible GPU is reached by peer access from the current device (CUDA IPC
+            # opens handles of devices outside CUDA_VISIBLE_DEVICES since CUDA 10.1)
+            device = index if index is not None else _cuda_ipc.current_device()
+            tensor = _cuda_ipc.import_tensor(ipc, device)
         except ValueError:
             raise
         except Exception as exc:  # torch raises RuntimeError/AssertionError without CUDA
             raise TransportError(
-                f"cannot open peer {peer_id!r}'s CUDA region by CUDA IPC: {type(exc).__name__}: {exc}"
+                f"cannot open peer {peer_id!r}'s CUDA region ({ipc['gpu']}) by CUDA IPC: {type(exc).__name__}: {exc}"
             ) from exc
-        return _Target("cuda", nbytes, desc["device"], mapping=tensor)
+        return _Target("cuda", nbytes, f"cuda:{device}", mapping=tensor, gpu=ipc["gpu"], gpu_visible=index is not None)
 
     # -- writes -------------------------------------------------------------------------
     def _write(self, local: Region, remote: RemoteRegion, entries: Entries) -> Ticket:
@@ -351,7 +378,10 @@ class LocalTransport(Transport):
             )
         try:
             target = lease.value
-            if target.kind == "cuda":
+            if target.kind == "cuda" and target.gpu_visible:
+                gone = self._gone(remote.peer_id, peer)
+                if gone is not None:
+                    raise PeerGoneError(gone)
                 yield target.mapping[offset : offset + nbytes]
             elif target.kind == "shm" and nbytes:
                 import torch
@@ -376,6 +406,9 @@ class LocalTransport(Transport):
             return Ticket.completed(label)
         lo, ro, sz = entries.local_offsets, entries.remote_offsets, entries.sizes
         if dst.kind == "cuda":
+            gone = self._gone(peer_id, peer)  # before a byte goes into its mapped memory
+            if gone is not None:
+                return Ticket.failed(label, PeerGoneError(f"{gone}; nothing was written to its CUDA IPC memory"))
             if self._cuda is None:
                 from sglang_kvxfer.transports.local.cuda_ipc import CudaCopier
 
@@ -384,8 +417,19 @@ class LocalTransport(Transport):
 
             if not isinstance(src.keepalive, torch.Tensor):
                 raise TransportError(f"local region {src.region.region_id} is not backed by a CUDA tensor")
-            poll = self._cuda.post(src.keepalive, dst.mapping, lo, ro, sz)
-            return Ticket(label, progress=poll)
+            landed = self._cuda.post(src.keepalive, dst.mapping, lo, ro, sz)
+
+            def poll() -> bool:
+                if not landed():
+                    return False
+                gone = self._gone(peer_id, peer)  # exited meanwhile: the bytes are lost with it
+                if gone is not None:
+                    ticket._fail(PeerGoneError(gone))  # raised here, it would become a TransportError
+                    return False
+                return True
+
+            ticket = Ticket(label, progress=poll)
+            return ticket
         try:
             if dst.kind == "shm":
                 _memory.copy_entries(dst.base, src.region.ptr, ro, lo, sz)
@@ -408,6 +452,13 @@ class LocalTransport(Transport):
         if peer.pidfd is None:
             return False
         return bool(select.select([peer.pidfd], [], [], 0)[0])  # readable once it exits
+
+    def _gone(self, peer_id: str, peer: _Peer) -> str | None:
+        """Why ``peer`` must not be written any more (marked failed, or exited now: then it
+        is marked failed), or None. One pidfd poll: the cost per CUDA post."""
+        if peer.failed is None and self._exited(peer):
+            self._mark_failed(peer_id, peer, f"peer {peer_id!r} (pid {peer.pid}) has exited")
+        return peer.failed
 
     def _mark_failed(self, peer_id: str, peer: _Peer, reason: str) -> None:
         with self._lock:

@@ -10,8 +10,10 @@ against the regions granted to that writer before reading the payload into the r
 with ``recvmsg_into``, refuses (drains and NACKs) writes outside them, and closes the
 connection on a malformed frame.
 
-Both ends reach their transport only through ``ConnOwner`` (below); the frame layouts are
-in ``wire``. This module must not register memory or manage peers and grants, and must not
+A frame whose memory is on a device takes the same path through the pinned bounce
+buffers of ``bounce`` (allocated per connection end on its first device frame); the wire
+is the same. Both ends reach their transport only through ``ConnOwner`` (below); the
+frame layouts are in ``wire``. This module must not register memory or manage peers and grants, and must not
 import ``transport``: ``TcpTransport`` owns those and implements ``ConnOwner``.
 """
 
@@ -33,6 +35,7 @@ import numpy as np
 from sglang_kvxfer.errors import PeerGoneError, TransportError
 from sglang_kvxfer.transports._common import UseTable
 from sglang_kvxfer.transports._memory import IOV_MAX
+from sglang_kvxfer.transports.tcp.bounce import BounceBuffers, Copier, DevicePayload, recv_into_device, send_from_device
 from sglang_kvxfer.transports.tcp.wire import (
     ACK,
     CHALLENGE,
@@ -70,13 +73,15 @@ class ConnSettings:
     reader's); ``io_timeout_s`` bounds a stall with transfers pending and a reader's wait
     for the writer's BYE; ``handshake_timeout_s`` is how long an accepted connection has
     to prove a granted secret; ``idle_timeout_s`` is how long an inbound connection may go
-    without a frame before the reader says BYE.
+    without a frame before the reader says BYE; ``bounce_bytes`` is the size of each of a
+    connection end's two pinned buffers for device memory.
     """
 
     agent: str
     io_timeout_s: float
     handshake_timeout_s: float
     idle_timeout_s: float
+    bounce_bytes: int = 4 << 20
 
 
 class PeerAddress(Protocol):
@@ -107,7 +112,9 @@ class ConnOwner(Protocol):
 
     Attributes
     ----------
-    conn_settings : agent name and deadlines (``ConnSettings``).
+    conn_settings : agent name, deadlines and bounce buffer size (``ConnSettings``).
+    device_copier : the ``bounce.Copier`` for device memory, or None while no device
+        region is registered (then no frame can involve one).
     conn_lock : held while the owner hands jobs to connections; a writer connection
         takes it (then its own lock) to stop taking jobs, so none is handed one after.
 
@@ -129,6 +136,7 @@ class ConnOwner(Protocol):
     """
 
     conn_settings: ConnSettings
+    device_copier: Copier | None
 
     @property
     def conn_lock(self) -> AbstractContextManager: ...
@@ -229,7 +237,19 @@ class _Job:
     xfer_id: int
     ticket: Ticket
     lease: UseTable.Lease
-    bufs: list
+    bufs: list  # header, table and (host memory) the payload's views
+    device: DevicePayload | None = None  # the payload, when it is in device memory
+
+
+class _DeviceCopyError(Exception):
+    """A device-to-host copy failed (not the peer's fault, but the frame is torn)."""
+
+
+def _bounce_buffers(owner: ConnOwner) -> BounceBuffers:
+    copier = owner.device_copier
+    if copier is None:  # registering device memory creates it: a frame cannot get here
+        raise _DeviceCopyError("no device copier")
+    return BounceBuffers(copier, owner.conn_settings.bounce_bytes)
 
 
 class _Conn:
@@ -248,6 +268,7 @@ class _Conn:
         self.closing = False  # the sender has said BYE itself: no job is accepted any more
         self.last_progress = time.monotonic()
         self.threads: list[threading.Thread] = []
+        self.bounce: BounceBuffers | None = None  # the sender thread's, on its first device frame
 
     @property
     def where(self) -> str:
@@ -295,6 +316,8 @@ class _Conn:
                     self.outstanding[job.xfer_id] = job.ticket
                 try:
                     _send_all(sock, job.bufs, self._touch)
+                    if job.device is not None:
+                        self._send_device(sock, job.device)
                 finally:
                     with self.cond:
                         self.sending = None
@@ -302,6 +325,25 @@ class _Conn:
             sock.sendall(HEADER.pack(T_BYE, 0, 0, 0, 0))
         except (OSError, _Violation) as exc:
             self.fail(f"connection {self.index} to {self.where} lost: {_describe(exc)}")
+        except _DeviceCopyError as exc:  # our fault, not the peer's: the next write reconnects
+            self.fail(
+                f"connection {self.index} to {self.where} closed: {_describe(exc)}",
+                peer_failure=False,
+                error_cls=TransportError,
+            )
+
+    def _send_device(self, sock: socket.socket, payload: DevicePayload) -> None:
+        def send(views: list) -> None:
+            _send_all(sock, views, self._touch)
+
+        try:
+            if self.bounce is None:
+                self.bounce = _bounce_buffers(self.owner)
+            send_from_device(payload, self.bounce, send)
+        except (OSError, _Violation, _DeviceCopyError):
+            raise
+        except Exception as exc:
+            raise _DeviceCopyError(f"copying the payload from the device failed: {type(exc).__name__}: {exc}") from exc
 
     def _connect(self) -> socket.socket:
         """Connect and authenticate; start the ACK reader. Returns the socket (``self.sock``)."""
@@ -449,6 +491,7 @@ class _Inbound:
         self.region_id: int | None = None  # the region being filled right now
         self.bye_sent = False
         self.cut = False  # closed here on purpose (revoke_peer): not a peer failure
+        self.bounce: BounceBuffers | None = None  # allocated on the first device frame
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"kvxfer-tcp-recv-{addr[0]}:{addr[1]}")
 
     def _run(self) -> None:
@@ -550,14 +593,37 @@ class _Inbound:
             self._drain(total)
             self._ack(xfer_id, 1, refusal)
             return
+        failure: str | None = None
         try:
             self.region_id = region_id
             mem = lease.value.mem
-            _recv_all_into(self.sock, [mem[o : o + n] for o, n in zip(offsets.tolist(), sizes.tolist())])
+            if mem is not None:
+                _recv_all_into(self.sock, [mem[o : o + n] for o, n in zip(offsets.tolist(), sizes.tolist())])
+            else:
+                failure = self._recv_device(lease.value.dev, offsets, sizes, total)
         finally:
             self.region_id = None
             self.owner.release_lease(lease)
-        self._ack(xfer_id, 0, "")
+        if failure is not None:
+            log.warning("tcp: refused a write from peer %r: %s", self.peer_id, failure)
+        self._ack(xfer_id, 0 if failure is None else 1, failure or "")
+
+    def _recv_device(self, dev: object, offsets: np.ndarray, sizes: np.ndarray, total: int) -> str | None:
+        """Read the payload into device memory through the bounce buffers; None once it
+        landed, else why not (the payload is consumed either way)."""
+        try:
+            if self.bounce is None:
+                self.bounce = _bounce_buffers(self.owner)
+        except Exception as exc:  # no pinned memory: refuse this write, keep the connection
+            self._drain(total)
+            return f"no bounce buffers for device memory: {type(exc).__name__}: {exc}"
+        return recv_into_device(
+            dev,
+            offsets.astype(np.int64),
+            sizes.astype(np.int64),
+            self.bounce,
+            lambda views: _recv_all_into(self.sock, views),
+        )
 
     def _drain(self, nbytes: int) -> None:
         scratch = memoryview(bytearray(min(nbytes, _DRAIN)))

@@ -10,6 +10,12 @@ and the ACK says why. One ACK per share completes that part of the ticket. A los
 connection fails every outstanding ticket of the peer with ``PeerGoneError`` naming it and
 is reported by ``peer_failures``; the peer stays failed until ``remove_peer``/``add_peer``.
 
+Device memory (CUDA pools) goes through pinned host bounce buffers on both ends
+(``bounce``, with ``cuda.TorchCudaCopier`` or an injected ``device_copier``): the sender
+copies chunk k+1 to the host while chunk k is on the wire, the receiver reads chunk k+1
+while chunk k is copied to the device and ACKs once it landed. Host memory never takes
+that path, and the wire is the same for both.
+
 Who may write (secure by default): the listener serves only writers that ``authorize_peer``
 named, each proving its secret by HMAC over a fresh challenge, and each only into the
 regions granted to it. Anything else is closed within ``handshake_timeout_s`` without a
@@ -19,7 +25,7 @@ capped (the oldest is dropped first); an established connection idle for
 
 This module owns peers, regions, splitting and lifetime, and is the ``ConnOwner`` of its
 connections; the connection ends are in ``conn``, the wire format in ``wire``. It must not
-import torch.
+import torch (``cuda`` does, once a device region is registered).
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ from sglang_kvxfer.transports.base import (
     Transport,
     check_secret,
     parse_device,
+    tensor_memory,
 )
+from sglang_kvxfer.transports.tcp.bounce import Copier, DevicePayload
 from sglang_kvxfer.transports.tcp.conn import ConnSettings, Grant, PeerAddress, _Conn, _Inbound, _Job, _shutdown
 from sglang_kvxfer.transports.tcp.wire import HEADER, MAX_ENTRIES, T_WRITE, _Violation, key_id
 
@@ -85,7 +93,8 @@ class _Peer:
 @dataclass
 class _TcpRegion:
     region: Region
-    mem: memoryview
+    mem: memoryview | None  # host memory; None for device memory
+    dev: object = None  # device memory: the device copier's handle
 
 
 def _slice(entries: Entries, start: int, stop: int) -> Entries:
@@ -130,6 +139,11 @@ class TcpTransport(Transport):
         its writer reconnects on its next write) (default ``IDLE_TIMEOUT_S``).
     max_handshakes : connections in the handshake at once; a new one beyond it drops the
         oldest (default ``MAX_HANDSHAKES``).
+    bounce_bytes : size of each of the two pinned host buffers a connection end uses for
+        device memory; device payloads move in chunks of it (default
+        ``KVXFER_TCP_BOUNCE_BYTES``).
+    device_copier : the ``bounce.Copier`` for device regions (default: a
+        ``cuda.TorchCudaCopier``, created when the first device region is registered).
 
     Its connections reach it only through ``conn.ConnOwner`` (``conn_settings``,
     ``conn_lock`` and seven methods), which it implements; they are not for users.
@@ -137,7 +151,7 @@ class TcpTransport(Transport):
 
     name = _NAME
     caps = Caps(
-        mem_kinds=frozenset({"cpu"}),
+        mem_kinds=frozenset({"cpu", "cuda"}),
         same_host_only=False,
         read_supported=False,
         one_sided=False,
@@ -157,6 +171,8 @@ class TcpTransport(Transport):
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         max_handshakes: int = MAX_HANDSHAKES,
+        bounce_bytes: int | None = None,
+        device_copier: Copier | None = None,
     ):
         super().__init__()
         host = envs.KVXFER_TCP_HOST.get() if host is None else host
@@ -178,12 +194,16 @@ class TcpTransport(Transport):
             raise ValueError(f"max_handshakes must be an int >= 1, got {max_handshakes!r}")
         if not isinstance(split_min_bytes, int) or split_min_bytes < 1:
             raise ValueError(f"split_min_bytes must be an int >= 1, got {split_min_bytes!r}")
+        bounce = envs.KVXFER_TCP_BOUNCE_BYTES.get() if bounce_bytes is None else bounce_bytes
+        if isinstance(bounce, bool) or not isinstance(bounce, int) or not 4096 <= bounce <= 1 << 30:
+            raise ValueError(f"bounce_bytes must be an int in [4096, 2**30], got {bounce!r}")
         self._agent = agent_id or f"tcp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self._num_conns = conns
         self._split_min, self._close_timeout_s = split_min_bytes, close_timeout_s
         self.conn_settings = ConnSettings(
-            self._agent, float(timeout), float(handshake_timeout_s), float(idle_timeout_s)
+            self._agent, float(timeout), float(handshake_timeout_s), float(idle_timeout_s), bounce
         )
+        self.device_copier: Copier | None = device_copier
         self._max_handshakes = max_handshakes
         self._lock = threading.Lock()
         self._ids, self._xfer_ids = itertools.count(1), itertools.count(1)
@@ -337,18 +357,47 @@ class TcpTransport(Transport):
 
     # -- regions ------------------------------------------------------------------------
     def register(self, ptr: int, nbytes: int, device: str = "cpu") -> Region:
+        """Register host memory, or device memory (``"cuda:N"``), which moves through
+        pinned bounce buffers; ``register_tensor`` also keeps a device tensor's block alive."""
+        return self._register(ptr, nbytes, device, None)
+
+    def register_tensor(self, tensor) -> Region:
+        ptr, nbytes, device = tensor_memory(tensor)
+        return self._register(ptr, nbytes, device, tensor)
+
+    def _register(self, ptr: int, nbytes: int, device: str, tensor) -> Region:
         self._check_open()
         self._check_register_args(ptr, nbytes)
-        if parse_device(device)[0] != "cpu":
-            raise TransportError(
-                f"tcp moves host memory only, got device {device!r}; stage "
-                "device data in a host region or use 'local'/'nixl'/'mori'"
-            )
+        kind, index = parse_device(device)
+        mem, dev = None, None
+        if kind == "cpu":
+            mem = view(ptr, nbytes)
+        else:
+            device = f"{kind}:{index}"
+            try:
+                dev = self._copier().device_memory(ptr, nbytes, device, tensor)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise TransportError(f"tcp: cannot register {nbytes} bytes of {device} at {ptr:#x}: {exc}") from exc
         region_id = next(self._ids)
-        descriptor = pack_descriptor(_NAME, "region", agent=self._agent, region=region_id, nbytes=nbytes, device="cpu")
-        region = Region(region_id, ptr, nbytes, "cpu", descriptor)
-        self._regions.add(region_id, _TcpRegion(region, view(ptr, nbytes)))
+        descriptor = pack_descriptor(_NAME, "region", agent=self._agent, region=region_id, nbytes=nbytes, device=device)
+        region = Region(region_id, ptr, nbytes, device, descriptor)
+        self._regions.add(region_id, _TcpRegion(region, mem, dev))
         return region
+
+    def _copier(self) -> Copier:
+        with self._lock:
+            if self.device_copier is None:
+                try:
+                    from sglang_kvxfer.transports.tcp.cuda import TorchCudaCopier
+
+                    copier: Copier = TorchCudaCopier()
+                except (ImportError, RuntimeError) as exc:
+                    raise TransportError(
+                        f"tcp moves device memory through pinned host buffers with torch's CUDA, "
+                        f"which is not usable here ({exc}); register host memory instead"
+                    ) from exc
+                self.device_copier = copier
+            return self.device_copier
 
     def deregister(self, region: Region) -> None:
         rid = region.region_id
@@ -431,7 +480,14 @@ class TcpTransport(Transport):
             for a in range(0, share.num_entries, _FRAME_ENTRIES)
         ]
         ticket = Ticket(label, parts=len(frames))
-        mem = lease.value.mem
+        mem, dev = lease.value.mem, lease.value.dev
+        ready = None
+        if mem is None:  # device memory: copies to the host must see work queued before this call
+            try:
+                ready = self._copier().ready(dev)
+            except Exception as exc:
+                self._regions.release(lease)
+                return Ticket.failed(label, TransportError(f"tcp: cannot order the device copies: {exc}"))
         jobs = []
         for n, (i, frame) in enumerate(frames):
             frame_lease = lease if n == 0 else self._regions.retain(lease)
@@ -442,8 +498,12 @@ class TcpTransport(Transport):
                 memoryview(HEADER.pack(T_WRITE, frame.num_entries, xfer_id, remote.region_id, frame.total_bytes)),
                 memoryview(table.tobytes()),
             ]
-            bufs += [mem[o : o + size] for o, size in zip(frame.local_offsets.tolist(), frame.sizes.tolist())]
-            jobs.append((i, _Job(xfer_id, ticket, frame_lease, bufs)))
+            if mem is not None:
+                bufs += [mem[o : o + size] for o, size in zip(frame.local_offsets.tolist(), frame.sizes.tolist())]
+                jobs.append((i, _Job(xfer_id, ticket, frame_lease, bufs)))
+            else:
+                payload = DevicePayload(dev, frame.local_offsets, frame.sizes, ready)
+                jobs.append((i, _Job(xfer_id, ticket, frame_lease, bufs, payload)))
         # picked and queued under the lock: a connection retiring meanwhile (reader's BYE,
         # see _Conn._retire) cannot be handed a job it would never send
         with self._lock:

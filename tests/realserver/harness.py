@@ -1,0 +1,327 @@
+"""Real SGLang servers for the real-server tests and ``examples/sglang_cpu_pd``.
+
+Starts ``python -m sglang.launch_server`` (a plain server) or ``kvxfer sglang-serve`` (a PD
+server with this engine as its transfer backend) from the SGLang environment that
+``make_env.sh`` builds, on loopback only, each in its own process group with its log in a
+file; sends requests the way SGLang's router does (the same bootstrap host, port and room
+to the prefill and the decode server); and always ends the whole group. Every wait has a
+deadline. Pure standard library, so it runs under any Python.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+STANDINS = HERE / "standins"
+MAKE_ENV = HERE / "make_env.sh"
+DEFAULT_VENV = Path.home() / ".cache" / "kvxfer" / "sglang-0.5.23"
+
+READY_TIMEOUT_S = 600.0  # one server: 35-45 s on 2 idle cores; several at once take longer
+REQUEST_TIMEOUT_S = 120.0
+STOP_GRACE_S = 10.0
+
+# What every server needs on a CPU without AMX (see the README's "Use with SGLang"):
+CPU_FLAGS = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",  # SGLang's attention backends other than torch_native need CUDA or AMX
+    "--sampling-backend",
+    "pytorch",
+    "--disable-cuda-graph",
+    "--dtype",
+    "float32",  # bf16 rounding differs between TP sizes; a decode of another TP than its
+    # prefill then drifts from any single server after a few tokens of a long prompt
+    "--skip-server-warmup",
+    "--sleep-on-idle",  # an idle scheduler otherwise busy-polls a core
+    "--max-total-tokens",
+    "8192",  # a small KV pool: several servers share 24 GB
+]
+PREFILL_FLAGS = [
+    "--disaggregation-mode",
+    "prefill",
+    "--disaggregation-transfer-backend",
+    "kvxfer",
+    "--disable-overlap-schedule",  # the overlap scheduler creates CUDA events for a repeated prompt
+]
+DECODE_FLAGS = [
+    "--disaggregation-mode",
+    "decode",
+    "--disaggregation-transfer-backend",
+    "kvxfer",
+    "--disaggregation-decode-retraction-backup",
+    "none",  # the default pins a host pool with a CUDA call
+]
+
+
+def venv_dir() -> Path:
+    return Path(os.environ.get("KVXFER_SGLANG_VENV") or DEFAULT_VENV)
+
+
+def venv_python() -> Path:
+    return venv_dir() / "bin" / "python"
+
+
+def env_problem() -> str | None:
+    """Why the SGLang environment cannot be used (None when it can)."""
+    py = venv_python()
+    if not py.exists():
+        return f"no SGLang environment at {venv_dir()} (build it: {MAKE_ENV.relative_to(HERE.parent.parent)})"
+    if not (venv_dir() / ".kvxfer-recipe").exists():
+        return f"the SGLang environment at {venv_dir()} is incomplete (rerun {MAKE_ENV.name})"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_model(out: Path) -> Path:
+    """Build the tiny model with the SGLang environment's transformers (cached in ``out``)."""
+    done = subprocess.run(
+        [str(venv_python()), str(HERE / "tiny_model.py"), str(out)], timeout=300, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"building the tiny model failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return out
+
+
+def base_env(standin_log: Path, auth_key: str | None = None) -> dict:
+    """The environment of every server process (loopback, stand-ins, one shared key)."""
+    env = dict(os.environ)
+    for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+        env.pop(name, None)
+    env.update(
+        PYTHONPATH=str(STANDINS),
+        PYTHONUNBUFFERED="1",
+        KVXFER_STANDIN_LOG=str(standin_log),
+        SGLANG_USE_CPU_ENGINE="1",  # without it --device cpu still takes CUDA paths
+        SGLANG_HOST_IP="127.0.0.1",
+        KVXFER_AUTH_KEY=auth_key or secrets.token_hex(32),
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",  # one compute thread per rank: several servers share two cores
+    )
+    env["PATH"] = f"{venv_dir() / 'bin'}:{env.get('PATH', '')}"
+    skip = other_model_archs()
+    if skip:
+        env["SGLANG_DISABLED_MODEL_ARCHS"] = ",".join(skip)
+    return env
+
+
+def other_model_archs(keep: tuple[str, ...] = ("llama",)) -> list[str]:
+    """SGLang imports every module of ``sglang.srt.models`` in every scheduler process (most
+    of a CPU server's start-up); its ``SGLANG_DISABLED_MODEL_ARCHS`` skips all but Llama's."""
+    found = sorted(venv_dir().glob("lib/python3*/site-packages/sglang/srt/models"))
+    if not found:
+        return []
+    return sorted(f.stem for f in found[0].glob("*.py") if f.stem not in keep and not f.stem.startswith("_"))
+
+
+@dataclass
+class Server:
+    """One SGLang server (all its processes in one process group)."""
+
+    name: str
+    args: list[str]
+    env: dict
+    log_path: Path
+    kvxfer: bool = True
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> Server:
+        py = str(venv_python())
+        head = [py, "-m", "sglang_kvxfer", "sglang-serve"] if self.kvxfer else [py, "-m", "sglang.launch_server"]
+        cmd = [*head, *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        lines = [line for line in lines if "server_args=" not in line]
+        return "\n".join(lines[-n:])
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> float:
+        assert self.proc is not None
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            code = self.proc.poll()
+            if code is not None:
+                raise RuntimeError(f"{self.name} exited with {code} while starting:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def generate(self, payload: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
+        req = urllib.request.Request(
+            self.url + "/generate", data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return {"http_error": exc.code, "body": exc.read().decode(errors="replace")}
+
+    def pids(self) -> list[int]:
+        """Every live process of this server: its descendants and the members of their
+        process groups (``kvxfer sglang-serve`` runs SGLang in a process group of its own)."""
+        if self.proc is None:
+            return []
+        table = _process_table()
+        found, todo = set(), [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            if pid in found or pid not in table:
+                continue
+            found.add(pid)
+            todo += [p for p, (ppid, _) in table.items() if ppid == pid]
+        groups = {table[p][1] for p in found} | {self.proc.pid}
+        return sorted(p for p, (_, pgid) in table.items() if pgid in groups or p in found)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """End the whole process group: ``sig``, then SIGKILL after a grace period."""
+        if self.proc is None:
+            return
+        for pid in self.pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + STOP_GRACE_S
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def process_title(pid: int) -> str:
+    """A process's command line as ``ps`` shows it (SGLang renames its processes, e.g.
+    ``sglang::scheduler_TP1``)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _process_table() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, pgid) of every live (not zombie) process."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            table[int(entry)] = (int(fields[1]), int(fields[2]))
+    return table
+
+
+def tp_env(env: dict, tp: int) -> dict:
+    """TP 2 on 2 cores: one OpenMP thread bound to each core."""
+    env = dict(env)
+    if tp > 1:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    return env
+
+
+def reference_server(name: str, model: Path, tp: int, env: dict, logs: Path) -> Server:
+    return Server(
+        name, ["--model-path", str(model), "--tp", str(tp), *CPU_FLAGS], tp_env(env, tp), logs / f"{name}.log", False
+    )
+
+
+def prefill_server(
+    name: str, model: Path, tp: int, env: dict, logs: Path, bootstrap_port: int, extra: list[str] = ()
+) -> Server:
+    args = ["--model-path", str(model), "--tp", str(tp), *CPU_FLAGS, *PREFILL_FLAGS]
+    args += ["--disaggregation-bootstrap-port", str(bootstrap_port), *extra]
+    return Server(name, args, tp_env(env, tp), logs / f"{name}.log")
+
+
+def decode_server(name: str, model: Path, tp: int, env: dict, logs: Path, extra: list[str] = ()) -> Server:
+    args = ["--model-path", str(model), "--tp", str(tp), *CPU_FLAGS, *DECODE_FLAGS, *extra]
+    return Server(name, args, tp_env(env, tp), logs / f"{name}.log")
+
+
+def sampling(max_new_tokens: int = 16) -> dict:
+    return {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+
+
+def generate_single(server: Server, input_ids: list[int], max_new_tokens: int = 16) -> dict:
+    return server.generate({"input_ids": input_ids, "sampling_params": sampling(max_new_tokens)})
+
+
+def generate_pd(
+    prefill: Server, decode: Server, bootstrap_port: int, input_ids: list[int], room: int, max_new_tokens: int = 16
+) -> tuple[dict, dict]:
+    """One request through a PD pair, as SGLang's router sends it: the same body, with the
+    prefill's bootstrap address and a room, to both servers at once. Returns (prefill's
+    answer, decode's answer)."""
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": sampling(max_new_tokens),
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": bootstrap_port,
+        "bootstrap_room": room,
+    }
+    out: dict = {}
+    threads = [
+        threading.Thread(target=lambda s=s, k=k: out.__setitem__(k, s.generate(body)), daemon=True)
+        for k, s in (("prefill", prefill), ("decode", decode))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(REQUEST_TIMEOUT_S + 10)
+    return out.get("prefill", {"error": "no answer"}), out.get("decode", {"error": "no answer"})
+
+
+def output_ids(answer: dict) -> list[int] | None:
+    ids = answer.get("output_ids")
+    return list(ids) if isinstance(ids, list) else None
+
+
+def finish_reason(answer: dict) -> dict:
+    return (answer.get("meta_info") or {}).get("finish_reason") or {}

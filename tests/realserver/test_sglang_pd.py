@@ -1,0 +1,193 @@
+"""SGLang 0.5.23's own servers move real model KV through kvxfer (CPU, tiny Llama).
+
+For each transport (``local``, ``tcp``), one prefill server of TP 1 and one of TP 2 and
+one decode server of TP 1 and one of TP 2 run at once; a request goes to a prefill and a
+decode server together (as SGLang's router sends it) and the decode server's greedy tokens
+must equal those of a non-disaggregated server of the prefill's TP size. Prompts longer
+than ``--chunked-prefill-size`` move in several chunks. The negative control zeroes the
+heads one prefill writer delivered, on the decode side after the transfer: the tokens must
+then differ, so token equality really depends on the transferred KV.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.realserver import harness as h
+from tests.realserver.conftest import PREFILL_CHUNK, Fleet
+
+# A test's deadline covers its fixtures: the first test of a transport starts six servers.
+pytestmark = pytest.mark.timeout(900)
+
+PAIRS = [(1, 1), (2, 1), (1, 2)]  # (prefill TP, decode TP)
+_rooms = random.Random(20261201)
+
+
+def room() -> int:
+    return _rooms.getrandbits(62) + 1
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1024) for _ in range(n)]
+
+
+class Cluster:
+    def __init__(self, transport: str, prefill: dict, decode: dict, ports: dict):
+        self.transport, self.prefill, self.decode, self.ports = transport, prefill, decode, ports
+
+    def run(self, ptp: int, dtp: int, ids: list[int], n: int = 16) -> tuple[dict, dict]:
+        return h.generate_pd(self.prefill[ptp], self.decode[dtp], self.ports[ptp], ids, room(), n)
+
+    def logs(self, ptp: int, dtp: int) -> str:
+        p, d = self.prefill[ptp], self.decode[dtp]
+        return f"--- {p.name}:\n{p.log_tail()}\n--- {d.name}:\n{d.log_tail()}"
+
+
+@pytest.fixture(scope="module", params=["local", "tcp"])
+def cluster(request, server_env, tiny_model, logs: Path):
+    transport = request.param
+    env = dict(server_env, KVXFER_SGLANG_TRANSPORT=transport)
+    chunk = ["--chunked-prefill-size", str(PREFILL_CHUNK)]
+    ports = {tp: h.free_port() for tp in (1, 2)}
+    prefill = {
+        tp: h.prefill_server(f"{transport}-prefill-tp{tp}", tiny_model, tp, env, logs, ports[tp], chunk)
+        for tp in (1, 2)
+    }
+    decode = {tp: h.decode_server(f"{transport}-decode-tp{tp}", tiny_model, tp, env, logs) for tp in (1, 2)}
+    fleet = Fleet()
+    try:
+        fleet.start(*prefill.values(), *decode.values())
+        yield Cluster(transport, prefill, decode, ports)
+    finally:
+        fleet.stop()
+
+
+def check_equal(cluster: Cluster, ptp: int, dtp: int, ids: list[int], want: list[int]) -> None:
+    pre, dec = cluster.run(ptp, dtp, ids)
+    got = h.output_ids(dec)
+    assert got is not None, f"decode answered {dec} (prefill: {pre})\n{cluster.logs(ptp, dtp)}"
+    assert got == want, (
+        f"{cluster.transport} prefill TP {ptp} -> decode TP {dtp}, {len(ids)}-token prompt: "
+        f"{got} != reference {want}\n{cluster.logs(ptp, dtp)}"
+    )
+
+
+@pytest.mark.parametrize("ptp,dtp", PAIRS, ids=[f"p{p}-d{d}" for p, d in PAIRS])
+def test_decoded_tokens_equal_a_single_server_of_the_prefill_tp(cluster, reference_tokens, ptp, dtp):
+    for n, seed in ((12, 1), (3 * PREFILL_CHUNK + 17, 2)):  # one chunk; four chunks
+        ids = prompt(n, seed)
+        check_equal(cluster, ptp, dtp, ids, reference_tokens(ptp, ids))
+
+
+def test_concurrent_requests_of_different_lengths(cluster, reference_tokens):
+    lengths = [9, PREFILL_CHUNK + 5, 2 * PREFILL_CHUNK + 30, 3 * PREFILL_CHUNK + 50]
+    prompts = [prompt(n, 100 + n) for n in lengths]
+    wants = [reference_tokens(2, ids) for ids in prompts]
+    answers: dict = {}
+
+    def one(i: int) -> None:
+        answers[i] = cluster.run(2, 1, prompts[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(h.REQUEST_TIMEOUT_S + 30)
+    for i, want in enumerate(wants):
+        pre, dec = answers.get(i, ({}, {"error": "no answer"}))
+        assert h.output_ids(dec) == want, f"request {i} ({lengths[i]} tokens): {dec}\n{cluster.logs(2, 1)}"
+
+
+def test_negative_control_zeroed_writer_changes_the_tokens(cluster, reference_tokens, logs: Path):
+    """Zero what prefill rank 0 of 2 wrote into the decode's pool: the tokens must change
+    (and come back once the hook is off), or equality above would prove nothing."""
+    ids = prompt(2 * PREFILL_CHUNK + 3, 7)
+    want = reference_tokens(2, ids)
+    control = logs / "corrupt-writer"
+    record = Path(str(control) + ".log")
+    before = record.read_text() if record.exists() else ""
+    control.write_text("0/2")
+    try:
+        pre, dec = cluster.run(2, 1, ids)
+    finally:
+        control.unlink()
+    got = h.output_ids(dec)
+    assert got is not None, f"decode answered {dec}\n{cluster.logs(2, 1)}"
+    zeroed = record.read_text()[len(before) :]
+    assert "zeroed heads 0..1" in zeroed, zeroed
+    assert got != want, f"tokens did not change with writer 0's KV zeroed: {got}"
+    check_equal(cluster, 2, 1, ids, want)
+
+
+@pytest.mark.parametrize("cluster", ["local"], indirect=True)
+def test_a_killed_prefill_rank_fails_the_request_and_a_restarted_prefill_serves(cluster, tiny_model, logs: Path):
+    """SIGKILL prefill TP rank 1 while the decode server waits for a request's KV: the
+    decode server answers that request with an error within the heartbeat bound, not a
+    hang. A new prefill server on the same bootstrap port then serves the decode server
+    again (same tokens as before the kill), and ``kvxfer sglang-serve`` ends it and all its
+    processes on a plain SIGTERM."""
+    ids = prompt(40, 11)
+    pre, dec = cluster.run(2, 1, ids)
+    before = h.output_ids(dec)
+    assert before is not None, f"{dec}\n{cluster.logs(2, 1)}"
+    prefill, decode, port = cluster.prefill[2], cluster.decode[1], cluster.ports[2]
+    victim = [p for p in prefill.pids() if "sglang::scheduler_TP1" in h.process_title(p)]
+    assert len(victim) == 1, [(p, h.process_title(p)) for p in prefill.pids()]
+    # the decode server alone gets the request: it registers with the prefill ranks and waits
+    body = {
+        "input_ids": ids,
+        "sampling_params": h.sampling(16),
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": port,
+        "bootstrap_room": room(),
+    }
+    answer: dict = {}
+    waiter = threading.Thread(target=lambda: answer.update(decode.generate(body)), daemon=True)
+    waiter.start()
+    time.sleep(3.0)
+    assert waiter.is_alive(), f"the decode answered before the fault: {answer}"
+    os.kill(victim[0], signal.SIGKILL)
+    t_kill = time.monotonic()
+    waiter.join(60)
+    waited = time.monotonic() - t_kill
+    assert not waiter.is_alive(), "the decode server did not answer within 60 s of the prefill rank's death"
+    reason = json.dumps(h.finish_reason(answer)) + json.dumps(answer)[:2000]
+    assert h.finish_reason(answer).get("type") == "abort" or "http_error" in answer, answer
+    assert "kvxfer" in reason or "prefill" in reason, reason
+    assert waited < 20.0, f"the failure took {waited:.1f} s (heartbeat timeout is 3 s)"
+    # SGLang ends a server whose scheduler died; replace it on the same bootstrap port
+    prefill.stop()
+    again = h.Server(
+        prefill.name + "-restarted", prefill.args, dict(prefill.env), logs / f"{prefill.name}-restarted.log"
+    )
+    again.start()
+    try:
+        again.wait_ready()
+        cluster.prefill[2] = again
+        served, deadline, last = None, time.monotonic() + 60, None
+        while served is None and time.monotonic() < deadline:
+            pre, dec = cluster.run(2, 1, ids)
+            last = dec
+            served = h.output_ids(dec)
+        assert served == before, f"after the restart: {last}\n{cluster.logs(2, 1)}"
+        # a plain SIGTERM to kvxfer sglang-serve ends SGLang's server and all its processes
+        pids = again.pids()
+        assert len(pids) >= 3, [(p, h.process_title(p)) for p in pids]
+        os.kill(again.proc.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        while again.pids() and time.monotonic() - t0 < 30:
+            time.sleep(0.2)
+        left = [(p, h.process_title(p)) for p in again.pids()]
+        assert not left, f"processes left 30 s after SIGTERM: {left}"
+        assert again.proc.wait(5) is not None
+    finally:
+        again.stop()

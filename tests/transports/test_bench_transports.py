@@ -1,0 +1,26 @@
+"""``benchmarks/bench_transports.py`` runs against the current transports (tcp needs an
+authorized writer; the script must grant one) and verifies every byte it moves."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_transports.py"
+
+
+def test_quick_tcp_and_local_runs_verify_every_byte():
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--transport", "tcp,local", "--workload", "64KiB_x1024"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["targets"]["all_verified"] is True, report
+    rows = report["results"] if "results" in report else report.get("rows", [])
+    names = {r.get("variant") or r.get("transport") for r in rows}
+    assert {"tcp", "local"} <= names, sorted(map(str, names))
