@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--quick", action="store_true", help="few configs, small buffers")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--layouts", default="NHD,HND")
+    p.add_argument("--layouts", default="NHD,HND", help="comma list of NHD, HND, HND_KV (default NHD,HND)")
     p.add_argument("--head-dims", default="64,128,576")
     p.add_argument("--page-sizes", default="1,16,64")
     p.add_argument("--heads", default="1,2,4,8", help="num_heads moved per config")
@@ -100,18 +100,23 @@ def bench_config(device, dtype, layout, head_dim, page_size, num_heads, args, st
     per_token = args.layers * 2 * num_heads * head_dim * itemsize
     num_pages = max(1, staging_bytes // (per_token * page_size))
     num_tokens = num_pages * page_size
-    shape = (
-        (num_pages * page_size, args.pool_heads, head_dim)
-        if layout == "NHD"
-        else (num_pages, args.pool_heads, page_size, head_dim)
-    )
+    layout = layout.upper()
+    shapes = {
+        "NHD": (num_pages * page_size, args.pool_heads, head_dim),
+        "HND": (num_pages, args.pool_heads, page_size, head_dim),
+        "HND_KV": (num_pages, args.pool_heads, page_size, 2 * head_dim),  # vLLM's CPU cache: K and V
+    }
+    if layout not in shapes:
+        raise SystemExit(f"--layouts: layout={layout!r} is not supported; use NHD, HND or HND_KV")
+    shape = shapes[layout]
     gen = torch.Generator().manual_seed(0)
 
     def pool():
         # Contents do not matter for bandwidth; ones() touches every page up front.
         return [torch.ones(shape, dtype=dtype, device=device) for _ in range(args.layers)]
 
-    k, v = pool(), pool()
+    k = pool()
+    v = None if layout == "HND_KV" else pool()  # HND_KV: one K-and-V tensor per layer
     page_ids = torch.randperm(num_pages, generator=gen)
     kw = dict(page_size=page_size, head_start=0, num_heads=num_heads, layout=layout)
     nbytes = ops.staging_nbytes(args.layers, num_tokens, num_heads, head_dim, head_dim, itemsize)

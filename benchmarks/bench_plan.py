@@ -55,7 +55,7 @@ def per_token_plan(h, p, d, gp, src_pages, dst_pages, tokens):
         src_off = src_rows * (src_local * head_bytes) + t.src_head_start * head_bytes
         dst_off = dst_rows * (dst_local * head_bytes) + t.dst_head_start * head_bytes
         nbytes = np.full(tokens, t.num_heads * head_bytes, dtype=np.int64)
-        for _ in range(gp.num_buffers):  # one descriptor list per layer buffer, as posted
+        for _ in range(gp.num_layers * (2 if gp.has_v else 1)):  # one list per layer and K/V, as posted
             batch = np.stack([src_off, dst_off, nbytes], axis=1)
             entries += batch.shape[0]
     return entries
@@ -98,6 +98,7 @@ def main() -> None:
     cases = [
         ("P8->D2 NHD (headline)", 8, 2, "NHD", "auto"),
         ("P8->D2 HND per-page direct", 8, 2, "HND", "direct"),
+        ("P8->D2 HND_KV per-page direct", 8, 2, "HND_KV", "direct"),
         ("P2->D2 NHD page runs direct", 2, 2, "NHD", "direct"),
     ]
     baseline = None

@@ -19,8 +19,13 @@
  * [head_start, head_start + num_heads).
  *
  * Pool layout of one layer buffer (row = one head of one token, row_bytes bytes):
- *     NHD: [num_pages * page_size][pool_heads][row]
- *     HND: [num_pages][pool_heads][page_size][row]
+ *     NHD:    [num_pages * page_size][pool_heads][row]
+ *     HND:    [num_pages][pool_heads][page_size][row]
+ *     HND_KV: [num_pages][pool_heads][2][page_size][row]   (vLLM's CPU cache)
+ * HND_KV keeps K and V of a layer in one buffer: each (page, head) tile holds the K rows of
+ * its page_size tokens, then their V rows. It is described as two "layer buffers" like the
+ * others: the V pointer of layer l is its K pointer + page_size * k_row_bytes, and rows of
+ * both step over the other kind's half of every tile (k_row_bytes == v_row_bytes).
  */
 #ifndef KVXFER_H_
 #define KVXFER_H_
@@ -38,10 +43,11 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct or a signature below changes; Python checks it at load. */
-#define KVXFER_ABI_VERSION 1
+#define KVXFER_ABI_VERSION 2 /* 2: KVXFER_LAYOUT_HND_KV */
 
 #define KVXFER_LAYOUT_NHD 0
 #define KVXFER_LAYOUT_HND 1
+#define KVXFER_LAYOUT_HND_KV 2
 
 #define KVXFER_OK 0
 #define KVXFER_ERR_INVALID 1  /* an argument is out of range; nothing was copied */
@@ -58,7 +64,7 @@ typedef struct kvxfer_pool {
   int64_t itemsize;    /* bytes per element: 1, 2 or 4 (copies are bitwise) */
   int64_t k_row_bytes; /* k_dim * itemsize */
   int64_t v_row_bytes; /* v_dim * itemsize; ignored when num_kv == 1 */
-  int32_t layout;      /* KVXFER_LAYOUT_NHD or KVXFER_LAYOUT_HND */
+  int32_t layout;      /* KVXFER_LAYOUT_NHD, KVXFER_LAYOUT_HND or KVXFER_LAYOUT_HND_KV */
   int32_t reserved;    /* must be 0 */
 } kvxfer_pool_t;
 
@@ -72,7 +78,8 @@ typedef struct kvxfer_slice {
 } kvxfer_slice_t;
 
 /* ---- CPU library (libkvxfer_cpu.so) ------------------------------------------------
- * layer_ptrs: num_kv * L host pointers, K of layers 0..L-1 then V of layers 0..L-1.
+ * layer_ptrs: num_kv * L host pointers, K of layers 0..L-1 then V of layers 0..L-1
+ *   (HND_KV: V pointer l must be K pointer l + page_size * k_row_bytes; checked).
  * page_ids: host array of num_page_ids int64. num_threads <= 0 means one thread.
  * streaming_min_bytes: calls moving at least this many bytes use non-temporal stores
  *   (bypassing the cache: right for big transfers read next by a NIC); < 0 selects the

@@ -175,7 +175,7 @@ inline int64_t cur_row(const kvxfer_pool_t& p, const kvxfer_slice_t& s, const in
 /* Tokens to prefetch ahead, between 2 and 32: about 16 KiB of rows in flight for NHD pools
  * (one short run per token row; with 4 KiB a 2-head slice stalled at ~0.56x of a copy here,
  * with 16 KiB it reaches ~0.67x), 4 KiB for HND pools (a run per head already spreads the
- * reads; more distance measured slower). */
+ * reads; more distance measured slower; HND_KV reads like HND). */
 inline int64_t prefetch_distance(int64_t token_bytes, bool nhd) {
   const int64_t d = (nhd ? 16384 : 4096) / (token_bytes > 0 ? token_bytes : 1);
   return d < 2 ? 2 : (d > 32 ? 32 : d);
@@ -204,7 +204,7 @@ void copy_items(const Job& job, int64_t begin, int64_t end) {
     char* block =
         job.staging + kvxfer::staging_block_offset(layer, kv, p.num_kv, num_tokens, s.num_heads,
                                                    p.k_row_bytes, p.v_row_bytes);
-    // NHD: a token's slice of heads is one contiguous run; HND: one row per head.
+    // NHD: a token's slice of heads is one contiguous run; HND, HND_KV: one row per head.
     const bool nhd = p.layout == KVXFER_LAYOUT_NHD;
     const int64_t run_bytes = nhd ? s.num_heads * row : row;
     const int64_t runs_per_token = nhd ? 1 : s.num_heads;
@@ -238,6 +238,35 @@ void copy_items(const Job& job, int64_t begin, int64_t end) {
   }
   run.flush();
   if (job.streaming) fence_streaming();
+}
+
+inline uintptr_t address(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr);
+}
+inline uintptr_t address(uint64_t ptr) {
+  return static_cast<uintptr_t>(ptr);
+}
+
+/* No layer pointer is NULL, and an HND_KV pool's V pointers sit page_size K rows past the
+ * K pointers (one buffer per layer, K and V tiles interleaved; kvxfer.h). */
+template <typename Ptr>
+int check_layer_pointers(const kvxfer_pool_t& p, const Ptr* ptrs) {
+  for (int64_t k = 0; k < p.num_kv * p.num_layers; ++k) {
+    if (address(ptrs[k]) == 0) {
+      return fail(KVXFER_ERR_INVALID, "layer pointer " + std::to_string(k) + " is NULL");
+    }
+  }
+  if (p.layout != KVXFER_LAYOUT_HND_KV) return KVXFER_OK;
+  const uintptr_t v_shift = static_cast<uintptr_t>(p.page_size * p.k_row_bytes);
+  for (int64_t l = 0; l < p.num_layers; ++l) {
+    if (address(ptrs[p.num_layers + l]) != address(ptrs[l]) + v_shift) {
+      return fail(KVXFER_ERR_INVALID, "layout HND_KV: V pointer of layer " + std::to_string(l) +
+                                          " must be its K pointer + page_size * k_row_bytes = " +
+                                          std::to_string(v_shift) +
+                                          " bytes (one buffer per layer)");
+    }
+  }
+  return KVXFER_OK;
 }
 
 /* Every page id the slice will read, checked before any byte moves. */
@@ -286,11 +315,8 @@ int run(const kvxfer_pool_t* pool, void* const* layer_ptrs, const int64_t* page_
                                     sizeof msg);
     if (status != KVXFER_OK) return fail(status, msg);
     if (slice->num_tokens == 0) return KVXFER_OK;
-    for (int64_t k = 0; k < pool->num_kv * pool->num_layers; ++k) {
-      if (layer_ptrs[k] == nullptr) {
-        return fail(KVXFER_ERR_INVALID, "layer pointer " + std::to_string(k) + " is NULL");
-      }
-    }
+    status = check_layer_pointers(*pool, layer_ptrs);
+    if (status != KVXFER_OK) return status;
     status = check_page_ids(*pool, *slice, page_ids);
     if (status != KVXFER_OK) return status;
     // Past a few tens of MiB the destination would not stay cached anyway.
@@ -376,6 +402,8 @@ KVXFER_API int kvxfer_emulate_cuda_cpu(int32_t gather, const kvxfer_pool_t* pool
       return fail(KVXFER_ERR_INVALID, msg);
     }
     if (slice->num_tokens == 0) return KVXFER_OK;
+    const int status = check_layer_pointers(*pool, table);
+    if (status != KVXFER_OK) return status;
     const kvxfer::LaunchShape shape = kvxfer::launch_shape(*pool, *slice, layer_ptr_align, staging);
     emulate_cuda(gather != 0, *pool, *slice, table, page_ids, static_cast<char*>(staging), shape);
     return KVXFER_OK;

@@ -61,7 +61,7 @@ struct Word<1> {
 };
 
 struct Params {
-  const uint64_t* table;  // num_kv * L layer pointers: K of every layer, then V
+  const uint64_t* table;  // num_kv * L layer pointers: K of every layer, then V (HND_KV: kvxfer.h)
   const int64_t* page_ids;
   char* staging;
   kvxfer_pool_t pool;

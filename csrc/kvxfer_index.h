@@ -25,20 +25,26 @@
 
 namespace kvxfer {
 
-/* Byte offset, inside one layer buffer, of the row holding head `head` of the token in
- * slot `slot` of page `page`. */
+/* Rows of one (page, head) tile of a head-major layout: a page of one kind (HND), or a
+ * page of K then a page of V (HND_KV, whose V "layer pointer" is the K one + page_size rows). */
+KVXFER_HD int64_t tile_rows(int32_t layout, int64_t page_size) {
+  return layout == KVXFER_LAYOUT_HND_KV ? 2 * page_size : page_size;
+}
+
+/* Byte offset, from a layer pointer, of the row holding head `head` of the token in slot
+ * `slot` of page `page`. */
 KVXFER_HD int64_t pool_row_offset(int32_t layout, int64_t page, int64_t slot, int64_t head,
                                   int64_t page_size, int64_t pool_heads, int64_t row_bytes) {
   if (layout == KVXFER_LAYOUT_NHD) {
     return ((page * page_size + slot) * pool_heads + head) * row_bytes;
   }
-  return ((page * pool_heads + head) * page_size + slot) * row_bytes;
+  return ((page * pool_heads + head) * tile_rows(layout, page_size) + slot) * row_bytes;
 }
 
 /* Bytes between head h and head h + 1 of the same token in a layer buffer. NHD keeps a
- * token's heads side by side; HND puts a whole page of one head between them. */
+ * token's heads side by side; HND and HND_KV put a whole (page, head) tile between them. */
 KVXFER_HD int64_t pool_head_stride(int32_t layout, int64_t page_size, int64_t row_bytes) {
-  return layout == KVXFER_LAYOUT_NHD ? row_bytes : page_size * row_bytes;
+  return layout == KVXFER_LAYOUT_NHD ? row_bytes : tile_rows(layout, page_size) * row_bytes;
 }
 
 /* Staging bytes of one layer: its K block and, when num_kv == 2, its V block. */
@@ -187,16 +193,24 @@ inline int check_args(const kvxfer_pool_t* pool, const kvxfer_slice_t* slice,
   KVXFER_CHECK(p.num_kv == 1 || (p.v_row_bytes >= 1 && p.v_row_bytes % p.itemsize == 0),
                "v_row_bytes=%lld must be a positive multiple of itemsize=%lld",
                (long long)p.v_row_bytes, (long long)p.itemsize);
-  KVXFER_CHECK(p.layout == KVXFER_LAYOUT_NHD || p.layout == KVXFER_LAYOUT_HND,
-               "layout=%d must be %d (NHD) or %d (HND)", (int)p.layout, KVXFER_LAYOUT_NHD,
-               KVXFER_LAYOUT_HND);
+  KVXFER_CHECK(p.layout == KVXFER_LAYOUT_NHD || p.layout == KVXFER_LAYOUT_HND ||
+                   p.layout == KVXFER_LAYOUT_HND_KV,
+               "layout=%d must be %d (NHD), %d (HND) or %d (HND_KV)", (int)p.layout,
+               KVXFER_LAYOUT_NHD, KVXFER_LAYOUT_HND, KVXFER_LAYOUT_HND_KV);
+  KVXFER_CHECK(
+      p.layout != KVXFER_LAYOUT_HND_KV || (p.num_kv == 2 && p.v_row_bytes == p.k_row_bytes),
+      "layout HND_KV needs num_kv=2 and v_row_bytes == k_row_bytes, got num_kv=%lld, "
+      "k_row_bytes=%lld, v_row_bytes=%lld",
+      (long long)p.num_kv, (long long)p.k_row_bytes, (long long)p.v_row_bytes);
   KVXFER_CHECK(p.reserved == 0, "reserved=%d must be 0", (int)p.reserved);
   // The largest offset inside a layer buffer must fit in int64.
   int64_t row_max = p.k_row_bytes > p.v_row_bytes || p.num_kv == 1 ? p.k_row_bytes : p.v_row_bytes;
-  KVXFER_CHECK(
-      checked_mul(checked_mul(checked_mul(p.num_pages, p.page_size), p.pool_heads), row_max) >= 0,
-      "pool of %lld pages x %lld tokens x %lld heads x %lld bytes overflows int64",
-      (long long)p.num_pages, (long long)p.page_size, (long long)p.pool_heads, (long long)row_max);
+  KVXFER_CHECK(checked_mul(checked_mul(checked_mul(p.num_pages, tile_rows(p.layout, p.page_size)),
+                                       p.pool_heads),
+                           row_max) >= 0,
+               "pool of %lld pages x %lld rows x %lld heads x %lld bytes overflows int64",
+               (long long)p.num_pages, (long long)tile_rows(p.layout, p.page_size),
+               (long long)p.pool_heads, (long long)row_max);
   KVXFER_CHECK(s.head_start >= 0 && s.num_heads >= 1 && s.head_start <= p.pool_heads &&
                    s.num_heads <= p.pool_heads - s.head_start,
                "heads [%lld, %lld + %lld) are not inside the pool's %lld heads",

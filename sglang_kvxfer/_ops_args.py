@@ -24,16 +24,24 @@ from sglang_kvxfer.planning.kvslice import KVSlice
 __all__ = ["KVCall", "parse_call", "slice_fields", "staging_bytes_view", "staging_nbytes"]
 
 _ITEMSIZES = (1, 2, 4)
+_HND_KV = Layout.HND_KV.value
+_FORMS = {
+    "NHD": "[num_pages * page_size, heads, head_dim]",
+    "HND": "[num_pages, heads, page_size, head_dim]",
+    _HND_KV: "[num_pages, heads, page_size, 2 * head_dim] (vLLM's shape) or [num_pages, heads, 2, page_size, head_dim]",
+}
 
 
 @dataclass(frozen=True)
 class KVCall:
-    """One validated gather or scatter. ``layers`` is K of every layer, then V of every layer."""
+    """One validated gather or scatter. ``layers`` is K of every layer, then V of every layer
+    (HND_KV: the L per-layer K-and-V tensors, viewed ``[num_pages, heads, 2, page_size, dim]``;
+    ``layer_ptrs`` gives the kernels' K and V pointers of every layout)."""
 
     layers: tuple[torch.Tensor, ...]
     num_layers: int
     num_kv: int  # 2 (K and V) or 1 (MLA)
-    layout: str  # "NHD" or "HND"
+    layout: str  # "NHD", "HND" or "HND_KV"
     device: torch.device
     itemsize: int
     num_pages: int
@@ -47,6 +55,15 @@ class KVCall:
     num_tokens: int
     page_ids: Any  # np.ndarray[int64] on the host, or an int64 tensor on the pool's GPU
     staging_nbytes: int
+
+    def layer_ptrs(self) -> list[int]:
+        """The native kernels' pointer table: K of every layer, then V of every layer. An
+        HND_KV layer's V pointer is its K pointer + ``page_size`` K rows (csrc/kvxfer.h)."""
+        ptrs = [t.data_ptr() for t in self.layers]
+        if self.layout == _HND_KV:
+            v_shift = self.page_size * self.k_dim * self.itemsize
+            ptrs += [p + v_shift for p in ptrs]
+        return ptrs
 
 
 def staging_nbytes(
@@ -122,7 +139,16 @@ def parse_call(
     _check_layers(k_layers, "k_buffers", ref, lay)
     num_pages, pool_heads, k_dim = _pool_shape(ref, "k_buffers[0]", lay, page_size)
     layers, v_dim = list(k_layers), 0
-    if v_buffers is not None:
+    if lay == _HND_KV:
+        # One buffer per layer holds K and V: no V list (an engine's ``buffers[L:]`` is empty).
+        if v_buffers is not None and not (isinstance(v_buffers, (list, tuple)) and len(v_buffers) == 0):
+            what = f"{len(v_buffers)} tensor(s)" if isinstance(v_buffers, (list, tuple)) else type(v_buffers).__name__
+            raise ValueError(
+                f"v_buffers is {what} but layout HND_KV keeps V in the k_buffers tensors; pass v_buffers=None"
+            )
+        layers = [t.view(num_pages, pool_heads, 2, page_size, k_dim) for t in k_layers]
+        v_dim = k_dim
+    elif v_buffers is not None:
         v_layers = _layer_list(v_buffers, "v_buffers")
         if len(v_layers) != len(k_layers):
             raise ValueError(f"v_buffers has {len(v_layers)} layers but k_buffers has {len(k_layers)}")
@@ -228,12 +254,9 @@ def _check_layers(layers: list[torch.Tensor], name: str, ref: torch.Tensor, layo
             f"{name}[0] has dtype {ref.dtype} ({ref.element_size()} bytes); "
             "use a 1-, 2- or 4-byte dtype (fp8/uint8, fp16/bf16, fp32)"
         )
-    want_dim = 3 if layout == "NHD" else 4
-    if ref.dim() != want_dim:
-        form = (
-            "[num_pages * page_size, heads, head_dim]" if layout == "NHD" else "[num_pages, heads, page_size, head_dim]"
-        )
-        raise ValueError(f"{name}[0] has shape {tuple(ref.shape)}; layout {layout} needs {form}")
+    want_dims = {"NHD": (3,), "HND": (4,), _HND_KV: (4, 5)}[layout]
+    if ref.dim() not in want_dims:
+        raise ValueError(f"{name}[0] has shape {tuple(ref.shape)}; layout {layout} needs {_FORMS[layout]}")
     for i, t in enumerate(layers):
         if t.dtype != ref.dtype or t.device != ref.device or t.shape != ref.shape:
             raise ValueError(
@@ -251,6 +274,25 @@ def _pool_shape(t: torch.Tensor, name: str, layout: str, page_size: int) -> tupl
         if rows < page_size or rows % page_size:
             raise ValueError(f"{name} has {rows} token rows, not a positive multiple of page_size={page_size}")
         num_pages = rows // page_size
+    elif layout == _HND_KV:
+        shape = tuple(int(x) for x in t.shape)
+        if len(shape) == 4:  # vLLM's [blocks, heads, block_size, 2 * head_dim]
+            num_pages, heads, in_page, both = shape
+            dim = both // 2
+            if both % 2:
+                raise ValueError(
+                    f"{name} has shape {shape}: its last dim {both} must be 2 * head_dim for layout HND_KV "
+                    f"(needs {_FORMS[_HND_KV]})"
+                )
+        else:
+            num_pages, heads, kinds, in_page, dim = shape
+            if kinds != 2:
+                raise ValueError(
+                    f"{name} has shape {shape}: dim 2 is {kinds}, but layout HND_KV holds K and V there "
+                    f"(needs {_FORMS[_HND_KV]})"
+                )
+        if in_page != page_size:
+            raise ValueError(f"{name} holds {in_page} tokens per page (dim {len(shape) - 2}) but page_size={page_size}")
     else:
         num_pages, heads, in_page, dim = (int(x) for x in t.shape)
         if in_page != page_size:

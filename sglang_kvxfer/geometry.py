@@ -83,10 +83,16 @@ class Layout(str, enum.Enum):
 
     NHD: ``[num_pages * page_size, heads, dim]`` (token-major; SGLang's MHA pool).
     HND: ``[num_pages, heads, page_size, dim]`` (head-major inside a page; vLLM's NIXL layout).
+    HND_KV: ``[num_pages, heads, 2, page_size, dim]``: one buffer per layer holding K and V
+    per (page, head) tile, the K rows of the page's tokens then their V rows (vLLM's CPU
+    cache, which vLLM shapes ``[num_blocks, heads, block_size, 2 * head_dim]``: there
+    ``[b, h, n, :head_dim]`` is *not* token n's key). Needs ``v_head_dim == head_dim``; not for
+    MLA.
     """
 
     NHD = "NHD"
     HND = "HND"
+    HND_KV = "HND_KV"
 
     @classmethod
     def parse(cls, value: Any) -> Layout:
@@ -96,7 +102,7 @@ class Layout(str, enum.Enum):
         try:
             return cls(text)
         except ValueError:
-            raise GeometryError(f"layout={value!r} is not supported; use NHD or HND") from None
+            raise GeometryError(f"layout={value!r} is not supported; use NHD, HND or HND_KV") from None
 
     def __str__(self) -> str:  # "NHD", not "Layout.NHD", in messages and JSON
         return self.value
@@ -167,7 +173,7 @@ class KVGeometry:
             buffer: use 0 (the default for ``mla=True``).
         dtype: element type name (``bfloat16``, ``float16``, ``float32``, ``float8_e4m3fn``...).
         page_size: tokens per page.
-        layout: ``NHD`` or ``HND`` (see ``Layout``).
+        layout: ``NHD``, ``HND`` or ``HND_KV`` (see ``Layout``).
         mla: True for an MLA latent cache (one buffer per layer, replicated on all ranks).
         num_pages: pool capacity in pages per layer buffer (may differ between ranks).
     """
@@ -195,6 +201,11 @@ class KVGeometry:
         object.__setattr__(self, "layout", Layout.parse(self.layout))
         object.__setattr__(self, "itemsize", DTYPE_ITEMSIZE[self.dtype])
         if self.mla:
+            if self.layout is Layout.HND_KV:
+                raise GeometryError(
+                    "layout=HND_KV is not valid with mla=True (HND_KV packs K and V in one buffer; "
+                    "an MLA latent cache has no V): use NHD or HND"
+                )
             if self.total_kv_heads != 1:
                 raise GeometryError(f"total_kv_heads={self.total_kv_heads} must be 1 for MLA (one latent head)")
             if self.v_head_dim is None:
@@ -207,6 +218,11 @@ class KVGeometry:
             if self.v_head_dim is None:
                 object.__setattr__(self, "v_head_dim", self.head_dim)
             _check_int("v_head_dim", self.v_head_dim, 1)
+            if self.layout is Layout.HND_KV and self.v_head_dim != self.head_dim:
+                raise GeometryError(
+                    f"v_head_dim={self.v_head_dim} must equal head_dim={self.head_dim} for layout=HND_KV "
+                    "(K and V rows share each (page, head) tile of one buffer)"
+                )
 
     # -- derived sizes -------------------------------------------------------------------
     @property
@@ -222,12 +238,17 @@ class KVGeometry:
         return self._v_dim > 0
 
     @property
+    def packed_kv(self) -> bool:
+        """True when one buffer per layer holds both K and V (``HND_KV``)."""
+        return self.layout is Layout.HND_KV
+
+    @property
     def num_buffers(self) -> int:
-        """KV buffers per rank: K_0..K_{L-1} then V_0..V_{L-1} (MLA: one per layer)."""
-        return self.num_layers * (2 if self.has_v else 1)
+        """KV buffers per rank: K_0..K_{L-1} then V_0..V_{L-1} (MLA and HND_KV: one per layer)."""
+        return self.num_layers * (2 if self.has_v and not self.packed_kv else 1)
 
     def buffer_dim(self, buffer_index: int) -> int:
-        """Head dim of buffer ``buffer_index`` (K buffers first, then V)."""
+        """Head dim of buffer ``buffer_index`` (K buffers first, then V; HND_KV: K = V dim)."""
         if not 0 <= buffer_index < self.num_buffers:
             raise GeometryError(f"buffer_index={buffer_index} must be in [0, {self.num_buffers})")
         return self.head_dim if buffer_index < self.num_layers else self._v_dim
@@ -292,8 +313,9 @@ class RankPlacement:
     """A geometry on one TP rank: the heads it owns and the byte layout of its buffers.
 
     Buffers are numbered as SGLang's ``kv_data_ptrs``: K of layers 0..L-1, then V of layers
-    0..L-1 (MLA: one latent buffer per layer). Every buffer of a kind has the same shape:
-    NHD ``[num_pages * page_size, local_heads, dim]``, HND ``[num_pages, local_heads,
+    0..L-1 (MLA: one latent buffer per layer; HND_KV: one K-and-V buffer per layer). Every
+    buffer of a kind has the same shape: NHD ``[num_pages * page_size, local_heads, dim]``,
+    HND ``[num_pages, local_heads, page_size, dim]``, HND_KV ``[num_pages, local_heads, 2,
     page_size, dim]``.
     """
 
@@ -317,6 +339,8 @@ class RankPlacement:
         dim = g.buffer_dim(buffer_index)
         if g.layout is Layout.NHD:
             return (g.num_pages * g.page_size, self.num_local_heads, dim)
+        if g.layout is Layout.HND_KV:
+            return (g.num_pages, self.num_local_heads, 2, g.page_size, dim)
         return (g.num_pages, self.num_local_heads, g.page_size, dim)
 
     def buffer_nbytes(self, buffer_index: int) -> int:
@@ -326,9 +350,10 @@ class RankPlacement:
         return n
 
     def page_nbytes(self, buffer_index: int) -> int:
-        """Bytes of one page of one buffer (SGLang's ``kv_item_lens`` entry)."""
+        """Bytes of one page of one buffer (SGLang's ``kv_item_lens`` entry; HND_KV: K and V)."""
         g = self.geometry
-        return g.page_size * self.num_local_heads * g.buffer_dim(buffer_index) * g.itemsize
+        kinds = 2 if g.packed_kv else 1
+        return kinds * g.page_size * self.num_local_heads * g.buffer_dim(buffer_index) * g.itemsize
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -75,10 +75,14 @@ def gather_kv_heads(
     k_buffers : sequence of L torch.Tensor (or one ``[L, ...]`` tensor)
         Per-layer K buffers, all the same dtype (1, 2 or 4 bytes per element), device and
         shape, contiguous. NHD: ``[num_pages * page_size, pool_heads, k_dim]``;
-        HND: ``[num_pages, pool_heads, page_size, k_dim]``.
+        HND: ``[num_pages, pool_heads, page_size, k_dim]``. HND_KV: the per-layer K *and* V
+        buffers, ``[num_pages, pool_heads, page_size, 2 * dim]`` (vLLM's CPU cache as vLLM
+        shapes it) or ``[num_pages, pool_heads, 2, page_size, dim]`` (the same bytes): each
+        (page, head) tile is K ``[page_size, dim]`` then V ``[page_size, dim]``.
     v_buffers : sequence of L torch.Tensor, or None
         Per-layer V buffers shaped like ``k_buffers`` but with ``v_dim`` last. None for MLA
-        (one buffer per layer): the staging then has no V blocks.
+        (one buffer per layer): the staging then has no V blocks. HND_KV: None (or an
+        empty sequence); V comes from ``k_buffers`` and the staging has V blocks.
     page_ids : list, numpy array or int32/int64 tensor, ``[num_page_ids]``; or a ``KVSlice``
         The request's pages, in token order. Each in ``[0, num_pages)``. A
         ``sglang_kvxfer.planning.KVSlice`` (what ``RequestPlan.gather_slice`` returns)
@@ -87,7 +91,7 @@ def gather_kv_heads(
         Tokens per page of this pool (required unless ``page_ids`` is a ``KVSlice``).
     head_start, num_heads : int
         The pool heads to copy (required unless ``page_ids`` is a ``KVSlice``).
-    layout : {"NHD", "HND"}, default "NHD"
+    layout : {"NHD", "HND", "HND_KV"}, default "NHD"
     token_offset : int, default 0
         Request token of staging token 0 (send a request in chunks with it).
     num_tokens : int, optional
@@ -345,7 +349,7 @@ def _run_cpu(
     lib: _native.Library, call: KVCall, staging: torch.Tensor, gather: bool, streaming_min_bytes: int = -1
 ) -> None:
     pool, sl = _descs(call)
-    ptrs = np.array([t.data_ptr() for t in call.layers], dtype=np.uint64)
+    ptrs = np.array(call.layer_ptrs(), dtype=np.uint64)
     name = "kvxfer_gather_cpu" if gather else "kvxfer_scatter_cpu"
     code = getattr(lib.handle, name)(
         pool,
@@ -365,7 +369,7 @@ def _cuda_table(call: KVCall) -> tuple[int, torch.Tensor, torch.Tensor]:
     stream: one host->device copy of the layer pointers, plus the page ids when they come
     from the host. Pinned + non_blocking keeps the stream asynchronous; torch's allocators
     keep both buffers alive until the stream has consumed them."""
-    ptrs = [t.data_ptr() for t in call.layers]
+    ptrs = call.layer_ptrs()
     # Largest power of two (<= 16) dividing every layer pointer: bounds the vector width.
     align = 16
     for p in ptrs:
@@ -450,15 +454,19 @@ def _reference(call: KVCall, staging: torch.Tensor, gather: bool) -> None:
     offset = 0
     for layer in range(call.num_layers):
         for kv in range(call.num_kv):
-            buffer = call.layers[kv * call.num_layers + layer].view(int_type)
             dim = call.k_dim if kv == 0 else call.v_dim
             nbytes = call.num_tokens * call.num_heads * dim * call.itemsize
             block = staging[offset : offset + nbytes].view(int_type).view(call.num_tokens, call.num_heads, dim)
-            index: tuple[torch.Tensor, ...]
-            if call.layout == "NHD":
-                index = (pages * call.page_size + slots, heads)  # -> [T, n, dim]
+            index: tuple[torch.Tensor | int, ...]
+            if call.layout == "HND_KV":  # [pages, heads, K|V, page_size, dim], one per layer
+                buffer = call.layers[layer].view(int_type)
+                index = (pages, heads, kv, slots)  # -> [T, n, dim]
             else:
-                index = (pages, heads, slots)  # -> [T, n, dim]
+                buffer = call.layers[kv * call.num_layers + layer].view(int_type)
+                if call.layout == "NHD":
+                    index = (pages * call.page_size + slots, heads)  # -> [T, n, dim]
+                else:
+                    index = (pages, heads, slots)  # -> [T, n, dim]
             if gather:
                 block.copy_(buffer[index])
             else:

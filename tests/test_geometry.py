@@ -32,7 +32,7 @@ BASE = dict(num_layers=4, total_kv_heads=8, head_dim=128)
         ("page_size", 0, "page_size=0 must be >= 1"),
         ("num_pages", 0, "num_pages=0 must be >= 1"),
         ("dtype", "int4", "dtype='int4' is not supported"),
-        ("layout", "NDH", "layout='NDH' is not supported; use NHD or HND"),
+        ("layout", "NDH", "layout='NDH' is not supported; use NHD, HND or HND_KV"),
         ("mla", "yes", "mla='yes' must be a bool"),
         ("num_layers", True, "num_layers=True must be an integer"),
     ],
@@ -100,8 +100,13 @@ def test_owned_heads_rule():
     assert owned_heads(1, 5, 3, mla=True) == range(0, 1)
 
 
+def _geometry(layout, v_head_dim, **kw):
+    # HND_KV needs v_head_dim == head_dim (None resolves to it).
+    return KVGeometry(layout=layout, v_head_dim=None if layout is Layout.HND_KV else v_head_dim, **kw)
+
+
 geometries = st.builds(
-    KVGeometry,
+    _geometry,
     num_layers=st.integers(1, 200),
     total_kv_heads=st.sampled_from([1, 2, 4, 8, 64]),
     head_dim=st.integers(1, 1024),
@@ -164,3 +169,48 @@ def test_mla_vs_mha_mismatch_and_tolerated_differences():
     c = check_compatible(KVGeometry(**BASE, page_size=16), KVGeometry(**BASE, page_size=64, layout="HND", num_pages=7))
     assert c.page_size_differs and c.layout_differs and c.reformat_needed
     assert not check_compatible(KVGeometry(**BASE), KVGeometry(**BASE, num_pages=3)).reformat_needed
+
+
+# ---- HND_KV: vLLM's CPU cache, one K-and-V buffer per layer ----------------------------------
+
+
+def test_hnd_kv_parses_and_lists_all_layouts():
+    assert Layout.parse("hnd_kv") is Layout.HND_KV and str(Layout.HND_KV) == "HND_KV"
+    with pytest.raises(GeometryError) as exc:
+        Layout.parse("HNDKV")
+    assert "layout='HNDKV' is not supported; use NHD, HND or HND_KV" in str(exc.value)
+
+
+def test_hnd_kv_shapes_and_sizes():
+    g = KVGeometry(**BASE, layout="HND_KV", page_size=16, num_pages=10, dtype="bf16")
+    assert g.packed_kv and g.has_v and g.v_head_dim == 128
+    assert g.num_buffers == 4  # one per layer, not K then V
+    p = g.placement(4, 3)
+    assert p.buffer_shape(0) == p.buffer_shape(3) == (10, 2, 2, 16, 128)
+    assert p.buffer_nbytes(0) == 10 * 2 * 2 * 16 * 128 * 2
+    assert p.page_nbytes(0) == 2 * 16 * 2 * 128 * 2  # K and V of one page
+    assert p.page_nbytes(0) * g.num_pages == p.buffer_nbytes(0)
+    assert [g.buffer_dim(i) for i in range(4)] == [128] * 4
+    with pytest.raises(GeometryError, match=r"buffer_index=4 must be in \[0, 4\)"):
+        g.buffer_dim(4)
+    assert KVGeometry.from_dict(g.to_dict()) == g and g.to_dict()["layout"] == "HND_KV"
+
+
+def test_hnd_kv_rules_name_the_fields_and_values():
+    with pytest.raises(GeometryError) as exc:
+        KVGeometry(**BASE, layout="HND_KV", v_head_dim=64)
+    assert "v_head_dim=64 must equal head_dim=128 for layout=HND_KV" in str(exc.value)
+    with pytest.raises(GeometryError) as exc:
+        KVGeometry(num_layers=2, total_kv_heads=1, head_dim=576, mla=True, layout="HND_KV")
+    assert "layout=HND_KV is not valid with mla=True" in str(exc.value)
+    assert KVGeometry(**BASE, layout="HND_KV", v_head_dim=128).v_head_dim == 128
+
+
+@pytest.mark.parametrize("other", ["NHD", "HND"])
+def test_hnd_kv_is_compatible_with_the_other_layouts_both_ways(other):
+    kv = KVGeometry(**BASE, layout="HND_KV", page_size=16)
+    plain = KVGeometry(**BASE, layout=other, page_size=32)
+    for pre, dec in ((kv, plain), (plain, kv)):
+        c = check_compatible(pre, dec)
+        assert c.layout_differs and c.page_size_differs and c.reformat_needed
+    assert not check_compatible(kv, KVGeometry(**BASE, layout="HND_KV", page_size=16, num_pages=5)).reformat_needed

@@ -38,8 +38,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 1  # KVXFER_ABI_VERSION in csrc/kvxfer.h
-LAYOUT_CODES = {"NHD": 0, "HND": 1}
+ABI_VERSION = 2  # KVXFER_ABI_VERSION in csrc/kvxfer.h
+LAYOUT_CODES = {"NHD": 0, "HND": 1, "HND_KV": 2}  # KVXFER_LAYOUT_* in csrc/kvxfer.h
 STATUS_INVALID, STATUS_CUDA, STATUS_INTERNAL = 1, 2, 3
 
 _PACKAGE_DIR = Path(__file__).resolve().parent

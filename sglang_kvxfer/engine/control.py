@@ -13,6 +13,7 @@ return False (deadlines and heartbeats take it from there). Must not interpret m
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -103,9 +104,11 @@ class ControlChannel:
         poller.register(self._inbox, zmq.POLLIN)
         next_tick = time.monotonic()
         while not self._stop.is_set():
-            timeout_ms = max(0.0, next_tick - time.monotonic()) * 1000
+            # Rounded up: a wait cut to 0 ms would spin (and take the GIL from the data
+            # path's threads) for the last millisecond before every tick.
+            timeout_ms = math.ceil(max(0.0, next_tick - time.monotonic()) * 1000)
             try:
-                ready = dict(poller.poll(int(timeout_ms)))  # pyzmq truncates a float the same way
+                ready = dict(poller.poll(timeout_ms))
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return

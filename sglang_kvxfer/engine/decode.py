@@ -5,8 +5,12 @@ candidate prefill rank (both sides check the geometry; a mismatch fails the requ
 once with the field-level message), then per request sends metadata to every candidate:
 destination pages, and for each elected writer either nothing (direct writes into the
 pool) or a window of two staging slots. It scatters each staged chunk as its
-``ChunkReady`` arrives and returns the slot, and reports Success only when every expected
-writer has sent ``TransferDone``. Deadlines, aborts and peer death fail a request and free
+``ChunkReady`` arrives and returns the slot, scatters a writer's last chunk, which rides on
+its ``TransferDone``, together with counting that writer done, and reports Success only
+when every expected writer has sent ``TransferDone``. Scatters run in order on the room's
+worker; a ``TransferDone`` whose room has nothing queued there and whose last chunk is
+small (``INLINE_NOTICE_BYTES``) is handled on the I/O thread at once: no thread hand-over
+on a small request's last step. Deadlines, aborts and peer death fail a request and free
 its staging windows; the next request to a live peer works.
 
 This module owns the decode manager's flow: lookup and registration, metadata, messages,
@@ -20,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,6 +55,7 @@ from sglang_kvxfer.protocol.messages import (
     Heartbeat,
     RegisterReply,
     RequestMeta,
+    StagedChunk,
     TransferDone,
     TransferFailed,
 )
@@ -58,6 +64,10 @@ from sglang_kvxfer.protocol.state import Event, KVPoll
 __all__ = ["DecodeManager", "KVReceiver"]
 
 log = logging.getLogger("sglang_kvxfer.decode")
+
+# A TransferDone whose last chunk is at most this large (a scatter of ~0.1 ms) is handled
+# on the I/O thread when its room has no task queued on a worker.
+INLINE_NOTICE_BYTES = 256 << 10
 
 
 class DecodeManager(RankBase[DecodeRoom]):
@@ -249,9 +259,12 @@ class DecodeManager(RankBase[DecodeRoom]):
             self._fail_room(rec, failed)
         return rec
 
-    def set_metadata(self, rec: DecodeRoom, pages: np.ndarray, num_tokens: int, aux_slot: int) -> None:
+    def set_metadata(
+        self, rec: DecodeRoom, pages: np.ndarray, num_tokens: int, aux_slot: int, prefix_tokens: int = 0
+    ) -> None:
         with self._lock:
             rec.pages, rec.num_tokens, rec.aux_slot = pages, num_tokens, aux_slot
+            rec.prefix_tokens = prefix_tokens
             rec.meta_pending = True
             ready = rec.state.poll is KVPoll.WaitingForInput
         if ready:
@@ -316,6 +329,7 @@ class DecodeManager(RankBase[DecodeRoom]):
                     staging_offset=offset,
                     staging_capacity_bytes=capacity,
                     staging_region=region,
+                    prefix_tokens=rec.prefix_tokens,
                 ),
             )
 
@@ -432,60 +446,95 @@ class DecodeManager(RankBase[DecodeRoom]):
         if rec is None or rec.state.is_terminal:
             return
         self._touch(msg.tp_rank)
-        now = time.monotonic()
         try:
-            plan = self._writer(rec, msg.tp_rank)
-            window, capacity = rec.windows.get(msg.tp_rank, (-1, 0))
-            # ChunkReady speaks offsets in the window's staging segment, as RequestMeta did.
-            offset, base = (-1, 0) if window < 0 else self._live_staging.locate(window)[1:]
-            if not (0 <= offset <= msg.staging_offset and msg.staging_offset + msg.chunk_bytes <= offset + capacity):
-                raise TransferFailedError(
-                    f"ChunkReady from prefill rank {msg.tp_rank} points outside its "
-                    f"staging window [{offset}, {offset + capacity})",
-                    rec.room,
-                )
-            if msg.token_start + msg.num_tokens > rec.num_tokens:
-                raise TransferFailedError(
-                    f"ChunkReady tokens [{msg.token_start}, {msg.token_start + msg.num_tokens})"
-                    f" exceed the request's {rec.num_tokens}",
-                    rec.room,
-                )
-            with self._lock:
-                rec.first_notice = rec.first_notice or now
-                rec.state.handle(Event.CHUNK_STARTED, now)
+            plan, arena_offset = self._check_chunk(rec, msg.tp_rank, msg)
         except KVXferError as exc:
             return self._fail_room(rec, str(exc))
-        self.worker_for(rec.room).submit(lambda: self._scatter(rec, plan, msg, base + msg.staging_offset))
+        self._submit(rec, lambda: self._scatter(rec, plan, msg.tp_rank, msg, arena_offset))
 
-    def _scatter(self, rec: DecodeRoom, plan: RequestPlan, msg: ChunkReady, arena_offset: int) -> None:
+    def _submit(self, rec: DecodeRoom, task: Callable[[], object]) -> None:
+        """Run ``task`` on a worker after the room's earlier tasks: on the worker those
+        went to while any is queued, else on the idlest one."""
+
+        def counted() -> None:
+            try:
+                task()
+            finally:
+                with self._lock:
+                    rec.queued -= 1
+
+        with self._lock:
+            if rec.queued == 0 or rec.worker is None:
+                rec.worker = self.idle_worker()
+            rec.queued += 1
+            worker = rec.worker
+        worker.submit(counted)
+
+    def _check_chunk(self, rec: DecodeRoom, tp_rank: int, chunk: ChunkReady | StagedChunk) -> tuple[RequestPlan, int]:
+        """Check a staged chunk writer ``tp_rank`` announced (in its window, within the
+        request) and count it as progress; returns the pair's plan and the chunk's arena
+        offset. Raises ``TransferFailedError`` saying what is wrong."""
+        now = time.monotonic()
+        plan = self._writer(rec, tp_rank)
+        window, capacity = rec.windows.get(tp_rank, (-1, 0))
+        # Chunks speak offsets in the window's staging segment, as RequestMeta did.
+        offset, base = (-1, 0) if window < 0 else self._live_staging.locate(window)[1:]
+        what = "ChunkReady" if isinstance(chunk, ChunkReady) else "TransferDone's last chunk"
+        if not (0 <= offset <= chunk.staging_offset and chunk.staging_offset + chunk.chunk_bytes <= offset + capacity):
+            raise TransferFailedError(
+                f"{what} from prefill rank {tp_rank} points outside its staging window [{offset}, {offset + capacity})",
+                rec.room,
+            )
+        if chunk.token_start + chunk.num_tokens > rec.num_tokens:
+            raise TransferFailedError(
+                f"{what} tokens [{chunk.token_start}, {chunk.token_start + chunk.num_tokens})"
+                f" exceed the request's {rec.num_tokens}",
+                rec.room,
+            )
+        with self._lock:
+            rec.first_notice = rec.first_notice or now
+            rec.state.handle(Event.CHUNK_STARTED, now)
+        return plan, base + chunk.staging_offset
+
+    def _scatter(
+        self, rec: DecodeRoom, plan: RequestPlan, tp_rank: int, chunk: ChunkReady | StagedChunk, arena_offset: int
+    ) -> bool:
+        """Scatter one staged chunk into the pool (worker thread); a ``ChunkReady``'s slot
+        is returned with ``ChunkAck``, a ``TransferDone``'s last chunk is not (the room
+        ends). False when the room has ended or the scatter failed (it fails the room)."""
         from sglang_kvxfer import ops
 
         if rec.state.is_terminal:
-            return
+            return False
         g = self.config.geometry
+        a, b = chunk.token_start, chunk.token_start + chunk.num_tokens
         t0 = time.perf_counter()
         try:
-            piece = plan.scatter_slice(msg.token_start, msg.token_start + msg.num_tokens)
-            pool = self._live_pool
-            staging = self._live_staging.view(arena_offset, msg.chunk_bytes)
-            # On the copy stream, waited for by event: the slot is returned only once the
-            # bytes are in the pool, and the model's streams are not synchronized.
-            self.copy_stream.run(
-                lambda: ops.scatter_kv_heads(
-                    staging, pool.buffers[: g.num_layers], pool.buffers[g.num_layers :] if g.has_v else None, piece
+            with rec.copy_lock:
+                if rec.state.is_terminal:  # failed meanwhile: its windows may be freed
+                    return False
+                piece = plan.scatter_slice(a, b)
+                pool = self._live_pool
+                staging = self._live_staging.view(arena_offset, chunk.chunk_bytes)
+                # On the copy stream, waited for by event: the slot is returned only once the
+                # bytes are in the pool, and the model's streams are not synchronized.
+                self.copy_stream.run(
+                    lambda: ops.scatter_kv_heads(
+                        staging, pool.buffers[: g.num_layers], pool.buffers[g.num_layers :] if g.has_v else None, piece
+                    )
                 )
-            )
         except Exception as exc:
-            return self._fail_room(
-                rec, f"scatter of tokens [{msg.token_start}, {msg.token_start + msg.num_tokens}) failed: {exc}"
-            )
+            self._fail_room(rec, f"scatter of tokens [{a}, {b}) failed: {exc}")
+            return False
         rec.timings["scatter"] = rec.timings.get("scatter", 0.0) + time.perf_counter() - t0
-        group = self._groups.get(rec.group)
-        peer = group.peers.get(msg.tp_rank) if group else None
-        if peer is not None:
-            self._live_control.send(
-                peer.endpoint, ChunkAck(room=rec.room, tp_rank=self.tp_rank, staging_offset=msg.staging_offset)
-            )
+        if isinstance(chunk, ChunkReady):
+            group = self._groups.get(rec.group)
+            peer = group.peers.get(tp_rank) if group else None
+            if peer is not None:
+                self._live_control.send(
+                    peer.endpoint, ChunkAck(room=rec.room, tp_rank=self.tp_rank, staging_offset=chunk.staging_offset)
+                )
+        return True
 
     def _on_done(self, msg: TransferDone) -> None:
         rec = self.room(msg.room)
@@ -493,7 +542,26 @@ class DecodeManager(RankBase[DecodeRoom]):
             return
         self._touch(msg.tp_rank)
         arrived = rec.last_notice = time.monotonic()
-        self.worker_for(rec.room).submit(lambda: self._writer_done(rec, msg, arrived))
+        chunk = msg.last_chunk
+        task: Callable[[], None]
+        if chunk is None:
+            task = lambda: self._writer_done(rec, msg, arrived)  # noqa: E731
+        else:
+            try:
+                plan, arena_offset = self._check_chunk(rec, msg.tp_rank, chunk)
+            except KVXferError as exc:
+                return self._fail_room(rec, str(exc))
+
+            def task() -> None:  # the last chunk, then the writer is done: one step
+                if self._scatter(rec, plan, msg.tp_rank, chunk, arena_offset):
+                    self._writer_done(rec, msg, arrived)
+
+        with self._lock:  # nothing of the room queued: nothing to keep in order with
+            inline = rec.queued == 0 and (chunk is None or chunk.chunk_bytes <= INLINE_NOTICE_BYTES)
+        if inline:
+            task()
+        else:
+            self._submit(rec, task)
 
     def _writer_done(self, rec: DecodeRoom, msg: TransferDone, arrived: float) -> None:
         with self._lock:
@@ -522,7 +590,7 @@ class DecodeManager(RankBase[DecodeRoom]):
 
     # -- failures and liveness ---------------------------------------------------------------------
     def _free_windows(self, rec: DecodeRoom) -> None:
-        with self._lock:
+        with rec.copy_lock, self._lock:  # after a scatter reading them has ended
             windows, rec.windows = rec.windows, {}
         for offset, _ in windows.values():
             self._live_staging.free(offset)
@@ -544,7 +612,7 @@ class DecodeManager(RankBase[DecodeRoom]):
         log.warning("decode rank %d room %d failed: %s", self.tp_rank, rec.room, reason)
         self._request_ended(rec)
         # Free the windows after any scatter already queued for this room has run.
-        self.worker_for(rec.room).submit(lambda: self._free_windows(rec))
+        self._submit(rec, lambda: self._free_windows(rec))
         for peer in peers:
             self._live_control.send(
                 peer.endpoint, TransferFailed(room=rec.room, side=Side.DECODE, tp_rank=self.tp_rank, reason=reason)
@@ -561,7 +629,7 @@ class DecodeManager(RankBase[DecodeRoom]):
             if not peers:
                 rec.untold = (Abort, reason)  # sent once the group is known
         self._request_ended(rec)
-        self.worker_for(rec.room).submit(lambda: self._free_windows(rec))
+        self._submit(rec, lambda: self._free_windows(rec))
         for peer in peers:
             self._live_control.send(
                 peer.endpoint, Abort(room=rec.room, side=Side.DECODE, tp_rank=self.tp_rank, reason=reason)
@@ -643,23 +711,35 @@ class KVReceiver(RequestHandle):
     def init(self) -> None:
         """Kept for SGLang-shaped callers: lookup and registration already started."""
 
-    def send_metadata(self, page_ids, aux_slot: int = -1, num_tokens: int | None = None) -> None:
-        """Tell the writers where this request's KV goes (this rank's page ids)."""
+    def send_metadata(
+        self, page_ids, aux_slot: int = -1, num_tokens: int | None = None, prefix_tokens: int = 0
+    ) -> None:
+        """Tell the writers where this request's KV goes (this rank's page ids).
+
+        ``prefix_tokens``: tokens of the request this rank already holds (a decode radix
+        cache hit). ``page_ids`` and ``num_tokens`` then cover only the tokens after them; the
+        prefill reads the length (``KVSender.decode_prefix_tokens``) and sends only those.
+        """
         if self._sent:
             raise ValueError(f"room {self.room}: send_metadata() was already called")
+        if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, (int, np.integer)) or prefix_tokens < 0:
+            raise ValueError(f"prefix_tokens={prefix_tokens!r} must be an int >= 0")
         g = self.mgr.config.geometry
         pages = np.asarray(page_ids, dtype=np.int64).reshape(-1)
-        if pages.size == 0:
+        if pages.size == 0 and not prefix_tokens:
             raise ValueError("page_ids is empty")
-        if pages.min() < 0 or pages.max() >= g.num_pages:
+        if pages.size and (pages.min() < 0 or pages.max() >= g.num_pages):
             raise ValueError(f"page_ids must lie in [0, {g.num_pages}), got {pages.min()}..{pages.max()}")
         if len(np.unique(pages)) != pages.size:
             raise ValueError("page_ids repeats a page")
         tokens = pages.size * g.page_size if num_tokens is None else int(num_tokens)
-        if not (pages.size - 1) * g.page_size < tokens <= pages.size * g.page_size:
+        # A decode that holds the whole prompt (prefix) receives no KV, only the aux data.
+        if pages.size and not (pages.size - 1) * g.page_size < tokens <= pages.size * g.page_size:
             raise ValueError(f"num_tokens={tokens} does not fit {pages.size} page(s) of {g.page_size} tokens")
+        if not pages.size and tokens:
+            raise ValueError(f"num_tokens={tokens} does not fit 0 pages")
         self._sent = True
-        self.mgr.set_metadata(self._rec, pages, tokens, int(aux_slot))
+        self.mgr.set_metadata(self._rec, pages, tokens, int(aux_slot), int(prefix_tokens))
 
     @property
     def aux_payload(self) -> bytes:

@@ -9,10 +9,11 @@ Must not: send messages or touch memory; ``decode.py`` drives these records.
 from __future__ import annotations
 
 import enum
+import threading
 
 import numpy as np
 
-from sglang_kvxfer.engine.manager import Peer
+from sglang_kvxfer.engine.manager import Peer, Worker
 from sglang_kvxfer.geometry import RankPlacement
 from sglang_kvxfer.metrics import RequestRecord
 from sglang_kvxfer.planning import HeadTransfer, RequestPlan
@@ -57,6 +58,7 @@ class DecodeRoom:
         self.group = group
         self.pages: np.ndarray | None = None
         self.num_tokens = 0
+        self.prefix_tokens = 0  # tokens the decode already holds (decode radix cache); not sent
         self.aux_slot = -1
         self.meta_pending = False
         self.meta_sent = False
@@ -74,6 +76,11 @@ class DecodeRoom:
         self.untold: tuple[type, str] | None = None  # failure the prefill ranks have not heard yet
         self.ops = 0
         self.marks: dict[str, float] = {}  # transfer-window estimates on this clock (metrics.py)
+        self.queued = 0  # tasks of this room handed to a worker and not finished yet
+        self.worker: Worker | None = None  # where they run, in order (decode.py picks it)
+        # Held while a scatter reads this room's staging windows; freeing them takes it too,
+        # so a window is never lent again while it is still being read.
+        self.copy_lock = threading.Lock()
 
     def record(self, tp_rank: int) -> RequestRecord:
         ok = self.state.poll is KVPoll.Success

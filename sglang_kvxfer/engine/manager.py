@@ -43,14 +43,19 @@ log = logging.getLogger("sglang_kvxfer.engine")
 
 
 class Worker:
-    """One thread running submitted callables in order."""
+    """One thread running submitted callables in order; ``pending`` counts those queued or
+    running (``RankBase.idle_worker`` picks by it)."""
 
     def __init__(self, name: str):
         self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._count = threading.Lock()
+        self.pending = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], None]) -> None:
+        with self._count:
+            self.pending += 1
         self._q.put(fn)
 
     def _run(self) -> None:
@@ -62,6 +67,9 @@ class Worker:
                 fn()
             except Exception:
                 log.exception("worker task failed")
+            finally:
+                with self._count:
+                    self.pending -= 1
 
     def close(self, timeout_s: float) -> None:
         self._q.put(None)
@@ -188,8 +196,12 @@ class RankBase(abc.ABC, Generic[R]):
         self._helpers.append(thread)
         thread.start()
 
-    def worker_for(self, room: int) -> Worker:
-        return self._workers[room % len(self._workers)]
+    def idle_worker(self) -> Worker:
+        """The worker with the fewest tasks queued or running. A room whose tasks must run
+        in order uses one worker while it has any queued; picking the idlest for its next
+        batch keeps two requests in flight from queueing behind each other on one worker
+        while another is idle (by room id, half of all pairs would)."""
+        return min(self._workers, key=lambda w: w.pending)
 
     def new_state(self, room: int) -> RequestState:
         return RequestState(room, self.side, time.monotonic(), self.deadlines)

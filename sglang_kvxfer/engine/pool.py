@@ -87,6 +87,16 @@ def _alloc_bytes(nbytes: int, device: str, shared: bool):
     return torch.zeros(nbytes, dtype=torch.uint8, device=device), None
 
 
+def _accepted_shapes(placement: RankPlacement, buffer_index: int) -> list[tuple[int, ...]]:
+    """Shapes ``KVPool.wrap`` takes for a buffer: the placement's, and for HND_KV also vLLM's
+    ``[num_blocks, heads, block_size, 2 * head_dim]`` view of the same bytes."""
+    shape = placement.buffer_shape(buffer_index)
+    if not placement.geometry.packed_kv:
+        return [shape]
+    pages, heads, _, page_size, dim = shape
+    return [shape, (pages, heads, page_size, 2 * dim)]
+
+
 @dataclass(frozen=True)
 class BufferLoc:
     """Where one KV buffer lives: registered region ``region`` at byte ``offset``."""
@@ -96,9 +106,10 @@ class BufferLoc:
 
 
 class KVPool:
-    """A rank's KV buffers (K of every layer, then V; MLA: one per layer).
+    """A rank's KV buffers (K of every layer, then V; MLA and HND_KV: one per layer).
 
-    ``buffers[i]`` is a tensor of ``placement.buffer_shape(i)`` and the geometry's dtype.
+    ``buffers[i]`` is a tensor of ``placement.buffer_shape(i)`` and the geometry's dtype
+    (HND_KV: ``[num_pages, local_heads, 2, page_size, head_dim]``, K and V of layer ``i``).
     ``KVPool.allocate`` puts every buffer in one block (one registered region, so a direct
     transfer of all layers is one transport call); ``KVPool.wrap`` takes buffers allocated
     elsewhere (one region each), as an inference server's pool is.
@@ -139,19 +150,30 @@ class KVPool:
 
     @classmethod
     def wrap(cls, placement: RankPlacement, buffers: Sequence) -> KVPool:
-        """Use existing tensors (one per buffer index, contiguous, matching the geometry)."""
+        """Use existing tensors (one per buffer index, contiguous, matching the geometry).
+
+        HND_KV takes one tensor per layer, shaped ``placement.buffer_shape(i)`` or as vLLM
+        shapes its CPU cache, ``[num_pages, local_heads, page_size, 2 * head_dim]`` (the same
+        bytes); ``buffers`` then holds the 5-D views of them.
+        """
         import torch
 
         g = placement.geometry
         if len(buffers) != g.num_buffers:
-            raise ValueError(f"buffers has {len(buffers)} tensor(s); the geometry needs {g.num_buffers}")
+            what = " (one K-and-V tensor per layer for HND_KV)" if g.packed_kv else ""
+            raise ValueError(f"buffers has {len(buffers)} tensor(s); the geometry needs {g.num_buffers}{what}")
         dtype = torch_dtype(g.dtype)
+        views = []
         for i, t in enumerate(buffers):
-            if tuple(t.shape) != placement.buffer_shape(i) or t.dtype != dtype or not t.is_contiguous():
+            shapes = _accepted_shapes(placement, i)
+            if tuple(t.shape) not in shapes or t.dtype != dtype or not t.is_contiguous():
+                need = " or ".join(str(s) for s in shapes)
                 raise ValueError(
                     f"buffers[{i}] is {tuple(t.shape)} {t.dtype} (contiguous={t.is_contiguous()}); the "
-                    f"geometry needs a contiguous {placement.buffer_shape(i)} {dtype}"
+                    f"geometry needs a contiguous {need} {dtype}"
                 )
+            views.append(t.view(placement.buffer_shape(i)))
+        buffers = views
         blocks = [t.view(-1).view(torch.uint8) for t in buffers]
         return cls(placement, buffers, blocks, [BufferLoc(i, 0) for i in range(len(buffers))])
 
@@ -162,17 +184,18 @@ class KVPool:
         """Views over buffers known only by address, as an inference server hands them over.
 
         ``ptrs[i]``/``lens[i]`` are the address and byte length of buffer ``i`` (K of every
-        layer, then V). Each view covers the first ``placement.buffer_nbytes(i)`` bytes; a
+        layer, then V; HND_KV: the K-and-V buffer of every layer). Each view covers the first ``placement.buffer_nbytes(i)`` bytes; a
         longer buffer is fine, a shorter one is refused. No byte is copied: the views alias
         the caller's memory (checked), and the caller keeps it alive until ``close()``.
         """
         g = placement.geometry
         for name, seq in (("ptrs", ptrs), ("lens", lens)):
             if len(seq) != g.num_buffers:
-                raise ValueError(
-                    f"{name} has {len(seq)} entries; the geometry needs {g.num_buffers} "
-                    f"(K of {g.num_layers} layers{', then V' if g.has_v else ''})"
-                )
+                if g.packed_kv:
+                    what = f"one K-and-V buffer per layer of {g.num_layers} (HND_KV)"
+                else:
+                    what = f"K of {g.num_layers} layers{', then V' if g.has_v else ''}"
+                raise ValueError(f"{name} has {len(seq)} entries; the geometry needs {g.num_buffers} ({what})")
         dtype = torch_dtype(g.dtype)
         blocks, buffers = [], []
         for i, (ptr, nbytes) in enumerate(zip(ptrs, lens)):

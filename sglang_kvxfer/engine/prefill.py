@@ -309,6 +309,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
                     )
                     rec.plan = plan_tp(g.total_kv_heads, self.config.tp_size, meta.tp_size, g.mla, salt=meta.room)
                     rec.num_tokens = meta.num_tokens
+                    rec.prefix_tokens = meta.prefix_tokens
                 problem = self._meta_problem(rec, meta)
                 if problem:
                     ready = False
@@ -339,6 +340,11 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             return f"decode rank {meta.tp_rank} is not a candidate reader of prefill rank {self.tp_rank}"
         if meta.num_tokens != rec.num_tokens:
             return f"decode ranks disagree on the request length: {meta.num_tokens} vs {rec.num_tokens} tokens"
+        if meta.prefix_tokens != rec.prefix_tokens:
+            return (
+                f"decode ranks disagree on the prefix they hold: prefix_tokens={meta.prefix_tokens} "
+                f"(decode rank {meta.tp_rank}) vs {rec.prefix_tokens}"
+            )
         if plan.decode_tp != meta.tp_size:
             return f"decode ranks disagree on the decode TP size: {meta.tp_size} vs {plan.decode_tp}"
         elected = meta.tp_rank in plan.decode_targets(self.tp_rank)
@@ -504,6 +510,15 @@ class KVSender(RequestHandle):
             raise TypeError(f"ready must have a synchronize() method, got {type(ready).__name__}")
         self._finished = bool(last_chunk)
         self.mgr.submit_chunk(self._rec, Chunk(pages, bool(last_chunk), bytes(aux), ready))
+
+    @property
+    def decode_prefix_tokens(self) -> int | None:
+        """Tokens of the request the decode already holds, which the sender skips (its pages
+        count from the first token after them); None until every decode rank's request came
+        (poll reached WaitingForInput)."""
+        rec = self._rec
+        with self.mgr._lock:
+            return None if rec.state.poll is KVPoll.Bootstrapping else rec.prefix_tokens
 
     @property
     def bytes_sent(self) -> int:

@@ -5,7 +5,8 @@ keeps one ``RequestPlan`` per reader of a room (built at the reader's first chun
 extended chunk by chunk, cut per staging slot or direct write), writes direct page runs,
 streams staged tokens through the reader's two staging slots (gather -> one write ->
 ``ChunkReady``, waiting for ``ChunkAck`` before a slot is reused), and sends
-``TransferDone`` after the last chunk.
+``TransferDone`` after the last chunk, carrying each staged reader's last slot (one notice
+instead of a ``ChunkReady`` and a ``TransferDone``; that slot is never acknowledged).
 Must not: handle control messages other than sending its own, decide room ownership, or
 fail a room itself (it raises; ``_drain`` hands the error to ``_fail_room``).
 """
@@ -26,7 +27,7 @@ from sglang_kvxfer.metrics import SINCE_FIRST_BYTE, SINCE_LAST_CHUNK
 from sglang_kvxfer.planning import DataPath, HeadTransfer, KVSlice, RequestPlan, TPPlan
 from sglang_kvxfer.planning.byteplan import staged_op_count
 from sglang_kvxfer.protocol.fields import STAGING_SLOTS
-from sglang_kvxfer.protocol.messages import ChunkReady, RequestMeta, TransferDone
+from sglang_kvxfer.protocol.messages import ChunkReady, RequestMeta, StagedChunk, TransferDone
 from sglang_kvxfer.protocol.state import Event, KVPoll
 from sglang_kvxfer.transports.base import RemoteRegion, Ticket, TicketState, wait_all
 
@@ -74,7 +75,7 @@ class PrefillDataPath(RankBase[PrefillRoom]):
             if rec.scheduled or not rec.pending:
                 return
             rec.scheduled = True
-        self.worker_for(rec.room).submit(lambda: self._drain(rec))
+        self.idle_worker().submit(lambda: self._drain(rec))  # one drain per room at a time
 
     def _drain(self, rec: PrefillRoom) -> None:
         while True:
@@ -115,32 +116,40 @@ class PrefillDataPath(RankBase[PrefillRoom]):
             )
         stop = total if chunk.last else min(total, len(rec.src_pages) * g.page_size)
         readers = tp_plan.readers_of(self.tp_rank)
-        if stop > start and readers:
-            with self._lock:
-                if rec.state.poll is not KVPoll.Transferring:
-                    rec.state.handle(Event.CHUNK_STARTED, time.monotonic())
-            tickets = []
-            for t in readers:
-                meta = rec.metas[t.decode_rank]
-                peer = self._peer_of(meta)
-                plan = self._reader_plan(rec, t, peer, meta)
-                if meta.staging_offset < 0:
-                    if ready is not None:
-                        ready.synchronize()
-                        ready = None
-                    tickets += self._write_direct(rec, plan, peer, start, stop)
-                else:
-                    self._write_staged(rec, plan, peer, meta, start, stop, ready)
-            if tickets:
-                t0 = time.perf_counter()
-                wait_all(tickets, self.config.transfer_timeout_s)
-                rec.timings["wire"] += time.perf_counter() - t0
-            with self._lock:
-                if not rec.state.is_terminal:
-                    rec.state.handle(Event.CHUNK_STARTED, time.monotonic())  # progress
-        rec.tokens_sent = stop
-        if chunk.last:
-            self._finish(rec, readers, chunk.aux)
+        held: dict[int, _Slot] = {}  # staged reader -> its last slot, announced with TransferDone
+        try:
+            if stop > start and readers:
+                with self._lock:
+                    if rec.state.poll is not KVPoll.Transferring:
+                        rec.state.handle(Event.CHUNK_STARTED, time.monotonic())
+                tickets = []
+                for t in readers:
+                    meta = rec.metas[t.decode_rank]
+                    peer = self._peer_of(meta)
+                    plan = self._reader_plan(rec, t, peer, meta)
+                    if meta.staging_offset < 0:
+                        if ready is not None:
+                            ready.synchronize()
+                            ready = None
+                        tickets += self._write_direct(rec, plan, peer, start, stop)
+                    else:
+                        last = self._write_staged(rec, plan, peer, meta, start, stop, ready, hold_last=chunk.last)
+                        if last is not None:
+                            held[t.decode_rank] = last
+                if tickets:
+                    t0 = time.perf_counter()
+                    wait_all(tickets, self.config.transfer_timeout_s)
+                    rec.timings["wire"] += time.perf_counter() - t0
+                with self._lock:
+                    if not rec.state.is_terminal:
+                        rec.state.handle(Event.CHUNK_STARTED, time.monotonic())  # progress
+            rec.tokens_sent = stop
+            if chunk.last:
+                self._finish(rec, readers, chunk.aux, held)
+        except BaseException:
+            for reader, slot in held.items():  # those _finish did not take over
+                self._drop_slots(rec, reader, [slot])
+            raise
 
     @staticmethod
     def _layout(rec: PrefillRoom) -> tuple[TPPlan, int]:
@@ -225,10 +234,13 @@ class PrefillDataPath(RankBase[PrefillRoom]):
         start: int,
         stop: int,
         ready: Synchronizable | None = None,
-    ) -> None:
+        hold_last: bool = False,
+    ) -> _Slot | None:
         """Stream tokens [start, stop) through the reader's two staging slots: gather slot
         k+1 while slot k is on the wire; announce each slot once its write completed. Each
-        gather is ordered after ``ready`` (the chunk's producer event)."""
+        gather is ordered after ``ready`` (the chunk's producer event). With ``hold_last``
+        (the request's last chunk) the last slot is returned unannounced: ``_finish`` lands
+        it and announces it with ``TransferDone``."""
         t = plan.transfer
         if meta.staging_region is None:  # RequestMeta refuses a staged window without one
             raise TransferFailedError(f"decode rank {t.decode_rank} named no staging region", rec.room)
@@ -249,19 +261,27 @@ class PrefillDataPath(RankBase[PrefillRoom]):
                     inflight.append(self._post_slot(rec, plan, remote, meta, a, b, slot_bytes, ready))
                     a = b
                     continue
+                if hold_last and a >= stop and len(inflight) == 1:
+                    return inflight.popleft()
                 self._complete_slot(rec, t, peer, inflight.popleft())
         except BaseException:
-            for ticket, local_off, remote_off, *_ in inflight:
-                if ticket.poll() is TicketState.PENDING:
-                    try:  # the bytes may still be read from local staging: let the write end
-                        ticket.wait(self.config.transfer_timeout_s)
-                    except KVXferError:
-                        pass
-                if local_off is not None:
-                    self._live_staging.free(local_off)
-                with rec.cond:
-                    rec.inflight[t.decode_rank].discard(remote_off)
+            self._drop_slots(rec, t.decode_rank, inflight)
             raise
+        return None
+
+    def _drop_slots(self, rec: PrefillRoom, reader: int, slots) -> None:
+        """Give up slots of a failing chunk: let their writes end (the bytes may still be
+        read from local staging), free their local staging, forget their reader slots."""
+        for ticket, local_off, remote_off, *_ in slots:
+            if ticket.poll() is TicketState.PENDING:
+                try:
+                    ticket.wait(self.config.transfer_timeout_s)
+                except KVXferError:
+                    pass
+            if local_off is not None:
+                self._live_staging.free(local_off)
+            with rec.cond:
+                rec.inflight[reader].discard(remote_off)
 
     def _post_slot(
         self,
@@ -340,36 +360,40 @@ class PrefillDataPath(RankBase[PrefillRoom]):
             ready,
         )
 
-    def _complete_slot(self, rec: PrefillRoom, t: HeadTransfer, peer: DecodePeer, entry: _Slot) -> None:
-        ticket, local_off, remote_off, nbytes, a, b, t_posted = entry
-        ops = staged_op_count(nbytes)  # one bulk move into the reader's slot (a write, or in place)
+    def _land_slot(self, rec: PrefillRoom, reader: int, entry: _Slot) -> None:
+        """Wait for the slot's write, free its local staging and count it."""
+        ticket, local_off, remote_off, nbytes, _a, _b, t_posted = entry
         try:
             ticket.wait(self.config.transfer_timeout_s)
         except BaseException:
             with rec.cond:
-                rec.inflight[t.decode_rank].discard(remote_off)
+                rec.inflight[reader].discard(remote_off)
             raise
         finally:
             if local_off is not None:
                 self._live_staging.free(local_off)
+        ops = staged_op_count(nbytes)  # one bulk move into the reader's slot (a write, or in place)
+        rec.timings["wire"] += time.perf_counter() - t_posted
+        rec.bytes += nbytes
+        rec.ops += ops
+        rec.reader_bytes[reader] += nbytes
+        rec.reader_ops[reader] += ops
+
+    def _complete_slot(self, rec: PrefillRoom, t: HeadTransfer, peer: DecodePeer, entry: _Slot) -> None:
+        self._land_slot(rec, t.decode_rank, entry)
         t3 = time.perf_counter()
         self._live_control.send(
             peer.endpoint,
             ChunkReady(
                 room=rec.room,
                 tp_rank=self.tp_rank,
-                token_start=a,
-                num_tokens=b - a,
-                staging_offset=remote_off,
-                chunk_bytes=nbytes,
+                token_start=entry.a,
+                num_tokens=entry.b - entry.a,
+                staging_offset=entry.remote_off,
+                chunk_bytes=entry.nbytes,
             ),
         )
-        rec.timings["wire"] += t3 - t_posted
         rec.timings["notify"] += time.perf_counter() - t3
-        rec.bytes += nbytes
-        rec.ops += ops
-        rec.reader_bytes[t.decode_rank] += nbytes
-        rec.reader_ops[t.decode_rank] += ops
 
     def _acquire_slot(self, rec: PrefillRoom, reader: int, meta: RequestMeta, slot_bytes: int) -> int:
         """Wait (bounded) until one of the reader's staging slots has been scattered."""
@@ -406,7 +430,20 @@ class PrefillDataPath(RankBase[PrefillRoom]):
                 )
             time.sleep(0.001)
 
-    def _finish(self, rec: PrefillRoom, readers, aux: bytes) -> None:
+    def _finish(self, rec: PrefillRoom, readers, aux: bytes, held: dict[int, _Slot]) -> None:
+        """Land each staged reader's last slot (``held``, taken over one by one), then send
+        every reader its ``TransferDone``, carrying that slot."""
+        chunks: dict[int, StagedChunk] = {}
+        for t in readers:
+            slot = held.pop(t.decode_rank, None)
+            if slot is not None:
+                self._land_slot(rec, t.decode_rank, slot)
+                chunks[t.decode_rank] = StagedChunk(
+                    token_start=slot.a,
+                    num_tokens=slot.b - slot.a,
+                    staging_offset=slot.remote_off,
+                    chunk_bytes=slot.nbytes,
+                )
         timings = {k: round(v, 6) for k, v in rec.timings.items()}
         now = rec.marks["done"] = time.monotonic()  # before the notices: they may land at once
         for key, mark in zip((SINCE_FIRST_BYTE, SINCE_LAST_CHUNK), rec.window()):
@@ -423,6 +460,7 @@ class PrefillDataPath(RankBase[PrefillRoom]):
                     num_ops=rec.reader_ops[t.decode_rank],
                     aux_payload=aux,
                     timings=timings,
+                    last_chunk=chunks.get(t.decode_rank),
                 ),
             )
         with self._lock:

@@ -55,6 +55,7 @@ class PrefillRoom:
         self.plan: TPPlan | None = None
         self.readers: dict[int, RequestPlan] = {}  # decode rank -> this pair's plan (data path)
         self.num_tokens: int | None = None
+        self.prefix_tokens: int | None = None  # the decode's prefix (not sent), with the first RequestMeta
         self.src_pages = np.zeros(0, dtype=np.int64)
         self.pending: collections.deque[Chunk] = collections.deque()
         self.scheduled = False

@@ -62,45 +62,57 @@ def _byte_view(place: RankPlacement, buffer, index: int):
     return buffer.view(torch.uint8).reshape(shape)
 
 
+def _kinds(place: RankPlacement) -> list[tuple[int, int, int]]:
+    """(buffer index, layer, K|V) of every kind of row: K of every layer, then V (HND_KV:
+    both in buffer ``layer``)."""
+    g = place.geometry
+    if g.packed_kv:
+        return [(layer, layer, kind) for layer in range(g.num_layers) for kind in (0, 1)]
+    return [(b, b % g.num_layers, b // g.num_layers) for b in range(g.num_buffers)]
+
+
+def _rows_index(place: RankPlacement, kind: int, pg: np.ndarray, slot: np.ndarray, device) -> tuple:
+    """Index of the ``[tokens, local heads, dim_bytes]`` rows of one kind in a byte view."""
+    import torch
+
+    g = place.geometry
+    if g.layout is Layout.NHD:
+        return (torch.from_numpy(pg * g.page_size + slot).to(device),)
+    pages, slots = torch.from_numpy(pg).to(device), torch.from_numpy(slot).to(device)
+    if g.layout is Layout.HND_KV:
+        heads = torch.arange(place.num_local_heads, device=device)[None, :]
+        return (pages[:, None], heads, kind, slots[:, None])
+    return (pages, slice(None), slots)
+
+
 def fill_request(place: RankPlacement, buffers: Sequence, room: int, pages, token_start: int, num_tokens: int) -> None:
     """Write the content of this rank's owned heads for tokens ``[token_start, +num_tokens)``
-    into ``pages`` of ``buffers`` (torch tensors, K of every layer then V)."""
+    into ``pages`` of ``buffers`` (torch tensors, K of every layer then V; HND_KV: one per
+    layer)."""
     import torch
 
     g = place.geometry
     pages = np.asarray(pages, dtype=np.int64)
     pg, slot = _token_rows(place, pages, token_start, num_tokens)
     heads = list(place.heads)
-    for b in range(g.num_buffers):
-        layer, kind = (b, 0) if b < g.num_layers else (b - g.num_layers, 1)
+    for b, layer, kind in _kinds(place):
         data = row_bytes(room, layer, kind, heads, token_start, num_tokens, g.buffer_dim(b) * g.itemsize)
         dst = _byte_view(place, buffers[b], b)
-        src = torch.from_numpy(data).to(dst.device)
-        if g.layout is Layout.NHD:
-            dst[torch.from_numpy(pg * g.page_size + slot).to(dst.device)] = src
-        else:
-            dst[torch.from_numpy(pg).to(dst.device), :, torch.from_numpy(slot).to(dst.device)] = src
+        dst[_rows_index(place, kind, pg, slot, dst.device)] = torch.from_numpy(data).to(dst.device)
 
 
 def verify_request(place: RankPlacement, buffers: Sequence, room: int, pages, num_tokens: int) -> list[str]:
     """Compare every byte of this rank's owned heads for tokens ``[0, num_tokens)`` in
     ``pages`` with the expected content. Returns a list of problems (empty when exact)."""
-    import torch
-
     g = place.geometry
     pages = np.asarray(pages, dtype=np.int64)
     pg, slot = _token_rows(place, pages, 0, num_tokens)
     heads = list(place.heads)
     problems = []
-    for b in range(g.num_buffers):
-        layer, kind = (b, 0) if b < g.num_layers else (b - g.num_layers, 1)
+    for b, layer, kind in _kinds(place):
         want = row_bytes(room, layer, kind, heads, 0, num_tokens, g.buffer_dim(b) * g.itemsize)
         src = _byte_view(place, buffers[b], b)
-        if g.layout is Layout.NHD:
-            got = src[torch.from_numpy(pg * g.page_size + slot).to(src.device)]
-        else:
-            got = src[torch.from_numpy(pg).to(src.device), :, torch.from_numpy(slot).to(src.device)]
-        got = got.cpu().numpy()
+        got = src[_rows_index(place, kind, pg, slot, src.device)].cpu().numpy()
         if not np.array_equal(got, want):
             bad = np.argwhere(got != want)[0]
             t, h = int(bad[0]), int(bad[1])

@@ -365,6 +365,20 @@ class _Request:
             self._engine.clear()
 
 
+def _prefix_tokens(value: Any, page_size: int, side: str) -> int:
+    """``decode_prefix_len`` checked: an int >= 0 that is a whole number of ``side``'s pages."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"decode_prefix_len={value!r} must be an int >= 0")
+    if value % page_size:
+        raise ValueError(
+            f"decode_prefix_len={value} is not a whole number of {side} pages (page_size={page_size}); "
+            "prefill and decode page lists must start at the same token"
+        )
+    return int(value)
+
+
 class KVXferKVSender(_Request, BaseKVSender):
     """Prefill side of one request."""
 
@@ -400,6 +414,19 @@ class KVXferKVSender(_Request, BaseKVSender):
             except ValueError as exc:
                 return self._fail(f"init(): {exc}")
         self.num_kv_indices, self.aux_index = int(num_kv_indices), aux_index
+
+    def pop_decode_prefix_len(self) -> int:
+        """The prefix the decode already holds (0 without a decode radix cache). SGLang asks
+        once the poll reached WaitingForInput, before ``init``: by then every decode rank's
+        request has arrived. A length this prefill cannot page-align fails the request."""
+        try:
+            prefix = self._sender.decode_prefix_tokens
+            if prefix is None:
+                raise ValueError("asked before the decode's request arrived (poll is not WaitingForInput)")
+            return _prefix_tokens(prefix, self.kv_mgr.layout.geometry.page_size, "prefill")
+        except Exception as exc:
+            self._fail_from("pop_decode_prefix_len()", exc)
+            return 0
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0 or last_chunk  # an empty last chunk still ends the request
@@ -504,17 +531,18 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
     ):
         """Tell the prefill writers where this request's KV goes. SGLang hands over whole
         pages (the last may be partial on both sides), so the engine moves
-        ``len(kv_indices) * page_size`` token rows: both sides count the same pages."""
+        ``len(kv_indices) * page_size`` token rows: both sides count the same pages.
+
+        ``decode_prefix_len`` (decode radix cache): the page-aligned prefix this decode
+        already holds. ``kv_indices`` then cover only the tokens after it, the prefill learns
+        the length through ``pop_decode_prefix_len`` and sends only those tokens' pages, so
+        both page lists count from the same token."""
         if self.conclude_state is not None:
             return
         try:
             if str(getattr(destination, "value", destination)) != "device":
                 raise ValueError(f"destination={destination!r}: only device KV destinations are supported")
-            if decode_prefix_len:
-                raise ValueError(
-                    f"decode_prefix_len={decode_prefix_len}: a decode-side prefix "
-                    "(--disaggregation-decode-enable-radix-cache) is not supported"
-                )
+            prefix = _prefix_tokens(decode_prefix_len, self.kv_mgr.layout.geometry.page_size, "decode")
             if state_indices and any(s is not None and len(s) for s in state_indices):
                 raise ValueError("state_indices were given, but this backend transfers no per-request state")
             if kwargs:
@@ -524,7 +552,10 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             pages = _page_array(kv_indices)
             page_size = self.kv_mgr.layout.geometry.page_size
             self._rx.send_metadata(
-                pages, aux_slot=-1 if aux_index is None else int(aux_index), num_tokens=len(pages) * page_size
+                pages,
+                aux_slot=-1 if aux_index is None else int(aux_index),
+                num_tokens=len(pages) * page_size,
+                prefix_tokens=prefix,
             )
             self.aux_index = aux_index
         except Exception as exc:

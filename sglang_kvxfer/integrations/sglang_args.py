@@ -3,8 +3,8 @@
 Owns the translation of the attribute bag SGLang hands every transfer backend into a full ``KVGeometry`` with the buffer addresses, the aux
 (metadata) buffer layout and the packing of one aux slot, and the reading of the few
 ``ServerArgs`` fields that decide the attention TP size and the bootstrap address. Every
-feature this backend does not carry (PP, attention DP/CP, extra per-request state,
-decode-side prefix caching...) is refused here with a message that names the setting.
+feature this backend does not carry (PP, attention DP/CP, extra per-request state...) is
+refused here with a message that names the setting.
 
 Head counts are never inferred from byte lengths: the total comes from
 ``KVArgs.total_kv_head_num`` (or the model config, through the caller), the per-rank count
@@ -70,7 +70,6 @@ SERVER_ARGS_FIELDS = (
     "dist_init_addr",
     "disaggregation_bootstrap_port",
     "disaggregation_ib_device",
-    "disaggregation_decode_enable_radix_cache",
     "disaggregation_decode_allocation_policy",
     "enable_pd_role_switch",
     "dtype",
@@ -142,12 +141,6 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
             "--disaggregation-decode-allocation-policy",
             policy,
             "only 'early' (decode allocates before prefill finishes) is implemented",
-        )
-    if role == "decode" and _get(server_args, "disaggregation_decode_enable_radix_cache", False):
-        raise _not_supported(
-            "--disaggregation-decode-enable-radix-cache",
-            True,
-            "a decode-side prefix (decode_prefix_len > 0) is not implemented",
         )
     tp = _int("ServerArgs.tp_size", tp, 1)
     device = _get(server_args, "device", None) or "cuda"  # None: SGLang auto-detects a GPU

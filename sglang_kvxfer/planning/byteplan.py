@@ -3,9 +3,11 @@
 Owns ``plan_pair`` and the two plan shapes it returns:
 
 * ``DirectPlan``: the bytes to move are contiguous on both sides (equal TP or MLA on NHD
-  pools, or page-aligned head slices of HND pools with equal page sizes). The plan holds
-  ``(src_offset, dst_offset, nbytes)`` ops for one K buffer and one V buffer; the same ops
-  apply to every layer's buffer of that kind. Contiguous runs are coalesced.
+  pools, or page-aligned head slices of HND pools, or of HND_KV pools, with equal page
+  sizes). The plan holds ``(src_offset, dst_offset, nbytes)`` ops for one K buffer and one
+  V buffer (HND_KV: for the one K-and-V buffer of a layer, where a page's head range is a
+  single run of ``heads * 2 * page_size`` rows); the same ops apply to every layer's buffer
+  of that kind. Contiguous runs are coalesced.
 * ``StagedPlan``: the head slice is strided (NHD with a TP mismatch) or the two sides
   differ in page size/layout so that nothing lines up. The writer gathers the slice of all
   layers into a token-major staging buffer ``[layer][K|V][token][n][dim]``, moves it with
@@ -35,6 +37,7 @@ __all__ = [
     "coalesce",
     "MAX_WRITE_BYTES",
     "per_token_op_count",
+    "per_token_possible",
     "staged_op_count",
 ]
 
@@ -77,7 +80,8 @@ class PairPlan:
 class DirectPlan(PairPlan):
     """Direct writes. ``k_ops``/``v_ops`` are ``int64 [N, 3]`` arrays of
     ``(src_offset, dst_offset, nbytes)`` relative to one K (V) buffer of each side; apply
-    them to buffer ``l`` (K) and ``L + l`` (V) for every layer ``l``."""
+    them to buffer ``l`` (K) and ``L + l`` (V) for every layer ``l``. HND_KV pairs have one
+    buffer per layer: ``k_ops`` move its K and V bytes and ``v_ops`` is None."""
 
     k_ops: np.ndarray
     v_ops: np.ndarray | None = None
@@ -328,7 +332,7 @@ def _plan_range(
         direct_op_count=direct_count,
         staged_op_count=staged_ops,
     )
-    if choice is DataPath.PER_TOKEN:
+    if choice is DataPath.PER_TOKEN and per_token_possible(src, dst):
         k_ops, v_ops = _per_token_ops(transfer, src, dst, src_arr, dst_arr, start, stop)
         common["direct_op_count"] = _op_count(gs.num_layers, (k_ops, v_ops))
         return DirectPlan(
@@ -345,9 +349,22 @@ def _plan_range(
         reason = why
     elif direct is None:
         reason = _why_strided(transfer, src, dst, compat)
+        if choice is DataPath.PER_TOKEN:  # only reached when the two sides pack K and V differently
+            reason = f"{_PER_TOKEN_PACKING} ({reason})"
     else:
         reason = "forced by path='staged'"
     return StagedPlan(**common, reason=reason, src_pages=src_arr, dst_pages=dst_arr, staging_nbytes=nbytes)
+
+
+_PER_TOKEN_PACKING = (
+    "per_token needs the same buffers on both sides, but one packs K and V per layer (HND_KV); staged instead"
+)
+
+
+def per_token_possible(src: RankPlacement, dst: RankPlacement) -> bool:
+    """Whether the per-token baseline can address both sides with one op list per buffer kind
+    (not between an HND_KV pool and a pool with separate K and V buffers)."""
+    return src.geometry.packed_kv == dst.geometry.packed_kv
 
 
 def _auto_prefers_direct(direct_count: int, nbytes: int, ops_per_buffer: int, min_op: int) -> tuple[bool, str]:
@@ -440,8 +457,11 @@ def _resolve_range(start: int, stop: int | None, total: int) -> tuple[int, int]:
 
 def _layouts(place: RankPlacement) -> set[Layout]:
     # With one local head, NHD [pages*S, 1, dim] and HND [pages, 1, S, dim] are the same
-    # bytes, so such a side can be read either way.
-    return set(Layout) if place.num_local_heads == 1 else {place.geometry.layout}
+    # bytes, so such a side can be read either way (HND_KV [pages, 1, 2, S, dim] is not).
+    layout = place.geometry.layout
+    if place.num_local_heads == 1 and layout is not Layout.HND_KV:
+        return {Layout.NHD, Layout.HND}
+    return {layout}
 
 
 def _direct_ops(
@@ -463,6 +483,8 @@ def _direct_ops(
         ops = [coalesce(*(rows.T * np.array([[n * d * g.itemsize]] * 3))) for d in dims]
     elif Layout.HND in both and g.page_size == dst.geometry.page_size:
         ops = [_hnd_ops(t, src, dst, src_pages, dst_pages, start, stop, d) for d in dims]
+    elif Layout.HND_KV in both and g.page_size == dst.geometry.page_size:
+        ops = [_hnd_ops(t, src, dst, src_pages, dst_pages, start, stop, g.head_dim, kinds=2)]
     else:
         return None
     return ops[0], (ops[1] if len(ops) > 1 else None)
@@ -477,13 +499,15 @@ def _per_token_ops(
     start: int,
     stop: int,
 ) -> _KVOps:
-    """One op per token and head run (NHD: the token's head slice; HND: each head's slot)."""
+    """One op per token and head run (NHD: the token's head slice; HND: each head's slot).
+    Both sides HND_KV: the K and the V row of each head's slot, all in one op list."""
     g, gd = src.geometry, dst.geometry
     tok = np.arange(start, stop, dtype=np.int64)
     sp, ss = src_pages[tok // g.page_size], tok % g.page_size
     dp, ds = dst_pages[tok // gd.page_size], tok % gd.page_size
     out: list[np.ndarray] = []
-    for dim in [g.head_dim] + ([_v_head_dim(g)] if g.has_v else []):
+    kinds = [(g.head_dim, 0)] + ([(_v_head_dim(g), 1)] if g.has_v else [])
+    for dim, kind in kinds:
         item = dim * g.itemsize
         if g.layout is Layout.NHD and gd.layout is Layout.NHD:
             so = ((sp * g.page_size + ss) * src.num_local_heads + t.src_head_start) * item
@@ -501,9 +525,13 @@ def _per_token_ops(
                 head0: int,
                 h: np.ndarray = h,
                 item: int = item,
+                kind: int = kind,
             ) -> np.ndarray:
                 if layout is Layout.NHD:
                     return ((pages * size + slots)[:, None] * place.num_local_heads + head0 + h) * item
+                if layout is Layout.HND_KV:  # tiles of K rows then V rows
+                    tile = (pages[:, None] * place.num_local_heads + head0 + h) * 2 * size
+                    return (tile + kind * size + slots[:, None]) * item
                 return ((pages[:, None] * place.num_local_heads + head0 + h) * size + slots[:, None]) * item
 
             so = off(src, g.layout, sp, ss, g.page_size, t.src_head_start).reshape(-1)
@@ -512,6 +540,10 @@ def _per_token_ops(
         ops = np.stack([so, do, sizes], axis=1)
         ops.setflags(write=False)
         out.append(ops)
+    if g.packed_kv and len(out) > 1:  # one buffer per layer: its K and V rows in one list
+        both = np.concatenate(out)
+        both.setflags(write=False)
+        return both, None
     return out[0], (out[1] if len(out) > 1 else None)
 
 
@@ -551,12 +583,17 @@ def _hnd_ops(
     start: int,
     stop: int,
     dim: int,
+    kinds: int = 1,
 ) -> np.ndarray:
     """Ops for HND pools with equal page size: a full page's head slice is contiguous
-    (``num_heads * page_size * dim``); a partial page needs one op per head."""
+    (``num_heads * page_size * dim``); a partial page needs one op per head. ``kinds=2``:
+    HND_KV pools, whose (page, head) tiles hold ``page_size`` K rows then ``page_size`` V
+    rows, so a full page's head slice is ``num_heads * 2 * page_size`` rows and a partial
+    page needs one op per head and kind."""
     if stop <= start:
         return np.zeros((0, 3), dtype=np.int64)
     size = src.geometry.page_size
+    tile = kinds * size  # rows per (page, head) tile
     hs, hd = src.num_local_heads, dst.num_local_heads
     n = t.num_heads
     item = src.geometry.itemsize * dim
@@ -566,26 +603,26 @@ def _hnd_ops(
     hi = np.minimum(stop - idx * size, size)
     full = (lo == 0) & (hi == size)
     chunks = []
-    # Full pages: one op each, [page][head_start .. head_start+n)[all slots][dim].
+    # Full pages: one op each, [page][head_start .. head_start+n)[all tile rows][dim].
     fp = idx[full]
     chunks.append(
         (
-            (src_pages[fp] * hs + t.src_head_start) * size * item,
-            (dst_pages[fp] * hd + t.dst_head_start) * size * item,
-            np.full(fp.size, n * size * item, dtype=np.int64),
+            (src_pages[fp] * hs + t.src_head_start) * tile * item,
+            (dst_pages[fp] * hd + t.dst_head_start) * tile * item,
+            np.full(fp.size, n * tile * item, dtype=np.int64),
             fp,
         )
     )
-    # Partial pages (at most the first and the last): one op per head.
+    # Partial pages (at most the first and the last): one op per head (and kind).
     for i in np.flatnonzero(~full):
         p, a, b = int(idx[i]), int(lo[i]), int(hi[i])
-        heads = np.arange(n, dtype=np.int64)
+        rows = (np.arange(n, dtype=np.int64)[:, None] * tile + np.arange(kinds, dtype=np.int64) * size).reshape(-1)
         chunks.append(
             (
-                ((src_pages[p] * hs + t.src_head_start + heads) * size + a) * item,
-                ((dst_pages[p] * hd + t.dst_head_start + heads) * size + a) * item,
-                np.full(n, (b - a) * item, dtype=np.int64),
-                np.full(n, p, dtype=np.int64),
+                ((src_pages[p] * hs + t.src_head_start) * tile + rows + a) * item,
+                ((dst_pages[p] * hd + t.dst_head_start) * tile + rows + a) * item,
+                np.full(rows.size, (b - a) * item, dtype=np.int64),
+                np.full(rows.size, p, dtype=np.int64),
             )
         )
     src_off = np.concatenate([c[0] for c in chunks])

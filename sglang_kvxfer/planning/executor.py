@@ -6,8 +6,8 @@ planner's oracle tests, the kernels and the engine are compared against. It must
 performance tricks; the engine's data path lives in ``ops`` and ``transports``.
 
 Buffers are numpy arrays, one per buffer index of a ``RankPlacement`` (K of every layer,
-then V of every layer), C-contiguous with exactly ``placement.buffer_nbytes(i)`` bytes.
-They are handled as bytes, so any dtype works.
+then V of every layer; HND_KV: one K-and-V buffer per layer), C-contiguous with exactly
+``placement.buffer_nbytes(i)`` bytes. They are handled as bytes, so any dtype works.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sglang_kvxfer.geometry import Layout, RankPlacement
+from sglang_kvxfer.geometry import KVGeometry, Layout, RankPlacement
 from sglang_kvxfer.planning.byteplan import DirectPlan, PairPlan, StagedPlan
 
 __all__ = ["apply_plan", "gather_np", "scatter_np"]
@@ -38,10 +38,27 @@ def _byte_views(place: RankPlacement, buffers: Sequence[np.ndarray], name: str) 
 
 def _shaped(place: RankPlacement, flat: np.ndarray, buffer_index: int) -> np.ndarray:
     """Byte view with the pool's shape, last dim in bytes: NHD ``[rows, heads, dim_bytes]``,
-    HND ``[pages, heads, page_size, dim_bytes]``."""
+    HND ``[pages, heads, page_size, dim_bytes]``, HND_KV ``[pages, heads, 2, page_size,
+    dim_bytes]``."""
     shape = list(place.buffer_shape(buffer_index))
     shape[-1] *= place.geometry.itemsize
     return flat.reshape(shape)
+
+
+def _kinds(g: KVGeometry, layer: int) -> list[tuple[int, int]]:
+    """(buffer index, K|V) of one layer's staging blocks, in staging order."""
+    if g.packed_kv:
+        return [(layer, 0), (layer, 1)]
+    return [(layer, 0), (g.num_layers + layer, 1)][: 2 if g.has_v else 1]
+
+
+def _rows(layout: Layout, kind: int, page_size: int, pg: np.ndarray, slot: np.ndarray, heads: np.ndarray) -> tuple:
+    """Index of the (token, head) rows of one kind in a shaped buffer view."""
+    if layout is Layout.NHD:
+        return (pg * page_size + slot, heads)
+    if layout is Layout.HND_KV:
+        return (pg, heads, kind, slot)
+    return (pg, heads, slot)
 
 
 def _token_index(pages: np.ndarray, page_size: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -62,15 +79,13 @@ def gather_np(
     views = _byte_views(place, buffers, "buffers")
     g = place.geometry
     pg, slot = _token_index(pages, g.page_size, token_start, num_tokens)
-    heads = slice(head_start, head_start + num_heads)
+    heads_idx = np.arange(head_start, head_start + num_heads)[None, :]
+    pg2, slot2 = pg[:, None], slot[:, None]
     blocks: list[np.ndarray] = []
     for layer in range(g.num_layers):
-        for b in (layer, g.num_layers + layer)[: 2 if g.has_v else 1]:
+        for b, kind in _kinds(g, layer):
             arr = _shaped(place, views[b], b)
-            if g.layout is Layout.NHD:
-                blocks.append(arr[pg * g.page_size + slot][:, heads, :].reshape(-1))
-            else:
-                blocks.append(arr[pg, heads, slot, :].reshape(-1))
+            blocks.append(arr[_rows(g.layout, kind, g.page_size, pg2, slot2, heads_idx)].reshape(-1))
     return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.uint8)
 
 
@@ -88,20 +103,18 @@ def scatter_np(
     views = _byte_views(place, buffers, "buffers")
     g = place.geometry
     pg, slot = _token_index(pages, g.page_size, token_start, num_tokens)
-    heads = slice(head_start, head_start + num_heads)
+    heads_idx = np.arange(head_start, head_start + num_heads)[None, :]
+    pg2, slot2 = pg[:, None], slot[:, None]
     staging = np.asarray(staging).reshape(-1).view(np.uint8)
     pos = 0
     for layer in range(g.num_layers):
-        for b in (layer, g.num_layers + layer)[: 2 if g.has_v else 1]:
+        for b, kind in _kinds(g, layer):
             dim_bytes = g.buffer_dim(b) * g.itemsize
             size = num_tokens * num_heads * dim_bytes
             block = staging[pos : pos + size].reshape(num_tokens, num_heads, dim_bytes)
             pos += size
             arr = _shaped(place, views[b], b)
-            if g.layout is Layout.NHD:
-                arr[pg * g.page_size + slot, heads, :] = block
-            else:
-                arr[pg, heads, slot, :] = block
+            arr[_rows(g.layout, kind, g.page_size, pg2, slot2, heads_idx)] = block
     if pos != staging.size:
         raise ValueError(f"staging has {staging.size} bytes; the plan needs {pos}")
 

@@ -32,6 +32,7 @@ from sglang_kvxfer.planning.byteplan import (
     _resolve_num_tokens,
     _resolve_range,
     _v_head_dim,
+    per_token_possible,
     side_slice,
     staged_op_count,
 )
@@ -90,7 +91,7 @@ class RequestPlan:
         dst_arr = _as_pages("dst_pages", dst_pages, gd.num_pages, unique=True)
         total = _resolve_num_tokens(num_tokens, src_arr, dst_arr, gs.page_size, gd.page_size)
         choice = _parse_path(path)
-        if choice is DataPath.PER_TOKEN:
+        if choice is DataPath.PER_TOKEN and per_token_possible(src, dst):
             resolved, reason = DataPath.PER_TOKEN, "one op per token (SGLang's pattern; benchmark baseline)"
         else:
             covered = min(total, len(src_arr) * gs.page_size, len(dst_arr) * gd.page_size)

@@ -15,9 +15,10 @@ control frames are one-way PUSH -> PULL, the bootstrap lookup is request/reply):
     decode rank   <--RegisterReply----  prefill rank              (ok, or which geometry field differs)
     per room:
     decode rank   --RequestMeta------>  each candidate prefill rank (page ids, elected, staging window)
-    decode rank   <--ChunkReady-------  elected prefill rank      (staged path, per chunk)
+    decode rank   <--ChunkReady-------  elected prefill rank      (staged path, per chunk but the last)
     decode rank   --ChunkAck--------->  that prefill rank         (slot scattered; reuse it)
-    decode rank   <--TransferDone-----  each writer               (bytes, ops, aux payload, timings)
+    decode rank   <--TransferDone-----  each writer               (bytes, ops, aux payload, timings,
+                                                                   and its last staged chunk: no ack)
     either side   --TransferFailed--> / --Abort-->  the other side (with a reason)
     both sides    --Heartbeat-------->  peers                     (session, seq, monotonic send time)
 
@@ -59,6 +60,7 @@ from sglang_kvxfer.protocol.messages import (
     PrefillRegister,
     RegisterReply,
     RequestMeta,
+    StagedChunk,
     TransferDone,
     TransferFailed,
 )
@@ -90,6 +92,7 @@ __all__ = [
     "RequestMeta",
     "ChunkReady",
     "ChunkAck",
+    "StagedChunk",
     "TransferDone",
     "TransferFailed",
     "Abort",

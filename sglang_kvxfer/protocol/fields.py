@@ -59,7 +59,9 @@ __all__ = [
 # -- limits --------------------------------------------------------------------------------
 # Bump PROTOCOL_VERSION on any change of a message's fields or their meaning; peers with a
 # different version are rejected at the first frame with a message saying so.
-PROTOCOL_VERSION = 2  # 2: staging_region moved from DecodeRegister to RequestMeta
+# 2: staging_region moved from DecodeRegister to RequestMeta; 3: TransferDone carries the
+# writer's last staged chunk (last_chunk), which then has no ChunkReady and no ChunkAck.
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name
 MAX_ENDPOINT_CHARS = 256  # "tcp://host:port"

@@ -60,6 +60,7 @@ __all__ = [
     "RequestMeta",
     "ChunkReady",
     "ChunkAck",
+    "StagedChunk",
     "TransferDone",
     "TransferFailed",
     "Abort",
@@ -253,7 +254,9 @@ class RequestMeta(Message):
     pages. ``elected``: whether this prefill rank writes to this decode rank for this room.
     ``staging_offset`` / ``staging_capacity_bytes``: this pair's window in the decode
     staging region ``staging_region`` (the descriptor of the staging segment holding it), or
-    ``-1`` / ``0`` / None on the direct path.
+    ``-1`` / ``0`` / None on the direct path. ``prefix_tokens`` (protocol 3): tokens of the
+    request this decode already holds (decode radix cache); ``dst_page_ids`` and
+    ``num_tokens`` cover only the tokens after them, and the prefill sends only those.
     """
 
     room: Room
@@ -267,6 +270,7 @@ class RequestMeta(Message):
     staging_offset: OffsetOrNone
     staging_capacity_bytes: Count
     staging_region: MaybeRegion
+    prefix_tokens: Count = 0
 
     def _validate(self) -> None:
         _rank_below_size(self)
@@ -308,9 +312,28 @@ class ChunkAck(Message):
     staging_offset: Count
 
 
+@record
+class StagedChunk(Record):
+    """A staged chunk in the reader's staging window: ``num_tokens`` tokens from
+    ``token_start`` at ``staging_offset`` (the fields of ``ChunkReady``)."""
+
+    token_start: Count
+    num_tokens: Positive
+    staging_offset: Count
+    chunk_bytes: Positive
+
+
+MaybeChunk = Annotated[StagedChunk | None, Maybe(Nested(StagedChunk))]
+
+
 @message
 class TransferDone(Message):
-    """Prefill -> decode, once per writer after its transport reported every write done."""
+    """Prefill -> decode, once per writer after its transport reported every write done.
+
+    ``last_chunk`` (staged path, protocol 3): the writer's last staging slot rides on this
+    notice instead of a ``ChunkReady`` of its own; the reader scatters it, then counts the
+    writer done, and returns no ``ChunkAck`` for it (the room ends). None otherwise.
+    """
 
     room: Room
     tp_rank: TpRank
@@ -318,6 +341,12 @@ class TransferDone(Message):
     num_ops: Count
     aux_payload: AuxPayload  # e.g. first output token id + a small metadata blob
     timings: PhaseTimings  # phase -> seconds, read-only; plus the window ages of metrics.py
+    last_chunk: MaybeChunk = None
+
+    def _validate(self) -> None:
+        chunk = self.last_chunk
+        if chunk is not None and chunk.chunk_bytes > self.total_bytes:
+            self._bad("last_chunk", f"has {chunk.chunk_bytes} bytes, more than total_bytes={self.total_bytes}")
 
 
 @message

@@ -64,6 +64,19 @@ def test_human_table(capsys):
     assert "staged: head slice 4/8 is strided in the NHD destination" in text
 
 
+def test_hnd_kv_is_selectable_and_shown_in_json_and_table(capsys):
+    base = ["plan", "--total-kv-heads", "8", "--prefill-tp", "1", "--decode-tp", "2", "--tokens", "64"]
+    base += ["--layers", "2", "--pages", "contiguous"]
+    assert main([*base, "--prefill-layout", "hnd_kv", "--decode-layout", "HND_KV", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["request"]["prefill_layout"], out["request"]["decode_layout"]) == ("HND_KV", "HND_KV")
+    # A decode rank's 4 heads of one page: one run of K and V; 4 pages x 2 layers (one buffer each).
+    assert all(t["path"] == "direct" and t["ops_direct"] == 8 for t in out["transfers"])
+    assert main([*base, "--prefill-layout", "HND_KV", "--decode-layout", "NHD"]) == 0
+    text = capsys.readouterr().out
+    assert "layout HND_KV/NHD" in text and "staged: layouts differ (HND_KV -> NHD)" in text
+
+
 @pytest.mark.parametrize(
     "args,words",
     [
@@ -87,6 +100,15 @@ def test_human_table(capsys):
         (
             ["--total-kv-heads", "2", "--prefill-tp", "1", "--decode-tp", "1", "--mla"],
             "total_kv_heads=2 must be 1 for MLA",
+        ),
+        (
+            ["--total-kv-heads", "8", "--prefill-tp", "1", "--decode-tp", "1", "--decode-layout", "HKV"],
+            "layout='HKV' is not supported; use NHD, HND or HND_KV",
+        ),
+        (
+            ["--total-kv-heads", "8", "--prefill-tp", "1", "--decode-tp", "1"]
+            + ["--prefill-layout", "HND_KV", "--v-head-dim", "64"],
+            "v_head_dim=64 must equal head_dim=128 for layout=HND_KV",
         ),
     ],
 )

@@ -11,7 +11,7 @@ import zmq
 
 from sglang_kvxfer.engine import BootstrapServer, EngineConfig, KVManager, KVPoll, KVReceiver, KVSender
 from sglang_kvxfer.errors import TransferFailedError
-from sglang_kvxfer.protocol import PROTOCOL_VERSION
+from sglang_kvxfer.protocol import PROTOCOL_VERSION, ChunkAck, StagedChunk, TransferDone
 
 from .harness import FAST, Cluster, geometry, wait_terminal
 
@@ -214,3 +214,86 @@ def wait_for(cond, timeout_s=10.0):
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.01)
+
+
+def _record_sends(mgr):
+    """Wrap ``mgr``'s control channel so that every message it sends is kept, in order."""
+    sent = []
+    control = mgr.control
+    send = control.send
+
+    def recording(endpoint, message):
+        sent.append(message)
+        return send(endpoint, message)
+
+    control.send = recording
+    return sent
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+@pytest.mark.parametrize("slot_bytes, slots", [(64 << 10, 1), (4096, 4)])
+def test_the_last_staged_chunk_rides_on_transfer_done(transport, slot_bytes, slots):
+    """One notice for a writer's last slot: no ChunkReady and no ChunkAck for it."""
+    per_token = 2 * 4 * (16 + 8) * 2  # layers x writer heads x (K + V dims) x bf16: 384 B
+    tokens = slots * (slot_bytes // per_token) if slots > 1 else 40
+    with Cluster(
+        2,
+        1,
+        geometry(8, page_size=4, num_pages=256),
+        transport=transport,
+        decode_opts={"staging_slot_bytes": slot_bytes},
+    ) as c:
+        pre_sent = [_record_sends(m) for m in c.pre]
+        dec_sent = _record_sends(c.dec[0])
+        txs, rxs, dst = c.start(41, tokens, aux=b"last")
+        assert wait_terminal(txs + rxs) == [KVPoll.Success] * 3, [x.failure_reason for x in txs + rxs]
+        assert c.verify(41, dst, tokens) == [] and rxs[0].aux_payload == b"last"
+        for tx, sent in zip(txs, pre_sent):
+            names = [type(m).__name__ for m in sent]
+            assert names.count("ChunkReady") == slots - 1, names
+            (done,) = [m for m in sent if isinstance(m, TransferDone)]
+            assert done.last_chunk is not None and done.total_bytes == tx.bytes_sent == tokens * per_token
+            assert done.last_chunk.token_start + done.last_chunk.num_tokens == tokens
+        acks = [m for m in dec_sent if isinstance(m, ChunkAck)]
+        assert len(acks) == 2 * (slots - 1)  # every slot but each writer's last one
+
+
+def test_a_last_chunk_outside_its_window_fails_the_room_naming_it():
+    with Cluster(2, 1, geometry(8, page_size=4)) as c:
+        rx = KVReceiver(c.dec[0], 51)
+        rx.send_metadata([1, 2, 3], num_tokens=12)
+        wait_for(lambda: c.dec[0].room(51).windows)
+        forged = TransferDone(51, 0, 1 << 20, 1, b"", {}, StagedChunk(0, 4, 1 << 40, 4096))
+        c.pre[0].control.send(c.dec[0].control.endpoint, forged)  # the room's own writer, gone wrong
+        assert wait_terminal([rx]) == [KVPoll.Failed]
+        assert "TransferDone's last chunk from prefill rank 0 points outside its staging window" in rx.failure_reason
+
+
+def test_the_control_loop_sleeps_until_its_tick_instead_of_spinning(monkeypatch):
+    """The I/O thread's wait before a tick is rounded up: a wait cut to 0 ms would spin
+    for the last millisecond of every tick and take the GIL from the data path."""
+    from sglang_kvxfer.engine.control import ControlChannel
+
+    polls, ticks = [0], [0]
+    real_poll = zmq.Poller.poll
+
+    def counting_poll(self, timeout=None):
+        polls[0] += 1
+        return real_poll(self, timeout)
+
+    monkeypatch.setattr(zmq.Poller, "poll", counting_poll)
+    channel = ControlChannel(
+        "127.0.0.1",
+        lambda *a: None,
+        lambda now: ticks.__setitem__(0, ticks[0] + 1),
+        "spin",
+        session="s",
+        key=b"",
+        tick_s=0.005,
+    )
+    try:
+        time.sleep(0.5)
+    finally:
+        channel.close()
+    assert ticks[0] >= 20
+    assert polls[0] <= 3 * ticks[0] + 5, f"{polls[0]} polls for {ticks[0]} ticks"

@@ -19,7 +19,11 @@ from ``prefill_info_table``; ``init(prefill_dp_rank)``; poll until WaitingForInp
 ``send_metadata(page_indices, metadata_buffer_index, state_indices, decode_prefix_len)``;
 poll through the metadata gate until Success; read the aux slot; ``clear()``.
 
-The test checks every KV byte and every metadata byte in the decode side's own memory.
+With a decode prefix (decode radix cache), the decode already holds the prefix's pages (the
+script writes their content there first), sends only the later pages with
+``decode_prefix_len``, and the prefill, after ``pop_decode_prefix_len()``, inits and sends only
+the pages after the prefix. The test checks every KV byte and every metadata byte in the
+decode side's own memory, prefix included.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ class Spec:
     model: Model
     tp: int
     port: int
-    requests: list  # [(bootstrap_room, prompt tokens)]
+    requests: list  # [(bootstrap_room, prompt tokens[, decode prefix tokens])]
     env: dict = field(default_factory=dict)
     timeout_s: float = 60.0
 
@@ -113,7 +117,7 @@ def _allocate(model: Model, requests, seed: int) -> list[np.ndarray]:
     num_pages = (model.pool_tokens + model.page_size) // model.page_size
     free = np.random.default_rng(seed).permutation(np.arange(1, num_pages))
     out, at = [], 0
-    for _, tokens in requests:
+    for _, tokens, *_ in requests:
         need = -(-tokens // model.page_size)
         if at + need > len(free):
             raise ValueError(f"the test pool of {num_pages} pages cannot hold every request")
@@ -204,7 +208,7 @@ def _prefill(spec: Spec, closers: list) -> dict:
     results: dict = {}
     reqs = []
     pages = _allocate(m, spec.requests, seed=1)
-    for slot, (room, tokens) in enumerate(spec.requests):
+    for slot, (room, tokens, *_) in enumerate(spec.requests):
         senders = [
             backend.KVXferKVSender(mgr=mgr, bootstrap_addr=f"{sa.host}:{spec.port}", bootstrap_room=room)
             for mgr in mgrs
@@ -215,15 +219,19 @@ def _prefill(spec: Spec, closers: list) -> dict:
         results[req["room"]] = {"status": "Failed", "reasons": _failure(req["senders"])}
 
     ready = _wait(reqs, lambda r: r["senders"], WAITING, deadline, failed)  # pop_bootstrapped
-    for req in ready:  # finalize_bootstrap
+    for req in ready:  # finalize_bootstrap: the decode's prefix, then the pages after it
+        prefixes = [s.pop_decode_prefix_len() for s in req["senders"]]
+        req["prefix"] = prefixes[0]
+        req["prefixes"] = prefixes
         for s in req["senders"]:
-            s.init(len(req["pages"]), req["slot"])
+            s.init(len(req["pages"]) - req["prefix"] // m.page_size, req["slot"])
     for req in ready:
         _forward_and_send(req, m, mems, places)
     for req in _wait(ready, lambda r: r["senders"], SUCCESS, deadline, failed):  # inflight queue
         results[req["room"]] = {
             "status": "Success",
             "bytes": [s.get_transfer_metric().transfer_total_bytes for s in req["senders"]],
+            "prefixes": req["prefixes"],
         }
         for s in req["senders"]:
             s.clear()
@@ -236,11 +244,20 @@ def _forward_and_send(req: dict, m: Model, mems, places) -> None:
     from sglang_kvxfer.engine.synthetic import fill_request
 
     ps, tokens, pages = m.page_size, req["tokens"], req["pages"]
-    for a in range(0, tokens, CHUNK_TOKENS):
+    first = req["prefix"]  # page-aligned: the decode holds [0, first) already
+    if first >= tokens:  # the decode holds the whole prompt: an empty last chunk carries the aux
+        for mem in mems:
+            for name, row in aux_rows(m, req["room"]).items():
+                mem.meta[name][req["slot"]] = row
+        for s in req["senders"]:
+            if s.should_send_kv_chunk(0, True):
+                s.send(np.zeros(0, dtype=np.int32), [], num_kv_tokens=0)
+        return
+    for a in range(first, tokens, CHUNK_TOKENS):
         b = min(tokens, a + CHUNK_TOKENS)
         last = b == tokens
         chunk_pages = pages[a // ps : -(-b // ps)].astype(np.int32)
-        early = ScriptEvent(timeout_s=30.0) if a == 0 and not last else None
+        early = ScriptEvent(timeout_s=30.0) if a == first and not last else None
 
         def forward(a=a, b=b):  # bound now: an early forward runs after the loop moved on
             for r, mem in enumerate(mems):
@@ -275,7 +292,7 @@ def _model_heads(model: Model):
 
 
 def _decode(spec: Spec, closers: list) -> dict:
-    from sglang_kvxfer.engine.synthetic import verify_request
+    from sglang_kvxfer.engine.synthetic import fill_request, verify_request
 
     backend, defs = _setup(spec)
     backend._model_total_kv_heads = _model_heads(spec.model)
@@ -290,9 +307,10 @@ def _decode(spec: Spec, closers: list) -> dict:
     results: dict = {}
     reqs = []
     pages = _allocate(m, spec.requests, seed=2)
-    for slot, (room, tokens) in enumerate(spec.requests):
+    for slot, (room, tokens, *rest) in enumerate(spec.requests):
         rxs = [backend.KVXferKVReceiver(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room) for mgr in mgrs]
-        reqs.append({"room": room, "tokens": tokens, "slot": slot, "rxs": rxs, "pages": pages[slot]})
+        prefix = rest[0] if rest else 0
+        reqs.append({"room": room, "tokens": tokens, "slot": slot, "rxs": rxs, "pages": pages[slot], "prefix": prefix})
     # _resolve_pending_reqs -> _ensure_prefill_info on every rank, retried
     while not all(mgr.try_ensure_parallel_info(addr) for mgr in mgrs):
         if time.monotonic() > deadline:
@@ -308,9 +326,15 @@ def _decode(spec: Spec, closers: list) -> dict:
         results[req["room"]] = {"status": "Failed", "reasons": _failure(req["rxs"])}
 
     ready = _wait(reqs, lambda r: r["rxs"], WAITING, deadline, failed)  # _update_handshake_waiters
-    for req in ready:  # pop_preallocated
+    geo = model_geometry(m)
+    for req in ready:  # pop_preallocated: a radix-cache hit holds the prefix's pages already
+        prefix = req["prefix"]
+        if prefix:
+            for r, mem in enumerate(mems):
+                fill_request(geo.placement(spec.tp, r), mem.buffers, req["room"], req["pages"], 0, prefix)
+        after = req["pages"][prefix // m.page_size :].astype(np.int32)
         for rx in req["rxs"]:
-            rx.send_metadata(req["pages"].astype(np.int32), req["slot"], [], decode_prefix_len=0)
+            rx.send_metadata(after, req["slot"], [], decode_prefix_len=prefix)
 
     class Gated:  # _apply_metadata_gate: Success counts once the slot shows the room
         def __init__(self, rx, mem, slot):
@@ -323,7 +347,6 @@ def _decode(spec: Spec, closers: list) -> dict:
             return p
 
     gated = lambda r: [Gated(rx, mems[i], r["slot"]) for i, rx in enumerate(r["rxs"])]  # noqa: E731
-    geo = model_geometry(m)
     for req in _wait(ready, gated, SUCCESS, deadline, failed):  # pop_transferred
         problems = []
         for r, mem in enumerate(mems):

@@ -193,6 +193,8 @@ def test_server_plan():
     assert (plan.attn_tp_size, plan.bootstrap, plan.device, plan.ib_device) == (4, "127.0.0.1:8998", "cuda", "mlx5_0")
     assert plan_from_server_args(server(dist_init_addr="10.1.2.3:5000"), "decode").bootstrap == "10.1.2.3:8998"
     assert plan_from_server_args(server(device=None), "decode").device == "cuda"
+    # The decode radix cache is served: the prefix length travels with the request.
+    assert plan_from_server_args(server(disaggregation_decode_enable_radix_cache=True), "decode").role == "decode"
 
 
 @pytest.mark.parametrize(
@@ -208,11 +210,6 @@ def test_server_plan():
             dict(disaggregation_decode_allocation_policy="prefill_complete"),
             "decode",
             "--disaggregation-decode-allocation-policy='prefill_complete'",
-        ),
-        (
-            dict(disaggregation_decode_enable_radix_cache=True),
-            "decode",
-            "--disaggregation-decode-enable-radix-cache=True",
         ),
         (dict(device="npu"), "prefill", "--device='npu'"),
     ],

@@ -188,11 +188,12 @@ def test_bad_scheduler_arguments_fail_the_request_by_name(dep):
     assert "init(): prefill_dp_rank=1, but the kvxfer backend serves one prefill DP group" in failure(rx).failure_reason
     _, tx, rx = dep.pair()
     rx.init(0)
-    rx.send_metadata(np.asarray([1, 2], dtype=np.int32), 0, [], decode_prefix_len=8)
-    assert (
-        "decode_prefix_len=8: a decode-side prefix (--disaggregation-decode-enable-radix-cache)"
-        in failure(rx).failure_reason
-    )
+    rx.send_metadata(np.asarray([1, 2], dtype=np.int32), 0, [], decode_prefix_len=6)
+    assert "decode_prefix_len=6 is not a whole number of decode pages (page_size=4)" in failure(rx).failure_reason
+    _, tx, rx = dep.pair()
+    rx.init(0)
+    rx.send_metadata(np.asarray([1, 2], dtype=np.int32), 0, [], decode_prefix_len=-4)
+    assert "decode_prefix_len=-4 must be an int >= 0" in failure(rx).failure_reason
     _, tx, rx = dep.pair()
     rx.init(0)
     rx.send_metadata(np.asarray([[1, 2]], dtype=np.int32), 0, [])
@@ -258,8 +259,8 @@ def test_wrong_manager_kinds_are_refused(dep):
 def test_unsupported_server_settings_refuse_the_manager(sglang_backend):
     backend, defs = sglang_backend
     mem = rank_memory(Model(), 1, 0, "decode")
-    args = server_args("m", "decode", 1, _free_port(), disaggregation_decode_enable_radix_cache=True)
-    with pytest.raises(Exception, match="does not support --disaggregation-decode-enable-radix-cache=True"):
+    args = server_args("m", "decode", 1, _free_port(), enable_pd_role_switch=True)
+    with pytest.raises(Exception, match="does not support --enable-pd-role-switch=True"):
         backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.DECODE, args, False)
     with pytest.raises(ValueError, match="disaggregation_mode=.* must be PREFILL or DECODE"):
         backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.NULL, args, False)

@@ -41,7 +41,13 @@ def _free_port() -> int:
 
 
 def run_sides(
-    p: int, d: int, model: Model, decode_model: Model | None = None, transport="local", timeout_s: float = 60.0
+    p: int,
+    d: int,
+    model: Model,
+    decode_model: Model | None = None,
+    transport="local",
+    timeout_s: float = 60.0,
+    requests: list = REQUESTS,
 ):
     """Start both sides, collect what each reports, then let them shut down."""
     ctx = mp.get_context("spawn")
@@ -51,7 +57,7 @@ def run_sides(
     procs = [
         ctx.Process(
             target=sides.main,
-            args=(sides.Spec(role, mdl, tp, port, REQUESTS, env, timeout_s), out, release),
+            args=(sides.Spec(role, mdl, tp, port, requests, env, timeout_s), out, release),
             daemon=True,
         )
         for role, mdl, tp in (("prefill", model, p), ("decode", decode_model or model, d))
@@ -115,3 +121,31 @@ def test_geometry_mismatch_reaches_failure_exception_on_both_sides():
             (reason,) = report["reasons"]
             assert reason.startswith("KVXferTransferError"), (side, reason)
             assert "head_dim: prefill=16 decode=8" in reason, (side, reason)
+
+
+@pytest.mark.parametrize("p, d, transport", [(1, 1, "local"), (2, 1, "tcp"), (1, 2, "local")])
+def test_decode_radix_cache_prefix_is_not_sent_and_the_rest_lands_after_it(p, d, transport):
+    """A decode that already holds a request's first pages (``decode_prefix_len``, decode
+    radix cache) receives only the pages after them: the prefill pops the same length, sends
+    only those pages, and every token of the request, prefix and rest, is exact on every
+    decode rank. A prefill that ignored the prefix would shift every row (the check fails)."""
+    model = Model(total_kv_heads=4, kv_cache_dtype_str="bfloat16")
+    ps = model.page_size
+    # (room, tokens, prefix): a prefix of 2 pages and a partial last page; a prefix of all but
+    # a few tokens; no prefix next to them; a prefix of the whole prompt
+    requests = [
+        (0x9F1C_0001_0001, 37, 2 * ps),
+        (0x9F1C_0002_0002, 3 * ps + 1, 3 * ps),
+        (0x9F1C_0003_0003, 20, 0),
+        (0x9F1C_0005_0005, 3 * ps, 3 * ps),  # the decode holds the whole prompt: only the aux data moves
+    ]
+    prefill, decode = run_sides(p, d, model, transport=transport, requests=requests)
+    for room, tokens, prefix in requests:
+        assert decode[room]["status"] == "Success", decode[room]
+        assert decode[room]["problems"] == [], decode[room]["problems"]
+        assert prefill[room]["status"] == "Success", prefill[room]
+        assert prefill[room]["prefixes"] == [prefix] * p, prefill[room]
+        # only the pages after the prefix moved: K and V rows of every head, once per decode replica
+        pages = -(-tokens // ps) - prefix // ps
+        row = model.num_layers * (model.head_dim + model.v_head_dim) * 2 * ps * pages
+        assert sum(prefill[room]["bytes"]) == row * max(model.total_kv_heads, d), prefill[room]["bytes"]

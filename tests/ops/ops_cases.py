@@ -20,9 +20,17 @@ from sglang_kvxfer._ops_args import parse_call
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn]
 
 
-def random_pool(layout, num_pages, page_size, heads, dim, dtype, layers, gen, device="cpu"):
-    """``layers`` tensors of random bits, NHD ``[pages*page_size, heads, dim]`` or HND."""
-    shape = (num_pages * page_size, heads, dim) if layout == "NHD" else (num_pages, heads, page_size, dim)
+def random_pool(layout, num_pages, page_size, heads, dim, dtype, layers, gen, device="cpu", vllm_shape=True):
+    """``layers`` tensors of random bits, NHD ``[pages*page_size, heads, dim]``, HND, or
+    HND_KV (K and V: vLLM's ``[pages, heads, page_size, 2*dim]``, else ``[pages, heads, 2,
+    page_size, dim]``)."""
+    if layout == "NHD":
+        shape = (num_pages * page_size, heads, dim)
+    elif layout == "HND_KV":
+        shape = (num_pages, heads, page_size, 2 * dim) if vllm_shape else (num_pages, heads, 2, page_size, dim)
+        dim = shape[-1]
+    else:
+        shape = (num_pages, heads, page_size, dim)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     out = []
     for _ in range(layers):
@@ -49,15 +57,21 @@ def loop_oracle_scatter(
     staging: torch.Tensor, k, v, page_ids, *, page_size, head_start, num_heads, layout, token_offset, num_tokens
 ):
     """Scatter written as plain loops over (layer, K|V, token, head): independent of both
-    the vectorized reference and the kernels. Writes into k/v in place."""
+    the vectorized reference and the kernels. Writes into k/v in place (HND_KV: K and V
+    into the one tensor per layer in ``k``; a (page, head) tile is K rows then V rows)."""
     data = as_bytes(staging)
     itemsize = k[0].element_size()
-    parts = [k] if v is None else [k, v]
+    if layout == "HND_KV":
+        parts = [(k, 0), (k, 1)]
+    else:
+        parts = [(k, 0)] if v is None else [(k, 0), (v, 1)]
     off = 0
     for layer in range(len(k)):
-        for part in parts:
+        for part, kind in parts:
             buf = part[layer]
             row = buf.shape[-1] * itemsize
+            if layout == "HND_KV" and buf.dim() == 4:  # vLLM's [pages, heads, page_size, 2*dim]
+                row //= 2
             flat = buf.view(torch.uint8).reshape(-1)
             heads = buf.shape[1]
             for i in range(num_tokens):
@@ -67,6 +81,8 @@ def loop_oracle_scatter(
                     hh = head_start + h
                     if layout == "NHD":
                         at = ((page * page_size + slot) * heads + hh) * row
+                    elif layout == "HND_KV":
+                        at = (((page * heads + hh) * 2 + kind) * page_size + slot) * row
                     else:
                         at = ((page * heads + hh) * page_size + slot) * row
                     flat[at : at + row] = data[off : off + row]
@@ -89,7 +105,7 @@ def emulate_cuda(call_kwargs: dict, k, v, staging: torch.Tensor, gather: bool, p
         unique_pages=not gather,
     )
     pool, sl = ops._descs(call)
-    ptrs = [t.data_ptr() for t in call.layers]
+    ptrs = call.layer_ptrs()
     align = 16
     for p in ptrs:
         align = math.gcd(align, p)
@@ -133,15 +149,18 @@ class Case:
         )
 
     def make_pools(self, side: dict, gen, device="cpu"):
+        """(k, v) buffer lists of one side; HND_KV: (the K-and-V tensors, None)."""
         args = (side["layout"], side["num_pages"], side["page_size"], side["pool_heads"])
-        k = random_pool(*args, self.k_dim, self.dtype, self.num_layers, gen, device)
-        v = None if self.mla else random_pool(*args, self.v_dim, self.dtype, self.num_layers, gen, device)
+        vllm = side.get("vllm_shape", True)
+        k = random_pool(*args, self.k_dim, self.dtype, self.num_layers, gen, device, vllm_shape=vllm)
+        packed = side["layout"] == "HND_KV"
+        v = None if self.mla or packed else random_pool(*args, self.v_dim, self.dtype, self.num_layers, gen, device)
         return k, v
 
 
 @st.composite
-def sides(draw, num_heads: int, num_tokens: int, mla: bool) -> dict:
-    layout = draw(st.sampled_from(["NHD", "HND"]))
+def sides(draw, num_heads: int, num_tokens: int, mla: bool, packed_ok: bool = False) -> dict:
+    layout = draw(st.sampled_from(["NHD", "HND", "HND_KV"] if packed_ok else ["NHD", "HND"]))
     page_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
     pool_heads = 1 if mla else draw(st.integers(num_heads, num_heads + 3))
     head_start = draw(st.integers(0, pool_heads - num_heads))
@@ -157,6 +176,7 @@ def sides(draw, num_heads: int, num_tokens: int, mla: bool) -> dict:
         token_offset=token_offset,
         num_pages=num_pages,
         page_ids=list(perm[:needed]),
+        vllm_shape=draw(st.booleans()),
     )
 
 
@@ -166,9 +186,10 @@ def cases(draw, max_tokens: int = 40) -> Case:
     num_heads = 1 if mla else draw(st.integers(1, 4))
     num_tokens = draw(st.integers(0, max_tokens))
     k_dim = draw(st.sampled_from([1, 3, 8, 16, 24, 64, 72]))
-    v_dim = 0 if mla else draw(st.sampled_from([k_dim, 1, 5, 8, 32]))
-    src = draw(sides(num_heads, num_tokens, mla))
-    dst = draw(sides(num_heads, num_tokens, mla))
+    v_dim = 0 if mla else draw(st.sampled_from([k_dim, k_dim, 1, 5, 8, 32]))
+    packed_ok = not mla and v_dim == k_dim  # HND_KV needs v_dim == k_dim
+    src = draw(sides(num_heads, num_tokens, mla, packed_ok))
+    dst = draw(sides(num_heads, num_tokens, mla, packed_ok))
     # num_tokens=None means "to the end of the page list": only when that is num_tokens.
     default_ok = len(src["page_ids"]) * src["page_size"] - src["token_offset"] == num_tokens
     return Case(

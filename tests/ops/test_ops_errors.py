@@ -199,7 +199,7 @@ def _native_call(**overrides):
         (dict(num_kv=3), r"kvxfer_gather_cpu: num_kv=3 must be 1 or 2"),
         (dict(itemsize=8), r"itemsize=8 must be 1, 2 or 4"),
         (dict(k_row_bytes=33), r"k_row_bytes=33 must be a positive multiple of itemsize=2"),
-        (dict(layout=7), r"layout=7 must be 0 \(NHD\) or 1 \(HND\)"),
+        (dict(layout=7), r"layout=7 must be 0 \(NHD\), 1 \(HND\) or 2 \(HND_KV\)"),
         (dict(reserved=1), r"reserved=1 must be 0"),
         (dict(head_start=7), r"heads \[7, 7 \+ 2\) are not inside the pool's 8 heads"),
         (dict(num_tokens=9), r"tokens \[0, 0 \+ 9\) exceed 2 page ids x page_size 4"),

@@ -36,8 +36,11 @@ def place_tokens(place: RankPlacement, pool, k_full, v_full, pages, num_tokens):
     g = place.geometry
     heads = list(place.heads)
     for layer in range(g.num_layers):
-        kinds = [(layer, k_full)] + ([(g.num_layers + layer, v_full)] if g.has_v else [])
-        for buf_index, full in kinds:
+        if g.layout is Layout.HND_KV:  # one buffer per layer: [page, head, K|V, slot, dim]
+            kinds = [(layer, 0, k_full), (layer, 1, v_full)]
+        else:
+            kinds = [(layer, 0, k_full)] + ([(g.num_layers + layer, 1, v_full)] if g.has_v else [])
+        for buf_index, kind, full in kinds:
             buf = pool[buf_index]
             for t in range(num_tokens):
                 page, slot = int(pages[t // g.page_size]), t % g.page_size
@@ -45,6 +48,8 @@ def place_tokens(place: RankPlacement, pool, k_full, v_full, pages, num_tokens):
                     row = full[layer, t, head]
                     if g.layout is Layout.NHD:
                         buf[page * g.page_size + slot, local, :] = row
+                    elif g.layout is Layout.HND_KV:
+                        buf[page, local, kind, slot, :] = row
                     else:
                         buf[page, local, slot, :] = row
     return pool

@@ -26,11 +26,13 @@ def scenarios(draw):
     p = draw(st.sampled_from(TP_SIZES[h] if not mla else [1, 2, 3, 4]))
     d = draw(st.sampled_from(TP_SIZES[h] if not mla else [1, 2, 3, 4]))
     ps, pd = draw(st.integers(1, 5)), draw(st.integers(1, 5))
-    lp, ld = draw(st.sampled_from(["NHD", "HND"])), draw(st.sampled_from(["NHD", "HND"]))
+    layouts = ["NHD", "HND"] if mla else ["NHD", "HND", "HND_KV"]  # HND_KV: not for MLA
+    lp, ld = draw(st.sampled_from(layouts)), draw(st.sampled_from(layouts))
     num_tokens = draw(st.integers(1, 20))
     cuts = sorted(draw(st.lists(st.integers(0, num_tokens), max_size=3)))
     head_dim = draw(st.integers(1, 4))
-    v_head_dim = None if mla else draw(st.integers(1, 4))
+    # HND_KV needs v_head_dim == head_dim (None resolves to it).
+    v_head_dim = None if mla or "HND_KV" in (lp, ld) else draw(st.integers(1, 4))
     path = draw(st.sampled_from(["auto", "direct", "staged", "per_token"]))
     seed = draw(st.integers(0, 2**16))
     return mla, h, p, d, ps, pd, lp, ld, num_tokens, cuts, head_dim, v_head_dim, path, seed

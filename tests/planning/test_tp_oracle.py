@@ -36,16 +36,20 @@ SGLANG_WRONG = [
 ]
 
 
-def run_oracle(h, p, d, mla=False, salt=0, path=None, variant=0):
+def run_oracle(h, p, d, mla=False, salt=0, path=None, variant=0, layouts=("NHD", "HND"), v_head_dim=3, pages=None):
     """Shard a full KV for prefill, apply every transfer of the plan, compare each decode
-    pool with the oracle's own sharding for decode (sentinel everywhere else)."""
-    layouts = ["NHD", "HND"]
+    pool with the oracle's own sharding for decode (sentinel everywhere else). The prefill
+    layout is ``layouts[variant % n]``, the decode one ``layouts[(variant + d) % n]``; the
+    page sizes come from ``variant`` unless ``pages`` gives (prefill, decode)."""
     page_sizes = [1, 2, 4, 3]
-    ps, pd = page_sizes[variant % 4], page_sizes[(variant // 4 + h + p) % 4]
+    ps, pd = pages or (page_sizes[variant % 4], page_sizes[(variant // 4 + h + p) % 4])
     num_tokens = 7
-    common = dict(num_layers=2, total_kv_heads=h, head_dim=2, dtype="float32", mla=mla, v_head_dim=None if mla else 3)
-    gp = KVGeometry(**common, page_size=ps, layout=layouts[variant % 2], num_pages=12)
-    gd = KVGeometry(**common, page_size=pd, layout=layouts[(variant + d) % 2], num_pages=11)
+    n = len(layouts)
+    common = dict(
+        num_layers=2, total_kv_heads=h, head_dim=2, dtype="float32", mla=mla, v_head_dim=None if mla else v_head_dim
+    )
+    gp = KVGeometry(**common, page_size=ps, layout=layouts[variant % n], num_pages=12)
+    gd = KVGeometry(**common, page_size=pd, layout=layouts[(variant + d) % n], num_pages=11)
     k_full, v_full = full_kv(gp.num_layers, h, num_tokens, gp.head_dim, gp.v_head_dim, seed=h * 1000 + p * 17 + d)
     rng = np.random.default_rng(variant)
     src_pages = rng.permutation(gp.num_pages)[: -(-num_tokens // ps)]

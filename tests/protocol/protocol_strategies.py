@@ -18,6 +18,7 @@ from sglang_kvxfer.protocol import (
     PrefillRegister,
     RegisterReply,
     RequestMeta,
+    StagedChunk,
     TransferDone,
     TransferFailed,
 )
@@ -144,6 +145,24 @@ def request_metas(draw):
         draw(counts) if staged else -1,
         draw(positives) if staged else 0,
         draw(blobs) if staged else None,
+        draw(counts),  # prefix_tokens
+    )
+
+
+@st.composite
+def transfer_dones(draw):
+    total = draw(counts)
+    chunk = None
+    if total and draw(st.booleans()):  # the last staged chunk: at most total_bytes
+        chunk = StagedChunk(draw(counts), draw(positives), draw(counts), draw(st.integers(1, total)))
+    return TransferDone(
+        draw(rooms),
+        draw(st.integers(0, 1023)),
+        total,
+        draw(counts),
+        draw(st.binary(max_size=256)),
+        draw(timings),
+        chunk,
     )
 
 
@@ -156,9 +175,7 @@ MESSAGE_STRATEGIES = {
     "RequestMeta": request_metas(),
     "ChunkAck": st.builds(ChunkAck, rooms, st.integers(0, 1023), counts),
     "ChunkReady": st.builds(ChunkReady, rooms, st.integers(0, 1023), counts, positives, counts, positives),
-    "TransferDone": st.builds(
-        TransferDone, rooms, st.integers(0, 1023), counts, counts, st.binary(max_size=256), timings
-    ),
+    "TransferDone": transfer_dones(),
     "TransferFailed": st.builds(TransferFailed, rooms, sides, st.integers(0, 1023), reasons),
     "Abort": st.builds(Abort, rooms, sides, st.integers(0, 1023), reasons),
     "Heartbeat": st.builds(Heartbeat, names, sides, st.integers(0, 1023), rooms, seconds),

@@ -21,6 +21,7 @@ from sglang_kvxfer.protocol import (
     PrefillRankInfo,
     RemoteProtocolError,
     RequestMeta,
+    StagedChunk,
     TransferDone,
     decode,
     encode,
@@ -354,3 +355,54 @@ def test_encode_refuses_a_frame_the_peer_would_refuse():
     )
     with pytest.raises(LocalProtocolError, match="DecodeRegister encodes to .* bytes, over MAX_FRAME_BYTES"):
         encode(big)
+
+
+# -- protocol 3: the last staged chunk rides on TransferDone -------------------------------------
+DONE_WITH_CHUNK = TransferDone(7, 1, 8192, 2, b"\x01", {"gather": 0.1}, StagedChunk(48, 16, 4096, 4096))
+
+
+def test_transfer_done_with_its_last_chunk_round_trips():
+    got = decode(encode(DONE_WITH_CHUNK))
+    assert got == DONE_WITH_CHUNK and got.last_chunk == StagedChunk(48, 16, 4096, 4096)
+    assert decode(encode(DONE)).last_chunk is None
+
+
+def test_a_version_2_peer_is_refused_at_its_first_frame_naming_both_versions():
+    _, tag, fields = envelope(REG)  # a decode rank's first frame to a prefill rank
+    text = rejected(frame(2, tag, fields))
+    assert PROTOCOL_VERSION == 3
+    assert "peer speaks protocol version 2, this engine speaks 3" in text
+
+
+def test_a_version_2_transfer_done_without_last_chunk_is_refused_naming_the_field():
+    _, tag, fields = envelope(DONE)
+    del fields["last_chunk"]
+    assert "TransferDone is missing field(s): last_chunk" in rejected(frame(PROTOCOL_VERSION, tag, fields))
+
+
+@pytest.mark.parametrize(
+    "chunk, text",
+    [
+        ("x", "TransferDone.last_chunk must be a map of fields, got str 'x'"),
+        (
+            {"token_start": 0, "num_tokens": 16},
+            "TransferDone.last_chunk is missing field(s): staging_offset, chunk_bytes",
+        ),
+        (
+            {"token_start": 0, "num_tokens": 0, "staging_offset": 0, "chunk_bytes": 64},
+            "TransferDone.last_chunk.num_tokens=0 is out of range",
+        ),
+        (
+            {"token_start": 0, "num_tokens": 4, "staging_offset": -1, "chunk_bytes": 64},
+            "TransferDone.last_chunk.staging_offset=-1 is out of range",
+        ),
+        (
+            {"token_start": 0, "num_tokens": 4, "staging_offset": 0, "chunk_bytes": 1 << 20},
+            "TransferDone.last_chunk has 1048576 bytes, more than total_bytes=8192",
+        ),
+    ],
+)
+def test_a_malformed_last_chunk_is_refused_naming_the_field(chunk, text):
+    _, tag, fields = envelope(DONE_WITH_CHUNK)
+    fields["last_chunk"] = chunk
+    assert text in rejected(frame(PROTOCOL_VERSION, tag, fields))

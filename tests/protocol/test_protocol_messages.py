@@ -23,6 +23,7 @@ from sglang_kvxfer.protocol import (
     RegisterReply,
     RequestMeta,
     Side,
+    StagedChunk,
     TransferDone,
     TransferFailed,
     decode,
@@ -289,3 +290,12 @@ def test_local_construction_rejects_with_a_named_field(build, text):
     with pytest.raises(LocalProtocolError) as info:
         build()
     assert text in str(info.value)
+
+
+def test_a_last_chunk_larger_than_the_writers_bytes_is_a_local_error():
+    with pytest.raises(LocalProtocolError, match=r"TransferDone.last_chunk has 64 bytes, more than total_bytes=10"):
+        TransferDone(1, 0, 10, 1, b"", {}, StagedChunk(0, 4, 0, 64))
+    with pytest.raises(LocalProtocolError, match=r"StagedChunk.num_tokens=0 is out of range"):
+        StagedChunk(0, 0, 0, 64)
+    with pytest.raises(LocalProtocolError, match=r"TransferDone.last_chunk must be a StagedChunk, got dict"):
+        TransferDone(1, 0, 10, 1, b"", {}, {"token_start": 0})  # type: ignore[arg-type]

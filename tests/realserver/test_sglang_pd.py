@@ -41,8 +41,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 class Cluster:
-    def __init__(self, transport: str, prefill: dict, decode: dict, ports: dict):
+    def __init__(self, transport: str, prefill: dict, decode: dict, ports: dict, records: Path):
         self.transport, self.prefill, self.decode, self.ports = transport, prefill, decode, ports
+        self.records = records  # KVXFER_RECORDS_FILE of every server: one JSON line per request and rank
 
     def run(self, ptp: int, dtp: int, ids: list[int], n: int = 16) -> tuple[dict, dict]:
         return h.generate_pd(self.prefill[ptp], self.decode[dtp], self.ports[ptp], ids, room(), n)
@@ -55,18 +56,21 @@ class Cluster:
 @pytest.fixture(scope="module", params=["local", "tcp"])
 def cluster(request, server_env, tiny_model, logs: Path):
     transport = request.param
-    env = dict(server_env, KVXFER_SGLANG_TRANSPORT=transport)
+    records = logs / f"records-{transport}.jsonl"
+    env = dict(server_env, KVXFER_SGLANG_TRANSPORT=transport, KVXFER_RECORDS_FILE=str(records))
     chunk = ["--chunked-prefill-size", str(PREFILL_CHUNK)]
     ports = {tp: h.free_port() for tp in (1, 2)}
     prefill = {
         tp: h.prefill_server(f"{transport}-prefill-tp{tp}", tiny_model, tp, env, logs, ports[tp], chunk)
         for tp in (1, 2)
     }
-    decode = {tp: h.decode_server(f"{transport}-decode-tp{tp}", tiny_model, tp, env, logs) for tp in (1, 2)}
+    # The TP 2 decode keeps a radix cache (decode_prefix_len > 0 for a prompt it has seen).
+    radix = {1: [], 2: ["--disaggregation-decode-enable-radix-cache"]}
+    decode = {tp: h.decode_server(f"{transport}-decode-tp{tp}", tiny_model, tp, env, logs, radix[tp]) for tp in (1, 2)}
     fleet = Fleet()
     try:
         fleet.start(*prefill.values(), *decode.values())
-        yield Cluster(transport, prefill, decode, ports)
+        yield Cluster(transport, prefill, decode, ports, records)
     finally:
         fleet.stop()
 
@@ -105,6 +109,33 @@ def test_concurrent_requests_of_different_lengths(cluster, reference_tokens):
     for i, want in enumerate(wants):
         pre, dec = answers.get(i, ({}, {"error": "no answer"}))
         assert h.output_ids(dec) == want, f"request {i} ({lengths[i]} tokens): {dec}\n{cluster.logs(2, 1)}"
+
+
+def decode_bytes(cluster: Cluster, rid: int) -> int:
+    """Bytes the decode ranks received for room ``rid``, from the servers' records."""
+    lines = [json.loads(line) for line in cluster.records.read_text().splitlines() if line.strip()]
+    mine = [r for r in lines if r.get("room") == rid and r.get("side") == "decode"]
+    assert mine and all(r.get("ok") for r in mine), f"records of room {rid}: {mine}"
+    return sum(int(r["bytes"]) for r in mine)
+
+
+def test_decode_radix_cache_receives_only_what_it_does_not_hold(cluster, reference_tokens):
+    """The TP 2 decode server keeps a radix cache. A prompt that extends one it has seen hits
+    it: the decode tells the prefill the prefix it holds (``decode_prefix_len``) and only the
+    rest moves; the same prompt again moves (almost) nothing. Every answer is the reference's
+    tokens, and the decode ranks' records show the bytes shrink accordingly."""
+    base = prompt(2 * PREFILL_CHUNK + 40, 31)
+    longer = base + prompt(50, 32)
+    moved = []
+    for ids in (base, longer, base):
+        want = reference_tokens(1, ids)
+        rid = room()
+        pre, dec = h.generate_pd(cluster.prefill[1], cluster.decode[2], cluster.ports[1], ids, rid)
+        assert h.output_ids(dec) == want, f"{dec} != reference {want}\n{cluster.logs(1, 2)}"
+        moved.append(decode_bytes(cluster, rid))
+    per_token = moved[0] / len(base)  # nothing cached yet: every token moved
+    assert 0 < moved[1] < per_token * len(longer) / 2, f"bytes of base, longer, base again: {moved}"
+    assert moved[2] < moved[0], f"bytes of base, longer, base again: {moved}"
 
 
 def test_negative_control_zeroed_writer_changes_the_tokens(cluster, reference_tokens, logs: Path):

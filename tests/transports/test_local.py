@@ -3,6 +3,7 @@ errors, same-host checks, forged descriptors."""
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing as mp
 import os
 
@@ -334,3 +335,33 @@ def test_remote_view_of_private_memory_is_none():
                 assert view is None  # CMA targets are not mapped here: callers use write()
     finally:
         peer.close()
+
+
+def _rss_bytes(addr: int) -> int:
+    """Resident bytes of this process's mapping that contains ``addr`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= addr < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MAP_POPULATE"), reason="needs MAP_POPULATE (Linux)")
+def test_shared_buffers_and_their_imports_are_resident_before_the_first_write():
+    """No transfer pays a page fault per 4 KiB of a fresh pool: the pages are mapped when
+    the buffer is allocated and when a peer maps it."""
+    from sglang_kvxfer.transports._memory import mapping_address, open_shared
+
+    nbytes = 8 << 20
+    with alloc_shared(nbytes) as buf:
+        assert _rss_bytes(buf.ptr) == nbytes
+        peer_view = open_shared(buf.path, buf.inode, nbytes)
+        try:
+            assert _rss_bytes(mapping_address(peer_view)) == nbytes
+        finally:
+            peer_view.close()

@@ -457,3 +457,57 @@ def test_constructor_and_register_checks():
             from sglang_kvxfer.transports.base import Region
 
             t.deregister(Region(5, 0x1000, 64, "cpu", b""))
+
+
+def test_small_writes_to_an_idle_connection_go_from_the_callers_thread_and_the_stream_stays_whole(
+    receiver, monkeypatch
+):
+    from sglang_kvxfer.transports.tcp.conn import _Conn
+    from sglang_kvxfer.transports.tcp.transport import INLINE_SEND_BYTES
+
+    rt, mem, rregion = receiver
+    senders = []
+    real = _Conn.send_claimed
+
+    def spy(self, job):
+        senders.append(threading.current_thread())
+        real(self, job)
+
+    monkeypatch.setattr(_Conn, "send_claimed", spy)
+    st = TcpTransport()
+    src = np.random.default_rng(7).integers(0, 256, N, dtype=np.uint8)
+    try:
+        region = st.register(src.ctypes.data, N)
+        st.add_peer("s", rt.agent_descriptor(), secret=SECRET)
+        remote = st.import_region("s", rregion.descriptor)
+        st.write(region, remote, np.array([0]), np.array([0]), np.array([64])).wait(TIMEOUT_S)  # connects
+        assert senders == []  # the first write went to the sender thread, which connected
+        st.write(region, remote, np.array([64]), np.array([64]), np.array([4096])).wait(TIMEOUT_S)
+        assert senders == [threading.current_thread()]  # idle and connected: sent right here
+        written = np.zeros(N, bool)
+        written[: 64 + 4096] = True
+        lock = threading.Lock()
+
+        def writer(seed, small):  # small ones one at a time (inline when idle), large ones queued
+            rng = np.random.default_rng(seed)
+            tickets = []
+            for _ in range(40 if small else 10):
+                size = int(rng.integers(1, 4096)) if small else int(rng.integers(INLINE_SEND_BYTES + 1, N // 2))
+                off = int(rng.integers(0, N - size))
+                with lock:
+                    written[off : off + size] = True
+                tickets.append(st.write(region, remote, np.array([off]), np.array([off]), np.array([size])))
+                if small:
+                    tickets[-1].wait(TIMEOUT_S)
+            for t in tickets:
+                t.wait(TIMEOUT_S)
+
+        threads = [threading.Thread(target=writer, args=(s, s % 2 == 0)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT_S * 3)
+        np.testing.assert_array_equal(mem[written], src[written])
+        assert rt.peer_failures() == [] and st.peer_failures() == []
+    finally:
+        st.close()

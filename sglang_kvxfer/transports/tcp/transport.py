@@ -73,6 +73,9 @@ _FRAME_ENTRIES = MAX_ENTRIES  # a share with more entries goes as several frames
 HANDSHAKE_TIMEOUT_S = 5.0  # an accepted connection must have proved its secret by then
 IDLE_TIMEOUT_S = 60.0  # an established connection without a frame this long gets BYE
 MAX_HANDSHAKES = 64  # connections in the handshake at once; more drop the oldest
+# A single-frame host-memory write up to this size, to an idle connection, is sent by the
+# caller's thread (it fits the socket buffer: sendmsg returns at once).
+INLINE_SEND_BYTES = 256 << 10
 
 
 @dataclass
@@ -506,11 +509,18 @@ class TcpTransport(Transport):
                 jobs.append((i, _Job(xfer_id, ticket, frame_lease, bufs, payload)))
         # picked and queued under the lock: a connection retiring meanwhile (reader's BYE,
         # see _Conn._retire) cannot be handed a job it would never send
+        small = len(jobs) == 1 and mem is not None and entries.total_bytes <= INLINE_SEND_BYTES
+        claimed = None
         with self._lock:
             first, peer.turn = peer.turn, peer.turn + len(shares)
             conns = [self._live_conn(remote.peer_id, peer, (first + i) % self._num_conns) for i in range(len(shares))]
             for i, job in jobs:
-                conns[i].submit(job)
+                if small and conns[i].claim(job):
+                    claimed = (conns[i], job)
+                elif not small:
+                    conns[i].submit(job)
+        if claimed is not None:  # sent here, outside the lock: no hand-over to the sender thread
+            claimed[0].send_claimed(claimed[1])
         return ticket
 
     def _live_conn(self, peer_id: str, peer: _Peer, index: int) -> _Conn:

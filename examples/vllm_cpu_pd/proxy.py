@@ -1,0 +1,70 @@
+"""A minimal prefill/decode proxy for two vLLM OpenAI servers using the kvxfer connector.
+
+``POST /v1/completions`` goes to the producer with ``max_tokens=1`` and
+``kv_transfer_params={"do_remote_decode": true}``; the ``kv_transfer_params`` of its answer
+(bootstrap address, room, block ids) go with the original body to the consumer, whose answer
+is returned. Standard library only; no streaming::
+
+    python examples/vllm_cpu_pd/proxy.py --producer http://127.0.0.1:8100 \\
+        --consumer http://127.0.0.1:8200 --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+TIMEOUT_S = 300.0
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {"error": exc.read().decode(errors="replace")}
+
+
+def serve(producer: str, consumer: str, host: str, port: int) -> None:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            path = self.path
+            pre = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+            pre.pop("max_completion_tokens", None)
+            status, answer = post(producer + path, pre)
+            params = answer.get("kv_transfer_params") if status == 200 else None
+            if params is None:
+                return self.reply(
+                    502, {"error": f"producer answered {status} without kv_transfer_params", "answer": answer}
+                )
+            status, answer = post(consumer + path, dict(body, kv_transfer_params=params))
+            self.reply(status, answer)
+
+        def reply(self, status: int, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    ThreadingHTTPServer((host, port), Handler).serve_forever()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--producer", required=True)
+    ap.add_argument("--consumer", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    args = ap.parse_args()
+    serve(args.producer.rstrip("/"), args.consumer.rstrip("/"), args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()

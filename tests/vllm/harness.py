@@ -1,0 +1,194 @@
+"""Offline vLLM engines for tests/vllm, each a ``driver.py`` process in the vLLM environment.
+
+An ``Engine`` starts the driver in its own session (the driver and its TP worker processes
+share one process group), with its log in a file; ``request`` writes one JSON command and
+waits for the answer with a deadline; ``stop`` ends every process of the engine. Pure
+standard library, so it runs under any Python.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.realserver.harness import _process_table, free_port, process_title
+
+__all__ = ["Engine", "venv_dir", "env_problem", "base_env", "free_port", "process_title"]
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+DRIVER = HERE / "driver.py"
+MAKE_ENV = HERE / "make_env.sh"
+DEFAULT_VENV = Path.home() / ".cache" / "kvxfer" / "vllm-0.32.0"
+
+READY_TIMEOUT_S = 300.0  # one engine: 30-50 s on 2 idle cores; two at once take longer
+REQUEST_TIMEOUT_S = 120.0
+STOP_GRACE_S = 10.0
+
+
+def venv_dir() -> Path:
+    return Path(os.environ.get("KVXFER_VLLM_VENV") or DEFAULT_VENV)
+
+
+def venv_python() -> Path:
+    return venv_dir() / "bin" / "python"
+
+
+def env_problem() -> str | None:
+    """Why the vLLM environment cannot be used (None when it can)."""
+    if not venv_python().exists():
+        return f"no vLLM environment at {venv_dir()} (build it: tests/vllm/make_env.sh)"
+    if not (venv_dir() / ".kvxfer-recipe").exists():
+        return f"the vLLM environment at {venv_dir()} is incomplete (rerun tests/vllm/make_env.sh)"
+    return None
+
+
+def base_env(auth_key: str) -> dict:
+    env = dict(os.environ)
+    for name in ("PYTHONHOME", "VIRTUAL_ENV"):
+        env.pop(name, None)
+    env.update(
+        PYTHONPATH=str(ROOT),  # the test connector (tests.vllm.corrupt_connector) imports from here
+        PYTHONUNBUFFERED="1",
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_CPU_KVCACHE_SPACE="1",  # GiB of KV cache per engine: several engines share 24 GB
+        KVXFER_AUTH_KEY=auth_key,
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+    )
+    env["PATH"] = f"{venv_dir() / 'bin'}:{env.get('PATH', '')}"
+    return env
+
+
+@dataclass
+class Engine:
+    """One offline vLLM engine; ``spec`` is the driver's JSON argument."""
+
+    name: str
+    spec: dict
+    env: dict
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    _answers: queue.Queue = field(default_factory=queue.Queue)
+
+    def start(self) -> Engine:
+        env = dict(self.env)
+        # Unbound OpenMP threads, TP 2 included: with "0|1" each TP worker is pinned to one core,
+        # and the connector's threads there (heartbeats, control) starved for > 10 s next to
+        # vLLM's busy-polling worker loop; unbound, TP 2 runs and its tokens are unchanged.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("KVXFER_TEST_VLLM_BIND", "nobind")
+        cmd = [str(venv_python()), str(DRIVER), json.dumps(self.spec)]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, start_new_session=True, text=True
+        )
+        log.close()
+        threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                self._answers.put(json.loads(line))
+            except ValueError:
+                self._answers.put({"error": f"not JSON: {line[:200]}"})
+        self._answers.put(None)  # the driver's stdout closed: it exited
+
+    def _answer(self, timeout_s: float, what: str) -> dict:
+        try:
+            answer = self._answers.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                f"{self.name}: no answer to {what} within {timeout_s:.0f} s\n{self.log_tail()}"
+            ) from None
+        if answer is None:
+            code = self.proc.poll() if self.proc else None
+            raise RuntimeError(f"{self.name} exited ({code}) before answering {what}\n{self.log_tail()}")
+        return answer
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> float:
+        t0 = time.monotonic()
+        self._answer(timeout_s, "start-up")
+        return time.monotonic() - t0
+
+    def request(self, cmd: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout_s, cmd.get("cmd", "?"))
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        params: list | None = None,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> dict:
+        return self.request(
+            {"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens, "params": params}, timeout_s
+        )
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def pids(self) -> list[int]:
+        """Every live process of this engine: the driver's descendants and its process group."""
+        if self.proc is None:
+            return []
+        table = _process_table()
+        found, todo = set(), [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            if pid in found or pid not in table:
+                continue
+            found.add(pid)
+            todo += [p for p, (ppid, _) in table.items() if ppid == pid]
+        return sorted(p for p, (_, pgid) in table.items() if pgid == self.proc.pid or p in found)
+
+    def kill(self, sig: int = signal.SIGKILL) -> list[int]:
+        """Send ``sig`` to every process of the engine at once; returns their pids."""
+        pids = self.pids()
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def stop(self) -> None:
+        """Quit, then SIGTERM, then SIGKILL every process left, each after a grace period."""
+        if self.proc is None:
+            return
+        try:
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(STOP_GRACE_S)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not self.pids():
+                break
+            self.kill(sig)
+            deadline = time.monotonic() + STOP_GRACE_S
+            while self.pids() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass

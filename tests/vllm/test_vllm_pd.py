@@ -1,0 +1,176 @@
+"""vLLM 0.32's own offline engines move real model KV through the kvxfer connector (CPU).
+
+Per configuration, one producer engine (``kv_both``: requests without transfer params run
+normally on it, so it is also the reference of its TP size) and one consumer engine run at
+once: TP 2 -> TP 1 over ``local``, then TP 1 -> TP 2 over ``tcp``. A request runs on the
+producer with ``max_tokens=1`` and ``do_remote_decode``; its ``kv_transfer_params`` go to the
+consumer, whose 16 greedy tokens must equal the producer's own 16 (float32: TP 1 and TP 2
+agree with themselves, not necessarily with each other). The negative control zeroes the
+heads one producer rank delivered, on the consumer after the transfer: the tokens must then
+differ, and equal again with the hook off. Last, the producer is killed: a consumer request
+that needs its KV ends with an error within the heartbeat bound, not a hang.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.vllm import harness as h
+
+# A module's deadline covers its fixture: two engines start (1-2 minutes on 2 cores).
+pytestmark = pytest.mark.timeout(900)
+
+CONFIGS = [(2, 1, "local"), (1, 2, "tcp")]  # (producer TP, consumer TP, transport)
+HEARTBEAT_TIMEOUT_S = 30.0  # generous: vLLM engines waiting on a transfer busy-poll both cores;
+# with 10 s a peer was declared dead once under that load (its heartbeats arrived late)
+N = 16
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1024) for _ in range(n)]
+
+
+class Pair:
+    def __init__(self, ptp: int, dtp: int, transport: str, producer: h.Engine, consumer: h.Engine, control: Path):
+        self.ptp, self.dtp, self.transport = ptp, dtp, transport
+        self.producer, self.consumer, self.control = producer, consumer, control
+        self._refs: dict = {}
+
+    def logs(self) -> str:
+        return f"--- producer:\n{self.producer.log_tail()}\n--- consumer:\n{self.consumer.log_tail()}"
+
+    def reference(self, ids: list[int]) -> list[int]:
+        key = tuple(ids)
+        if key not in self._refs:
+            out = self.producer.generate([ids], N)
+            assert "outputs" in out, f"reference failed: {out}\n{self.logs()}"
+            self._refs[key] = out["outputs"][0]["token_ids"]
+        return self._refs[key]
+
+    def prefill(self, ids: list[int]) -> dict:
+        out = self.producer.generate([ids], 1, [{"do_remote_decode": True}])
+        assert "outputs" in out, f"prefill failed: {out}\n{self.logs()}"
+        params = out["outputs"][0]["kv_transfer_params"]
+        assert params and params.get("engine") == "sglang_kvxfer" and params.get("do_remote_prefill"), params
+        assert params["tp_size"] == self.ptp and params["remote_num_tokens"] == len(ids), params
+        return params
+
+    def decode(self, ids: list[int], params: dict, timeout_s: float = h.REQUEST_TIMEOUT_S) -> dict:
+        out = self.consumer.generate([ids], N, [params], timeout_s=timeout_s)
+        assert "outputs" in out, f"decode failed: {out}\n{self.logs()}"
+        return out["outputs"][0]
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=[f"p{p}-d{d}-{t}" for p, d, t in CONFIGS])
+def pair(request, vllm_env, vllm_model, vllm_logs):
+    ptp, dtp, transport = request.param
+    env = h.base_env(secrets.token_hex(32))
+    control = vllm_logs / f"corrupt-{ptp}-{dtp}"
+    env.update(
+        KVXFER_HEARTBEAT_INTERVAL_S="1",
+        KVXFER_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_TIMEOUT_S),
+        KVXFER_BOOTSTRAP_TIMEOUT_S="30",
+        KVXFER_TEST_CORRUPT_FILE=str(control),
+    )
+    name = f"p{ptp}-d{dtp}-{transport}"
+    base = {"model": str(vllm_model), "transport": transport}
+    producer = h.Engine(
+        f"{name}-producer",
+        dict(base, tp=ptp, kv_role="kv_both", kv_port=h.free_port()),
+        env,
+        vllm_logs / f"{name}-producer.log",
+    )
+    consumer = h.Engine(
+        f"{name}-consumer",
+        dict(
+            base,
+            tp=dtp,
+            kv_role="kv_consumer",
+            kv_port=h.free_port(),
+            connector="KVXferTestConnector",
+            connector_module="tests.vllm.corrupt_connector",
+        ),
+        env,
+        vllm_logs / f"{name}-consumer.log",
+    )
+    try:
+        producer.start()
+        consumer.start()
+        producer.wait_ready()
+        consumer.wait_ready()
+        yield Pair(ptp, dtp, transport, producer, consumer, control)
+    finally:
+        producer.stop()
+        consumer.stop()
+
+
+def test_decoded_tokens_equal_the_reference_of_the_prefill_tp(pair):
+    for n, seed in ((12, 1), (75, 2), (200, 3)):  # one partial block; 3 blocks; 7 blocks of 32
+        ids = prompt(n, seed)
+        want = pair.reference(ids)
+        params = pair.prefill(ids)
+        got = pair.decode(ids, params)
+        assert got["token_ids"] == want, (
+            f"{pair.transport} producer TP {pair.ptp} -> consumer TP {pair.dtp}, {n}-token prompt: "
+            f"{got} != reference {want}\n{pair.logs()}"
+        )
+
+
+def test_negative_control_zeroed_writer_changes_the_tokens(pair):
+    """Zero what producer rank 0 wrote into the consumer's blocks: the tokens must change
+    (and come back once the hook is off), or the equality above would prove nothing."""
+    ids = prompt(90, 7)
+    want = pair.reference(ids)
+    record = Path(str(pair.control) + ".log")
+    before = record.read_text() if record.exists() else ""
+    pair.control.write_text(f"0/{pair.ptp}")
+    try:
+        got = pair.decode(ids, pair.prefill(ids))
+    finally:
+        pair.control.unlink()
+    zeroed = record.read_text()[len(before) :]
+    assert "zeroed local heads" in zeroed, zeroed
+    assert got["token_ids"] != want, f"tokens did not change with writer 0's KV zeroed: {got}"
+    again = pair.decode(ids, pair.prefill(ids))
+    assert again["token_ids"] == want, f"with the hook off: {again} != {want}\n{pair.logs()}"
+
+
+def test_a_block_size_mismatch_fails_the_request_naming_both_values(pair):
+    """Only whole blocks of equal size are interchangeable (vLLM's CPU kernel orders the rows
+    inside a block its own way): a consumer with another block size must refuse the KV, not
+    decode from rows the engine would re-page."""
+    ids = prompt(40, 9)
+    params = pair.prefill(ids)
+    own = params["block_size"]
+    got = pair.decode(ids, dict(params, block_size=own * 2))
+    assert got["finish_reason"] == "error" and got["token_ids"] == [], got
+    log = pair.consumer.log_tail(400)
+    want = f"block_size={own * 2} (producer) differs from this consumer's block_size={own}"
+    assert want in log, log
+
+
+def test_a_killed_producer_fails_the_consumer_request_in_bounded_time(pair):
+    """SIGKILL every process of the producer after its prefill: the consumer's request for
+    that KV ends with finish_reason 'error' (kv_load_failure_policy='fail') within the
+    heartbeat bound, and the consumer still serves requests that need no transfer."""
+    ids = prompt(60, 11)
+    params = pair.prefill(ids)
+    killed = pair.producer.kill()
+    assert killed, "the producer had no processes"
+    t0 = time.monotonic()
+    got = pair.decode(ids, params, timeout_s=HEARTBEAT_TIMEOUT_S + 50)
+    waited = time.monotonic() - t0
+    assert got["finish_reason"] == "error" and got["token_ids"] == [], got
+    assert waited < HEARTBEAT_TIMEOUT_S + 20, (
+        f"the failure took {waited:.1f} s (heartbeat timeout {HEARTBEAT_TIMEOUT_S} s)"
+    )
+    log = pair.consumer.log_tail(400)
+    assert "kvxfer: receive of request" in log and "failed" in log, log
+    plain = pair.consumer.generate([prompt(20, 12)], 4)
+    assert "outputs" in plain and len(plain["outputs"][0]["token_ids"]) == 4, plain
