@@ -3,7 +3,8 @@
 ``POST /v1/completions`` goes to the producer with ``max_tokens=1`` and
 ``kv_transfer_params={"do_remote_decode": true}``; the ``kv_transfer_params`` of its answer
 (bootstrap address, room, block ids) go with the original body to the consumer, whose answer
-is returned. Standard library only; no streaming::
+is returned. ``GET /health`` answers 200 once both servers' ``/health`` do. Standard library
+only; no streaming::
 
     python examples/vllm_cpu_pd/proxy.py --producer http://127.0.0.1:8100 \\
         --consumer http://127.0.0.1:8200 --port 8000
@@ -27,10 +28,26 @@ def post(url: str, body: dict) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
         return exc.code, {"error": exc.read().decode(errors="replace")}
+    except (urllib.error.URLError, OSError) as exc:  # not reachable, or no answer in time
+        return 502, {"error": f"{url}: {exc}"}
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def serve(producer: str, consumer: str, host: str, port: int) -> None:
     class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path != "/health":
+                return self.reply(404, {"error": f"no GET {self.path}"})
+            down = [url for url in (producer, consumer) if not healthy(url)]
+            self.reply(503 if down else 200, {"down": down})
+
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             path = self.path

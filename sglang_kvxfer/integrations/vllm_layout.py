@@ -9,8 +9,9 @@ What vLLM 0.32 allocates, per layer:
 - CPU attention (``CPU_ATTN``, layout ``LBHNC``): ``[num_blocks, kv_heads_local, block_size,
   2 * head_dim]``, each ``(block, head)`` tile the K rows of the block's tokens then their V
   rows: the engine's ``HND_KV`` layout.
-- MLA: one latent tensor ``[num_blocks, block_size, latent_dim]``, the same on every rank:
-  the engine's MLA geometry (``NHD``, one head).
+- MLA: one latent tensor per layer, the same on every rank: ``[num_blocks, block_size,
+  latent_dim]`` (GPU MLA backends) or ``[num_blocks, 1, block_size, latent_dim]`` (``CPU_MLA``),
+  the same bytes: the engine's MLA geometry (``NHD``, one head).
 - GPU attention (FlashAttention and others): the logical ``[num_blocks, heads, block_size,
   2 * head_dim]`` view over a store whose innermost axis is one token's ``[K | V]`` (read with
   ``transpose(1, 2).split(head_dim, -1)``). Neither ``NHD`` nor ``HND`` (separate K and V
@@ -86,9 +87,12 @@ class VllmLayout:
         dtype = normalize_dtype(first.dtype)
         shape = tuple(first.shape)
         if mla:
+            if len(shape) == 4 and shape[1] == 1:  # CPU_MLA: [num_blocks, 1, block_size, latent_dim]
+                shape = (shape[0], shape[2], shape[3])
             if len(shape) != 3:
                 raise ValueError(
-                    f"MLA KV cache layer {names[0]} is {shape}; expected [num_blocks, block_size, latent_dim]"
+                    f"MLA KV cache layer {names[0]} is {tuple(first.shape)}; expected [num_blocks, block_size, "
+                    "latent_dim] or [num_blocks, 1, block_size, latent_dim]"
                 )
             num_blocks, block_size, latent = shape
             geometry = KVGeometry(

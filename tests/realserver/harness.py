@@ -160,12 +160,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        lines = [line for line in lines if "server_args=" not in line]
-        return "\n".join(lines[-n:])
+        return log_tail(self.log_path, n, skip="server_args=")
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> float:
         assert self.proc is not None
@@ -194,20 +189,9 @@ class Server:
             return {"http_error": exc.code, "body": exc.read().decode(errors="replace")}
 
     def pids(self) -> list[int]:
-        """Every live process of this server: its descendants and the members of their
-        process groups (``kvxfer sglang-serve`` runs SGLang in a process group of its own)."""
-        if self.proc is None:
-            return []
-        table = _process_table()
-        found, todo = set(), [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            if pid in found or pid not in table:
-                continue
-            found.add(pid)
-            todo += [p for p, (ppid, _) in table.items() if ppid == pid]
-        groups = {table[p][1] for p in found} | {self.proc.pid}
-        return sorted(p for p, (_, pgid) in table.items() if pgid in groups or p in found)
+        """Every live process of this server (``process_tree``: ``kvxfer sglang-serve`` runs
+        SGLang in a process group of its own)."""
+        return [] if self.proc is None else process_tree(self.proc.pid)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """End the whole process group: ``sig``, then SIGKILL after a grace period."""
@@ -240,6 +224,32 @@ def process_title(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def log_tail(path: Path, n: int = 40, skip: str = "") -> str:
+    """The last ``n`` lines of a log file (without lines containing ``skip``)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    if skip:
+        lines = [line for line in lines if skip not in line]
+    return "\n".join(lines[-n:])
+
+
+def process_tree(root: int) -> list[int]:
+    """Every live process under ``root``: its descendants and the members of their process
+    groups (``root``'s own included), so a child that moved to a group of its own is found."""
+    table = _process_table()
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid in found or pid not in table:
+            continue
+        found.add(pid)
+        todo += [p for p, (ppid, _) in table.items() if ppid == pid]
+    groups = {table[p][1] for p in found} | {root}
+    return sorted(p for p, (_, pgid) in table.items() if pgid in groups or p in found)
 
 
 def _process_table() -> dict[int, tuple[int, int]]:

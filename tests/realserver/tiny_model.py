@@ -5,6 +5,9 @@ parameters. Weights are drawn with a fixed seed and a wide init (std 0.1) so gre
 decoding has clear top-1 margins in bf16 and is stable across processes. Runs in the
 SGLang environment's Python (it needs ``transformers`` and ``tokenizers``):
 ``python tests/realserver/tiny_model.py DIR``.
+
+``build_deepseek_v3`` (``python tests/realserver/tiny_model.py --deepseek-v3 DIR``) writes a
+tiny DeepSeek-V3 (MLA) with the same tokenizer, shaped for vLLM's CPU MLA backend (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -75,5 +78,69 @@ def build(out: Path) -> Path:
     return out
 
 
+MLA_KV_LORA_RANK = 512  # vLLM's CPU MLA decode kernel is built for a 576-wide latent only:
+MLA_ROPE_DIM = 64  # kv_lora_rank 512 + qk_rope_head_dim 64 (CPU_MLA's supported head size)
+
+
+def build_deepseek_v3(out: Path) -> Path:
+    """Write a tiny random-weight DeepSeek-V3 (MLA, every layer dense) and the word-level
+    tokenizer to ``out`` (once: an existing build is reused).
+
+    2 layers, hidden 256, 4 query heads (qk_nope 32, v 32), no query LoRA, a latent of
+    ``kv_lora_rank + qk_rope_head_dim`` = 576 per token and layer (the width vLLM's CPU MLA
+    kernel supports), float32. ``first_k_dense_replace`` = the layer count (and
+    ``moe_layer_freq`` 1, which SGLang reads) makes every layer a dense MLP; no MTP layer.
+    """
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(out)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    layers = 2
+    config = DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=layers,
+        kv_lora_rank=MLA_KV_LORA_RANK,
+        q_lora_rank=None,
+        qk_rope_head_dim=MLA_ROPE_DIM,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=2048,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        num_mtp_layers=0,
+    )
+    config.moe_layer_freq = 1
+    torch.manual_seed(SEED)
+    model = DeepseekV3ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out)
+    vocab = {w: i for i, w in enumerate(words())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out)
+    (out / "kvxfer_tiny.json").write_text(json.dumps({"seed": SEED, "vocab": VOCAB, "model": "deepseek_v3"}))
+    return out
+
+
 if __name__ == "__main__":
-    print(build(Path(sys.argv[1])))
+    if sys.argv[1] == "--deepseek-v3":
+        print(build_deepseek_v3(Path(sys.argv[2])))
+    else:
+        print(build(Path(sys.argv[1])))

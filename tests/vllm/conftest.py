@@ -32,14 +32,17 @@ def vllm_logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vllm-logs")
 
 
-@pytest.fixture(scope="session")
-def vllm_model(vllm_env, tmp_path_factory) -> Path:
-    """The tiny Llama of tests/realserver (4 KV heads: TP 1 and 2), built with the vLLM
-    environment's transformers."""
-    out = tmp_path_factory.mktemp("tiny-llama-vllm") / "model"
+def _build(out: Path, *flags: str) -> Path:  # flags: tiny_model.py's (--deepseek-v3)
     done = subprocess.run(
-        [str(h.venv_python()), str(TINY_MODEL), str(out)], timeout=300, capture_output=True, text=True
+        [str(h.venv_python()), str(TINY_MODEL), *flags, str(out)], timeout=300, capture_output=True, text=True
     )
     if done.returncode != 0:
         raise RuntimeError(f"building the tiny model failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return out
+
+
+@pytest.fixture(scope="session")
+def vllm_model(vllm_env, tmp_path_factory) -> Path:
+    """The tiny Llama of tests/realserver (4 KV heads: TP 1 and 2), built with the vLLM
+    environment's transformers."""
+    return _build(tmp_path_factory.mktemp("tiny-llama-vllm") / "model")

@@ -1,9 +1,11 @@
-"""Offline vLLM engines for tests/vllm, each a ``driver.py`` process in the vLLM environment.
+"""vLLM processes for tests/vllm, each in the vLLM environment, in a session of its own.
 
-An ``Engine`` starts the driver in its own session (the driver and its TP worker processes
-share one process group), with its log in a file; ``request`` writes one JSON command and
-waits for the answer with a deadline; ``stop`` ends every process of the engine. Pure
-standard library, so it runs under any Python.
+An ``Engine`` is one offline engine, a ``driver.py`` process (the driver and its TP worker
+processes share one process group), with its log in a file; ``request`` writes one JSON
+command and waits for the answer with a deadline; ``stop`` ends every process of the engine.
+A ``Service`` is one HTTP process (vLLM's OpenAI server, the example's proxy): readiness and
+requests have deadlines, ``stop`` ends its whole process tree. Pure standard library, so it
+runs under any Python.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.realserver.harness import _process_table, free_port, process_title
+from tests.realserver.harness import free_port, log_tail, process_title, process_tree
 
-__all__ = ["Engine", "venv_dir", "env_problem", "base_env", "free_port", "process_title"]
+__all__ = ["Engine", "Service", "stop_tree", "venv_dir", "env_problem", "base_env", "free_port", "process_title"]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -140,25 +144,11 @@ class Engine:
         )
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(lines[-n:])
+        return log_tail(self.log_path, n)
 
     def pids(self) -> list[int]:
-        """Every live process of this engine: the driver's descendants and its process group."""
-        if self.proc is None:
-            return []
-        table = _process_table()
-        found, todo = set(), [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            if pid in found or pid not in table:
-                continue
-            found.add(pid)
-            todo += [p for p, (ppid, _) in table.items() if ppid == pid]
-        return sorted(p for p, (_, pgid) in table.items() if pgid == self.proc.pid or p in found)
+        """Every live process of this engine: the driver's descendants and their process groups."""
+        return [] if self.proc is None else process_tree(self.proc.pid)
 
     def kill(self, sig: int = signal.SIGKILL) -> list[int]:
         """Send ``sig`` to every process of the engine at once; returns their pids."""
@@ -181,14 +171,98 @@ class Engine:
                 self.proc.wait(STOP_GRACE_S)
         except (OSError, ValueError, subprocess.TimeoutExpired):
             pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if not self.pids():
-                break
-            self.kill(sig)
-            deadline = time.monotonic() + STOP_GRACE_S
-            while self.pids() and time.monotonic() < deadline:
-                time.sleep(0.1)
+        stop_tree(self.proc)
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL, every process of ``proc``'s tree and process groups, each after
+    a grace period; then reap ``proc``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = process_tree(proc.pid)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + STOP_GRACE_S
+        while process_tree(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+@dataclass
+class Service:
+    """One HTTP process of the vLLM environment (``cmd`` after the venv's Python), its output
+    in ``log_path``; ready once ``GET ready_path`` answers 200."""
+
+    name: str
+    cmd: list[str]
+    env: dict
+    log_path: Path
+    port: int
+    ready_path: str = "/health"
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Service:
+        env = dict(self.env)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("KVXFER_TEST_VLLM_BIND", "nobind")  # see Engine.start
+        cmd = [str(venv_python()), *self.cmd]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        return self
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> float:
+        assert self.proc is not None
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            code = self.proc.poll()
+            if code is not None:
+                raise RuntimeError(f"{self.name} exited with {code} while starting:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def post(self, path: str, body: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[int, dict]:
+        """``(HTTP status, JSON answer)``; an HTTP error's body comes back as ``{"error": ...}``."""
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, {"error": exc.read().decode(errors="replace")}
+
+    def get(self, path: str, timeout_s: float = REQUEST_TIMEOUT_S) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=timeout_s) as r:
+            return r.read().decode(errors="replace")
+
+    def log_tail(self, n: int = 40) -> str:
+        return log_tail(self.log_path, n)
+
+    def pids(self) -> list[int]:
+        return [] if self.proc is None else process_tree(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_tree(self.proc)

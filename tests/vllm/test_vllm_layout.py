@@ -34,9 +34,17 @@ def test_cpu_cache_is_hnd_kv_with_the_rank_heads():
     assert lay.heads_slice(0, 2) == slice(0, 0) and lay.heads_slice(2, 3) == slice(0, 1)
 
 
-def test_mla_cache_is_one_latent_head_per_layer():
-    lay = VllmLayout.from_kv_caches(caches(shape=(8, 32, 576)), total_kv_heads=1, mla=True, tp_size=2, tp_rank=0)
-    assert lay.geometry.mla and lay.geometry.head_dim == 576 and lay.tensors[0].shape == (8 * 32, 1, 576)
+@pytest.mark.parametrize("shape", [(8, 32, 576), (8, 1, 32, 576)])  # GPU MLA backends; CPU_MLA
+def test_mla_cache_is_one_latent_head_per_layer(shape):
+    lay = VllmLayout.from_kv_caches(caches(shape=shape), total_kv_heads=1, mla=True, tp_size=2, tp_rank=0)
+    g = lay.geometry
+    assert g.mla and (g.head_dim, g.page_size, g.num_pages) == (576, 32, 8)
+    assert lay.tensors[0].shape == (8 * 32, 1, 576)
+
+
+def test_an_mla_cache_of_another_shape_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"MLA KV cache layer model.layers.0.self_attn.attn is \(8, 2, 32, 576\)"):
+        VllmLayout.from_kv_caches(caches(shape=(8, 2, 32, 576)), total_kv_heads=1, mla=True, tp_size=1, tp_rank=0)
 
 
 @pytest.mark.parametrize(

@@ -2,13 +2,15 @@
 
 Per configuration, one producer engine (``kv_both``: requests without transfer params run
 normally on it, so it is also the reference of its TP size) and one consumer engine run at
-once: TP 2 -> TP 1 over ``local``, then TP 1 -> TP 2 over ``tcp``. A request runs on the
-producer with ``max_tokens=1`` and ``do_remote_decode``; its ``kv_transfer_params`` go to the
-consumer, whose 16 greedy tokens must equal the producer's own 16 (float32: TP 1 and TP 2
-agree with themselves, not necessarily with each other). The negative control zeroes the
-heads one producer rank delivered, on the consumer after the transfer: the tokens must then
-differ, and equal again with the hook off. Last, the producer is killed: a consumer request
-that needs its KV ends with an error within the heartbeat bound, not a hang.
+once: the tiny Llama TP 2 -> TP 1 over ``local``, then TP 1 -> TP 2 over ``tcp`` (no MLA
+configuration: see docs/vllm.md, "KV layouts", for why vLLM's CPU MLA gives no reference). A
+request runs on the producer with ``max_tokens=1`` and ``do_remote_decode``; its
+``kv_transfer_params`` go to the consumer, whose 16 greedy tokens must equal the producer's
+own 16 (float32: TP 1 and TP 2 agree with themselves, not necessarily with each other). The
+negative control zeroes what one producer rank delivered, on the consumer after the
+transfer: the tokens must then differ, and equal again with the hook off. Last, the
+producer is killed: a consumer request that needs its KV ends with an error within the
+heartbeat bound, not a hang.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import random
 import secrets
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,23 @@ from tests.vllm import harness as h
 # A module's deadline covers its fixture: two engines start (1-2 minutes on 2 cores).
 pytestmark = pytest.mark.timeout(900)
 
-CONFIGS = [(2, 1, "local"), (1, 2, "tcp")]  # (producer TP, consumer TP, transport)
+
+@dataclass(frozen=True)
+class Config:
+    ptp: int  # producer TP
+    dtp: int  # consumer TP
+    transport: str
+    block_size: int = 32  # CPU attention: a multiple of 32
+    prompts: tuple[tuple[int, int], ...] = ((12, 1), (75, 2), (200, 3))  # (tokens, seed): 1 partial block; 3; 7 of 32
+
+    @property
+    def name(self) -> str:
+        return f"p{self.ptp}-d{self.dtp}-{self.transport}"
+
+
+CONFIGS = [Config(2, 1, "local"), Config(1, 2, "tcp")]
+
+
 HEARTBEAT_TIMEOUT_S = 30.0  # generous: vLLM engines waiting on a transfer busy-poll both cores;
 # with 10 s a peer was declared dead once under that load (its heartbeats arrived late)
 N = 16
@@ -37,8 +56,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 class Pair:
-    def __init__(self, ptp: int, dtp: int, transport: str, producer: h.Engine, consumer: h.Engine, control: Path):
-        self.ptp, self.dtp, self.transport = ptp, dtp, transport
+    def __init__(self, config: Config, producer: h.Engine, consumer: h.Engine, control: Path):
+        self.config = config
+        self.ptp, self.dtp, self.transport = config.ptp, config.dtp, config.transport
         self.producer, self.consumer, self.control = producer, consumer, control
         self._refs: dict = {}
 
@@ -67,19 +87,19 @@ class Pair:
         return out["outputs"][0]
 
 
-@pytest.fixture(scope="module", params=CONFIGS, ids=[f"p{p}-d{d}-{t}" for p, d, t in CONFIGS])
+@pytest.fixture(scope="module", params=CONFIGS, ids=[c.name for c in CONFIGS])
 def pair(request, vllm_env, vllm_model, vllm_logs):
-    ptp, dtp, transport = request.param
+    cfg: Config = request.param
+    ptp, dtp, transport, name = cfg.ptp, cfg.dtp, cfg.transport, cfg.name
     env = h.base_env(secrets.token_hex(32))
-    control = vllm_logs / f"corrupt-{ptp}-{dtp}"
+    control = vllm_logs / f"corrupt-{name}"
     env.update(
         KVXFER_HEARTBEAT_INTERVAL_S="1",
         KVXFER_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_TIMEOUT_S),
         KVXFER_BOOTSTRAP_TIMEOUT_S="30",
         KVXFER_TEST_CORRUPT_FILE=str(control),
     )
-    name = f"p{ptp}-d{dtp}-{transport}"
-    base = {"model": str(vllm_model), "transport": transport}
+    base = {"model": str(vllm_model), "transport": transport, "block_size": cfg.block_size}
     producer = h.Engine(
         f"{name}-producer",
         dict(base, tp=ptp, kv_role="kv_both", kv_port=h.free_port()),
@@ -104,20 +124,20 @@ def pair(request, vllm_env, vllm_model, vllm_logs):
         consumer.start()
         producer.wait_ready()
         consumer.wait_ready()
-        yield Pair(ptp, dtp, transport, producer, consumer, control)
+        yield Pair(cfg, producer, consumer, control)
     finally:
         producer.stop()
         consumer.stop()
 
 
 def test_decoded_tokens_equal_the_reference_of_the_prefill_tp(pair):
-    for n, seed in ((12, 1), (75, 2), (200, 3)):  # one partial block; 3 blocks; 7 blocks of 32
+    for n, seed in pair.config.prompts:
         ids = prompt(n, seed)
         want = pair.reference(ids)
         params = pair.prefill(ids)
         got = pair.decode(ids, params)
         assert got["token_ids"] == want, (
-            f"{pair.transport} producer TP {pair.ptp} -> consumer TP {pair.dtp}, {n}-token prompt: "
+            f"{pair.config.name}: producer TP {pair.ptp} -> consumer TP {pair.dtp}, {n}-token prompt: "
             f"{got} != reference {want}\n{pair.logs()}"
         )
 
@@ -129,9 +149,10 @@ def test_negative_control_zeroed_writer_changes_the_tokens(pair):
     want = pair.reference(ids)
     record = Path(str(pair.control) + ".log")
     before = record.read_text() if record.exists() else ""
+    params = pair.prefill(ids)
     pair.control.write_text(f"0/{pair.ptp}")
     try:
-        got = pair.decode(ids, pair.prefill(ids))
+        got = pair.decode(ids, params)
     finally:
         pair.control.unlink()
     zeroed = record.read_text()[len(before) :]
