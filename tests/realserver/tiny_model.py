@@ -41,11 +41,22 @@ def words() -> list[str]:
     return specials + seen + filler
 
 
+def save_tokenizer(out: Path) -> None:
+    """The word-level tokenizer over ``words()`` (no download), saved next to a model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(words())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out)
+
+
 def build(out: Path) -> Path:
     """Write the model and tokenizer to ``out`` (once: an existing build is reused)."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
@@ -69,11 +80,7 @@ def build(out: Path) -> Path:
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out)
-    vocab = {w: i for i, w in enumerate(words())}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(out)
+    save_tokenizer(out)
     (out / "kvxfer_tiny.json").write_text(json.dumps({"seed": SEED, "vocab": VOCAB}))
     return out
 
@@ -92,8 +99,7 @@ def build_deepseek_v3(out: Path) -> Path:
     ``moe_layer_freq`` 1, which SGLang reads) makes every layer a dense MLP; no MTP layer.
     """
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     out = Path(out)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
@@ -130,11 +136,7 @@ def build_deepseek_v3(out: Path) -> Path:
     torch.manual_seed(SEED)
     model = DeepseekV3ForCausalLM(config).to(torch.float32)
     model.save_pretrained(out)
-    vocab = {w: i for i, w in enumerate(words())}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(out)
+    save_tokenizer(out)
     (out / "kvxfer_tiny.json").write_text(json.dumps({"seed": SEED, "vocab": VOCAB, "model": "deepseek_v3"}))
     return out
 
