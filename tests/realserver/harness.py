@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,12 +148,7 @@ class Server:
         py = str(venv_python())
         head = [py, "-m", "sglang_kvxfer", "sglang-serve"] if self.kvxfer else [py, "-m", "sglang.launch_server"]
         cmd = [*head, *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        log.write(f"$ {' '.join(cmd)}\n".encode())
-        log.flush()
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        self.proc = spawn(cmd, self.env, self.log_path)
         return self
 
     @property
@@ -164,19 +160,7 @@ class Server:
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> float:
         assert self.proc is not None
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            code = self.proc.poll()
-            if code is not None:
-                raise RuntimeError(f"{self.name} exited with {code} while starting:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return time.monotonic() - t0
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+        return wait_http(self.proc, self.url + "/health", self.name, self.log_tail, timeout_s)
 
     def generate(self, payload: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
         req = urllib.request.Request(
@@ -195,25 +179,61 @@ class Server:
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """End the whole process group: ``sig``, then SIGKILL after a grace period."""
-        if self.proc is None:
-            return
-        for pid in self.pids():
+        if self.proc is not None:
+            stop_tree(self.proc, sig)
+
+
+def spawn(cmd: list[str], env: dict, log_path: Path, **popen) -> subprocess.Popen:
+    """Start ``cmd`` in a session of its own, its output appended to ``log_path`` after the
+    command line (only stderr when ``popen`` takes stdout)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        if "stdout" in popen:  # the caller reads stdout (a driver's answers): only stderr is logged
+            popen.setdefault("stderr", log)
+        else:
+            popen.update(stdout=log, stderr=popen.get("stderr", subprocess.STDOUT))
+        return subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
+
+
+def wait_http(proc: subprocess.Popen, url: str, name: str, tail: Callable[[], str], timeout_s: float) -> float:
+    """Seconds until ``GET url`` answers 200; raises if ``proc`` exits or the deadline passes
+    (with ``tail()``, the end of its log)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        code = proc.poll()
+        if code is not None:
+            raise RuntimeError(f"{name} exited with {code} while starting:\n{tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} not ready within {timeout_s:.0f} s:\n{tail()}")
+
+
+def stop_tree(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """``sig``, then SIGKILL, to every process of ``proc``'s tree and process groups, each
+    after a grace period; then reap ``proc``."""
+    for s in (sig, signal.SIGKILL):
+        pids = process_tree(proc.pid)
+        if not pids:
+            break
+        for pid in pids:
             try:
-                os.kill(pid, sig)
+                os.kill(pid, s)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + STOP_GRACE_S
-        while self.pids() and time.monotonic() < deadline:
+        while process_tree(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        for pid in self.pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def process_title(pid: int) -> str:

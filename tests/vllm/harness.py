@@ -22,7 +22,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.realserver.harness import free_port, log_tail, process_title, process_tree
+from tests.realserver.harness import (
+    free_port,
+    log_tail,
+    process_title,
+    process_tree,
+    spawn,
+    stop_tree,
+    wait_http,
+)
 
 __all__ = ["Engine", "Service", "stop_tree", "venv_dir", "env_problem", "base_env", "free_port", "process_title"]
 
@@ -89,14 +97,7 @@ class Engine:
         # vLLM's busy-polling worker loop; unbound, TP 2 runs and its tokens are unchanged.
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("KVXFER_TEST_VLLM_BIND", "nobind")
         cmd = [str(venv_python()), str(DRIVER), json.dumps(self.spec)]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        log.write(f"$ {' '.join(cmd)}\n".encode())
-        log.flush()
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, start_new_session=True, text=True
-        )
-        log.close()
+        self.proc = spawn(cmd, env, self.log_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self._read, daemon=True).start()
         return self
 
@@ -174,27 +175,6 @@ class Engine:
         stop_tree(self.proc)
 
 
-def stop_tree(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL, every process of ``proc``'s tree and process groups, each after
-    a grace period; then reap ``proc``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = process_tree(proc.pid)
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + STOP_GRACE_S
-        while process_tree(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
 @dataclass
 class Service:
     """One HTTP process of the vLLM environment (``cmd`` after the venv's Python), its output
@@ -216,31 +196,12 @@ class Service:
         env = dict(self.env)
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("KVXFER_TEST_VLLM_BIND", "nobind")  # see Engine.start
         cmd = [str(venv_python()), *self.cmd]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        log.write(f"$ {' '.join(cmd)}\n".encode())
-        log.flush()
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        log.close()
+        self.proc = spawn(cmd, env, self.log_path, stdin=subprocess.DEVNULL)
         return self
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> float:
         assert self.proc is not None
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            code = self.proc.poll()
-            if code is not None:
-                raise RuntimeError(f"{self.name} exited with {code} while starting:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + self.ready_path, timeout=2) as r:
-                    if r.status == 200:
-                        return time.monotonic() - t0
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+        return wait_http(self.proc, self.url + self.ready_path, self.name, self.log_tail, timeout_s)
 
     def post(self, path: str, body: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[int, dict]:
         """``(HTTP status, JSON answer)``; an HTTP error's body comes back as ``{"error": ...}``."""
