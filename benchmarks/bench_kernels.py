@@ -17,8 +17,16 @@ get a ratio against the device-to-device copy of the same bytes measured in the 
 Pools hold ``--pool-heads`` heads; a config moves heads ``[0, num_heads)`` of every token
 of a request whose pages are a random permutation of the pool (as after a busy scheduler).
 
+``--fused`` times the pool -> pool ``copy_kv_heads`` instead: for each page size, layout
+pair and TP head slice (a TP 2 prefill rank into a TP 1 decode pool, a TP 1 prefill rank
+into a TP 2 decode pool), the fused copy, ``gather_kv_heads`` + ``scatter_kv_heads`` of the
+same bytes (what the staged path does today), and one plain copy (memmove) of the same
+bytes, in the same run. Default size: 2048 tokens x 32 layers x 8 heads x 128 x bf16, K and
+V (256 MiB of KV, half of it moved per TP slice).
+
     python benchmarks/bench_kernels.py --quick               # CPU, a few configs
     python benchmarks/bench_kernels.py --device cuda         # full sweep on the GPU
+    python benchmarks/bench_kernels.py --fused               # fused copy vs gather + scatter
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--quick", action="store_true", help="few configs, small buffers")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--layouts", default="NHD,HND", help="comma list of NHD, HND, HND_KV (default NHD,HND)")
+    p.add_argument("--layouts", default="NHD,HND", help="comma list of NHD, HND, HND_KV, NHD_KV (default NHD,HND)")
     p.add_argument("--head-dims", default="64,128,576")
     p.add_argument("--page-sizes", default="1,16,64")
     p.add_argument("--heads", default="1,2,4,8", help="num_heads moved per config")
@@ -62,6 +70,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "keep it well above the last-level cache so both sides hit DRAM",
     )
     p.add_argument("--repeats", type=int, default=None, help="default 7 (quick: 5)")
+    p.add_argument("--fused", action="store_true", help="time copy_kv_heads against gather + scatter and a copy")
+    p.add_argument("--fused-tokens", type=int, default=2048)
+    p.add_argument("--fused-layers", type=int, default=32)
+    p.add_argument("--fused-heads", type=int, default=8, help="total KV heads of the model")
+    p.add_argument("--fused-head-dim", type=int, default=128)
+    p.add_argument("--fused-page-sizes", default="16,64")
+    p.add_argument("--fused-pairs", default="NHD:NHD,HND:NHD", help="comma list of SRC:DST layouts")
+    p.add_argument("--fused-tp", default="2to1,1to2", help="comma list of head slices: 2to1, 1to2")
     return p.parse_args(argv)
 
 
@@ -95,6 +111,30 @@ class Timer:
         return time.perf_counter() - t0
 
 
+def _median_times(runs: dict, device_only: set, repeats: int, timer) -> dict[str, float]:
+    """Median seconds of each named run over ``repeats`` rounds (the runs interleaved), after
+    one warm-up call of each (page faults, library load, caches)."""
+    for fn in runs.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            times[name].append(timer(fn, device_only=name in device_only))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _machine(device, dtype: str) -> dict:
+    """What a report says about where it ran."""
+    gpu = device.type == "cuda"
+    return {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if gpu else os.uname().machine,
+        "backend": ops.backend_for(device),
+        "dtype": dtype,
+        "torch": torch.__version__,
+    }
+
+
 def bench_config(device, dtype, layout, head_dim, page_size, num_heads, args, staging_bytes, repeats, timer) -> dict:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     per_token = args.layers * 2 * num_heads * head_dim * itemsize
@@ -105,9 +145,10 @@ def bench_config(device, dtype, layout, head_dim, page_size, num_heads, args, st
         "NHD": (num_pages * page_size, args.pool_heads, head_dim),
         "HND": (num_pages, args.pool_heads, page_size, head_dim),
         "HND_KV": (num_pages, args.pool_heads, page_size, 2 * head_dim),  # vLLM's CPU cache: K and V
+        "NHD_KV": (num_pages, page_size, args.pool_heads, 2 * head_dim),  # vLLM's GPU cache: K and V
     }
     if layout not in shapes:
-        raise SystemExit(f"--layouts: layout={layout!r} is not supported; use NHD, HND or HND_KV")
+        raise SystemExit(f"--layouts: layout={layout!r} is not supported; use NHD, HND, HND_KV or NHD_KV")
     shape = shapes[layout]
     gen = torch.Generator().manual_seed(0)
 
@@ -116,7 +157,7 @@ def bench_config(device, dtype, layout, head_dim, page_size, num_heads, args, st
         return [torch.ones(shape, dtype=dtype, device=device) for _ in range(args.layers)]
 
     k = pool()
-    v = None if layout == "HND_KV" else pool()  # HND_KV: one K-and-V tensor per layer
+    v = None if layout in ("HND_KV", "NHD_KV") else pool()  # one K-and-V tensor per layer
     page_ids = torch.randperm(num_pages, generator=gen)
     kw = dict(page_size=page_size, head_start=0, num_heads=num_heads, layout=layout)
     nbytes = ops.staging_nbytes(args.layers, num_tokens, num_heads, head_dim, head_dim, itemsize)
@@ -134,13 +175,7 @@ def bench_config(device, dtype, layout, head_dim, page_size, num_heads, args, st
         runs["gather_kernel"] = ops.cuda_kernel_launcher(staging, k, v, page_ids, gather=True, **kw)
         runs["scatter_kernel"] = ops.cuda_kernel_launcher(staging, k, v, page_ids, gather=False, **kw)
         device_only |= {"gather_kernel", "scatter_kernel"}
-    for fn in runs.values():  # warm-up: page faults, library load, caches
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            times[name].append(timer(fn, device_only=name in device_only))
-    med = {name: statistics.median(ts) for name, ts in times.items()}
+    med = _median_times(runs, device_only, repeats, timer)
     del runs  # free the pools before the next config (the closures held them)
     k = v = staging = src = dst = None
     if device.type == "cuda":
@@ -170,6 +205,124 @@ def bench_config(device, dtype, layout, head_dim, page_size, num_heads, args, st
     }
 
 
+def _fused_pool(layout, num_pages, page_size, heads, head_dim, layers, dtype, device):
+    """(k_buffers, v_buffers) of one side; packed layouts: one K-and-V tensor per layer."""
+    shapes = {
+        "NHD": (num_pages * page_size, heads, head_dim),
+        "HND": (num_pages, heads, page_size, head_dim),
+        "HND_KV": (num_pages, heads, page_size, 2 * head_dim),
+        "NHD_KV": (num_pages, page_size, heads, 2 * head_dim),
+    }
+    if layout not in shapes:
+        raise SystemExit(f"--fused-pairs: layout={layout!r} is not supported; use NHD, HND, HND_KV or NHD_KV")
+    k = [torch.ones(shapes[layout], dtype=dtype, device=device) for _ in range(layers)]
+    v = None if layout in ("HND_KV", "NHD_KV") else [torch.ones_like(t) for t in k]
+    return k, v
+
+
+def bench_fused(device, dtype, src_layout, dst_layout, page_size, tp, args, repeats, timer) -> dict:
+    """One fused-copy config: copy_kv_heads vs gather + scatter vs a memmove of the same bytes."""
+    heads, dim, layers, tokens = args.fused_heads, args.fused_head_dim, args.fused_layers, args.fused_tokens
+    half = heads // 2
+    # 2to1: a TP 2 rank's heads fill half of a TP 1 pool; 1to2: a TP 2 rank takes half of a TP 1 pool.
+    src_heads, src_start, dst_heads, dst_start = (half, 0, heads, half) if tp == "2to1" else (heads, half, half, 0)
+    num_pages = -(-tokens // page_size)
+    gen = torch.Generator().manual_seed(page_size)
+    src_ids = torch.randperm(num_pages, generator=gen)
+    dst_ids = torch.randperm(num_pages, generator=gen)
+    sk, sv = _fused_pool(src_layout, num_pages, page_size, src_heads, dim, layers, dtype, device)
+    dk, dv = _fused_pool(dst_layout, num_pages, page_size, dst_heads, dim, layers, dtype, device)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    nbytes = ops.staging_nbytes(layers, tokens, half, dim, dim, itemsize)
+    staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    g_kw = dict(page_size=page_size, head_start=src_start, num_heads=half, layout=src_layout, num_tokens=tokens)
+    s_kw = dict(page_size=page_size, head_start=dst_start, num_heads=half, layout=dst_layout, num_tokens=tokens)
+    c_kw = dict(num_heads=half, num_tokens=tokens)
+    c_kw.update({f"src_{k}": v for k, v in g_kw.items() if k not in ("num_heads", "num_tokens")})
+    c_kw.update({f"dst_{k}": v for k, v in s_kw.items() if k not in ("num_heads", "num_tokens")})
+
+    def gather_scatter():
+        ops.gather_kv_heads(sk, sv, src_ids, out=staging, **g_kw)
+        ops.scatter_kv_heads(staging, dk, dv, dst_ids, **s_kw)
+
+    runs = {
+        "memmove": lambda: dst.copy_(src),
+        "fused": lambda: ops.copy_kv_heads(sk, sv, src_ids, dk, dv, dst_ids, **c_kw),
+        "gather_scatter": gather_scatter,
+    }
+    device_only = {"memmove"}
+    if device.type == "cuda" and ops.backend_for(device) == "native-cuda":
+        runs["fused_kernel"] = ops.cuda_copy_launcher(sk, sv, src_ids, dk, dv, dst_ids, **c_kw)
+        gk = ops.cuda_kernel_launcher(staging, sk, sv, src_ids, gather=True, **g_kw)
+        sc = ops.cuda_kernel_launcher(staging, dk, dv, dst_ids, gather=False, **s_kw)
+        runs["gather_scatter_kernel"] = lambda: (gk(), sc())
+        device_only |= {"fused_kernel", "gather_scatter_kernel"}
+    med = _median_times(runs, device_only, repeats, timer)
+    del runs, gather_scatter
+    sk = sv = dk = dv = staging = src = dst = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    out = {
+        "src_layout": src_layout,
+        "dst_layout": dst_layout,
+        "page_size": page_size,
+        "tp": tp.replace("to", " -> "),
+        "num_heads": half,
+        "layers": layers,
+        "num_tokens": tokens,
+        "bytes_moved": nbytes,
+        "median_ms": {name: round(t * 1e3, 3) for name, t in med.items()},
+        "fused_gbps": round(2 * nbytes / med["fused"] / 1e9, 2),
+        "memmove_gbps": round(2 * nbytes / med["memmove"] / 1e9, 2),
+        "fused_speedup_vs_gather_scatter": round(med["gather_scatter"] / med["fused"], 3),
+        "fused_vs_memmove": round(med["memmove"] / med["fused"], 3),
+    }
+    if "fused_kernel" in med:
+        out["fused_kernel_speedup_vs_gather_scatter_kernel"] = round(
+            med["gather_scatter_kernel"] / med["fused_kernel"], 3
+        )
+        out["fused_kernel_vs_memmove"] = round(med["memmove"] / med["fused_kernel"], 3)
+    return out
+
+
+def main_fused(args, device, timer, repeats) -> int:
+    results = []
+    for page_size in ints(args.fused_page_sizes):
+        for pair in args.fused_pairs.split(","):
+            src_layout, dst_layout = (x.strip().upper() for x in pair.split(":"))
+            for tp in args.fused_tp.split(","):
+                if tp not in ("2to1", "1to2"):
+                    raise SystemExit(f"--fused-tp: {tp!r} must be 2to1 or 1to2")
+                r = bench_fused(device, DTYPES[args.dtype], src_layout, dst_layout, page_size, tp, args, repeats, timer)
+                results.append(r)
+                print(
+                    f"# fused {src_layout}->{dst_layout} ps={page_size} TP {r['tp']}: "
+                    f"x{r['fused_speedup_vs_gather_scatter']} vs gather+scatter, x{r['fused_vs_memmove']} of a memmove",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    doc = {
+        **_machine(device, args.dtype),
+        "kvxfer_cpu_threads": os.environ.get("KVXFER_CPU_THREADS", "0 (auto)"),
+        "repeats": repeats,
+        "timed": (
+            "fused: copy_kv_heads (full call); gather_scatter: gather_kv_heads into a staging buffer then "
+            "scatter_kv_heads of it (full calls); memmove: torch copy_ of bytes_moved; *_kernel: launches alone"
+        ),
+        "gbps_counts": "read + written (2 x bytes_moved)",
+        "results": results,
+        "summary": {
+            "min_fused_speedup_vs_gather_scatter": min(r["fused_speedup_vs_gather_scatter"] for r in results),
+            "max_fused_speedup_vs_gather_scatter": max(r["fused_speedup_vs_gather_scatter"] for r in results),
+            "min_fused_vs_memmove": min(r["fused_vs_memmove"] for r in results),
+        },
+    }
+    print(json.dumps(doc, indent=2))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "auto":
@@ -180,6 +333,8 @@ def main(argv=None) -> int:
         print(json.dumps({"error": "--device cuda but torch sees no CUDA device"}))
         return 2
     gpu = device.type == "cuda"
+    if args.fused:
+        return main_fused(args, device, Timer(device), args.repeats or (3 if args.quick else 7))
     if args.quick:
         layouts, dims, pages, heads = ["NHD"], [128], [16], [1, 8]
         if args.layouts != "NHD,HND":
@@ -225,11 +380,7 @@ def main(argv=None) -> int:
                     )
     target = [r for r in results if r["page_size"] == 16 and r["head_dim"] == 128]
     doc = {
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if gpu else os.uname().machine,
-        "backend": ops.backend_for(device),
-        "dtype": args.dtype,
-        "torch": torch.__version__,
+        **_machine(device, args.dtype),
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "kvxfer_cpu_threads": os.environ.get("KVXFER_CPU_THREADS", "0 (auto)"),

@@ -5,7 +5,10 @@ region and this process writes batches into it from a 64 MiB source region, one 
 flight at a time (``write`` + ``wait``). Measured in the same run, interleaved with the
 transport's repeats, is its baseline on the same bytes and entries:
 
-* ``local``: a plain copy, one ``ctypes.memmove`` per entry into a buffer of this process;
+* ``local``: a plain copy, one ``ctypes.memmove`` per entry into a buffer of this process
+  (numpy memory: 2 MiB transparent huge pages where the kernel gives them); for shared
+  memory also ``memmove_shm``, the same copy into an ``alloc_shared`` buffer of this process
+  (the transport's kind of page), and each row's ``huge_page_bytes`` of both destinations;
 * ``tcp``: a plain Python socket pair, one connection (``TCP_NODELAY`` like the transport),
   ``sendall`` per entry and ``recv_into`` the destination slot, with a 1-byte ACK per batch
   (the completion a ticket reports);
@@ -131,6 +134,8 @@ def target_main(conn, name: str, options: dict, memory: str, stage_bytes: int) -
             dst[:] = 0
             plain_dst[:] = 0
             conn.send(None)
+        elif cmd == "huge":  # bytes of the destination region mapped by huge pages here
+            conn.send(_memory.huge_page_bytes(dst.ctypes.data, REGION))
         elif cmd == "digest":
             conn.send(digest(plain_dst if args[0] else dst, args[1], args[2]))
         elif cmd == "plain_serve":  # serve plain-socket batches until the sender says 'E'
@@ -287,7 +292,7 @@ def summarize(seconds: list[float], nbytes: int, entries: int) -> dict:
 
 
 def bench_variant(variant: str, args) -> tuple[list[dict], dict | None]:
-    from sglang_kvxfer.transports import get_transport
+    from sglang_kvxfer.transports import _memory, get_transport
 
     name, options, memory = VARIANTS[variant]
     if name == "tcp" and args.tcp_connections:
@@ -302,6 +307,9 @@ def bench_variant(variant: str, args) -> tuple[list[dict], dict | None]:
     transport.add_peer("target", target.agent, secret=secret)
     remote = transport.import_region("target", target.region)
     plain_dst = np.zeros(REGION, np.uint8)
+    plain_dst[:] = 0  # fault in before timing (numpy asks for huge pages: see huge_page_bytes)
+    base_huge = _memory.huge_page_bytes(plain_dst.ctypes.data, REGION)
+    shm_dst = _memory.alloc_shared(REGION) if name == "local" and memory == "shm" else None
     results, stage_row = [], None
     try:
         for workload in args.workloads:
@@ -330,10 +338,19 @@ def bench_variant(variant: str, args) -> tuple[list[dict], dict | None]:
                 baseline = cma_batch(target.pid, target.plain_addr, src, lo, ro, sz)
                 baseline()
                 base_ok = target.call("digest", True, ro, sz) == want
-            own, base = [], []
-            for _ in range(args.repeats):  # interleaved, so drift hits both alike
+            # local into shared memory: also a memmove into a memfd of this process (the
+            # transport's kind of page), to tell page effects from transport overhead
+            shm_base = None
+            if name == "local" and memory == "shm":
+                shm_base = plain_copy_batch(shm_dst.ptr, src.ctypes.data, lo, ro, sz)
+                shm_base()
+                shm_ok = digest(shm_dst.as_numpy(), ro, sz) == want
+            own, base, base_shm = [], [], []
+            for _ in range(args.repeats):  # interleaved, so drift hits all alike
                 own.append(timed(write, args.min_time))
                 base.append(timed(baseline, args.min_time))
+                if shm_base is not None:
+                    base_shm.append(timed(shm_base, args.min_time))
             if name == "tcp":
                 target.plain_sock.sendall(b"E")
                 target.call_reply()
@@ -350,10 +367,21 @@ def bench_variant(variant: str, args) -> tuple[list[dict], dict | None]:
                 "baseline": {"name": base_name, "verified": bool(base_ok), **summarize(base, nbytes, len(sz))},
             }
             row["ratio"] = round(row["gbps"] / row["baseline"]["gbps"], 3)
+            if name == "local":
+                row["huge_page_bytes"] = {"destination": target.call("huge"), "baseline": base_huge}
+            if shm_base is not None:
+                row["baseline_shm"] = {
+                    "name": "memmove_shm",
+                    "verified": bool(shm_ok),
+                    "huge_page_bytes": _memory.huge_page_bytes(shm_dst.ptr, REGION),
+                    **summarize(base_shm, nbytes, len(sz)),
+                }
+                row["ratio_vs_shm"] = round(row["gbps"] / row["baseline_shm"]["gbps"], 3)
             results.append(row)
+            vs_shm = f"  memmove_shm {row['baseline_shm']['gbps']:7.2f}" if shm_base is not None else ""
             print(
                 f"{variant:10s} {workload:16s} {row['gbps']:7.2f} GB/s  baseline "
-                f"{row['baseline']['gbps']:7.2f}  ratio {row['ratio']:.2f}",
+                f"{row['baseline']['gbps']:7.2f}  ratio {row['ratio']:.2f}{vs_shm}",
                 file=sys.stderr,
             )
         if staging:
@@ -361,6 +389,8 @@ def bench_variant(variant: str, args) -> tuple[list[dict], dict | None]:
     finally:
         transport.close()
         target.close()
+        if shm_dst is not None:
+            shm_dst.close()
     return results, stage_row
 
 
@@ -512,6 +542,8 @@ def main(argv=None) -> int:
         parser.error(f"unknown workload(s) {bad}; choose from {list(WORKLOADS)}")
     wanted = (args.transport or "local,tcp,nixl,mori").split(",")
     variants, skipped = pick_variants(wanted, args.transport is not None, parser)
+    from sglang_kvxfer.transports._memory import shmem_thp_setting
+
     results, staging = [], []
     for variant in variants:
         rows, stage_row = bench_variant(variant, args)
@@ -531,7 +563,12 @@ def main(argv=None) -> int:
         checks[f"{row['variant']}_staged_speedup_kv"] = row["speedup"]
     report = {
         "benchmark": "bench_transports",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "shmem_thp": shmem_thp_setting(),
+        },
         "config": {
             "region_bytes": REGION,
             "repeats": args.repeats,
@@ -546,7 +583,10 @@ def main(argv=None) -> int:
             "needed_ratio": 0.8,
             "needed_staged_speedup": 5.0,
             **checks,
-            "all_verified": all(r["verified"] and r["baseline"]["verified"] for r in results)
+            "all_verified": all(
+                r["verified"] and r["baseline"]["verified"] and r.get("baseline_shm", {}).get("verified", True)
+                for r in results
+            )
             and all(r["direct"]["verified"] and r["staged"]["verified"] for r in staging),
         },
     }

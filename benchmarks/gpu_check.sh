@@ -6,13 +6,13 @@
 #      with --no-build-isolation (native CPU + CUDA libraries built), native-backend check
 #   2. the GPU tests (CUDA kernels, copy stream, CUDA IPC, tcp from GPU pools, ...)
 #   3. kernel-alone bandwidth against a device copy: page 16, head_dim 128, bf16, 1-8 of 8
-#      heads, NHD and HND
+#      heads, NHD and HND; then the fused pool -> pool copy against gather + scatter
 #   4. compute-sanitizer memcheck of a small gather/scatter run
 #   5. `kvxfer bench` with GPU pools over `local`: direct, staged, NHD->HND, MLA
 #   6. `kvxfer bench` over `nixl` with VRAM pools
 # Everything lands in OUT (at most 8 files): summary.json (every step's status, seconds
-# and reason; the key figures), env.log, build.log, pytest.log, kernels.json, memcheck.log,
-# bench.log. A step that cannot run here is skipped with its reason; none can hang.
+# and reason; the key figures), env.log, build.log, pytest.log, kernels.json, fused.json,
+# memcheck.log, bench.log. A step that cannot run here is skipped with its reason; none can hang.
 # Usage: OUT=dir benchmarks/gpu_check.sh   (or benchmarks/gpu_check.sh dir)
 set -uo pipefail
 OUT=${1:-${OUT:-}}
@@ -31,7 +31,7 @@ trap 'rm -rf "$WORK"' EXIT
 STEPS=$WORK/steps.tsv
 : >"$STEPS"
 for f in env.log build.log pytest.log memcheck.log bench.log; do : >"$OUT/$f"; done
-rm -f "$OUT/kernels.json" "$OUT/summary.json"
+rm -f "$OUT/kernels.json" "$OUT/fused.json" "$OUT/summary.json"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
 left() { echo $((BUDGET_S - (SECONDS - T0))); }
@@ -124,7 +124,7 @@ step native 90 "$OUT/build.log" "$PY" -c "$NATIVE_PY"
 
 # -- 2. GPU tests (they skip themselves without a device) -----------------------------------
 TESTS=()
-for t in tests/ops/test_ops_gpu.py tests/transports/test_local_cuda.py tests/transports/test_local_cuda_peers.py \
+for t in tests/ops/test_ops_gpu.py tests/ops/test_ops_copy.py tests/transports/test_local_cuda.py tests/transports/test_local_cuda_peers.py \
   tests/transports/test_tcp_cuda.py tests/engine/test_engine_hooks.py; do
   [[ -f $t ]] && TESTS+=("$t")
 done
@@ -137,6 +137,8 @@ else
   step kernels 120 "$OUT/bench.log" sh -c "'$PY' benchmarks/bench_kernels.py --device cuda --dtype bf16 \
     --layouts NHD,HND --head-dims 128 --page-sizes 16 --heads 1,2,4,8 --pool-heads 8 --layers 4 \
     --staging-mib 256 --repeats 7 > '$OUT/kernels.json'"
+  step fused 120 "$OUT/bench.log" sh -c "'$PY' benchmarks/bench_kernels.py --device cuda --dtype bf16 --fused \
+    --repeats 7 > '$OUT/fused.json'"
 fi
 
 # -- 4. compute-sanitizer memcheck of a small run -------------------------------------------
@@ -224,6 +226,10 @@ try:
     }
 except (OSError, ValueError) as exc:
     doc["kernels"] = {"error": f"no kernel results: {exc}"}
+try:
+    doc["fused"] = json.load(open(os.path.join(out, "fused.json")))
+except (OSError, ValueError) as exc:
+    doc["fused"] = {"error": f"no fused-copy results: {exc}"}
 bench = {}
 for name in ("bench_local", "bench_local_mla", "bench_nixl"):
     try:

@@ -9,6 +9,8 @@
  * the message of the last failure on the calling thread is kept for *_last_error().
  *
  * gather:  pool pages -> staging      scatter: staging -> pool pages
+ * copy:    pool pages -> pool pages (a gather and a scatter fused: both page tables in one
+ *          pass, for a destination pool mapped in the caller's address space)
  *
  * Staging layout (token-major, the same bytes on both sides of a transfer), for each
  * layer l = 0..L-1 in order:
@@ -22,10 +24,14 @@
  *     NHD:    [num_pages * page_size][pool_heads][row]
  *     HND:    [num_pages][pool_heads][page_size][row]
  *     HND_KV: [num_pages][pool_heads][2][page_size][row]   (vLLM's CPU cache)
+ *     NHD_KV: [num_pages][page_size][pool_heads][k_row | v_row] (vLLM's GPU cache, LBNHC)
  * HND_KV keeps K and V of a layer in one buffer: each (page, head) tile holds the K rows of
  * its page_size tokens, then their V rows. It is described as two "layer buffers" like the
  * others: the V pointer of layer l is its K pointer + page_size * k_row_bytes, and rows of
  * both step over the other kind's half of every tile (k_row_bytes == v_row_bytes).
+ * NHD_KV keeps one token's K row and V row of a head side by side: the V pointer of layer l
+ * is its K pointer + k_row_bytes, and rows of both kinds step k_row_bytes + v_row_bytes
+ * (v_row_bytes may differ from k_row_bytes).
  */
 #ifndef KVXFER_H_
 #define KVXFER_H_
@@ -43,11 +49,12 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct or a signature below changes; Python checks it at load. */
-#define KVXFER_ABI_VERSION 2 /* 2: KVXFER_LAYOUT_HND_KV */
+#define KVXFER_ABI_VERSION 3 /* 2: KVXFER_LAYOUT_HND_KV; 3: NHD_KV, kvxfer_copy_* */
 
 #define KVXFER_LAYOUT_NHD 0
 #define KVXFER_LAYOUT_HND 1
 #define KVXFER_LAYOUT_HND_KV 2
+#define KVXFER_LAYOUT_NHD_KV 3
 
 #define KVXFER_OK 0
 #define KVXFER_ERR_INVALID 1  /* an argument is out of range; nothing was copied */
@@ -64,7 +71,7 @@ typedef struct kvxfer_pool {
   int64_t itemsize;    /* bytes per element: 1, 2 or 4 (copies are bitwise) */
   int64_t k_row_bytes; /* k_dim * itemsize */
   int64_t v_row_bytes; /* v_dim * itemsize; ignored when num_kv == 1 */
-  int32_t layout;      /* KVXFER_LAYOUT_NHD, KVXFER_LAYOUT_HND or KVXFER_LAYOUT_HND_KV */
+  int32_t layout;      /* KVXFER_LAYOUT_NHD, _HND, _HND_KV or _NHD_KV */
   int32_t reserved;    /* must be 0 */
 } kvxfer_pool_t;
 
@@ -79,7 +86,8 @@ typedef struct kvxfer_slice {
 
 /* ---- CPU library (libkvxfer_cpu.so) ------------------------------------------------
  * layer_ptrs: num_kv * L host pointers, K of layers 0..L-1 then V of layers 0..L-1
- *   (HND_KV: V pointer l must be K pointer l + page_size * k_row_bytes; checked).
+ *   (HND_KV: V pointer l must be K pointer l + page_size * k_row_bytes; NHD_KV: K pointer l
+ *   + k_row_bytes; checked).
  * page_ids: host array of num_page_ids int64. num_threads <= 0 means one thread.
  * streaming_min_bytes: calls moving at least this many bytes use non-temporal stores
  *   (bypassing the cache: right for big transfers read next by a NIC); < 0 selects the
@@ -98,6 +106,18 @@ KVXFER_API int kvxfer_scatter_cpu(const kvxfer_pool_t* pool, void* const* layer_
                                   const void* staging, int64_t staging_bytes, int32_t num_threads,
                                   int64_t streaming_min_bytes);
 
+/* Pool -> pool: the rows a gather of (src_pool, src_slice) would stage are written where a
+ * scatter of the same staging into (dst_pool, dst_slice) would put them, in one pass (no
+ * staging). Layouts, page sizes, pool heads, head starts and token offsets may differ; the
+ * layer count, num_kv, itemsize, row sizes, num_heads and num_tokens must agree. Both sides'
+ * page ids are range-checked before any byte moves, and the destination's (those the slice
+ * uses) must not repeat. The source and destination rows must not overlap. */
+KVXFER_API int kvxfer_copy_cpu(const kvxfer_pool_t* src_pool, void* const* src_layer_ptrs,
+                               const int64_t* src_page_ids, const kvxfer_slice_t* src_slice,
+                               const kvxfer_pool_t* dst_pool, void* const* dst_layer_ptrs,
+                               const int64_t* dst_page_ids, const kvxfer_slice_t* dst_slice,
+                               int32_t num_threads, int64_t streaming_min_bytes);
+
 /* Test hook: runs the CUDA kernel's exact work decomposition (launch_shape, tiles, per-token
  * offsets, width-byte vectors; kvxfer_index.h) serially on the host, with host pointers in
  * place of device ones. gather != 0 gathers, else scatters. Like the kernel, it does not
@@ -106,6 +126,13 @@ KVXFER_API int kvxfer_emulate_cuda_cpu(int32_t gather, const kvxfer_pool_t* pool
                                        const uint64_t* table, int64_t layer_ptr_align,
                                        const int64_t* page_ids, const kvxfer_slice_t* slice,
                                        void* staging, int64_t staging_bytes);
+
+/* Test hook: kvxfer_copy_cuda's decomposition on the host (host pointer tables and page ids);
+ * rows with an out-of-range page id on either side are skipped, like the kernel does. */
+KVXFER_API int kvxfer_emulate_cuda_copy_cpu(
+    const kvxfer_pool_t* src_pool, const uint64_t* src_table, const int64_t* src_page_ids,
+    const kvxfer_slice_t* src_slice, const kvxfer_pool_t* dst_pool, const uint64_t* dst_table,
+    const int64_t* dst_page_ids, const kvxfer_slice_t* dst_slice, int64_t layer_ptr_align);
 
 /* ---- CUDA library (libkvxfer_cuda.so) -----------------------------------------------
  * dev_table: device array of num_kv * L uint64 layer pointers (same order as above).
@@ -128,6 +155,14 @@ KVXFER_API int kvxfer_scatter_cuda(const kvxfer_pool_t* pool, const uint64_t* de
                                    int64_t layer_ptr_align, const int64_t* dev_page_ids,
                                    const kvxfer_slice_t* slice, const void* staging,
                                    int64_t staging_bytes, void* stream);
+/* kvxfer_copy_cpu on the device: both tables and both page id arrays in device memory (the
+ * caller range-checks the ids and their uniqueness; the kernel skips rows whose page id is
+ * out of range on either side). layer_ptr_align divides every pointer of both tables. */
+KVXFER_API int kvxfer_copy_cuda(const kvxfer_pool_t* src_pool, const uint64_t* src_dev_table,
+                                const int64_t* src_dev_page_ids, const kvxfer_slice_t* src_slice,
+                                const kvxfer_pool_t* dst_pool, const uint64_t* dst_dev_table,
+                                const int64_t* dst_dev_page_ids, const kvxfer_slice_t* dst_slice,
+                                int64_t layer_ptr_align, void* stream);
 
 #ifdef __cplusplus
 }

@@ -31,20 +31,33 @@ KVXFER_HD int64_t tile_rows(int32_t layout, int64_t page_size) {
   return layout == KVXFER_LAYOUT_HND_KV ? 2 * page_size : page_size;
 }
 
-/* Byte offset, from a layer pointer, of the row holding head `head` of the token in slot
- * `slot` of page `page`. */
-KVXFER_HD int64_t pool_row_offset(int32_t layout, int64_t page, int64_t slot, int64_t head,
-                                  int64_t page_size, int64_t pool_heads, int64_t row_bytes) {
-  if (layout == KVXFER_LAYOUT_NHD) {
-    return ((page * page_size + slot) * pool_heads + head) * row_bytes;
-  }
-  return ((page * pool_heads + head) * tile_rows(layout, page_size) + slot) * row_bytes;
+/* Token-major layouts keep a token's heads side by side (NHD, NHD_KV). */
+KVXFER_HD bool token_major(int32_t layout) {
+  return layout == KVXFER_LAYOUT_NHD || layout == KVXFER_LAYOUT_NHD_KV;
 }
 
-/* Bytes between head h and head h + 1 of the same token in a layer buffer. NHD keeps a
- * token's heads side by side; HND and HND_KV put a whole (page, head) tile between them. */
-KVXFER_HD int64_t pool_head_stride(int32_t layout, int64_t page_size, int64_t row_bytes) {
-  return layout == KVXFER_LAYOUT_NHD ? row_bytes : tile_rows(layout, page_size) * row_bytes;
+/* Bytes from a row of one kind to the next row of the same kind in a layer buffer: the row
+ * itself, or for NHD_KV a K row plus a V row (each (token, head) holds K then V, and the V
+ * "layer pointer" is the K one + k_row_bytes). */
+KVXFER_HD int64_t pool_row_pitch(const kvxfer_pool_t& p, int64_t row_bytes) {
+  return p.layout == KVXFER_LAYOUT_NHD_KV ? p.k_row_bytes + p.v_row_bytes : row_bytes;
+}
+
+/* Byte offset, from a layer pointer, of the row holding head `head` of the token in slot
+ * `slot` of page `page`; `pitch` is pool_row_pitch() of the row's kind. */
+KVXFER_HD int64_t pool_row_offset(int32_t layout, int64_t page, int64_t slot, int64_t head,
+                                  int64_t page_size, int64_t pool_heads, int64_t pitch) {
+  if (token_major(layout)) {
+    return ((page * page_size + slot) * pool_heads + head) * pitch;
+  }
+  return ((page * pool_heads + head) * tile_rows(layout, page_size) + slot) * pitch;
+}
+
+/* Bytes between head h and head h + 1 of the same token in a layer buffer. NHD and NHD_KV
+ * keep a token's heads side by side; HND and HND_KV put a whole (page, head) tile between
+ * them. */
+KVXFER_HD int64_t pool_head_stride(int32_t layout, int64_t page_size, int64_t pitch) {
+  return token_major(layout) ? pitch : tile_rows(layout, page_size) * pitch;
 }
 
 /* Staging bytes of one layer: its K block and, when num_kv == 2, its V block. */
@@ -93,7 +106,7 @@ KVXFER_HD int64_t token_pool_offset(const kvxfer_pool_t& p, const kvxfer_slice_t
   const int64_t page = pos.page_index < s.num_page_ids ? page_ids[pos.page_index] : -1;
   if (page < 0 || page >= p.num_pages) return -1;
   return pool_row_offset(p.layout, page, pos.slot, s.head_start, p.page_size, p.pool_heads,
-                         row_bytes);
+                         pool_row_pitch(p, row_bytes));
 }
 
 /* Pool byte offset of vector u of a tile, given the tile's per-token offsets. */
@@ -172,11 +185,11 @@ inline int64_t staging_nbytes(const kvxfer_pool_t& p, const kvxfer_slice_t& s) {
     }                                       \
   } while (0)
 
-/* Everything about a call that can be checked without reading page ids. On failure it
- * writes a message naming the field and value into msg and returns KVXFER_ERR_INVALID. */
-inline int check_args(const kvxfer_pool_t* pool, const kvxfer_slice_t* slice,
-                      const void* layer_ptrs, const void* page_ids, const void* staging,
-                      int64_t staging_bytes, char* msg, size_t msg_size) {
+/* Everything about one side of a call (a pool and its slice) that can be checked without
+ * reading page ids. On failure it writes a message naming the field and value into msg and
+ * returns KVXFER_ERR_INVALID. */
+inline int check_side(const kvxfer_pool_t* pool, const kvxfer_slice_t* slice,
+                      const void* layer_ptrs, const void* page_ids, char* msg, size_t msg_size) {
   KVXFER_CHECK(pool != nullptr && slice != nullptr, "pool and slice must not be NULL");
   const kvxfer_pool_t& p = *pool;
   const kvxfer_slice_t& s = *slice;
@@ -194,17 +207,21 @@ inline int check_args(const kvxfer_pool_t* pool, const kvxfer_slice_t* slice,
                "v_row_bytes=%lld must be a positive multiple of itemsize=%lld",
                (long long)p.v_row_bytes, (long long)p.itemsize);
   KVXFER_CHECK(p.layout == KVXFER_LAYOUT_NHD || p.layout == KVXFER_LAYOUT_HND ||
-                   p.layout == KVXFER_LAYOUT_HND_KV,
-               "layout=%d must be %d (NHD), %d (HND) or %d (HND_KV)", (int)p.layout,
-               KVXFER_LAYOUT_NHD, KVXFER_LAYOUT_HND, KVXFER_LAYOUT_HND_KV);
+                   p.layout == KVXFER_LAYOUT_HND_KV || p.layout == KVXFER_LAYOUT_NHD_KV,
+               "layout=%d must be %d (NHD), %d (HND) or %d (HND_KV), or %d (NHD_KV)", (int)p.layout,
+               KVXFER_LAYOUT_NHD, KVXFER_LAYOUT_HND, KVXFER_LAYOUT_HND_KV, KVXFER_LAYOUT_NHD_KV);
   KVXFER_CHECK(
       p.layout != KVXFER_LAYOUT_HND_KV || (p.num_kv == 2 && p.v_row_bytes == p.k_row_bytes),
       "layout HND_KV needs num_kv=2 and v_row_bytes == k_row_bytes, got num_kv=%lld, "
       "k_row_bytes=%lld, v_row_bytes=%lld",
       (long long)p.num_kv, (long long)p.k_row_bytes, (long long)p.v_row_bytes);
+  KVXFER_CHECK(p.layout != KVXFER_LAYOUT_NHD_KV || p.num_kv == 2,
+               "layout NHD_KV needs num_kv=2 (K and V in one row), got num_kv=%lld",
+               (long long)p.num_kv);
   KVXFER_CHECK(p.reserved == 0, "reserved=%d must be 0", (int)p.reserved);
   // The largest offset inside a layer buffer must fit in int64.
   int64_t row_max = p.k_row_bytes > p.v_row_bytes || p.num_kv == 1 ? p.k_row_bytes : p.v_row_bytes;
+  if (p.layout == KVXFER_LAYOUT_NHD_KV) row_max = p.k_row_bytes + p.v_row_bytes;
   KVXFER_CHECK(checked_mul(checked_mul(checked_mul(p.num_pages, tile_rows(p.layout, p.page_size)),
                                        p.pool_heads),
                            row_max) >= 0,
@@ -226,14 +243,54 @@ inline int check_args(const kvxfer_pool_t* pool, const kvxfer_slice_t* slice,
       (long long)s.token_offset, (long long)s.num_tokens, (long long)s.num_page_ids,
       (long long)p.page_size);
   int64_t need = staging_nbytes(p, s);
-  KVXFER_CHECK(need >= 0, "staging size overflows int64");
-  KVXFER_CHECK(staging_bytes >= need, "staging_bytes=%lld is smaller than the %lld needed",
-               (long long)staging_bytes, (long long)need);
+  KVXFER_CHECK(need >= 0, "slice size overflows int64");
   if (s.num_tokens > 0) {
     KVXFER_CHECK(layer_ptrs != nullptr, "layer pointer table must not be NULL");
     KVXFER_CHECK(page_ids != nullptr, "page_ids must not be NULL");
-    KVXFER_CHECK(staging != nullptr, "staging must not be NULL");
   }
+  return KVXFER_OK;
+}
+
+/* check_side plus the staging buffer of a gather or scatter. */
+inline int check_args(const kvxfer_pool_t* pool, const kvxfer_slice_t* slice,
+                      const void* layer_ptrs, const void* page_ids, const void* staging,
+                      int64_t staging_bytes, char* msg, size_t msg_size) {
+  const int status = check_side(pool, slice, layer_ptrs, page_ids, msg, msg_size);
+  if (status != KVXFER_OK) return status;
+  const int64_t need = staging_nbytes(*pool, *slice);
+  KVXFER_CHECK(staging_bytes >= need, "staging_bytes=%lld is smaller than the %lld needed",
+               (long long)staging_bytes, (long long)need);
+  KVXFER_CHECK(slice->num_tokens == 0 || staging != nullptr, "staging must not be NULL");
+  return KVXFER_OK;
+}
+
+/* A pool -> pool copy: both sides checked, and what must agree between them (the same
+ * rows, heads and tokens; layouts, page sizes, pool heads and head starts may differ). */
+inline int check_copy(const kvxfer_pool_t* src, const kvxfer_slice_t* src_slice,
+                      const void* src_layer_ptrs, const void* src_page_ids,
+                      const kvxfer_pool_t* dst, const kvxfer_slice_t* dst_slice,
+                      const void* dst_layer_ptrs, const void* dst_page_ids, char* msg,
+                      size_t msg_size) {
+  char side[448];
+  if (check_side(src, src_slice, src_layer_ptrs, src_page_ids, side, sizeof side) != KVXFER_OK) {
+    snprintf(msg, msg_size, "source: %s", side);
+    return KVXFER_ERR_INVALID;
+  }
+  if (check_side(dst, dst_slice, dst_layer_ptrs, dst_page_ids, side, sizeof side) != KVXFER_OK) {
+    snprintf(msg, msg_size, "destination: %s", side);
+    return KVXFER_ERR_INVALID;
+  }
+#define KVXFER_SAME(a, b, what)                                                               \
+  KVXFER_CHECK((a) == (b), "%s differs: source %lld, destination %lld", what, (long long)(a), \
+               (long long)(b))
+  KVXFER_SAME(src->num_layers, dst->num_layers, "num_layers");
+  KVXFER_SAME(src->num_kv, dst->num_kv, "num_kv");
+  KVXFER_SAME(src->itemsize, dst->itemsize, "itemsize");
+  KVXFER_SAME(src->k_row_bytes, dst->k_row_bytes, "k_row_bytes");
+  if (src->num_kv == 2) KVXFER_SAME(src->v_row_bytes, dst->v_row_bytes, "v_row_bytes");
+  KVXFER_SAME(src_slice->num_heads, dst_slice->num_heads, "num_heads");
+  KVXFER_SAME(src_slice->num_tokens, dst_slice->num_tokens, "num_tokens");
+#undef KVXFER_SAME
   return KVXFER_OK;
 }
 

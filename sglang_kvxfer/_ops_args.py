@@ -25,10 +25,12 @@ __all__ = ["KVCall", "parse_call", "slice_fields", "staging_bytes_view", "stagin
 
 _ITEMSIZES = (1, 2, 4)
 _HND_KV = Layout.HND_KV.value
+_NHD_KV = Layout.NHD_KV.value
 _FORMS = {
     "NHD": "[num_pages * page_size, heads, head_dim]",
     "HND": "[num_pages, heads, page_size, head_dim]",
     _HND_KV: "[num_pages, heads, page_size, 2 * head_dim] (vLLM's shape) or [num_pages, heads, 2, page_size, head_dim]",
+    _NHD_KV: "[num_pages, page_size, heads, k_dim + v_dim]",
 }
 
 
@@ -36,12 +38,13 @@ _FORMS = {
 class KVCall:
     """One validated gather or scatter. ``layers`` is K of every layer, then V of every layer
     (HND_KV: the L per-layer K-and-V tensors, viewed ``[num_pages, heads, 2, page_size, dim]``;
+    NHD_KV: the L per-layer ``[num_pages, page_size, heads, k_dim + v_dim]`` tensors;
     ``layer_ptrs`` gives the kernels' K and V pointers of every layout)."""
 
     layers: tuple[torch.Tensor, ...]
     num_layers: int
     num_kv: int  # 2 (K and V) or 1 (MLA)
-    layout: str  # "NHD", "HND" or "HND_KV"
+    layout: str  # "NHD", "HND", "HND_KV" or "NHD_KV"
     device: torch.device
     itemsize: int
     num_pages: int
@@ -58,10 +61,12 @@ class KVCall:
 
     def layer_ptrs(self) -> list[int]:
         """The native kernels' pointer table: K of every layer, then V of every layer. An
-        HND_KV layer's V pointer is its K pointer + ``page_size`` K rows (csrc/kvxfer.h)."""
+        HND_KV layer's V pointer is its K pointer + ``page_size`` K rows, an NHD_KV layer's
+        its K pointer + one K row (csrc/kvxfer.h)."""
         ptrs = [t.data_ptr() for t in self.layers]
-        if self.layout == _HND_KV:
-            v_shift = self.page_size * self.k_dim * self.itemsize
+        if self.layout in (_HND_KV, _NHD_KV):
+            rows = self.page_size if self.layout == _HND_KV else 1
+            v_shift = rows * self.k_dim * self.itemsize
             ptrs += [p + v_shift for p in ptrs]
         return ptrs
 
@@ -126,9 +131,11 @@ def parse_call(
     token_offset=None,
     num_tokens=None,
     unique_pages: bool,
+    k_dim=None,
 ) -> KVCall:
     """Validates every argument of a gather/scatter and returns the resolved ``KVCall``.
-    ``page_ids`` may be a ``KVSlice`` (then no other slice keyword)."""
+    ``page_ids`` may be a ``KVSlice`` (then no other slice keyword). ``k_dim``: NHD_KV only,
+    the K part of the last dim (default: half of it, ``v_dim == k_dim``)."""
     f = slice_fields(page_ids, page_size, head_start, num_heads, layout, token_offset, num_tokens)
     page_ids, page_size, head_start, num_heads = f["page_ids"], f["page_size"], f["head_start"], f["num_heads"]
     layout, token_offset, num_tokens = f["layout"], f["token_offset"], f["num_tokens"]
@@ -137,17 +144,23 @@ def parse_call(
     k_layers = _layer_list(k_buffers, "k_buffers")
     ref = k_layers[0]
     _check_layers(k_layers, "k_buffers", ref, lay)
-    num_pages, pool_heads, k_dim = _pool_shape(ref, "k_buffers[0]", lay, page_size)
-    layers, v_dim = list(k_layers), 0
-    if lay == _HND_KV:
+    num_pages, pool_heads, last_dim = _pool_shape(ref, "k_buffers[0]", lay, page_size)
+    layers, v_dim, k_dim_given = list(k_layers), 0, k_dim
+    k_dim = last_dim
+    if k_dim_given is not None and lay != _NHD_KV:
+        raise ValueError(f"k_dim={k_dim_given!r} is only for layout NHD_KV (K and V share a row); layout is {lay}")
+    if lay in (_HND_KV, _NHD_KV):
         # One buffer per layer holds K and V: no V list (an engine's ``buffers[L:]`` is empty).
         if v_buffers is not None and not (isinstance(v_buffers, (list, tuple)) and len(v_buffers) == 0):
             what = f"{len(v_buffers)} tensor(s)" if isinstance(v_buffers, (list, tuple)) else type(v_buffers).__name__
             raise ValueError(
-                f"v_buffers is {what} but layout HND_KV keeps V in the k_buffers tensors; pass v_buffers=None"
+                f"v_buffers is {what} but layout {lay} keeps V in the k_buffers tensors; pass v_buffers=None"
             )
-        layers = [t.view(num_pages, pool_heads, 2, page_size, k_dim) for t in k_layers]
-        v_dim = k_dim
+        if lay == _HND_KV:
+            layers = [t.view(num_pages, pool_heads, 2, page_size, k_dim) for t in k_layers]
+            v_dim = k_dim
+        else:
+            k_dim, v_dim = _split_row(last_dim, k_dim_given)
     elif v_buffers is not None:
         v_layers = _layer_list(v_buffers, "v_buffers")
         if len(v_layers) != len(k_layers):
@@ -211,6 +224,21 @@ def parse_call(
     )
 
 
+def _split_row(row: int, k_dim) -> tuple[int, int]:
+    """(k_dim, v_dim) of an NHD_KV row of ``row`` elements."""
+    if k_dim is None:
+        if row % 2:
+            raise ValueError(
+                f"k_buffers[0] has a last dim of {row}, odd: layout NHD_KV rows are k_dim + v_dim; pass k_dim= "
+                "when v_dim differs from k_dim"
+            )
+        return row // 2, row // 2
+    k_dim = _int("k_dim", k_dim, 1)
+    if k_dim >= row:
+        raise ValueError(f"k_dim={k_dim} must be smaller than the NHD_KV row of {row} (k_dim + v_dim, v_dim >= 1)")
+    return k_dim, row - k_dim
+
+
 def staging_bytes_view(staging, name: str, call: KVCall) -> torch.Tensor:
     """The first ``call.staging_nbytes`` bytes of ``staging`` as a 1-D uint8 view."""
     if not isinstance(staging, torch.Tensor):
@@ -254,7 +282,7 @@ def _check_layers(layers: list[torch.Tensor], name: str, ref: torch.Tensor, layo
             f"{name}[0] has dtype {ref.dtype} ({ref.element_size()} bytes); "
             "use a 1-, 2- or 4-byte dtype (fp8/uint8, fp16/bf16, fp32)"
         )
-    want_dims = {"NHD": (3,), "HND": (4,), _HND_KV: (4, 5)}[layout]
+    want_dims = {"NHD": (3,), "HND": (4,), _HND_KV: (4, 5), _NHD_KV: (4,)}[layout]
     if ref.dim() not in want_dims:
         raise ValueError(f"{name}[0] has shape {tuple(ref.shape)}; layout {layout} needs {_FORMS[layout]}")
     for i, t in enumerate(layers):
@@ -268,8 +296,12 @@ def _check_layers(layers: list[torch.Tensor], name: str, ref: torch.Tensor, layo
 
 
 def _pool_shape(t: torch.Tensor, name: str, layout: str, page_size: int) -> tuple[int, int, int]:
-    """(num_pages, pool_heads, head_dim) of one layer buffer."""
-    if layout == "NHD":
+    """(num_pages, pool_heads, head_dim) of one layer buffer (NHD_KV: k_dim + v_dim)."""
+    if layout == _NHD_KV:
+        num_pages, in_page, heads, dim = (int(x) for x in t.shape)
+        if in_page != page_size:
+            raise ValueError(f"{name} holds {in_page} tokens per page (dim 1) but page_size={page_size}")
+    elif layout == "NHD":
         rows, heads, dim = (int(x) for x in t.shape)
         if rows < page_size or rows % page_size:
             raise ValueError(f"{name} has {rows} token rows, not a positive multiple of page_size={page_size}")

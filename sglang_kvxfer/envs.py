@@ -90,10 +90,13 @@ KVXFER_DATA_PATH = _define(
 )
 KVXFER_DIRECT_MIN_OP_BYTES = _define(
     "KVXFER_DIRECT_MIN_OP_BYTES",
-    64 * 1024,
+    None,
     int,
-    "`auto` data path: a contiguous pair goes direct when its average op is at least this "
-    "many bytes, or when it needs no more than 4 ops per KV buffer; otherwise it is staged.",
+    "`auto` data path, a fixed rule instead of the cost rule: a contiguous pair goes direct "
+    "when its average op is at least this many bytes, or when it needs no more than 4 ops per "
+    "KV buffer; otherwise it is staged. Unset: the engine weighs the transport's declared cost "
+    "(`Transport.path_cost`: per-op cost and bandwidth against two copies), and applies the "
+    "fixed rule at 64 KiB only for a transport that declares none (nixl, mori).",
 )
 
 KVXFER_BOOTSTRAP_TIMEOUT_S = _define(
@@ -362,7 +365,8 @@ def markdown_table() -> str:
     """The README's table of environment variables (kept in sync by a test)."""
     rows = ["| variable | default | effect |", "|---|---|---|"]
     for var in all_vars():
-        rows.append(f"| `{var.name}` | `{var.default}` | {var.doc} |")
+        default = "unset" if var.default is None else f"`{var.default}`"
+        rows.append(f"| `{var.name}` | {default} | {var.doc} |")
     return "\n".join(rows)
 
 

@@ -88,11 +88,16 @@ class Layout(str, enum.Enum):
     cache, which vLLM shapes ``[num_blocks, heads, block_size, 2 * head_dim]``: there
     ``[b, h, n, :head_dim]`` is *not* token n's key). Needs ``v_head_dim == head_dim``; not for
     MLA.
+    NHD_KV: ``[num_pages, page_size, heads, head_dim + v_head_dim]``: one buffer per layer, each
+    (token, head) its K row then its V row (vLLM's GPU cache in its default ``LBNHC`` layout,
+    which vLLM hands over as the logical view ``[num_blocks, heads, block_size, head_dim +
+    v_head_dim]`` with token-major strides). Not for MLA.
     """
 
     NHD = "NHD"
     HND = "HND"
     HND_KV = "HND_KV"
+    NHD_KV = "NHD_KV"
 
     @classmethod
     def parse(cls, value: Any) -> Layout:
@@ -102,7 +107,9 @@ class Layout(str, enum.Enum):
         try:
             return cls(text)
         except ValueError:
-            raise GeometryError(f"layout={value!r} is not supported; use NHD, HND or HND_KV") from None
+            raise GeometryError(
+                f"layout={value!r} is not supported; use NHD, HND or HND_KV (vLLM CPU) or NHD_KV (vLLM GPU)"
+            ) from None
 
     def __str__(self) -> str:  # "NHD", not "Layout.NHD", in messages and JSON
         return self.value
@@ -173,7 +180,7 @@ class KVGeometry:
             buffer: use 0 (the default for ``mla=True``).
         dtype: element type name (``bfloat16``, ``float16``, ``float32``, ``float8_e4m3fn``...).
         page_size: tokens per page.
-        layout: ``NHD``, ``HND`` or ``HND_KV`` (see ``Layout``).
+        layout: ``NHD``, ``HND``, ``HND_KV`` or ``NHD_KV`` (see ``Layout``).
         mla: True for an MLA latent cache (one buffer per layer, replicated on all ranks).
         num_pages: pool capacity in pages per layer buffer (may differ between ranks).
     """
@@ -201,10 +208,10 @@ class KVGeometry:
         object.__setattr__(self, "layout", Layout.parse(self.layout))
         object.__setattr__(self, "itemsize", DTYPE_ITEMSIZE[self.dtype])
         if self.mla:
-            if self.layout is Layout.HND_KV:
+            if self.layout in (Layout.HND_KV, Layout.NHD_KV):
                 raise GeometryError(
-                    "layout=HND_KV is not valid with mla=True (HND_KV packs K and V in one buffer; "
-                    "an MLA latent cache has no V): use NHD or HND"
+                    f"layout={self.layout} is not valid with mla=True ({self.layout} packs K and V in one "
+                    "buffer; an MLA latent cache has no V): use NHD or HND"
                 )
             if self.total_kv_heads != 1:
                 raise GeometryError(f"total_kv_heads={self.total_kv_heads} must be 1 for MLA (one latent head)")
@@ -239,16 +246,16 @@ class KVGeometry:
 
     @property
     def packed_kv(self) -> bool:
-        """True when one buffer per layer holds both K and V (``HND_KV``)."""
-        return self.layout is Layout.HND_KV
+        """True when one buffer per layer holds both K and V (``HND_KV``, ``NHD_KV``)."""
+        return self.layout in (Layout.HND_KV, Layout.NHD_KV)
 
     @property
     def num_buffers(self) -> int:
-        """KV buffers per rank: K_0..K_{L-1} then V_0..V_{L-1} (MLA and HND_KV: one per layer)."""
+        """KV buffers per rank: K_0..K_{L-1} then V_0..V_{L-1} (MLA, HND_KV, NHD_KV: one per layer)."""
         return self.num_layers * (2 if self.has_v and not self.packed_kv else 1)
 
     def buffer_dim(self, buffer_index: int) -> int:
-        """Head dim of buffer ``buffer_index`` (K buffers first, then V; HND_KV: K = V dim)."""
+        """Head dim of buffer ``buffer_index`` (K buffers first, then V; HND_KV, NHD_KV: the K dim)."""
         if not 0 <= buffer_index < self.num_buffers:
             raise GeometryError(f"buffer_index={buffer_index} must be in [0, {self.num_buffers})")
         return self.head_dim if buffer_index < self.num_layers else self._v_dim
@@ -316,7 +323,7 @@ class RankPlacement:
     0..L-1 (MLA: one latent buffer per layer; HND_KV: one K-and-V buffer per layer). Every
     buffer of a kind has the same shape: NHD ``[num_pages * page_size, local_heads, dim]``,
     HND ``[num_pages, local_heads, page_size, dim]``, HND_KV ``[num_pages, local_heads, 2,
-    page_size, dim]``.
+    page_size, dim]``, NHD_KV ``[num_pages, page_size, local_heads, head_dim + v_head_dim]``.
     """
 
     geometry: KVGeometry
@@ -341,6 +348,8 @@ class RankPlacement:
             return (g.num_pages * g.page_size, self.num_local_heads, dim)
         if g.layout is Layout.HND_KV:
             return (g.num_pages, self.num_local_heads, 2, g.page_size, dim)
+        if g.layout is Layout.NHD_KV:
+            return (g.num_pages, g.page_size, self.num_local_heads, dim + g._v_dim)
         return (g.num_pages, self.num_local_heads, g.page_size, dim)
 
     def buffer_nbytes(self, buffer_index: int) -> int:
@@ -350,10 +359,8 @@ class RankPlacement:
         return n
 
     def page_nbytes(self, buffer_index: int) -> int:
-        """Bytes of one page of one buffer (SGLang's ``kv_item_lens`` entry; HND_KV: K and V)."""
-        g = self.geometry
-        kinds = 2 if g.packed_kv else 1
-        return kinds * g.page_size * self.num_local_heads * g.buffer_dim(buffer_index) * g.itemsize
+        """Bytes of one page of one buffer (SGLang's ``kv_item_lens`` entry; HND_KV, NHD_KV: K and V)."""
+        return self.buffer_nbytes(buffer_index) // self.geometry.num_pages
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -1,7 +1,9 @@
 """Gather and scatter of KV head slices between paged KV pools and a contiguous staging buffer.
 
-Owns the public ops ``gather_kv_heads`` (pool pages -> staging) and ``scatter_kv_heads``
-(staging -> pool pages), their pure-torch references, and ``staging_nbytes``. The staged
+Owns the public ops ``gather_kv_heads`` (pool pages -> staging), ``scatter_kv_heads``
+(staging -> pool pages) and ``copy_kv_heads`` (pool pages -> pool pages in one pass, the two
+fused, for a destination pool mapped in this process), their pure-torch references, and
+``staging_nbytes``. The staged
 data path uses them when a head slice is strided inside each token (NHD pools, different TP
 on the two sides): one gather on the sender, one large write, one scatter on the receiver.
 
@@ -23,6 +25,8 @@ native code: ``_ops_args`` validates everything first and raises ``ValueError``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 import os
@@ -33,12 +37,15 @@ import torch
 from sglang_kvxfer import _native, envs
 from sglang_kvxfer._ops_args import KVCall, parse_call, staging_bytes_view, staging_nbytes
 from sglang_kvxfer.errors import KVXferError
+from sglang_kvxfer.planning.kvslice import KVSlice
 
 __all__ = [
     "gather_kv_heads",
     "scatter_kv_heads",
+    "copy_kv_heads",
     "gather_kv_heads_reference",
     "scatter_kv_heads_reference",
+    "copy_kv_heads_reference",
     "staging_nbytes",
     "backend_for",
     "check_native_backend",
@@ -66,6 +73,7 @@ def gather_kv_heads(
     token_offset=None,
     num_tokens=None,
     out=None,
+    k_dim=None,
 ) -> torch.Tensor:
     """Copy heads ``[head_start, head_start + num_heads)`` of a request's tokens, in all layers,
     from a paged KV pool into one contiguous staging buffer.
@@ -78,10 +86,12 @@ def gather_kv_heads(
         HND: ``[num_pages, pool_heads, page_size, k_dim]``. HND_KV: the per-layer K *and* V
         buffers, ``[num_pages, pool_heads, page_size, 2 * dim]`` (vLLM's CPU cache as vLLM
         shapes it) or ``[num_pages, pool_heads, 2, page_size, dim]`` (the same bytes): each
-        (page, head) tile is K ``[page_size, dim]`` then V ``[page_size, dim]``.
+        (page, head) tile is K ``[page_size, dim]`` then V ``[page_size, dim]``. NHD_KV: the
+        per-layer K and V buffers ``[num_pages, page_size, pool_heads, k_dim + v_dim]`` (vLLM's
+        GPU cache, token-major): each (token, head) row is K ``[k_dim]`` then V ``[v_dim]``.
     v_buffers : sequence of L torch.Tensor, or None
         Per-layer V buffers shaped like ``k_buffers`` but with ``v_dim`` last. None for MLA
-        (one buffer per layer): the staging then has no V blocks. HND_KV: None (or an
+        (one buffer per layer): the staging then has no V blocks. HND_KV, NHD_KV: None (or an
         empty sequence); V comes from ``k_buffers`` and the staging has V blocks.
     page_ids : list, numpy array or int32/int64 tensor, ``[num_page_ids]``; or a ``KVSlice``
         The request's pages, in token order. Each in ``[0, num_pages)``. A
@@ -91,13 +101,15 @@ def gather_kv_heads(
         Tokens per page of this pool (required unless ``page_ids`` is a ``KVSlice``).
     head_start, num_heads : int
         The pool heads to copy (required unless ``page_ids`` is a ``KVSlice``).
-    layout : {"NHD", "HND", "HND_KV"}, default "NHD"
+    layout : {"NHD", "HND", "HND_KV", "NHD_KV"}, default "NHD"
     token_offset : int, default 0
         Request token of staging token 0 (send a request in chunks with it).
     num_tokens : int, optional
         Tokens to copy; default ``len(page_ids) * page_size - token_offset``.
     out : torch.Tensor, optional
         Contiguous tensor on the pool's device with at least ``staging_nbytes(...)`` bytes.
+    k_dim : int, optional
+        NHD_KV only: the K part of a row (default: half of it, ``v_dim == k_dim``).
 
     Returns
     -------
@@ -122,29 +134,14 @@ def gather_kv_heads(
     >>> staging.numel() == staging_nbytes(2, 32, 2, 128, 128, 2)
     True
     """
-    call, staging = _gather_call(
-        k_buffers, v_buffers, page_ids, page_size, head_start, num_heads, layout, token_offset, num_tokens, out
-    )
+    call, staging = _gather_call(**locals())
     _dispatch(call, staging, gather=True)
     return staging
 
 
-def _gather_call(
-    k_buffers, v_buffers, page_ids, page_size, head_start, num_heads, layout, token_offset, num_tokens, out
-):
+def _gather_call(k_buffers, v_buffers, page_ids, out=None, **slice_fields):
     """Validated arguments of a gather and its staging bytes (allocated when ``out`` is None)."""
-    call = parse_call(
-        k_buffers,
-        v_buffers,
-        page_ids,
-        page_size=page_size,
-        head_start=head_start,
-        num_heads=num_heads,
-        layout=layout,
-        token_offset=token_offset,
-        num_tokens=num_tokens,
-        unique_pages=False,
-    )
+    call = parse_call(k_buffers, v_buffers, page_ids, unique_pages=False, **slice_fields)
     if out is None:
         out = torch.empty(call.staging_nbytes, dtype=torch.uint8, device=call.device)
     return call, staging_bytes_view(out, "out", call)
@@ -162,6 +159,7 @@ def scatter_kv_heads(
     layout=None,
     token_offset=None,
     num_tokens=None,
+    k_dim=None,
 ) -> None:
     """Copy a staging buffer (as written by ``gather_kv_heads``) into heads
     ``[head_start, head_start + num_heads)`` of a request's tokens in a paged KV pool.
@@ -176,7 +174,7 @@ def scatter_kv_heads(
         Contiguous, on the pool's device, at least ``staging_nbytes(...)`` bytes, laid out
         ``[layer][K|V][token][head][dim]``.
     k_buffers, v_buffers, page_ids, page_size, head_start, num_heads, layout, token_offset,
-    num_tokens
+    num_tokens, k_dim
         As in ``gather_kv_heads``, for the destination pool (``page_ids`` may again be a
         ``KVSlice``, e.g. ``RequestPlan.scatter_slice``). The pages must not repeat a page
         (two tokens would race for one slot).
@@ -186,69 +184,284 @@ def scatter_kv_heads(
     ValueError
         Any bad argument; nothing is written.
     """
-    call = parse_call(
-        k_buffers,
-        v_buffers,
-        page_ids,
-        page_size=page_size,
-        head_start=head_start,
-        num_heads=num_heads,
-        layout=layout,
-        token_offset=token_offset,
-        num_tokens=num_tokens,
-        unique_pages=True,
-    )
-    _dispatch(call, staging_bytes_view(staging, "staging", call), gather=False)
+    _dispatch(*_scatter_call(**locals()), gather=False)
 
 
-def gather_kv_heads_reference(
-    k_buffers,
-    v_buffers,
-    page_ids,
-    *,
-    page_size=None,
-    head_start=None,
-    num_heads=None,
-    layout=None,
-    token_offset=None,
-    num_tokens=None,
-    out=None,
-) -> torch.Tensor:
+def _scatter_call(staging, k_buffers, v_buffers, page_ids, **slice_fields):
+    """Validated arguments of a scatter and the staging's bytes."""
+    call = parse_call(k_buffers, v_buffers, page_ids, unique_pages=True, **slice_fields)
+    return call, staging_bytes_view(staging, "staging", call)
+
+
+def _arguments_of(op, args, kwargs) -> dict:
+    """``args`` and ``kwargs`` bound as the arguments of ``op`` (a TypeError as ``op`` would
+    raise it where they do not fit), defaults applied."""
+    bound = inspect.signature(op).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _takes_arguments_of(op):
+    """Turns ``impl(arguments: dict)`` into a function with ``op``'s signature: a torch
+    reference takes exactly what its op takes, bound the same way."""
+
+    def wrap(impl):
+        @functools.wraps(impl)
+        def twin(*args, **kwargs):
+            return impl(_arguments_of(op, args, kwargs))
+
+        twin.__signature__ = inspect.signature(op)
+        return twin
+
+    return wrap
+
+
+@_takes_arguments_of(gather_kv_heads)
+def gather_kv_heads_reference(arguments: dict) -> torch.Tensor:
     """``gather_kv_heads`` in plain torch indexing (any device); the ground truth of tests."""
-    call, staging = _gather_call(
-        k_buffers, v_buffers, page_ids, page_size, head_start, num_heads, layout, token_offset, num_tokens, out
-    )
+    call, staging = _gather_call(**arguments)
     _reference(call, staging, gather=True)
     return staging
 
 
-def scatter_kv_heads_reference(
-    staging,
-    k_buffers,
-    v_buffers,
-    page_ids,
-    *,
-    page_size=None,
-    head_start=None,
-    num_heads=None,
-    layout=None,
-    token_offset=None,
-    num_tokens=None,
-) -> None:
+@_takes_arguments_of(scatter_kv_heads)
+def scatter_kv_heads_reference(arguments: dict) -> None:
     """``scatter_kv_heads`` in plain torch indexing (any device); the ground truth of tests."""
-    call = parse_call(
-        k_buffers,
-        v_buffers,
-        page_ids,
-        page_size=page_size,
-        head_start=head_start,
-        num_heads=num_heads,
-        layout=layout,
-        token_offset=token_offset,
-        num_tokens=num_tokens,
-        unique_pages=True,
+    _reference(*_scatter_call(**arguments), gather=False)
+
+
+def copy_kv_heads(
+    src_k_buffers,
+    src_v_buffers,
+    src_page_ids,
+    dst_k_buffers,
+    dst_v_buffers,
+    dst_page_ids,
+    *,
+    num_heads=None,
+    num_tokens=None,
+    src_page_size=None,
+    src_head_start=None,
+    src_layout=None,
+    src_token_offset=None,
+    src_k_dim=None,
+    dst_page_size=None,
+    dst_head_start=None,
+    dst_layout=None,
+    dst_token_offset=None,
+    dst_k_dim=None,
+) -> None:
+    """Copy heads of a request's tokens, in all layers, from one paged KV pool straight into
+    another: what ``gather_kv_heads`` on the source then ``scatter_kv_heads`` on the
+    destination do, in one pass and without a staging buffer.
+
+    For a destination pool mapped in the caller's address space (shared memory on one host,
+    CUDA IPC on one device): one read and one write of every byte instead of two of each.
+    Layouts, page sizes, pool heads, head starts and token offsets may differ between the
+    two sides (NHD <-> HND <-> HND_KV <-> NHD_KV, TP head slices); the dtype, layer count and
+    head dims must agree.
+
+    Parameters
+    ----------
+    src_k_buffers, src_v_buffers, src_page_ids
+        The source pool and its request's pages, as ``k_buffers``, ``v_buffers`` and
+        ``page_ids`` of ``gather_kv_heads`` (``src_page_ids`` may be a ``KVSlice``, e.g.
+        ``StagedPlan.gather_slice()``; then no ``src_*`` slice keyword).
+    dst_k_buffers, dst_v_buffers, dst_page_ids
+        The destination pool, as in ``scatter_kv_heads`` (``dst_page_ids`` may be a
+        ``KVSlice``, e.g. ``StagedPlan.scatter_slice()``). Its pages must not repeat.
+    num_heads, num_tokens : int
+        Heads and tokens to copy, the same on both sides (taken from the ``KVSlice`` when
+        one is given; ``num_tokens`` defaults as in ``gather_kv_heads``, and both sides'
+        defaults must then agree).
+    src_page_size, src_head_start, src_layout, src_token_offset, src_k_dim
+        The source side's slice fields (``page_size``, ``head_start``, ... of
+        ``gather_kv_heads``): request token ``src_token_offset + i`` is copied into request
+        token ``dst_token_offset + i`` of the destination.
+    dst_page_size, dst_head_start, dst_layout, dst_token_offset, dst_k_dim
+        The destination side's.
+
+    Raises
+    ------
+    ValueError
+        Any bad argument on either side (as gather/scatter), or a field the two sides must
+        share that differs (named, with both values); nothing is copied.
+    """
+    src, dst = _copy_calls(locals())
+    _dispatch_copy(src, dst)
+
+
+@_takes_arguments_of(copy_kv_heads)
+def copy_kv_heads_reference(arguments: dict) -> None:
+    """``copy_kv_heads`` as the torch reference gather into a staging buffer, then the torch
+    reference scatter of it (any device); the ground truth of tests."""
+    _copy_reference(*_copy_calls(arguments))
+
+
+def _copy_side(args: dict, side: str, unique: bool) -> KVCall:
+    page_ids = args[f"{side}_page_ids"]
+    fields = ("page_size", "head_start", "layout", "token_offset")
+    if isinstance(page_ids, KVSlice):
+        extra = [f"{side}_{f}" for f in fields if args[f"{side}_{f}"] is not None]
+        if extra:
+            raise ValueError(
+                f"{side}_page_ids is a KVSlice, which holds the whole slice; do not also pass {', '.join(extra)}"
+            )
+        kw: dict = {}
+    else:
+        kw = {f: args[f"{side}_{f}"] for f in fields}
+        kw.update(num_heads=args["num_heads"], num_tokens=args["num_tokens"])
+        if kw["page_size"] is None or kw["head_start"] is None or kw["num_heads"] is None:
+            missing = [n for n in (f"{side}_page_size", f"{side}_head_start") if args[n] is None]
+            missing += ["num_heads"] if args["num_heads"] is None else []
+            raise TypeError(f"missing required keyword argument(s): {', '.join(missing)} (or pass a KVSlice)")
+    try:
+        return parse_call(
+            args[f"{side}_k_buffers"],
+            args[f"{side}_v_buffers"],
+            page_ids,
+            unique_pages=unique,
+            k_dim=args[f"{side}_k_dim"],
+            **kw,
+        )
+    except ValueError as exc:
+        raise ValueError(f"{side}: {exc}") from None
+
+
+def _copy_calls(args: dict) -> tuple[KVCall, KVCall]:
+    """Both sides of a pool -> pool copy, validated, and what they must share."""
+    src = _copy_side(args, "src", unique=False)
+    dst = _copy_side(args, "dst", unique=True)
+    for name, want in (("num_heads", args["num_heads"]), ("num_tokens", args["num_tokens"])):
+        for side, call in (("src", src), ("dst", dst)):
+            if want is not None and getattr(call, name) != want:
+                raise ValueError(f"{name}={want} but the {side} KVSlice moves {getattr(call, name)}")
+    pairs = [
+        ("device", src.device, dst.device),
+        ("dtype", src.layers[0].dtype, dst.layers[0].dtype),
+        ("num_layers", src.num_layers, dst.num_layers),
+        ("num_kv (K and V, or MLA's one buffer)", src.num_kv, dst.num_kv),
+        ("k_dim", src.k_dim, dst.k_dim),
+        ("v_dim", src.v_dim, dst.v_dim),
+        ("num_heads", src.num_heads, dst.num_heads),
+        ("num_tokens", src.num_tokens, dst.num_tokens),
+    ]
+    for name, a, b in pairs:
+        if a != b:
+            hint = "; pass num_tokens" if name == "num_tokens" and args["num_tokens"] is None else ""
+            raise ValueError(f"{name} differs: src {a}, dst {b}{hint}")
+    return src, dst
+
+
+def _copy_reference(src: KVCall, dst: KVCall) -> None:
+    staging = torch.empty(src.staging_nbytes, dtype=torch.uint8, device=src.device)
+    _reference(src, staging, gather=True)
+    _reference(dst, staging, gather=False)
+
+
+def _warn_fallback(kind: str, what: str) -> None:
+    """Says once per device kind (unless native code is disabled on purpose) that the torch
+    reference stands in for the native ``what``."""
+    if kind not in _warned_fallback and not envs.KVXFER_DISABLE_NATIVE.get():
+        _warned_fallback.add(kind)
+        logger.warning(
+            "no native %s %s (%s); using the torch reference",
+            kind,
+            what,
+            _native.status().get(kind, "unsupported device"),
+        )
+
+
+def _dispatch_copy(src: KVCall, dst: KVCall) -> None:
+    if src.num_tokens == 0:
+        return
+    kind = src.device.type
+    lib = _library(kind)
+    if lib is None:
+        _warn_fallback(kind, "copy")
+        _copy_reference(src, dst)
+    elif kind == "cpu":
+        _run_copy_cpu(lib, src, dst)
+    else:
+        with torch.cuda.device(src.device):
+            _launch_copy_cuda(lib, src, dst, *_cuda_copy_table(src, dst))
+
+
+def _run_copy_cpu(lib: _native.Library, src: KVCall, dst: KVCall, streaming_min_bytes: int = -1) -> None:
+    src_pool, src_sl = _descs(src)
+    dst_pool, dst_sl = _descs(dst)
+    src_ptrs = np.array(src.layer_ptrs(), dtype=np.uint64)
+    dst_ptrs = np.array(dst.layer_ptrs(), dtype=np.uint64)
+    code = lib.handle.kvxfer_copy_cpu(
+        src_pool,
+        src_ptrs.ctypes.data,
+        src.page_ids.ctypes.data,
+        src_sl,
+        dst_pool,
+        dst_ptrs.ctypes.data,
+        dst.page_ids.ctypes.data,
+        dst_sl,
+        _cpu_threads(src.staging_nbytes),
+        streaming_min_bytes,
     )
-    _reference(call, staging_bytes_view(staging, "staging", call), gather=False)
+    _native.check_status(lib, code, "kvxfer_copy_cpu")
+
+
+def _cuda_copy_table(src: KVCall, dst: KVCall):
+    """(alignment, device table, src table, dst table, src ids, dst ids): both pointer tables
+    and any host page ids go up in one pinned host -> device copy on the current stream."""
+    src_ptrs, dst_ptrs = src.layer_ptrs(), dst.layer_ptrs()
+    align = 16
+    for p in src_ptrs + dst_ptrs:
+        align = math.gcd(align, p)
+    parts = [np.asarray(src_ptrs + dst_ptrs, dtype=np.uint64).view(np.int64)]
+    for call in (src, dst):
+        if not isinstance(call.page_ids, torch.Tensor):
+            parts.append(call.page_ids)
+    table = torch.from_numpy(np.concatenate(parts)).pin_memory().to(src.device, non_blocking=True)
+    at = len(src_ptrs) + len(dst_ptrs)
+    ids = []
+    for call in (src, dst):
+        if isinstance(call.page_ids, torch.Tensor):
+            ids.append(call.page_ids)
+        else:
+            ids.append(table[at : at + len(call.page_ids)])
+            at += len(call.page_ids)
+    src_table, dst_table = table[: len(src_ptrs)], table[len(src_ptrs) : len(src_ptrs) + len(dst_ptrs)]
+    return align, table, src_table, dst_table, ids[0], ids[1]
+
+
+def _launch_copy_cuda(lib, src: KVCall, dst: KVCall, align, table, src_table, dst_table, src_ids, dst_ids) -> None:
+    src_pool, src_sl = _descs(src)
+    dst_pool, dst_sl = _descs(dst)
+    code = lib.handle.kvxfer_copy_cuda(
+        src_pool,
+        src_table.data_ptr(),
+        src_ids.data_ptr(),
+        src_sl,
+        dst_pool,
+        dst_table.data_ptr(),
+        dst_ids.data_ptr(),
+        dst_sl,
+        align,
+        torch.cuda.current_stream(src.device).cuda_stream,
+    )
+    _native.check_status(lib, code, "kvxfer_copy_cuda")
+
+
+def cuda_copy_launcher(*args, **kwargs):
+    """``cuda_kernel_launcher`` for ``copy_kv_heads``: validate once, upload both tables and
+    page ids once, return a callable that only launches the pool -> pool kernel on the
+    current stream. Arguments are those of ``copy_kv_heads``."""
+    src, dst = _copy_calls(_arguments_of(copy_kv_heads, args, kwargs))
+    if src.device.type != "cuda":
+        raise ValueError(f"cuda_copy_launcher needs CUDA buffers, got {src.device}")
+    lib = _native.cuda_library()
+    if lib is None:
+        raise KVXferError(f"the native CUDA library is not loaded: {_native.unavailable_reason('cuda')}")
+    with torch.cuda.device(src.device):
+        uploaded = _cuda_copy_table(src, dst)
+    return lambda: _launch_copy_cuda(lib, src, dst, *uploaded)
 
 
 def backend_for(device) -> str:
@@ -300,13 +513,7 @@ def _dispatch(call: KVCall, staging: torch.Tensor, gather: bool) -> None:
     kind = call.device.type
     lib = _library(kind)
     if lib is None:
-        if kind not in _warned_fallback and not envs.KVXFER_DISABLE_NATIVE.get():
-            _warned_fallback.add(kind)
-            logger.warning(
-                "no native %s gather/scatter (%s); using the torch reference",
-                kind,
-                _native.status().get(kind, "unsupported device"),
-            )
+        _warn_fallback(kind, "gather/scatter")
         _reference(call, staging, gather)
     elif kind == "cpu":
         _run_cpu(lib, call, staging, gather)
@@ -457,10 +664,14 @@ def _reference(call: KVCall, staging: torch.Tensor, gather: bool) -> None:
             dim = call.k_dim if kv == 0 else call.v_dim
             nbytes = call.num_tokens * call.num_heads * dim * call.itemsize
             block = staging[offset : offset + nbytes].view(int_type).view(call.num_tokens, call.num_heads, dim)
-            index: tuple[torch.Tensor | int, ...]
+            index: tuple[torch.Tensor | int | slice, ...]
             if call.layout == "HND_KV":  # [pages, heads, K|V, page_size, dim], one per layer
                 buffer = call.layers[layer].view(int_type)
                 index = (pages, heads, kv, slots)  # -> [T, n, dim]
+            elif call.layout == "NHD_KV":  # [pages, page_size, heads, k_dim + v_dim], one per layer
+                buffer = call.layers[layer].view(int_type)
+                part = slice(0, call.k_dim) if kv == 0 else slice(call.k_dim, call.k_dim + call.v_dim)
+                index = (pages, slots, heads, part)  # -> [T, n, dim]
             else:
                 buffer = call.layers[kv * call.num_layers + layer].view(int_type)
                 if call.layout == "NHD":

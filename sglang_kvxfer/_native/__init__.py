@@ -38,8 +38,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 2  # KVXFER_ABI_VERSION in csrc/kvxfer.h
-LAYOUT_CODES = {"NHD": 0, "HND": 1, "HND_KV": 2}  # KVXFER_LAYOUT_* in csrc/kvxfer.h
+ABI_VERSION = 3  # KVXFER_ABI_VERSION in csrc/kvxfer.h
+LAYOUT_CODES = {"NHD": 0, "HND": 1, "HND_KV": 2, "NHD_KV": 3}  # KVXFER_LAYOUT_* in csrc/kvxfer.h
 STATUS_INVALID, STATUS_CUDA, STATUS_INTERNAL = 1, 2, 3
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -84,6 +84,14 @@ _SIGNATURES = {
         "kvxfer_gather_cpu": ([_P(PoolDesc), _VP, _VP, _P(SliceDesc), _VP, _I64, _I32, _I64], ctypes.c_int),
         "kvxfer_scatter_cpu": ([_P(PoolDesc), _VP, _VP, _P(SliceDesc), _VP, _I64, _I32, _I64], ctypes.c_int),
         "kvxfer_emulate_cuda_cpu": ([_I32, _P(PoolDesc), _VP, _I64, _VP, _P(SliceDesc), _VP, _I64], ctypes.c_int),
+        "kvxfer_copy_cpu": (
+            [_P(PoolDesc), _VP, _VP, _P(SliceDesc), _P(PoolDesc), _VP, _VP, _P(SliceDesc), _I32, _I64],
+            ctypes.c_int,
+        ),
+        "kvxfer_emulate_cuda_copy_cpu": (
+            [_P(PoolDesc), _VP, _VP, _P(SliceDesc), _P(PoolDesc), _VP, _VP, _P(SliceDesc), _I64],
+            ctypes.c_int,
+        ),
     },
     "cuda": {
         "kvxfer_cuda_abi_version": ([], ctypes.c_int),
@@ -91,6 +99,10 @@ _SIGNATURES = {
         "kvxfer_cuda_probe": ([], ctypes.c_int),
         "kvxfer_gather_cuda": ([_P(PoolDesc), _VP, _I64, _VP, _P(SliceDesc), _VP, _I64, _VP], ctypes.c_int),
         "kvxfer_scatter_cuda": ([_P(PoolDesc), _VP, _I64, _VP, _P(SliceDesc), _VP, _I64, _VP], ctypes.c_int),
+        "kvxfer_copy_cuda": (
+            [_P(PoolDesc), _VP, _VP, _P(SliceDesc), _P(PoolDesc), _VP, _VP, _P(SliceDesc), _I64, _VP],
+            ctypes.c_int,
+        ),
     },
 }
 _FILENAMES = {"cpu": build.CPU_LIBRARY, "cuda": build.CUDA_LIBRARY}
@@ -158,7 +170,8 @@ def _get(kind: str) -> Library | None:
         if kind not in _loaded:
             try:
                 _loaded[kind] = _load(kind)
-            except (OSError, build.BuildError, KVXferError) as exc:
+            # AttributeError: a stale library without a symbol of this ABI.
+            except (OSError, AttributeError, build.BuildError, KVXferError) as exc:
                 _loaded[kind] = str(exc)
                 logger.info("native %s library unavailable: %s", kind, exc)
         found = _loaded[kind]

@@ -174,7 +174,7 @@ def add_side_args(p: argparse.ArgumentParser, both: bool, sweep: bool = False) -
     ``sweep`` the per-side values are comma lists."""
     g = p.add_argument_group("pool format")
     g.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
-    g.add_argument("--layout", default="NHD", help="pool layout NHD, HND or HND_KV (default NHD)")
+    g.add_argument("--layout", default="NHD", help="pool layout NHD, HND, HND_KV or NHD_KV (default NHD)")
     g.add_argument(
         "--num-pages", type=int, default=None, help="pool capacity in pages (default: sized for the workload)"
     )

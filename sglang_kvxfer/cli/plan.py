@@ -30,8 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per page on both sides (default 16)")
     p.add_argument("--prefill-page-size", type=int, default=None, help="prefill page size (default --page-size)")
     p.add_argument("--decode-page-size", type=int, default=None, help="decode page size (default --page-size)")
-    p.add_argument("--prefill-layout", default="NHD", help="prefill pool layout: NHD, HND or HND_KV (default NHD)")
-    p.add_argument("--decode-layout", default="NHD", help="decode pool layout: NHD, HND or HND_KV (default NHD)")
+    p.add_argument(
+        "--prefill-layout", default="NHD", help="prefill pool layout: NHD, HND, HND_KV or NHD_KV (default NHD)"
+    )
+    p.add_argument(
+        "--decode-layout", default="NHD", help="decode pool layout: NHD, HND, HND_KV or NHD_KV (default NHD)"
+    )
     p.add_argument("--tokens", type=int, default=8192, help="tokens in the example request (default 8192)")
     p.add_argument(
         "--pages",

@@ -57,6 +57,9 @@ class EngineConfig:
         geometry: this rank's pool geometry (its page size and layout may differ from the
             peer's; model fields must match).
         tp_size, tp_rank: this rank's TP placement.
+        dp_rank, dp_size: a prefill rank's attention-DP group and the number of groups
+            behind its bootstrap (SGLang ``--enable-dp-attention``; each group is a TP group
+            of ``tp_size`` ranks). Registered with the bootstrap; 0 and 1 without DP.
         bootstrap: ``"host:port"`` of the bootstrap service (prefill registers there;
             decode looks prefill up there).
         transport: transport name (``local``, ``tcp``, ``nixl``, ``mori``).
@@ -64,8 +67,9 @@ class EngineConfig:
         host: address this rank advertises for its control inbox.
         device: ``"cpu"`` or ``"cuda:N"`` for pools allocated by the engine.
         data_path: ``auto``, ``direct``, ``staged`` or ``per_token`` for every (writer,
-            reader) pair (``KVXFER_DATA_PATH``); direct_min_op_bytes: the ``auto`` rule's
-            smallest direct op (``KVXFER_DIRECT_MIN_OP_BYTES``).
+            reader) pair (``KVXFER_DATA_PATH``); direct_min_op_bytes: ``auto``'s fixed rule,
+            the smallest average direct op (``KVXFER_DIRECT_MIN_OP_BYTES``); None (unset):
+            the cost rule, from the transport's ``path_cost``.
         auth_key: the shared secret that authenticates control frames (see ``auth.py``);
             None takes it from the environment or the per-user key file.
     """
@@ -88,10 +92,12 @@ class EngineConfig:
     staging_slot_bytes: int = field(default_factory=envs.KVXFER_STAGING_SLOT_BYTES.get)
     num_workers: int = field(default_factory=envs.KVXFER_WORKERS.get)
     data_path: str = field(default_factory=envs.KVXFER_DATA_PATH.get)
-    direct_min_op_bytes: int = field(default_factory=envs.KVXFER_DIRECT_MIN_OP_BYTES.get)
+    direct_min_op_bytes: int | None = field(default_factory=envs.KVXFER_DIRECT_MIN_OP_BYTES.get)
     # None: from the environment (auth.resolve_key); "off": no authentication; a secret
     # text, or 32 raw key bytes. Always 32 bytes, or b"" (off), after construction.
     auth_key: bytes | str | None = field(default=None, repr=False, compare=False)
+    dp_rank: int = 0
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -117,6 +123,8 @@ class EngineConfig:
             raise ValueError(f"data_path={self.data_path!r} must be one of auto, direct, staged, per_token")
         for name in ("staging_bytes", "staging_slot_bytes", "num_workers", "direct_min_op_bytes"):
             value = getattr(self, name)
+            if value is None and name == "direct_min_op_bytes":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if 2 * self.staging_slot_bytes > self.staging_bytes:
@@ -124,6 +132,12 @@ class EngineConfig:
                 f"staging_bytes={self.staging_bytes} must hold at least two slots of "
                 f"staging_slot_bytes={self.staging_slot_bytes}"
             )
+        for name in ("dp_rank", "dp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "dp_size"):
+                raise ValueError(f"{name}={value!r} must be an integer >= {int(name == 'dp_size')}")
+        if self.dp_rank >= self.dp_size:
+            raise ValueError(f"dp_rank={self.dp_rank} must be < dp_size={self.dp_size}")
         if self.device != "cpu" and not str(self.device).startswith("cuda"):
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda[:N]'")
         object.__setattr__(self, "auth_key", config_key(self.auth_key, self.host))

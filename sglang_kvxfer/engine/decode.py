@@ -7,7 +7,9 @@ destination pages, and for each elected writer either nothing (direct writes int
 pool) or a window of two staging slots. It scatters each staged chunk as its
 ``ChunkReady`` arrives and returns the slot, scatters a writer's last chunk, which rides on
 its ``TransferDone``, together with counting that writer done, and reports Success only
-when every expected writer has sent ``TransferDone``. Scatters run in order on the room's
+when every expected writer has sent ``TransferDone`` with every (token x layer) of its
+share in place: per staged writer and layer it counts the tokens scattered (chunks may
+carry a layer range: layer-wise streaming), and every writer's bytes must be its share. Scatters run in order on the room's
 worker; a ``TransferDone`` whose room has nothing queued there and whose last chunk is
 small (``INLINE_NOTICE_BYTES``) is handled on the I/O thread at once: no thread hand-over
 on a small request's last step. Deadlines, aborts and peer death fail a request and free
@@ -44,6 +46,7 @@ from sglang_kvxfer.errors import (
 from sglang_kvxfer.geometry import check_compatible
 from sglang_kvxfer.metrics import note_writer_done
 from sglang_kvxfer.planning import HeadTransfer, RequestPlan, candidate_prefill_ranks, plan_tp
+from sglang_kvxfer.planning.byteplan import PathCost
 from sglang_kvxfer.protocol.envelope import peer_secret
 from sglang_kvxfer.protocol.fields import STAGING_SLOTS, Side
 from sglang_kvxfer.protocol.messages import (
@@ -81,6 +84,7 @@ class DecodeManager(RankBase[DecodeRoom]):
         # under this lock, so the newest list of regions is the one that stays.
         self._export_lock = threading.Lock()
         self._exported_segments = 0
+        self._path_cost: tuple[PathCost | None] | None = None  # (cost,) once asked
         super().__init__(config, pool)
 
     # -- bootstrap and registration --------------------------------------------------------------
@@ -299,6 +303,7 @@ class DecodeManager(RankBase[DecodeRoom]):
                     rec.waiting_for = "staging space on this decode rank (KVXFER_STAGING_BYTES)"
                     return  # retried on the next tick, within the request's deadline
                 rec.writers, rec.plans, rec.windows = writers, plans, windows
+                rec.layer_tokens = {p: np.zeros(g.num_layers, dtype=np.int64) for p in windows}
                 rec.candidates = tuple(group.peers)
                 rec.state.expect_writers(list(writers))
                 rec.meta_sent, rec.meta_pending, rec.waiting_for = True, False, ""
@@ -359,8 +364,20 @@ class DecodeManager(RankBase[DecodeRoom]):
                 num_tokens=rec.num_tokens,
                 path=self.config.data_path,
                 direct_min_op_bytes=self.config.direct_min_op_bytes,
+                cost=self._transport_cost(),
             )
         return plans
+
+    def _transport_cost(self) -> PathCost | None:
+        """What a write into this rank's pool costs over its transport (``auto``'s cost rule;
+        ``local`` measures it once per process), asked once. None with a fixed rule
+        (``KVXFER_DIRECT_MIN_OP_BYTES``) or where the transport declares none."""
+        if self._path_cost is None:
+            cost = None
+            if self.config.direct_min_op_bytes is None:
+                cost = self._live_transport.path_cost(self.config.device)
+            self._path_cost = (cost,)
+        return self._path_cost[0]
 
     def _lend_windows(self, rec: DecodeRoom, plans: dict[int, RequestPlan]) -> dict[int, tuple[int, int]] | None:
         """Staging windows for the writers whose pair is staged; None if space is short now."""
@@ -447,10 +464,11 @@ class DecodeManager(RankBase[DecodeRoom]):
             return
         self._touch(msg.tp_rank)
         try:
-            plan, arena_offset = self._check_chunk(rec, msg.tp_rank, msg)
+            layers = self._chunk_layers(msg.layer_start, msg.num_layers)
+            plan, arena_offset = self._check_chunk(rec, msg.tp_rank, msg, layers)
         except KVXferError as exc:
             return self._fail_room(rec, str(exc))
-        self._submit(rec, lambda: self._scatter(rec, plan, msg.tp_rank, msg, arena_offset))
+        self._submit(rec, lambda: self._scatter(rec, plan, msg.tp_rank, msg, arena_offset, layers))
 
     def _submit(self, rec: DecodeRoom, task: Callable[[], object]) -> None:
         """Run ``task`` on a worker after the room's earlier tasks: on the worker those
@@ -470,10 +488,14 @@ class DecodeManager(RankBase[DecodeRoom]):
             worker = rec.worker
         worker.submit(counted)
 
-    def _check_chunk(self, rec: DecodeRoom, tp_rank: int, chunk: ChunkReady | StagedChunk) -> tuple[RequestPlan, int]:
+    def _check_chunk(
+        self, rec: DecodeRoom, tp_rank: int, chunk: ChunkReady | StagedChunk, layers: tuple[int, int]
+    ) -> tuple[RequestPlan, int]:
         """Check a staged chunk writer ``tp_rank`` announced (in its window, within the
-        request) and count it as progress; returns the pair's plan and the chunk's arena
-        offset. Raises ``TransferFailedError`` saying what is wrong."""
+        request, its bytes those of its tokens x ``layers``, and its tokens the next ones of
+        each of its layers), count its layers' tokens and count it as progress; returns the
+        pair's plan and the chunk's arena offset. Raises ``TransferFailedError`` saying what
+        is wrong."""
         now = time.monotonic()
         plan = self._writer(rec, tp_rank)
         window, capacity = rec.windows.get(tp_rank, (-1, 0))
@@ -485,19 +507,53 @@ class DecodeManager(RankBase[DecodeRoom]):
                 f"{what} from prefill rank {tp_rank} points outside its staging window [{offset}, {offset + capacity})",
                 rec.room,
             )
-        if chunk.token_start + chunk.num_tokens > rec.num_tokens:
+        a, b = chunk.token_start, chunk.token_start + chunk.num_tokens
+        if b > rec.num_tokens:
+            raise TransferFailedError(f"{what} tokens [{a}, {b}) exceed the request's {rec.num_tokens}", rec.room)
+        la, lb = layers
+        num_layers = self.config.geometry.num_layers
+        if lb > num_layers:
             raise TransferFailedError(
-                f"{what} tokens [{chunk.token_start}, {chunk.token_start + chunk.num_tokens})"
-                f" exceed the request's {rec.num_tokens}",
+                f"{what} from prefill rank {tp_rank}: layers [{la}, {lb}) exceed num_layers={num_layers}", rec.room
+            )
+        expected = plan.nbytes(a, b, (la, lb))
+        if chunk.chunk_bytes != expected:
+            raise TransferFailedError(
+                f"{what} from prefill rank {tp_rank}: chunk_bytes={chunk.chunk_bytes}, but tokens [{a}, {b}) x "
+                f"layers [{la}, {lb}) are {expected} B",
                 rec.room,
             )
         with self._lock:
+            stand = rec.layer_tokens.get(tp_rank)
+            if stand is None:  # a direct writer sends no chunks
+                raise TransferFailedError(f"{what} from prefill rank {tp_rank}, a direct writer", rec.room)
+            off = np.flatnonzero(stand[la:lb] != a)
+            if off.size:
+                layer = la + int(off[0])
+                raise TransferFailedError(
+                    f"{what} from prefill rank {tp_rank}: tokens [{a}, {b}) of layer {layer}, but layer "
+                    f"{layer} has tokens [0, {int(stand[layer])}) (a repeated or skipped chunk)",
+                    rec.room,
+                )
+            stand[la:lb] = b
             rec.first_notice = rec.first_notice or now
             rec.state.handle(Event.CHUNK_STARTED, now)
         return plan, base + chunk.staging_offset
 
+    def _chunk_layers(self, layer_start: int, num_layers: int) -> tuple[int, int]:
+        """A chunk's layers ``(start, stop)`` from its wire fields (``num_layers=0``: all)."""
+        if num_layers == 0:
+            return 0, self.config.geometry.num_layers
+        return layer_start, layer_start + num_layers
+
     def _scatter(
-        self, rec: DecodeRoom, plan: RequestPlan, tp_rank: int, chunk: ChunkReady | StagedChunk, arena_offset: int
+        self,
+        rec: DecodeRoom,
+        plan: RequestPlan,
+        tp_rank: int,
+        chunk: ChunkReady | StagedChunk,
+        arena_offset: int,
+        layers: tuple[int, int],
     ) -> bool:
         """Scatter one staged chunk into the pool (worker thread); a ``ChunkReady``'s slot
         is returned with ``ChunkAck``, a ``TransferDone``'s last chunk is not (the room
@@ -506,7 +562,6 @@ class DecodeManager(RankBase[DecodeRoom]):
 
         if rec.state.is_terminal:
             return False
-        g = self.config.geometry
         a, b = chunk.token_start, chunk.token_start + chunk.num_tokens
         t0 = time.perf_counter()
         try:
@@ -514,15 +569,11 @@ class DecodeManager(RankBase[DecodeRoom]):
                 if rec.state.is_terminal:  # failed meanwhile: its windows may be freed
                     return False
                 piece = plan.scatter_slice(a, b)
-                pool = self._live_pool
+                k, v = plan.layer_buffers(self._live_pool.buffers, layers, side="dst")
                 staging = self._live_staging.view(arena_offset, chunk.chunk_bytes)
                 # On the copy stream, waited for by event: the slot is returned only once the
                 # bytes are in the pool, and the model's streams are not synchronized.
-                self.copy_stream.run(
-                    lambda: ops.scatter_kv_heads(
-                        staging, pool.buffers[: g.num_layers], pool.buffers[g.num_layers :] if g.has_v else None, piece
-                    )
-                )
+                self.copy_stream.run(lambda: ops.scatter_kv_heads(staging, k, v, piece))
         except Exception as exc:
             self._fail_room(rec, f"scatter of tokens [{a}, {b}) failed: {exc}")
             return False
@@ -548,12 +599,13 @@ class DecodeManager(RankBase[DecodeRoom]):
             task = lambda: self._writer_done(rec, msg, arrived)  # noqa: E731
         else:
             try:
-                plan, arena_offset = self._check_chunk(rec, msg.tp_rank, chunk)
+                layers = self._chunk_layers(msg.last_layer_start, msg.last_num_layers)
+                plan, arena_offset = self._check_chunk(rec, msg.tp_rank, chunk, layers)
             except KVXferError as exc:
                 return self._fail_room(rec, str(exc))
 
             def task() -> None:  # the last chunk, then the writer is done: one step
-                if self._scatter(rec, plan, msg.tp_rank, chunk, arena_offset):
+                if self._scatter(rec, plan, msg.tp_rank, chunk, arena_offset, layers):
                     self._writer_done(rec, msg, arrived)
 
         with self._lock:  # nothing of the room queued: nothing to keep in order with
@@ -568,7 +620,7 @@ class DecodeManager(RankBase[DecodeRoom]):
             if rec.state.is_terminal:
                 return
             try:
-                self._writer(rec, msg.tp_rank)
+                self._check_complete(rec, self._writer(rec, msg.tp_rank), msg)
                 rec.state.writer_done(msg.tp_rank, time.monotonic())
             except KVXferError as exc:
                 problem = str(exc)
@@ -587,6 +639,27 @@ class DecodeManager(RankBase[DecodeRoom]):
             rec.finished_at = time.monotonic()
             self._free_windows(rec)
             self._request_ended(rec)
+
+    def _check_complete(self, rec: DecodeRoom, plan: RequestPlan, msg: TransferDone) -> None:
+        """A writer's ``TransferDone`` counts only with every (token x layer) of its share in
+        place: a staged writer's chunks reached ``num_tokens`` in every layer; any writer's
+        ``total_bytes`` is its plan's payload. Call with the lock held."""
+        stand = rec.layer_tokens.get(msg.tp_rank)
+        if stand is not None:
+            short = np.flatnonzero(stand != rec.num_tokens)
+            if short.size:
+                layer = int(short[0])
+                raise TransferFailedError(
+                    f"prefill rank {msg.tp_rank} sent TransferDone with layers {short.tolist()} incomplete: "
+                    f"layer {layer} has tokens [0, {int(stand[layer])}) of {rec.num_tokens}",
+                    rec.room,
+                )
+        if msg.total_bytes != plan.nbytes():
+            raise TransferFailedError(
+                f"prefill rank {msg.tp_rank} sent TransferDone with total_bytes={msg.total_bytes}; "
+                f"its share of the request is {plan.nbytes()} B",
+                rec.room,
+            )
 
     # -- failures and liveness ---------------------------------------------------------------------
     def _free_windows(self, rec: DecodeRoom) -> None:

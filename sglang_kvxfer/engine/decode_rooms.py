@@ -65,6 +65,10 @@ class DecodeRoom:
         self.writers: dict[int, HeadTransfer] = {}  # prefill rank -> its heads
         self.plans: dict[int, RequestPlan] = {}  # prefill rank -> the pair's plan (scatter slices)
         self.windows: dict[int, tuple[int, int]] = {}  # prefill rank -> (arena offset, capacity)
+        # Staged writer -> int64 [num_layers]: per layer, the first token not scattered yet.
+        # Chunks of each layer arrive in token order, so a chunk must start where its layers
+        # stand (a repeat or a gap fails the room) and a writer is done only at num_tokens.
+        self.layer_tokens: dict[int, np.ndarray] = {}
         self.candidates: tuple[int, ...] = ()
         self.aux_payload = b""
         self.bytes = 0

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from sglang_kvxfer.errors import KVXferError
-from sglang_kvxfer.geometry import RankPlacement
+from sglang_kvxfer.geometry import Layout, RankPlacement
 
 if TYPE_CHECKING:
     from sglang_kvxfer.transports.base import Region, Transport
@@ -91,7 +91,7 @@ def _accepted_shapes(placement: RankPlacement, buffer_index: int) -> list[tuple[
     """Shapes ``KVPool.wrap`` takes for a buffer: the placement's, and for HND_KV also vLLM's
     ``[num_blocks, heads, block_size, 2 * head_dim]`` view of the same bytes."""
     shape = placement.buffer_shape(buffer_index)
-    if not placement.geometry.packed_kv:
+    if placement.geometry.layout is not Layout.HND_KV:
         return [shape]
     pages, heads, _, page_size, dim = shape
     return [shape, (pages, heads, page_size, 2 * dim)]
@@ -106,10 +106,11 @@ class BufferLoc:
 
 
 class KVPool:
-    """A rank's KV buffers (K of every layer, then V; MLA and HND_KV: one per layer).
+    """A rank's KV buffers (K of every layer, then V; MLA, HND_KV and NHD_KV: one per layer).
 
     ``buffers[i]`` is a tensor of ``placement.buffer_shape(i)`` and the geometry's dtype
-    (HND_KV: ``[num_pages, local_heads, 2, page_size, head_dim]``, K and V of layer ``i``).
+    (HND_KV: ``[num_pages, local_heads, 2, page_size, head_dim]``, K and V of layer ``i``;
+    NHD_KV: ``[num_pages, page_size, local_heads, head_dim + v_head_dim]``).
     ``KVPool.allocate`` puts every buffer in one block (one registered region, so a direct
     transfer of all layers is one transport call); ``KVPool.wrap`` takes buffers allocated
     elsewhere (one region each), as an inference server's pool is.
@@ -123,6 +124,13 @@ class KVPool:
         locs: Sequence[BufferLoc],
         owners: Sequence = (),
     ):
+        g = placement.geometry
+        if g.layout is Layout.NHD_KV and g.v_head_dim != g.head_dim:
+            # The engine's gather/scatter calls split an NHD_KV row in halves (ops' k_dim default).
+            raise ValueError(
+                f"layout NHD_KV with v_head_dim={g.v_head_dim} != head_dim={g.head_dim}: the engine's "
+                "staged path does not pass k_dim to the ops yet; only equal K and V dims are supported"
+            )
         self.placement = placement
         self.buffers = list(buffers)
         self._blocks = list(blocks)  # uint8 tensors registered as regions
@@ -154,13 +162,15 @@ class KVPool:
 
         HND_KV takes one tensor per layer, shaped ``placement.buffer_shape(i)`` or as vLLM
         shapes its CPU cache, ``[num_pages, local_heads, page_size, 2 * head_dim]`` (the same
-        bytes); ``buffers`` then holds the 5-D views of them.
+        bytes); ``buffers`` then holds the 5-D views of them. NHD_KV takes one
+        ``[num_pages, page_size, local_heads, head_dim + v_head_dim]`` tensor per layer (vLLM's
+        GPU cache after ``VllmLayout`` has turned its logical view into this contiguous one).
         """
         import torch
 
         g = placement.geometry
         if len(buffers) != g.num_buffers:
-            what = " (one K-and-V tensor per layer for HND_KV)" if g.packed_kv else ""
+            what = f" (one K-and-V tensor per layer for {g.layout})" if g.packed_kv else ""
             raise ValueError(f"buffers has {len(buffers)} tensor(s); the geometry needs {g.num_buffers}{what}")
         dtype = torch_dtype(g.dtype)
         views = []
@@ -192,7 +202,7 @@ class KVPool:
         for name, seq in (("ptrs", ptrs), ("lens", lens)):
             if len(seq) != g.num_buffers:
                 if g.packed_kv:
-                    what = f"one K-and-V buffer per layer of {g.num_layers} (HND_KV)"
+                    what = f"one K-and-V buffer per layer of {g.num_layers} ({g.layout})"
                 else:
                     what = f"K of {g.num_layers} layers{', then V' if g.has_v else ''}"
                 raise ValueError(f"{name} has {len(seq)} entries; the geometry needs {g.num_buffers} ({what})")

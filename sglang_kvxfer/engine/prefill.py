@@ -3,7 +3,8 @@
 A prefill rank registers with the bootstrap, accepts decode registrations (checking the
 geometry and answering with the field-level message on a mismatch), collects each
 request's metadata from every candidate decode rank, and then writes the request's KV as
-the sender hands over chunks of pages: direct page runs where the bytes are contiguous,
+the sender hands over chunks of pages (and, layer-wise, groups of layers of each chunk as
+the forward finishes them): direct page runs where the bytes are contiguous,
 otherwise gather -> one write per staging slot -> ``ChunkReady`` (the decode rank
 scatters and returns the slot with ``ChunkAck``). After the last chunk every reader gets a
 ``TransferDone`` carrying the aux payload. Every wait has a deadline; a failure fails only
@@ -104,6 +105,8 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             endpoint=self._live_control.endpoint,
             geometry=self.config.geometry,
             transport=self.config.transport,
+            dp_rank=self.config.dp_rank,
+            dp_size=self.config.dp_size,
         )
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         last = "no answer"
@@ -484,8 +487,10 @@ class KVSender(RequestHandle):
         self.mgr, self.room = mgr, room
         self._rec = mgr.attach_sender(room)
         self._finished = False
+        self._open_pages: np.ndarray | None = None  # the token chunk whose layers are partly sent
+        self._next_layer = 0  # its first layer not sent yet
 
-    def send(self, page_ids, last_chunk: bool = False, aux: bytes = b"", ready=None) -> None:
+    def send(self, page_ids, last_chunk: bool = False, aux: bytes = b"", ready=None, layers=None) -> None:
         """Hand over the next pages of the request (page-aligned; the last chunk ends it).
 
         ``aux`` (last chunk only) reaches every decode reader with ``TransferDone``.
@@ -495,6 +500,15 @@ class KVSender(RequestHandle):
         path wait for it on the engine's own copy stream (no host wait; the producer's
         stream is never synchronized); a direct write, or any other object with a
         ``synchronize()`` method, waits for it on the worker thread first.
+
+        ``layers`` (layer-wise streaming; default: every layer): a ``range(a, b)`` saying
+        that layers ``[a, b)`` of these pages' tokens are final, so their transfer overlaps
+        the compute of the layers after them. A token chunk's layer groups come in order,
+        each once: ``a=0`` opens the chunk with its new pages, later groups repeat the same
+        ``page_ids`` and start where the previous group stopped, and the chunk is complete
+        at ``b=num_layers``. ``last_chunk`` goes with the group that completes the last
+        chunk. A repeated, skipped or out-of-range layer range is a ``ValueError`` naming
+        ``layers`` and the values.
         """
         if self._finished:
             raise ValueError(f"room {self.room}: send() after the last chunk")
@@ -508,8 +522,53 @@ class KVSender(RequestHandle):
             raise TypeError(f"aux must be bytes, got {type(aux).__name__}")
         if ready is not None and not callable(getattr(ready, "synchronize", None)):
             raise TypeError(f"ready must have a synchronize() method, got {type(ready).__name__}")
+        span, pages = self._layer_span(layers, pages, bool(last_chunk))
         self._finished = bool(last_chunk)
-        self.mgr.submit_chunk(self._rec, Chunk(pages, bool(last_chunk), bytes(aux), ready))
+        self.mgr.submit_chunk(self._rec, Chunk(pages, bool(last_chunk), bytes(aux), ready, span))
+
+    def _layer_span(self, layers, pages: np.ndarray, last: bool) -> tuple[tuple[int, int] | None, np.ndarray]:
+        """Check ``layers`` against the open token chunk; returns the chunk's layer span and
+        the pages to hand over (none for a group after a chunk's first). Changes nothing on
+        an error."""
+        num_layers = self.mgr.config.geometry.num_layers
+        open_pages, nxt = self._open_pages, self._next_layer
+        if layers is None:
+            if open_pages is not None:
+                raise ValueError(
+                    f"layers=None (every layer) opens a new token chunk while layers [{nxt}, {num_layers}) "
+                    f"of the previous one are not sent"
+                )
+            return None, pages
+        if not isinstance(layers, range) or layers.step != 1 or not len(layers):
+            raise ValueError(f"layers={layers!r} must be a non-empty range(a, b) with step 1")
+        a, b = layers.start, layers.stop
+        if a < 0 or b > num_layers:
+            raise ValueError(f"layers=range({a}, {b}) is outside the model's layers [0, {num_layers}) (num_layers)")
+        if open_pages is None:
+            if a != 0:
+                raise ValueError(f"layers=range({a}, {b}) must start at 0: no token chunk is open (next layer 0)")
+        elif a != nxt:
+            what = "was already sent" if a < nxt else "skips layers"
+            raise ValueError(
+                f"layers=range({a}, {b}) {what}: layers [0, {nxt}) of the open token chunk are sent, "
+                f"the next group must start at layer {nxt}"
+            )
+        elif not np.array_equal(pages, open_pages):
+            raise ValueError(
+                f"page_ids ({pages.size} pages) differ from the open token chunk's pages ({open_pages.size}): "
+                f"layers [{nxt}, {num_layers}) of those tokens come first"
+            )
+        if last and b != num_layers:
+            raise ValueError(
+                f"last_chunk=True with layers=range({a}, {b}) leaves layers [{b}, {num_layers}) of the last "
+                f"token chunk unsent (num_layers={num_layers})"
+            )
+        handed = pages if open_pages is None else pages[:0]
+        if b == num_layers:
+            self._open_pages, self._next_layer = None, 0
+        else:
+            self._open_pages, self._next_layer = pages, b
+        return (a, b), handed
 
     @property
     def decode_prefix_tokens(self) -> int | None:

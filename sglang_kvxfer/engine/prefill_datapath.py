@@ -1,6 +1,7 @@
 """The prefill data path: chunks in, bytes to every reader out (worker threads).
 
-Owns ``PrefillDataPath``, the part of ``PrefillManager`` that queues a sender's chunks,
+Owns ``PrefillDataPath``, the part of ``PrefillManager`` that queues a sender's chunks
+(token ranges, each whole or as layer groups: a group moves only its layers' bytes),
 keeps one ``RequestPlan`` per reader of a room (built at the reader's first chunk,
 extended chunk by chunk, cut per staging slot or direct write), writes direct page runs,
 streams staged tokens through the reader's two staging slots (gather -> one write ->
@@ -40,7 +41,7 @@ log = logging.getLogger("sglang_kvxfer.prefill")
 
 
 class _Slot(NamedTuple):
-    """One staging slot on its way: its write, both offsets, its bytes and tokens."""
+    """One staging slot on its way: its write, both offsets, its bytes, tokens and layers."""
 
     ticket: Ticket
     local_off: int | None
@@ -49,6 +50,7 @@ class _Slot(NamedTuple):
     a: int
     b: int
     t_posted: float
+    layers: tuple[int, int]
 
 
 class PrefillDataPath(RankBase[PrefillRoom]):
@@ -84,7 +86,14 @@ class PrefillDataPath(RankBase[PrefillRoom]):
                     rec.scheduled = False
                     return
                 chunk = rec.pending.popleft()
+                merged = []
+                while chunk.layers is not None and rec.pending and self._continues(chunk, rec.pending[0]):
+                    merged.append(chunk)
+                    chunk = self._merge(chunk, rec.pending.popleft())
             try:
+                for earlier in merged:  # their forwards ended before the last one's
+                    if earlier.ready is not None:
+                        earlier.ready.synchronize()
                 self._send_chunk(rec, chunk)
             except Exception as exc:
                 reason = str(exc) if isinstance(exc, KVXferError) else f"{type(exc).__name__}: {exc}"
@@ -92,13 +101,37 @@ class PrefillDataPath(RankBase[PrefillRoom]):
                     log.exception("prefill rank %d room %d: chunk failed", self.tp_rank, rec.room)
                 self._fail_room(rec, reason)
 
+    @staticmethod
+    def _continues(chunk: Chunk, nxt: Chunk) -> bool:
+        """Whether ``nxt`` is the next layer group of ``chunk``'s token chunk."""
+        return (
+            nxt.layers is not None
+            and chunk.layers is not None
+            and nxt.layers[0] == chunk.layers[1]
+            and nxt.layers[0] > 0
+            and not nxt.pages.size
+        )
+
+    @staticmethod
+    def _merge(chunk: Chunk, nxt: Chunk) -> Chunk:
+        """Layer groups queued behind each other (the transfer lags the forward) move as one
+        group: one gather, write and notice for all of them, so a lagging stream catches up
+        in one step instead of one round trip per group. ``nxt``'s ``ready`` is the later
+        one; ``_drain`` waits for the earlier ones first."""
+        assert chunk.layers is not None and nxt.layers is not None  # _continues checked both
+        return Chunk(chunk.pages, nxt.last, nxt.aux, nxt.ready, (chunk.layers[0], nxt.layers[1]))
+
     # -- the data path (worker thread) -----------------------------------------------------------
     def _send_chunk(self, rec: PrefillRoom, chunk: Chunk) -> None:
         g = self.config.geometry
         # The forward that writes these pages may still run: gathers wait for ``ready`` on
         # the copy stream; a direct write (the transport reads the pool) waits here first.
         ready = chunk.ready
-        rec.src_pages = np.concatenate([rec.src_pages, chunk.pages])
+        # Layer-wise: a token chunk's first layer group brings its pages; later groups name
+        # the same tokens, and only the group that completes the layers moves tokens_sent on.
+        layers = chunk.layers or (0, g.num_layers)
+        if chunk.pages.size:
+            rec.src_pages = np.concatenate([rec.src_pages, chunk.pages])
         tp_plan, total = self._layout(rec)
         start = rec.tokens_sent
         need = -(-total // g.page_size)
@@ -131,9 +164,11 @@ class PrefillDataPath(RankBase[PrefillRoom]):
                         if ready is not None:
                             ready.synchronize()
                             ready = None
-                        tickets += self._write_direct(rec, plan, peer, start, stop)
+                        tickets += self._write_direct(rec, plan, peer, start, stop, layers)
                     else:
-                        last = self._write_staged(rec, plan, peer, meta, start, stop, ready, hold_last=chunk.last)
+                        last = self._write_staged(
+                            rec, plan, peer, meta, start, stop, ready, hold_last=chunk.last, layers=layers
+                        )
                         if last is not None:
                             held[t.decode_rank] = last
                 if tickets:
@@ -143,7 +178,8 @@ class PrefillDataPath(RankBase[PrefillRoom]):
                 with self._lock:
                     if not rec.state.is_terminal:
                         rec.state.handle(Event.CHUNK_STARTED, time.monotonic())  # progress
-            rec.tokens_sent = stop
+            if layers[1] == g.num_layers:
+                rec.tokens_sent = stop
             if chunk.last:
                 self._finish(rec, readers, chunk.aux, held)
         except BaseException:
@@ -198,14 +234,22 @@ class PrefillDataPath(RankBase[PrefillRoom]):
         return plan
 
     def _write_direct(
-        self, rec: PrefillRoom, plan: RequestPlan, peer: DecodePeer, start: int, stop: int
+        self, rec: PrefillRoom, plan: RequestPlan, peer: DecodePeer, start: int, stop: int, layers: tuple[int, int]
     ) -> list[Ticket]:
+        """Post the direct writes of tokens [start, stop) x layers [layers[0], layers[1]):
+        the page runs of one buffer are the same for every layer, so a layer group posts
+        the runs of its own buffers only (one write per region pair, as for all layers)."""
         t0 = time.perf_counter()
         t = plan.transfer
+        g = self.config.geometry
         pair = plan.direct(start, stop)
         groups: dict[tuple[int, int], list[np.ndarray]] = collections.defaultdict(list)
-        for b in range(self.config.geometry.num_buffers):
+        nbytes = 0
+        for b in range(g.num_buffers):
+            if not layers[0] <= RequestPlan.buffer_layer(g, b) < layers[1]:
+                continue
             ops = pair.buffer_ops(b)
+            nbytes += int(ops[:, 2].sum()) if len(ops) else 0
             if len(ops):
                 mine, theirs = self._live_pool.locs[b], peer.locs[b]
                 shifted = ops + np.array([mine.offset, theirs.offset, 0], dtype=np.int64)
@@ -221,8 +265,8 @@ class PrefillDataPath(RankBase[PrefillRoom]):
             )
             rec.ops += len(ops)
             rec.reader_ops[t.decode_rank] += len(ops)
-        rec.bytes += pair.nbytes
-        rec.reader_bytes[t.decode_rank] += pair.nbytes
+        rec.bytes += nbytes
+        rec.reader_bytes[t.decode_rank] += nbytes
         return tickets
 
     def _write_staged(
@@ -235,18 +279,20 @@ class PrefillDataPath(RankBase[PrefillRoom]):
         stop: int,
         ready: Synchronizable | None = None,
         hold_last: bool = False,
+        layers: tuple[int, int] | None = None,
     ) -> _Slot | None:
-        """Stream tokens [start, stop) through the reader's two staging slots: gather slot
-        k+1 while slot k is on the wire; announce each slot once its write completed. Each
-        gather is ordered after ``ready`` (the chunk's producer event). With ``hold_last``
-        (the request's last chunk) the last slot is returned unannounced: ``_finish`` lands
-        it and announces it with ``TransferDone``."""
+        """Stream tokens [start, stop) of ``layers`` (default: all) through the reader's two
+        staging slots: gather slot k+1 while slot k is on the wire; announce each slot once
+        its write completed. Each gather is ordered after ``ready`` (the chunk's producer
+        event). With ``hold_last`` (the request's last chunk) the last slot is returned
+        unannounced: ``_finish`` lands it and announces it with ``TransferDone``."""
+        layers = layers or (0, self.config.geometry.num_layers)
         t = plan.transfer
         if meta.staging_region is None:  # RequestMeta refuses a staged window without one
             raise TransferFailedError(f"decode rank {t.decode_rank} named no staging region", rec.room)
         remote = peer.staging_segment(self._live_transport, meta.staging_region)
         slot_bytes = meta.staging_capacity_bytes // STAGING_SLOTS
-        per_token = plan.token_nbytes
+        per_token = plan.nbytes(0, 1, layers)  # a layer group's tokens: more of them per slot
         step = slot_bytes // per_token
         if step < 1:
             raise TransferFailedError(
@@ -258,7 +304,7 @@ class PrefillDataPath(RankBase[PrefillRoom]):
             while a < stop or inflight:
                 if a < stop and len(inflight) < STAGING_SLOTS:
                     b = min(stop, a + step)
-                    inflight.append(self._post_slot(rec, plan, remote, meta, a, b, slot_bytes, ready))
+                    inflight.append(self._post_slot(rec, plan, remote, meta, a, b, slot_bytes, ready, layers))
                     a = b
                     continue
                 if hold_last and a >= stop and len(inflight) == 1:
@@ -293,6 +339,7 @@ class PrefillDataPath(RankBase[PrefillRoom]):
         b: int,
         slot_bytes: int,
         ready: Synchronizable | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> _Slot:
         """Gather tokens [a, b) for one staging slot and start moving it. Where the transport
         maps the reader's staging here (``local`` shared memory, CUDA IPC) on the KV
@@ -300,8 +347,9 @@ class PrefillDataPath(RankBase[PrefillRoom]):
         transport write. Otherwise it gathers into local staging and ``write()`` moves it."""
         t = plan.transfer
         t0 = time.perf_counter()
+        layers = layers or (0, self.config.geometry.num_layers)
         piece = plan.gather_slice(a, b)  # a view of the plan's pages: nothing is planned again
-        nbytes = plan.nbytes(a, b)
+        nbytes = plan.nbytes(a, b, layers)
         t_planned = time.perf_counter()
         remote_off = self._acquire_slot(rec, t.decode_rank, meta, slot_bytes)
         local_off = None
@@ -310,14 +358,14 @@ class PrefillDataPath(RankBase[PrefillRoom]):
             with self._live_transport.remote_view(remote, remote_off, nbytes) as view:
                 if view is not None and self._gatherable(view):
                     t1 = time.perf_counter()
-                    self._gather(piece, view, ready)
+                    self._gather(plan, piece, view, ready, layers)
                     ticket = Ticket.completed(f"room {rec.room}: gathered into the reader's slot")
                     in_place = True
             if not in_place:
                 local_off = self._alloc_local(rec, nbytes)
                 t1 = time.perf_counter()
                 staging = self._live_staging
-                self._gather(piece, staging.view(local_off, nbytes), ready)
+                self._gather(plan, piece, staging.view(local_off, nbytes), ready, layers)
                 loc = staging.locate(local_off)  # the segment region holding local_off
                 ticket = self._live_transport.write(
                     self._open(loc.region, "staging region"), remote, [loc.offset], [remote_off], [nbytes]
@@ -332,7 +380,7 @@ class PrefillDataPath(RankBase[PrefillRoom]):
         rec.timings["plan"] += t_planned - t0
         rec.timings["wait"] += t1 - t_planned  # flow control: a free staging slot on both sides
         rec.timings["gather"] += t2 - t1
-        return _Slot(ticket, local_off, remote_off, nbytes, a, b, t2)
+        return _Slot(ticket, local_off, remote_off, nbytes, a, b, t2, layers)
 
     def _gatherable(self, view: object) -> bool:
         """Whether the gather kernel may write ``view`` in place: a view on another device
@@ -346,23 +394,25 @@ class PrefillDataPath(RankBase[PrefillRoom]):
 
         return torch.device(device) == self._live_pool.buffers[0].device
 
-    def _gather(self, piece: KVSlice, out, ready: Synchronizable | None = None) -> None:
-        """Gather ``piece`` into ``out`` on the copy stream, after ``ready``; returns once
-        the bytes are in ``out`` (an event wait: the model's streams are not synchronized)."""
+    def _gather(
+        self,
+        plan: RequestPlan,
+        piece: KVSlice,
+        out,
+        ready: Synchronizable | None = None,
+        layers: tuple[int, int] | None = None,
+    ) -> None:
+        """Gather ``piece`` of ``layers`` (default: all) into ``out`` on the copy stream,
+        after ``ready``; returns once the bytes are in ``out`` (an event wait: the model's
+        streams are not synchronized)."""
         from sglang_kvxfer import ops
 
-        g = self.config.geometry
-        pool = self._live_pool
-        self.copy_stream.run(
-            lambda: ops.gather_kv_heads(
-                pool.buffers[: g.num_layers], pool.buffers[g.num_layers :] if g.has_v else None, piece, out=out
-            ),
-            ready,
-        )
+        k, v = plan.layer_buffers(self._live_pool.buffers, layers)
+        self.copy_stream.run(lambda: ops.gather_kv_heads(k, v, piece, out=out), ready)
 
     def _land_slot(self, rec: PrefillRoom, reader: int, entry: _Slot) -> None:
         """Wait for the slot's write, free its local staging and count it."""
-        ticket, local_off, remote_off, nbytes, _a, _b, t_posted = entry
+        ticket, local_off, remote_off, nbytes, _a, _b, t_posted, _layers = entry
         try:
             ticket.wait(self.config.transfer_timeout_s)
         except BaseException:
@@ -391,6 +441,8 @@ class PrefillDataPath(RankBase[PrefillRoom]):
                 num_tokens=entry.b - entry.a,
                 staging_offset=entry.remote_off,
                 chunk_bytes=entry.nbytes,
+                layer_start=entry.layers[0],
+                num_layers=entry.layers[1] - entry.layers[0],
             ),
         )
         rec.timings["notify"] += time.perf_counter() - t3
@@ -434,6 +486,7 @@ class PrefillDataPath(RankBase[PrefillRoom]):
         """Land each staged reader's last slot (``held``, taken over one by one), then send
         every reader its ``TransferDone``, carrying that slot."""
         chunks: dict[int, StagedChunk] = {}
+        layer_spans: dict[int, tuple[int, int]] = {}  # reader -> its last chunk's (layer_start, num_layers)
         for t in readers:
             slot = held.pop(t.decode_rank, None)
             if slot is not None:
@@ -444,6 +497,7 @@ class PrefillDataPath(RankBase[PrefillRoom]):
                     staging_offset=slot.remote_off,
                     chunk_bytes=slot.nbytes,
                 )
+                layer_spans[t.decode_rank] = (slot.layers[0], slot.layers[1] - slot.layers[0])
         timings = {k: round(v, 6) for k, v in rec.timings.items()}
         now = rec.marks["done"] = time.monotonic()  # before the notices: they may land at once
         for key, mark in zip((SINCE_FIRST_BYTE, SINCE_LAST_CHUNK), rec.window()):
@@ -461,6 +515,8 @@ class PrefillDataPath(RankBase[PrefillRoom]):
                     aux_payload=aux,
                     timings=timings,
                     last_chunk=chunks.get(t.decode_rank),
+                    last_layer_start=layer_spans.get(t.decode_rank, (0, 0))[0],
+                    last_num_layers=layer_spans.get(t.decode_rank, (0, 0))[1],
                 ),
             )
         with self._lock:

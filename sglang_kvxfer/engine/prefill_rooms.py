@@ -36,12 +36,17 @@ class Synchronizable(Protocol):
 
 @dataclass
 class Chunk:
-    """Pages a sender handed over, in request order (``ready``: see ``KVSender.send``)."""
+    """Pages a sender handed over, in request order (``ready``: see ``KVSender.send``).
+
+    ``layers``: the layers ``[start, stop)`` of the chunk's tokens that are final (layer-wise
+    streaming); None: every layer. Layer groups of one token chunk after its first carry no
+    pages (they name the tokens the first group opened)."""
 
     pages: np.ndarray
     last: bool
     aux: bytes
     ready: Synchronizable | None = None  # the pages' KV is written once its synchronize() returns
+    layers: tuple[int, int] | None = None
 
 
 class PrefillRoom:

@@ -63,8 +63,8 @@ def _byte_view(place: RankPlacement, buffer, index: int):
 
 
 def _kinds(place: RankPlacement) -> list[tuple[int, int, int]]:
-    """(buffer index, layer, K|V) of every kind of row: K of every layer, then V (HND_KV:
-    both in buffer ``layer``)."""
+    """(buffer index, layer, K|V) of every kind of row: K of every layer, then V (HND_KV,
+    NHD_KV: both in buffer ``layer``)."""
     g = place.geometry
     if g.packed_kv:
         return [(layer, layer, kind) for layer in range(g.num_layers) for kind in (0, 1)]
@@ -82,21 +82,31 @@ def _rows_index(place: RankPlacement, kind: int, pg: np.ndarray, slot: np.ndarra
     if g.layout is Layout.HND_KV:
         heads = torch.arange(place.num_local_heads, device=device)[None, :]
         return (pages[:, None], heads, kind, slots[:, None])
+    if g.layout is Layout.NHD_KV:  # [pages, page_size, heads, K bytes | V bytes]
+        heads = torch.arange(place.num_local_heads, device=device)[None, :]
+        k_bytes = g.head_dim * g.itemsize
+        part = slice(0, k_bytes) if kind == 0 else slice(k_bytes, None)
+        return (pages[:, None], slots[:, None], heads, part)
     return (pages, slice(None), slots)
+
+
+def _kind_bytes(place: RankPlacement, kind: int) -> int:
+    """Bytes of one row of kind ``kind`` (0: K, 1: V)."""
+    g = place.geometry
+    return (g.head_dim if kind == 0 else g.v_head_dim or 0) * g.itemsize
 
 
 def fill_request(place: RankPlacement, buffers: Sequence, room: int, pages, token_start: int, num_tokens: int) -> None:
     """Write the content of this rank's owned heads for tokens ``[token_start, +num_tokens)``
-    into ``pages`` of ``buffers`` (torch tensors, K of every layer then V; HND_KV: one per
-    layer)."""
+    into ``pages`` of ``buffers`` (torch tensors, K of every layer then V; HND_KV, NHD_KV: one
+    per layer)."""
     import torch
 
-    g = place.geometry
     pages = np.asarray(pages, dtype=np.int64)
     pg, slot = _token_rows(place, pages, token_start, num_tokens)
     heads = list(place.heads)
     for b, layer, kind in _kinds(place):
-        data = row_bytes(room, layer, kind, heads, token_start, num_tokens, g.buffer_dim(b) * g.itemsize)
+        data = row_bytes(room, layer, kind, heads, token_start, num_tokens, _kind_bytes(place, kind))
         dst = _byte_view(place, buffers[b], b)
         dst[_rows_index(place, kind, pg, slot, dst.device)] = torch.from_numpy(data).to(dst.device)
 
@@ -104,13 +114,12 @@ def fill_request(place: RankPlacement, buffers: Sequence, room: int, pages, toke
 def verify_request(place: RankPlacement, buffers: Sequence, room: int, pages, num_tokens: int) -> list[str]:
     """Compare every byte of this rank's owned heads for tokens ``[0, num_tokens)`` in
     ``pages`` with the expected content. Returns a list of problems (empty when exact)."""
-    g = place.geometry
     pages = np.asarray(pages, dtype=np.int64)
     pg, slot = _token_rows(place, pages, 0, num_tokens)
     heads = list(place.heads)
     problems = []
     for b, layer, kind in _kinds(place):
-        want = row_bytes(room, layer, kind, heads, 0, num_tokens, g.buffer_dim(b) * g.itemsize)
+        want = row_bytes(room, layer, kind, heads, 0, num_tokens, _kind_bytes(place, kind))
         src = _byte_view(place, buffers[b], b)
         got = src[_rows_index(place, kind, pg, slot, src.device)].cpu().numpy()
         if not np.array_equal(got, want):

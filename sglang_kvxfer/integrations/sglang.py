@@ -14,6 +14,12 @@ instead of raising into the event loop; on the decode side the aux (metadata) sl
 written before ``Success`` is reported, so SGLang's metadata gate sees the request's
 ``bootstrap_room``. KVArgs/ServerArgs translation lives in ``sglang_args``; the backend
 lookup patch in ``sglang_install``. Importing this module imports SGLang's base module.
+
+Attention DP (``--enable-dp-attention``): every prefill DP group registers with the one
+bootstrap under its DP rank; a decode rank learns the groups with the parallel info, and a
+receiver routed to DP group N (SGLang's rule: the router's ``data_parallel_rank``, else
+``bootstrap_room % dp_size``) plans against that group only, known to the engine as a prefill
+group of its own (``bootstrap.group_address``).
 """
 
 from __future__ import annotations
@@ -95,9 +101,12 @@ class PrefillInfo:
     """What SGLang's decode scheduler reads from ``kv_manager.prefill_info_table[addr]``."""
 
     attn_tp_size: int
-    dp_size: int = 1  # one prefill DP group per bootstrap
+    dp_size: int = 1  # prefill attention-DP groups behind the bootstrap
+    # The decode picks a request's DP group as bootstrap_room % dp_size: a kvxfer prefill
+    # refuses any other load balancing (sglang_args), so this is always True.
     follow_bootstrap_room: bool = True
     problem: str = ""  # why requests to this prefill cannot work ("" if they can)
+    dp_groups: tuple[int, ...] = (0,)  # the DP groups registered when this was read
 
 
 def _role(mode: Any) -> str:
@@ -165,6 +174,17 @@ def _transport(device: str, ib_device: str, gpu_id: int) -> str:
     return name
 
 
+def _resolved(server_args: Any) -> Any:
+    """``server_args`` as SGLang's resolution decided them (``--enable-dp-attention`` becomes
+    ``attn_dp_size``, ``load_balance_method=auto`` a method): the running server's schedulers
+    receive the record with the declarations beside the fields."""
+    try:
+        from sglang.srt.arg_groups.model_override_base import resolving_view
+    except ImportError:
+        return server_args
+    return resolving_view(server_args)
+
+
 def _model_total_kv_heads(server_args: Any) -> int:
     """The model's un-sharded KV head count, read as SGLang's scheduler reads it."""
     from sglang.srt.configs.model_config import ModelConfig
@@ -185,7 +205,15 @@ class KVXferKVManager(BaseKVManager):
         self.server_args = server_args
         self.is_mla_backend = bool(is_mla_backend)
         self.role = _role(disaggregation_mode)
-        self.plan = plan_from_server_args(server_args, self.role)
+        self.plan = plan_from_server_args(_resolved(server_args), self.role)
+        if self.role == "decode" and os.environ.get(
+            "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", ""
+        ).strip().lower() in ("1", "true", "yes", "on"):
+            raise KVXferError(
+                "the kvxfer transfer backend does not support SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK: "
+                "its bootstrap has no per-request DP rank registry; the decode routes by the router's "
+                "data_parallel_rank or bootstrap_room % dp_size"
+            )
         dtype = kv_dtype(getattr(args, "kv_cache_dtype_str", None), getattr(server_args, "dtype", None))
         self.layout: SglangLayout = layout_from_kv_args(
             args,
@@ -206,6 +234,7 @@ class KVXferKVManager(BaseKVManager):
         bootstrap_s = _sglang_timeout(envs.KVXFER_BOOTSTRAP_TIMEOUT_S, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")
         waiting_s = _sglang_timeout(envs.KVXFER_WAITING_TIMEOUT_S, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT")
         lay = self.layout
+        self.dp_rank = self.plan.dp_rank(int(args.engine_rank))
         self.config = EngineConfig(
             self.role,
             lay.geometry,
@@ -217,12 +246,22 @@ class KVXferKVManager(BaseKVManager):
             device=device,
             bootstrap_timeout_s=envs.KVXFER_BOOTSTRAP_TIMEOUT_S.get() if bootstrap_s is None else bootstrap_s,
             waiting_timeout_s=envs.KVXFER_WAITING_TIMEOUT_S.get() if waiting_s is None else waiting_s,
+            dp_rank=self.dp_rank,
+            dp_size=self.plan.attn_dp_size if self.role == "prefill" else 1,
         )
         pool = KVPool.from_pointers(self.config.placement, lay.kv_ptrs, lay.kv_lens, device)
         self.engine: RankBase = KVManager(self.config, pool)
         self.prefill_info_table: dict[str, PrefillInfo] = {}
+        dp = self.plan.attn_dp_size
+        where = f" of DP group {self.dp_rank}/{dp}" if self.role == "prefill" else f" (attention DP {dp})"
         log.info(
-            "kvxfer %s rank %d/%d: %s over %s", self.role, lay.tp_rank, lay.tp_size, lay.geometry, self.config.transport
+            "kvxfer %s rank %d/%d%s: %s over %s",
+            self.role,
+            lay.tp_rank,
+            lay.tp_size,
+            where if dp > 1 else "",
+            lay.geometry,
+            self.config.transport,
         )
 
     @property
@@ -265,6 +304,14 @@ class KVXferKVManager(BaseKVManager):
         status, _, tp_size, geometry = self.decode_engine.prefill_group_status(bootstrap_addr)
         if status not in ("ready", "failed"):
             return False
+        dp_size = 1
+        dp_groups: tuple[int, ...] = (0,)  # a prefill without attention DP
+        if status == "ready":  # DP group 0 is registered: ask how many groups there are
+            try:
+                dp_size, dp_groups = self._prefill_dp_groups(bootstrap_addr)
+            except KVXferError as exc:
+                log.warning("kvxfer: the DP groups behind bootstrap %s: %s (asking again)", bootstrap_addr, exc)
+                return False
         problem = ""
         ours = self.layout.geometry.page_size
         if geometry is not None and geometry.page_size != ours:
@@ -273,8 +320,21 @@ class KVXferKVManager(BaseKVManager):
             problem = (
                 f"page_size: prefill={geometry.page_size} decode={ours} (start both servers with the same --page-size)"
             )
-        self.prefill_info_table[bootstrap_addr] = PrefillInfo(attn_tp_size=tp_size, problem=problem)
+        self.prefill_info_table[bootstrap_addr] = PrefillInfo(
+            attn_tp_size=tp_size, dp_size=dp_size, problem=problem, dp_groups=dp_groups
+        )
         return True
+
+    def _prefill_dp_groups(self, bootstrap_addr: str) -> tuple[int, tuple[int, ...]]:
+        """``(dp_size, registered DP groups)`` of the prefill behind ``bootstrap_addr``: one
+        query (the bootstrap just answered this rank's engine), under a session of its own."""
+        from sglang_kvxfer.engine import bootstrap
+        from sglang_kvxfer.protocol.messages import BootstrapQuery
+
+        eng = self.decode_engine
+        query = BootstrapQuery(session=f"{eng.session}.dp", tp_rank=eng.tp_rank)
+        reply = bootstrap.request(bootstrap_addr, query, timeout_s=2.0, key=self.config.key)
+        return max(reply.dp_size, 1), tuple(reply.dp_groups) or (0,)
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         # A decode rank of another TP width receives a slice of what the prefill digested.
@@ -403,6 +463,15 @@ class KVXferKVSender(_Request, BaseKVSender):
         self._started: float | None = None
         self._latency: float | None = None
         self._engine = self._sender = KVSender(mgr.prefill_engine, self.bootstrap_room)
+        dp_size = mgr.plan.attn_dp_size
+        if dp_size > 1 and not req_has_disagg_prefill_dp_rank and self.bootstrap_room % dp_size != mgr.dp_rank:
+            # The decode looks for this request in DP group bootstrap_room % dp_size
+            # (SGLang's follow_bootstrap_room); serving it here would never be found.
+            self._fail(
+                f"prefill DP group {mgr.dp_rank} was given bootstrap_room={self.bootstrap_room}, which "
+                f"follow_bootstrap_room routes to DP group {self.bootstrap_room % dp_size} "
+                f"(bootstrap_room % dp_size, dp_size={dp_size}); the decode looks for it there"
+            )
 
     def init(self, num_kv_indices: int, aux_index: int | None = None):
         """The request's page count (its last page may be partial) and metadata slot."""
@@ -482,8 +551,6 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
     """Decode side of one request."""
 
     def __init__(self, mgr: KVXferKVManager, bootstrap_addr: str, bootstrap_room: int | None = None):
-        from sglang_kvxfer.engine import KVReceiver
-
         if not isinstance(mgr, KVXferKVManager) or mgr.role != "decode":
             raise TypeError(f"mgr must be a decode KVXferKVManager, got {mgr!r}")
         self._setup(bootstrap_room)
@@ -494,13 +561,15 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         self.bootstrap_infos = None  # read by SGLang only for deferred releases (not offered)
         self.aux_index: int | None = None
         self._inited = False
-        self._receiver: KVReceiver | None = None  # None only when bootstrap_addr was bad (request failed)
+        self.prefill_dp_rank: int | None = None  # the prefill DP group, from init()
+        self._dp_size = 1
+        # The engine's request is made by init(), once the prefill DP group is known; None
+        # before that, or when the request failed first.
+        self._receiver: KVReceiver | None = None
         try:
             parse_host_port(bootstrap_addr, "bootstrap_addr")
         except ValueError as exc:
             self._fail(str(exc))
-            return
-        self._engine = self._receiver = KVReceiver(mgr.decode_engine, self.bootstrap_room, bootstrap_addr)
 
     @property
     def _rx(self) -> KVReceiver:
@@ -510,15 +579,43 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         return rx
 
     def init(self, prefill_dp_rank: int):
-        if prefill_dp_rank != 0:
-            return self._fail(
-                f"init(): prefill_dp_rank={prefill_dp_rank!r}, but the kvxfer backend "
-                "serves one prefill DP group per bootstrap (rank 0)"
-            )
+        """Route this request to prefill DP group ``prefill_dp_rank`` (SGLang's
+        ``_resolve_prefill_dp_rank``: the router's rank, else ``bootstrap_room % dp_size``)
+        and start the engine's request against that group's ranks."""
+        from sglang_kvxfer.engine import KVReceiver, bootstrap
+
+        if self.conclude_state is not None or self._receiver is not None:
+            return
         info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
-        if info is not None and info.problem:
+        dp_size, groups = (info.dp_size, info.dp_groups) if info is not None else (1, (0,))
+        if isinstance(prefill_dp_rank, bool) or not isinstance(prefill_dp_rank, (int, np.integer)):
+            return self._fail(f"init(): prefill_dp_rank={prefill_dp_rank!r} must be an int")
+        if not 0 <= prefill_dp_rank < dp_size:
+            return self._fail(
+                f"init(): prefill_dp_rank={prefill_dp_rank} names no DP group of the prefill at "
+                f"{self.bootstrap_addr}: it registered dp_size={dp_size} (DP groups {list(groups)})"
+            )
+        self.prefill_dp_rank, self._dp_size = int(prefill_dp_rank), dp_size
+        try:
+            group = bootstrap.group_address(self.bootstrap_addr, self.prefill_dp_rank)
+            self._engine = self._receiver = KVReceiver(self.kv_mgr.decode_engine, self.bootstrap_room, group)
+        except Exception as exc:
+            return self._fail_from("init()", exc)
+        if info is not None and info.problem:  # after the engine's request: its group hears it
             return self._fail(info.problem)
         self._inited = True
+
+    def failure_exception(self):
+        try:
+            super().failure_exception()
+        except KVXferTransferError as exc:
+            if self._dp_size > 1 and not exc.is_from_another_rank:  # name the group it was routed to
+                raise KVXferTransferError(
+                    self.bootstrap_room,
+                    f"{exc.failure_reason} [prefill DP group {self.prefill_dp_rank} of dp_size={self._dp_size} "
+                    f"at {self.bootstrap_addr}]",
+                ) from None
+            raise
 
     def send_metadata(
         self,
@@ -564,6 +661,8 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
     def poll(self) -> int:
         if self.conclude_state is not None:
             return self.conclude_state
+        if self._receiver is None:
+            return self._observe(KVPoll.Bootstrapping)  # init() has not routed it yet
         state = int(self._rx.poll())
         if state == KVPoll.Success and not self._deliver_aux():
             return KVPoll.Failed

@@ -2,9 +2,9 @@
 
 Owns the translation of the attribute bag SGLang hands every transfer backend into a full ``KVGeometry`` with the buffer addresses, the aux
 (metadata) buffer layout and the packing of one aux slot, and the reading of the few
-``ServerArgs`` fields that decide the attention TP size and the bootstrap address. Every
-feature this backend does not carry (PP, attention DP/CP, extra per-request state...) is
-refused here with a message that names the setting.
+``ServerArgs`` fields that decide the attention TP and DP sizes and the bootstrap address.
+Every feature this backend does not carry (PP, attention CP, plain DP replicas, extra
+per-request state...) is refused here with a message that names the setting.
 
 Head counts are never inferred from byte lengths: the total comes from
 ``KVArgs.total_kv_head_num`` (or the model config, through the caller), the per-rank count
@@ -73,6 +73,8 @@ SERVER_ARGS_FIELDS = (
     "disaggregation_decode_allocation_policy",
     "enable_pd_role_switch",
     "dtype",
+    "enable_dp_attention",
+    "load_balance_method",
 )
 
 _PR_TOTAL_HEADS = (
@@ -104,6 +106,14 @@ class ServerPlan:
     bootstrap: str  # "host:port" where the prefill ranks register
     device: str  # "cpu" or "cuda" (the kind of memory the KV pool is in)
     ib_device: str  # --disaggregation-ib-device ("" when unset)
+    attn_dp_size: int = 1  # attention-DP groups (--dp-size with --enable-dp-attention)
+
+    def dp_rank(self, engine_rank: int) -> int:
+        """The attention-DP group of the rank with ``KVArgs.engine_rank``. SGLang's prefill
+        passes its global TP rank there, laid out (dp, tp) with tp fastest, so the group is
+        ``engine_rank // attn_tp_size`` (SGLang's ``derive_attention_ranks``). SGLang's decode
+        passes ``tp_rank % attn_tp_size``: its group is not needed for a transfer."""
+        return engine_rank // self.attn_tp_size if self.role == "prefill" else 0
 
 
 def _not_supported(flag: str, value: Any, why: str) -> KVXferError:
@@ -121,18 +131,36 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
     if role not in ("prefill", "decode"):
         raise ValueError(f"role={role!r} must be 'prefill' or 'decode'")
     tp = _get(server_args, "tp_size", 1)
+    dp = _get(server_args, "dp_size", 1) or 1
     attn_dp = _get(server_args, "attn_dp_size", 1) or 1
+    if attn_dp == 1 and dp > 1 and _get(server_args, "enable_dp_attention", False):
+        attn_dp = dp  # not yet resolved: SGLang turns --enable-dp-attention into attn_dp_size=dp_size
     attn_cp = _get(server_args, "attn_cp_size", 1) or 1
     checks = (
         ("--pp-size", _get(server_args, "pp_size", 1) or 1, "pipeline-parallel KV transfer is not implemented"),
-        ("--dp-size", _get(server_args, "dp_size", 1) or 1, "one bootstrap serves one prefill TP group here"),
-        ("--attn-dp-size", attn_dp, "one bootstrap serves one prefill TP group here"),
+        (
+            "--dp-size",
+            dp if attn_dp == 1 else 1,
+            "data-parallel replicas without --enable-dp-attention (full TP groups behind one "
+            "bootstrap) are not implemented; attention DP (--enable-dp-attention) is",
+        ),
         ("--attn-cp-size", attn_cp, "context-parallel KV transfer is not implemented"),
         ("--dcp-size", _get(server_args, "dcp_size", 1) or 1, "decode context parallel is not implemented"),
     )
     for flag, value, why in checks:
         if value != 1:
             raise _not_supported(flag, value, why)
+    if dp not in (1, attn_dp):
+        raise _not_supported("--dp-size", dp, f"it must equal the attention-DP size {attn_dp} or be 1")
+    lb = _get(server_args, "load_balance_method", "auto") or "auto"
+    if role == "prefill" and attn_dp > 1 and lb not in ("auto", "follow_bootstrap_room"):
+        raise _not_supported(
+            "--load-balance-method",
+            lb,
+            "a decode finds a request's prefill DP group from its bootstrap_room (SGLang's "
+            "follow_bootstrap_room, the prefill default) or from the router's data_parallel_rank; "
+            "the bootstrap's per-request DP rank registry is not implemented",
+        )
     if _get(server_args, "enable_pd_role_switch", False):
         raise _not_supported("--enable-pd-role-switch", True, "the backend has no teardown")
     policy = _get(server_args, "disaggregation_decode_allocation_policy", "early") or "early"
@@ -143,6 +171,9 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
             "only 'early' (decode allocates before prefill finishes) is implemented",
         )
     tp = _int("ServerArgs.tp_size", tp, 1)
+    attn_dp = _int("ServerArgs.attn_dp_size", attn_dp, 1)
+    if tp % (attn_dp * attn_cp):
+        raise GeometryError(f"ServerArgs.tp_size={tp} is not a multiple of the attention-DP size {attn_dp}")
     device = _get(server_args, "device", None) or "cuda"  # None: SGLang auto-detects a GPU
     if device not in ("cpu", "cuda"):
         raise _not_supported("--device", device, "KV pools must be CPU or CUDA/ROCm GPU memory")
@@ -159,6 +190,7 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         bootstrap=f"{host}:{port}",
         device=device,
         ib_device=str(_get(server_args, "disaggregation_ib_device", "") or ""),
+        attn_dp_size=attn_dp,
     )
 
 

@@ -19,6 +19,7 @@ why a path was chosen. Page lists are validated, never truncated. No I/O, no tor
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypedDict
 
@@ -32,6 +33,7 @@ from sglang_kvxfer.planning.tp import HeadTransfer
 __all__ = [
     "PairPlan",
     "DirectPlan",
+    "PathCost",
     "StagedPlan",
     "plan_pair",
     "coalesce",
@@ -43,7 +45,49 @@ __all__ = [
 
 # One staged write never exceeds this (MORI and most verbs stacks cap a WR below 4 GiB).
 MAX_WRITE_BYTES = 1 << 30
-DIRECT_MIN_OP_BYTES = 64 * 1024  # the default of KVXFER_DIRECT_MIN_OP_BYTES
+DIRECT_MIN_OP_BYTES = 64 * 1024  # the fixed rule's threshold, where no transport cost is given
+
+
+@dataclass(frozen=True)
+class PathCost:
+    """What ``auto`` weighs to pick a contiguous pair's path: one transport's costs in one
+    kind of memory (a transport declares them: ``Transport.path_cost(device)``).
+
+    ``per_op_s``: seconds to post one write op (a direct page run, or one staged slot);
+    ``bytes_per_s``: the transport's bandwidth for those writes; ``copy_bytes_per_s``: a
+    gather or a scatter, the two extra copies of the staged path; ``stage_fixed_s``: what
+    staging adds once whatever the bytes (the gather and scatter launches and the reader's
+    ChunkReady/ChunkAck hop); ``source``: where the numbers come from, quoted in plan
+    reasons. The estimates::
+
+        direct = ops x per_op_s + bytes / bytes_per_s
+        staged = 2 x bytes / copy_bytes_per_s + slots x per_op_s + stage_fixed_s + bytes / bytes_per_s
+    """
+
+    per_op_s: float
+    bytes_per_s: float
+    copy_bytes_per_s: float
+    stage_fixed_s: float = 100e-6
+    source: str = "declared"
+
+    def __post_init__(self) -> None:
+        for name in ("per_op_s", "bytes_per_s", "copy_bytes_per_s", "stage_fixed_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"PathCost.{name}={value!r} must be a finite number")
+            rate = name.endswith("bytes_per_s")
+            if value < 0 or (value == 0 and rate):
+                raise ValueError(f"PathCost.{name}={value!r} must be {'> 0' if rate else '>= 0'}")
+
+    def direct_s(self, ops: int, nbytes: int) -> float:
+        """Estimated seconds of ``ops`` direct writes moving ``nbytes``."""
+        return ops * self.per_op_s + nbytes / self.bytes_per_s
+
+    def staged_s(self, slots: int, nbytes: int) -> float:
+        """Estimated seconds of gather + ``slots`` writes + scatter of ``nbytes``."""
+        return (
+            2 * nbytes / self.copy_bytes_per_s + slots * self.per_op_s + self.stage_fixed_s + nbytes / self.bytes_per_s
+        )
 
 
 @dataclass(frozen=True)
@@ -232,7 +276,8 @@ def plan_pair(
     token_start: int = 0,
     token_stop: int | None = None,
     path: DataPath | str | None = "auto",
-    direct_min_op_bytes: int = DIRECT_MIN_OP_BYTES,
+    direct_min_op_bytes: int | None = None,
+    cost: PathCost | None = None,
 ) -> PairPlan:
     """Byte plan of one (writer, reader) pair for one request or one chunk of it.
 
@@ -249,8 +294,13 @@ def plan_pair(
             ``EngineConfig.data_path``). ``direct`` falls back to staged where the bytes are not
             contiguous. ``per_token`` is SGLang's pattern (one op per token, per head run, per
             buffer), kept only as a baseline for benchmarks.
-        direct_min_op_bytes: under ``auto``, a contiguous pair whose direct ops average fewer
-            bytes than this (and more than 4 per buffer) is staged instead.
+        direct_min_op_bytes: ``auto``'s fixed rule (``KVXFER_DIRECT_MIN_OP_BYTES``): a
+            contiguous pair whose direct ops average fewer bytes than this (and more than 4
+            per buffer) is staged. Given, it wins over ``cost``; None: ``cost``, or
+            ``DIRECT_MIN_OP_BYTES`` without one.
+        cost: the cost rule: under ``auto``, a contiguous pair goes direct when
+            ``cost.direct_s`` of its direct ops is at most ``cost.staged_s`` of staging it
+            (``PathCost``, what the writer's transport declares: ``Transport.path_cost``).
 
     Raises:
         PlanError: page lists that do not cover the tokens, out-of-range or repeated page
@@ -265,9 +315,8 @@ def plan_pair(
     total = _resolve_num_tokens(num_tokens, src_arr, dst_arr, gs.page_size, gd.page_size)
     start, stop = _resolve_range(token_start, token_stop, total)
     _check_coverage(src_arr, dst_arr, gs.page_size, gd.page_size, stop)
-    return _plan_range(
-        transfer, src, dst, src_arr, dst_arr, start, stop, _parse_path(path), direct_min_op_bytes, compat
-    )
+    rule = cost if direct_min_op_bytes is None else direct_min_op_bytes
+    return _plan_range(transfer, src, dst, src_arr, dst_arr, start, stop, _parse_path(path), rule, compat)
 
 
 def _parse_path(path: DataPath | str | None) -> DataPath:
@@ -309,10 +358,12 @@ def _plan_range(
     start: int,
     stop: int,
     choice: DataPath,
-    direct_min_op_bytes: int,
+    direct_min_op_bytes: int | PathCost | None,
     compat: Compatibility,
 ) -> DirectPlan | StagedPlan:
-    """``plan_pair`` on page lists and a token range already checked."""
+    """``plan_pair`` on page lists and a token range already checked. ``direct_min_op_bytes``
+    is ``auto``'s rule: a ``PathCost`` (the cost rule), an int threshold (the fixed rule),
+    or None (the fixed rule at ``DIRECT_MIN_OP_BYTES``)."""
     gs = src.geometry
     count = stop - start
     n = transfer.num_heads
@@ -342,7 +393,7 @@ def _plan_range(
         use_direct, why = True, "contiguous on both sides"
         if choice is DataPath.AUTO:
             use_direct, why = _auto_prefers_direct(
-                _op_count(gs.num_layers, direct), nbytes, len(direct[0]), direct_min_op_bytes
+                _op_count(gs.num_layers, direct), nbytes, len(direct[0]), direct_min_op_bytes, staged_ops
             )
         if use_direct or count == 0:
             return DirectPlan(**common, reason=why, k_ops=direct[0], v_ops=direct[1])
@@ -357,23 +408,50 @@ def _plan_range(
 
 
 _PER_TOKEN_PACKING = (
-    "per_token needs the same buffers on both sides, but one packs K and V per layer (HND_KV); staged instead"
+    "per_token needs the same buffers on both sides, but one packs K and V per layer (HND_KV, NHD_KV) "
+    "and the other does not, or packs them another way; staged instead"
 )
 
 
 def per_token_possible(src: RankPlacement, dst: RankPlacement) -> bool:
     """Whether the per-token baseline can address both sides with one op list per buffer kind
-    (not between an HND_KV pool and a pool with separate K and V buffers)."""
-    return src.geometry.packed_kv == dst.geometry.packed_kv
+    (not between an HND_KV or NHD_KV pool and a pool with another packing)."""
+    gs, gd = src.geometry, dst.geometry
+    return gs.packed_kv == gd.packed_kv and (not gs.packed_kv or gs.layout == gd.layout)
 
 
-def _auto_prefers_direct(direct_count: int, nbytes: int, ops_per_buffer: int, min_op: int) -> tuple[bool, str]:
+def _auto_prefers_direct(
+    direct_count: int,
+    nbytes: int,
+    ops_per_buffer: int,
+    rule: int | PathCost | None,
+    staged_ops: int = 1,
+) -> tuple[bool, str]:
+    """``auto``'s choice for a contiguous pair, and why, with the numbers."""
     avg = nbytes / max(direct_count, 1)
-    if ops_per_buffer <= 4 or avg >= min_op:
-        return True, f"contiguous on both sides ({ops_per_buffer} op(s) per buffer, {avg:.0f} B per op)"
+    if isinstance(rule, PathCost):
+        cost = rule
+        direct_s, staged_s = cost.direct_s(direct_count, nbytes), cost.staged_s(staged_ops, nbytes)
+        terms = (
+            f"direct {direct_count} op(s) x {cost.per_op_s * 1e6:.3g} us + {nbytes} B / "
+            f"{cost.bytes_per_s / 1e9:.3g} GB/s = {direct_s * 1e3:.3g} ms "
+            f"{'<=' if direct_s <= staged_s else '>'} staged 2 x {nbytes} B / "
+            f"{cost.copy_bytes_per_s / 1e9:.3g} GB/s + {staged_ops} slot(s) x "
+            f"{cost.per_op_s * 1e6:.3g} us + {cost.stage_fixed_s * 1e6:.3g} us + {nbytes} B / "
+            f"{cost.bytes_per_s / 1e9:.3g} GB/s = {staged_s * 1e3:.3g} ms ({cost.source})"
+        )
+        if direct_s <= staged_s:
+            return True, f"contiguous on both sides, {avg:.0f} B per op: {terms}"
+        return False, f"contiguous but fragmented, {avg:.0f} B per op: {terms}; staging is cheaper"
+    rule = DIRECT_MIN_OP_BYTES if rule is None else rule
+    if ops_per_buffer <= 4 or avg >= rule:
+        return True, (
+            f"contiguous on both sides ({ops_per_buffer} op(s) per buffer, {avg:.0f} B per op; "
+            f"the fixed rule, direct_min_op_bytes={rule}, KVXFER_DIRECT_MIN_OP_BYTES)"
+        )
     return False, (
         f"contiguous but fragmented ({ops_per_buffer} ops per buffer of {avg:.0f} B "
-        f"< direct_min_op_bytes={min_op}, KVXFER_DIRECT_MIN_OP_BYTES); staging is fewer, larger writes"
+        f"< direct_min_op_bytes={rule}, the fixed rule, KVXFER_DIRECT_MIN_OP_BYTES); staging is fewer, larger writes"
     )
 
 
@@ -457,9 +535,9 @@ def _resolve_range(start: int, stop: int | None, total: int) -> tuple[int, int]:
 
 def _layouts(place: RankPlacement) -> set[Layout]:
     # With one local head, NHD [pages*S, 1, dim] and HND [pages, 1, S, dim] are the same
-    # bytes, so such a side can be read either way (HND_KV [pages, 1, 2, S, dim] is not).
+    # bytes, so such a side can be read either way (HND_KV and NHD_KV, K and V in one buffer, are not).
     layout = place.geometry.layout
-    if place.num_local_heads == 1 and layout is not Layout.HND_KV:
+    if place.num_local_heads == 1 and not place.geometry.packed_kv:
         return {Layout.NHD, Layout.HND}
     return {layout}
 
@@ -485,6 +563,10 @@ def _direct_ops(
         ops = [_hnd_ops(t, src, dst, src_pages, dst_pages, start, stop, d) for d in dims]
     elif Layout.HND_KV in both and g.page_size == dst.geometry.page_size:
         ops = [_hnd_ops(t, src, dst, src_pages, dst_pages, start, stop, g.head_dim, kinds=2)]
+    elif Layout.NHD_KV in both and n == src.num_local_heads == dst.num_local_heads:
+        # A token's heads are one row of heads x (K + V): token runs, any page sizes.
+        rows = _token_runs(src_pages, dst_pages, g.page_size, dst.geometry.page_size, start, stop)
+        ops = [coalesce(*(rows.T * np.array([[n * sum(dims) * g.itemsize]] * 3)))]
     else:
         return None
     return ops[0], (ops[1] if len(ops) > 1 else None)
@@ -500,11 +582,19 @@ def _per_token_ops(
     stop: int,
 ) -> _KVOps:
     """One op per token and head run (NHD: the token's head slice; HND: each head's slot).
-    Both sides HND_KV: the K and the V row of each head's slot, all in one op list."""
+    Both sides HND_KV: the K and the V row of each head's slot, all in one op list. Both sides
+    NHD_KV: the token's head slice of K-and-V rows, one op."""
     g, gd = src.geometry, dst.geometry
     tok = np.arange(start, stop, dtype=np.int64)
     sp, ss = src_pages[tok // g.page_size], tok % g.page_size
     dp, ds = dst_pages[tok // gd.page_size], tok % gd.page_size
+    if g.layout is Layout.NHD_KV:  # per_token_possible: both sides NHD_KV
+        item = (g.head_dim + _v_head_dim(g)) * g.itemsize
+        so = ((sp * g.page_size + ss) * src.num_local_heads + t.src_head_start) * item
+        do = ((dp * gd.page_size + ds) * dst.num_local_heads + t.dst_head_start) * item
+        ops = np.stack([so, do, np.full(tok.size, t.num_heads * item, dtype=np.int64)], axis=1)
+        ops.setflags(write=False)
+        return ops, None
     out: list[np.ndarray] = []
     kinds = [(g.head_dim, 0)] + ([(_v_head_dim(g), 1)] if g.has_v else [])
     for dim, kind in kinds:

@@ -6,7 +6,7 @@ planner's oracle tests, the kernels and the engine are compared against. It must
 performance tricks; the engine's data path lives in ``ops`` and ``transports``.
 
 Buffers are numpy arrays, one per buffer index of a ``RankPlacement`` (K of every layer,
-then V of every layer; HND_KV: one K-and-V buffer per layer), C-contiguous with exactly
+then V of every layer; HND_KV, NHD_KV: one K-and-V buffer per layer), C-contiguous with exactly
 ``placement.buffer_nbytes(i)`` bytes. They are handled as bytes, so any dtype works.
 """
 
@@ -52,8 +52,13 @@ def _kinds(g: KVGeometry, layer: int) -> list[tuple[int, int]]:
     return [(layer, 0), (g.num_layers + layer, 1)][: 2 if g.has_v else 1]
 
 
-def _rows(layout: Layout, kind: int, page_size: int, pg: np.ndarray, slot: np.ndarray, heads: np.ndarray) -> tuple:
-    """Index of the (token, head) rows of one kind in a shaped buffer view."""
+def _rows(
+    layout: Layout, kind: int, page_size: int, pg: np.ndarray, slot: np.ndarray, heads: np.ndarray, k_bytes: int = 0
+) -> tuple:
+    """Index of the (token, head) rows of one kind in a shaped buffer view (``k_bytes``: the
+    K part of an NHD_KV row)."""
+    if layout is Layout.NHD_KV:
+        return (pg, slot, heads, slice(0, k_bytes) if kind == 0 else slice(k_bytes, None))
     if layout is Layout.NHD:
         return (pg * page_size + slot, heads)
     if layout is Layout.HND_KV:
@@ -85,7 +90,8 @@ def gather_np(
     for layer in range(g.num_layers):
         for b, kind in _kinds(g, layer):
             arr = _shaped(place, views[b], b)
-            blocks.append(arr[_rows(g.layout, kind, g.page_size, pg2, slot2, heads_idx)].reshape(-1))
+            rows = _rows(g.layout, kind, g.page_size, pg2, slot2, heads_idx, g.head_dim * g.itemsize)
+            blocks.append(arr[rows].reshape(-1))
     return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.uint8)
 
 
@@ -109,12 +115,12 @@ def scatter_np(
     pos = 0
     for layer in range(g.num_layers):
         for b, kind in _kinds(g, layer):
-            dim_bytes = g.buffer_dim(b) * g.itemsize
+            dim_bytes = (g.head_dim if kind == 0 else g.v_head_dim or 0) * g.itemsize
             size = num_tokens * num_heads * dim_bytes
             block = staging[pos : pos + size].reshape(num_tokens, num_heads, dim_bytes)
             pos += size
             arr = _shaped(place, views[b], b)
-            arr[_rows(g.layout, kind, g.page_size, pg2, slot2, heads_idx)] = block
+            arr[_rows(g.layout, kind, g.page_size, pg2, slot2, heads_idx, g.head_dim * g.itemsize)] = block
     if pos != staging.size:
         raise ValueError(f"staging has {staging.size} bytes; the plan needs {pos}")
 

@@ -4,7 +4,7 @@ Owns ``RequestPlan``: the pair's head transfer, both placements, the request len
 resolved data path, and both page lists, each page checked once (range; uniqueness on
 the reader's side). The engine builds it when a reader's first chunk is known, extends it
 as the writer hands over more pages (checking only the new ones), and cuts it by token
-range for every staging slot or direct write: a ``KVSlice`` costs a view of the page
+range (and layer range: ``nbytes``/``layer_buffers``) for every staging slot or direct write: a ``KVSlice`` costs a view of the page
 list, a direct op list costs the pages of the range. ``plan_pair`` (``byteplan.py``) is
 the one-shot form of the same planning.
 Must not: do I/O, import torch, or re-check pages it already holds.
@@ -23,6 +23,7 @@ from sglang_kvxfer.geometry import RankPlacement, check_compatible
 from sglang_kvxfer.planning.byteplan import (
     DIRECT_MIN_OP_BYTES,
     DirectPlan,
+    PathCost,
     _as_pages,
     _check_coverage,
     _check_transfer,
@@ -73,13 +74,16 @@ class RequestPlan:
         *,
         num_tokens: int,
         path: DataPath | str | None = DataPath.AUTO,
-        direct_min_op_bytes: int = DIRECT_MIN_OP_BYTES,
+        direct_min_op_bytes: int | None = None,
+        cost: PathCost | None = None,
     ) -> RequestPlan:
         """Check the pair and both page lists and resolve the path.
 
         ``auto`` applies ``plan_pair``'s rule to the tokens the page lists cover now (the
-        engine's reader plans with the whole request); ``direct`` falls back to staged
-        where the bytes are not contiguous, with the reason in ``reason``.
+        engine's reader plans with the whole request): ``direct_min_op_bytes`` when given,
+        else the transport's ``cost``, else the fixed rule at ``DIRECT_MIN_OP_BYTES``;
+        ``direct`` falls back to staged where the bytes are not contiguous, with the reason
+        in ``reason``.
 
         Raises:
             PlanError, IncompatibleGeometryError: as ``plan_pair``.
@@ -95,7 +99,8 @@ class RequestPlan:
             resolved, reason = DataPath.PER_TOKEN, "one op per token (SGLang's pattern; benchmark baseline)"
         else:
             covered = min(total, len(src_arr) * gs.page_size, len(dst_arr) * gd.page_size)
-            pair = _plan_range(transfer, src, dst, src_arr, dst_arr, 0, covered, choice, direct_min_op_bytes, compat)
+            rule = cost if direct_min_op_bytes is None else direct_min_op_bytes
+            pair = _plan_range(transfer, src, dst, src_arr, dst_arr, 0, covered, choice, rule, compat)
             resolved, reason = pair.path, pair.reason
         token_nbytes = gs.num_layers * transfer.num_heads * (gs.head_dim + _v_head_dim(gs)) * gs.itemsize
         return cls(
@@ -137,10 +142,43 @@ class RequestPlan:
     def staged(self) -> bool:
         return self.path is DataPath.STAGED
 
-    def nbytes(self, start: int = 0, stop: int | None = None) -> int:
-        """Payload bytes of tokens ``[start, stop)`` (default: the whole request)."""
+    def nbytes(self, start: int = 0, stop: int | None = None, layers: tuple[int, int] | None = None) -> int:
+        """Payload bytes of tokens ``[start, stop)`` (default: the whole request), of layers
+        ``[layers[0], layers[1])`` (default: every layer)."""
         stop = self.num_tokens if stop is None else stop
-        return self.token_nbytes * (stop - start)
+        n = self.token_nbytes * (stop - start)
+        if layers is None:
+            return n
+        a, b = self.check_layers(layers)
+        return n // self.src.geometry.num_layers * (b - a)
+
+    def check_layers(self, layers: tuple[int, int]) -> tuple[int, int]:
+        """``layers`` as ``(start, stop)`` inside ``[0, num_layers)``, non-empty.
+
+        Raises:
+            PlanError: naming the range and the model's layer count.
+        """
+        a, b = int(layers[0]), int(layers[1])
+        num_layers = self.src.geometry.num_layers
+        if not 0 <= a < b <= num_layers:
+            raise PlanError(f"layers [{a}, {b}) must be a non-empty part of the model's layers [0, {num_layers})")
+        return a, b
+
+    def layer_buffers(self, buffers: Any, layers: tuple[int, int] | None, side: str = "src") -> tuple[Any, Any]:
+        """``(k_buffers, v_buffers)`` of layers ``[layers[0], layers[1])`` (None: every
+        layer) of a pool's ``buffers`` (K of every layer, then V; HND_KV: one per layer), as
+        ``ops.gather_kv_heads`` / ``ops.scatter_kv_heads`` take them: a gather or scatter of
+        fewer layers writes or reads a staging ``[layer][K|V][token][heads][dim]`` of those
+        layers only. ``side`` picks the geometry (``"src"`` or ``"dst"``)."""
+        g = (self.src if side == "src" else self.dst).geometry
+        a, b = (0, g.num_layers) if layers is None else self.check_layers(layers)
+        k = buffers[a:b]
+        return k, (buffers[g.num_layers + a : g.num_layers + b] if g.has_v else None)
+
+    @staticmethod
+    def buffer_layer(geometry: Any, buffer_index: int) -> int:
+        """The layer buffer ``buffer_index`` of a pool holds (K of every layer, then V)."""
+        return buffer_index % geometry.num_layers
 
     @staticmethod
     def staged_op_count(nbytes: int) -> int:

@@ -60,8 +60,10 @@ __all__ = [
 # Bump PROTOCOL_VERSION on any change of a message's fields or their meaning; peers with a
 # different version are rejected at the first frame with a message saying so.
 # 2: staging_region moved from DecodeRegister to RequestMeta; 3: TransferDone carries the
-# writer's last staged chunk (last_chunk), which then has no ChunkReady and no ChunkAck.
-PROTOCOL_VERSION = 3
+# writer's last staged chunk (last_chunk), which then has no ChunkReady and no ChunkAck;
+# 4: ChunkReady carries layer_start/num_layers and TransferDone last_layer_start/
+# last_num_layers (layer-wise streaming), and prefill registrations carry their DP group.
+PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name
 MAX_ENDPOINT_CHARS = 256  # "tcp://host:port"

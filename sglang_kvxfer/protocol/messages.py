@@ -71,6 +71,8 @@ __all__ = [
 Room = Annotated[int, Int(0, UINT64_MAX)]  # SGLang's bootstrap_room
 TpSize = Annotated[int, Int(1, MAX_TP_SIZE)]
 TpRank = Annotated[int, Int(0, MAX_TP_SIZE - 1)]
+DpSize = Annotated[int, Int(1, MAX_TP_SIZE)]  # prefill attention-DP groups behind one bootstrap
+DpRank = Annotated[int, Int(0, MAX_TP_SIZE - 1)]
 Count = Annotated[int, Int(0, INT64_MAX)]  # num_* and *_bytes
 Positive = Annotated[int, Int(1, INT64_MAX)]
 OffsetOrNone = Annotated[int, Int(-1, INT64_MAX)]  # -1: not used
@@ -124,6 +126,13 @@ def _rank_below_size(msg: Record, rank_field: str = "tp_rank", size_field: str =
         msg._bad(rank_field, f"={rank} must be < {size_field}={size}")
 
 
+def _layers_fit(msg: Record) -> None:
+    """``num_layers=0`` (every layer) comes with ``layer_start=0``."""
+    start, num = getattr(msg, "layer_start"), getattr(msg, "num_layers")  # noqa: B009
+    if num == 0 and start != 0:
+        msg._bad("layer_start", f"={start} must be 0 when num_layers=0 (every layer)")
+
+
 # -- bootstrap ------------------------------------------------------------------------------
 @message
 class PrefillRegister(Message):
@@ -136,17 +145,24 @@ class PrefillRegister(Message):
     endpoint: Endpoint  # the rank's PULL inbox
     geometry: GeometryField
     transport: TransportName
+    # attention DP (SGLang --enable-dp-attention): this rank's DP group, each group an
+    # attention-TP group of tp_size ranks with its own pools
+    dp_rank: DpRank = 0
+    dp_size: DpSize = 1
 
     def _validate(self) -> None:
         _rank_below_size(self)
+        _rank_below_size(self, "dp_rank", "dp_size")
 
 
 @message
 class BootstrapQuery(Message):
-    """Decode rank -> bootstrap: where are the prefill ranks? (request/reply)."""
+    """Decode rank -> bootstrap: where are the prefill ranks of DP group ``dp_rank``?
+    (request/reply)."""
 
     session: SessionId  # the asking decode process
     tp_rank: TpRank
+    dp_rank: DpRank = 0
 
 
 @record
@@ -170,8 +186,15 @@ class BootstrapReply(Message):
     transport: Annotated[str, Text(32)]
     ranks: Annotated[tuple[PrefillRankInfo, ...], ListOf(Nested(PrefillRankInfo), MAX_TP_SIZE)]
     reason: ErrorText
+    dp_rank: DpRank = 0  # the DP group asked about; ranks are that group's
+    dp_size: Annotated[int, Int(0, MAX_TP_SIZE)] = 0  # 0: no prefill rank registered yet
+    dp_groups: Annotated[tuple[int, ...], ListOf(Int(0, MAX_TP_SIZE - 1), MAX_TP_SIZE)] = ()  # with a rank
 
     def _validate(self) -> None:
+        if len(set(self.dp_groups)) != len(self.dp_groups) or list(self.dp_groups) != sorted(self.dp_groups):
+            self._bad("dp_groups", f"must list DP groups once each, in order, got {list(self.dp_groups)}")
+        if self.dp_size and any(d >= self.dp_size for d in self.dp_groups):
+            self._bad("dp_groups", f"has a DP group >= dp_size={self.dp_size}: {list(self.dp_groups)}")
         seen = [r.tp_rank for r in self.ranks]
         if len(set(seen)) != len(seen):
             self._bad("ranks", f"lists a tp_rank twice: {seen}")
@@ -183,6 +206,8 @@ class BootstrapReply(Message):
             self._bad("reason", f"must be empty when ready, got {self.reason!r}")
         if self.tp_size == 0 or self.geometry is None or not self.transport:
             self._bad("ready", "is True but tp_size, geometry or transport is missing")
+        if self.dp_rank >= max(self.dp_size, 1):
+            self._bad("dp_rank", f"={self.dp_rank} must be < dp_size={self.dp_size} when ready")
         if seen != list(range(self.tp_size)):
             self._bad("ranks", f"must list tp_rank 0..{self.tp_size - 1} once each, got {seen}")
 
@@ -292,7 +317,11 @@ class RequestMeta(Message):
 @message
 class ChunkReady(Message):
     """Prefill -> decode, staged path: one chunk of ``num_tokens`` tokens from
-    ``token_start`` sits at ``staging_offset`` in the pair's staging window."""
+    ``token_start`` sits at ``staging_offset`` in the pair's staging window.
+
+    ``layer_start`` / ``num_layers`` (protocol 4, layer-wise streaming): the chunk holds
+    layers ``[layer_start, layer_start + num_layers)`` of those tokens; ``num_layers=0``
+    means every layer (the engine always sends both explicitly)."""
 
     room: Room
     tp_rank: TpRank  # the writing prefill rank
@@ -300,6 +329,11 @@ class ChunkReady(Message):
     num_tokens: Positive
     staging_offset: Count
     chunk_bytes: Positive
+    layer_start: Count = 0
+    num_layers: Count = 0
+
+    def _validate(self) -> None:
+        _layers_fit(self)
 
 
 @message
@@ -315,7 +349,8 @@ class ChunkAck(Message):
 @record
 class StagedChunk(Record):
     """A staged chunk in the reader's staging window: ``num_tokens`` tokens from
-    ``token_start`` at ``staging_offset`` (the fields of ``ChunkReady``)."""
+    ``token_start`` at ``staging_offset`` (the fields of ``ChunkReady``; its layers are
+    ``TransferDone.last_layer_start`` / ``last_num_layers``)."""
 
     token_start: Count
     num_tokens: Positive
@@ -333,6 +368,8 @@ class TransferDone(Message):
     ``last_chunk`` (staged path, protocol 3): the writer's last staging slot rides on this
     notice instead of a ``ChunkReady`` of its own; the reader scatters it, then counts the
     writer done, and returns no ``ChunkAck`` for it (the room ends). None otherwise.
+    ``last_layer_start`` / ``last_num_layers`` (protocol 4): the layers of ``last_chunk``,
+    as in ``ChunkReady`` (``last_num_layers=0``: every layer; both 0 without a chunk).
     """
 
     room: Room
@@ -342,8 +379,14 @@ class TransferDone(Message):
     aux_payload: AuxPayload  # e.g. first output token id + a small metadata blob
     timings: PhaseTimings  # phase -> seconds, read-only; plus the window ages of metrics.py
     last_chunk: MaybeChunk = None
+    last_layer_start: Count = 0
+    last_num_layers: Count = 0
 
     def _validate(self) -> None:
+        if self.last_num_layers == 0 and self.last_layer_start != 0:
+            self._bad("last_layer_start", f"={self.last_layer_start} must be 0 when last_num_layers=0 (every layer)")
+        if self.last_chunk is None and self.last_num_layers:
+            self._bad("last_num_layers", f"={self.last_num_layers} must be 0 without a last_chunk")
         chunk = self.last_chunk
         if chunk is not None and chunk.chunk_bytes > self.total_bytes:
             self._bad("last_chunk", f"has {chunk.chunk_bytes} bytes, more than total_bytes={self.total_bytes}")

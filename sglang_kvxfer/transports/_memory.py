@@ -9,12 +9,15 @@ them (never opening this process to every same-user process unless asked to), an
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import logging
 import mmap
 import os
+import re
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -37,6 +40,9 @@ __all__ = [
     "SharedBuffer",
     "alloc_shared",
     "find_shared",
+    "huge_page_bytes",
+    "memmove_rate",
+    "shmem_thp_setting",
 ]
 
 log = logging.getLogger("sglang_kvxfer.transports.local")
@@ -68,11 +74,46 @@ def copy_entries(
 ) -> None:
     """``memmove`` entry i: ``sizes[i]`` bytes from ``src_base + src_offsets[i]`` to ``dst_base + ...``.
 
-    ctypes releases the GIL around each memmove, so threads copy concurrently.
+    ctypes releases the GIL around each memmove, so threads copy concurrently. ``map``
+    drives the calls from C (no bytecode per entry): 5-10% less per entry than a ``for``
+    loop on a 2-vCPU VM (0.85 vs 0.89 us per 64-byte entry at the median).
     """
-    move = ctypes.memmove
-    for d, s, n in zip((dst_offsets + dst_base).tolist(), (src_offsets + src_base).tolist(), sizes.tolist()):
-        move(d, s, n)
+    collections.deque(
+        map(ctypes.memmove, (dst_offsets + dst_base).tolist(), (src_offsets + src_base).tolist(), sizes.tolist()),
+        maxlen=0,
+    )
+
+
+_rate_lock = threading.Lock()
+_rate: tuple[float, float] | None = None
+_RATE_BYTES = 8 << 20
+
+
+def memmove_rate() -> tuple[float, float]:
+    """``(seconds per entry, bytes per second)`` of ``copy_entries`` on this host: the
+    per-entry cost from 256 64-byte entries, the rate from 8 MiB copies, best of 3 each.
+    Measured once per process (about 15 ms on a 2-vCPU VM, on the first call) and cached;
+    clamped to [0.05, 50] us and [0.5, 500] GB/s so that a stalled measurement cannot
+    mislead."""
+    global _rate
+    with _rate_lock:
+        if _rate is None:
+            a = ctypes.create_string_buffer(_RATE_BYTES)  # zero-filled: resident before timing
+            b = ctypes.create_string_buffer(_RATE_BYTES)
+            dst, src = ctypes.addressof(a), ctypes.addressof(b)
+            one = np.zeros(1, dtype=np.int64)
+            small = np.arange(256, dtype=np.int64) * 128
+            sizes = np.full(256, 64, dtype=np.int64)
+            per_op = bw = float("inf")
+            for _ in range(3):
+                t = time.perf_counter()
+                copy_entries(dst, src, small, small, sizes)
+                per_op = min(per_op, (time.perf_counter() - t) / 256)
+                t = time.perf_counter()
+                copy_entries(dst, src, one, one, one + _RATE_BYTES)
+                bw = min(bw, time.perf_counter() - t)
+            _rate = (min(max(per_op, 5e-8), 5e-5), min(max(_RATE_BYTES / max(bw, 1e-9), 5e8), 5e11))
+        return _rate
 
 
 # -- cross-process memory (CMA) ---------------------------------------------------------
@@ -186,11 +227,63 @@ def allow_ptrace_writes() -> None:
 
 _live_buffers: weakref.WeakValueDictionary[int, SharedBuffer] = weakref.WeakValueDictionary()
 
-# Shared mappings are populated when they are made (MAP_POPULATE, Linux): a pool or staging
-# segment is resident and mapped at allocation (and in a peer at import), so the first
-# requests to touch its pages do not pay a page fault per 4 KiB inside their transfer
-# window (hundreds of ms for a 256 MiB request).
+# Shared mappings are populated when they are made: a pool or staging segment is resident
+# and mapped at allocation (and in a peer at import), so the first requests to touch its
+# pages do not pay a page fault per 4 KiB inside their transfer window (hundreds of ms for
+# a 256 MiB request). Before populating, each mapping asks for transparent huge pages
+# (MADV_HUGEPAGE): a private numpy/torch buffer gets 2 MiB pages by default (anon THP
+# "madvise"), a memfd only where /sys/kernel/mm/transparent_hugepage/shmem_enabled is
+# advise, within_size or always; elsewhere the request is ignored and the pages stay 4 KiB.
 _MAP_SHARED_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14; not in the mmap module before Python 3.13
+SHMEM_THP_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def _map_shared(fd: int, nbytes: int) -> mmap.mmap:
+    """Map ``fd`` shared and writable, huge pages requested, every page faulted in."""
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, prot)
+    try:
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            mm.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # no THP in this kernel: 4 KiB pages
+        pass
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)
+    except OSError:  # before Linux 5.14: map it again, populated by mmap itself
+        mm.close()
+        mm = mmap.mmap(fd, nbytes, _MAP_SHARED_POPULATED, prot)
+    return mm
+
+
+def shmem_thp_setting() -> str:
+    """The active value of ``shmem_enabled`` (``never``, ``advise``, ...), or ``unknown``."""
+    try:
+        with open(SHMEM_THP_SETTING) as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    picked = re.search(r"\[(\w+)\]", text)
+    return picked.group(1) if picked else "unknown"
+
+
+def huge_page_bytes(addr: int, nbytes: int) -> int:
+    """Bytes mapped by huge pages (PMD) in this process's mappings that overlap
+    ``[addr, addr + nbytes)``, from ``/proc/self/smaps`` (whole mappings are counted; 0 if
+    none, or if smaps cannot be read). ``madvise`` may split one buffer into several."""
+    inside, total = False, 0
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if not head.endswith(":"):
+                    start, end = (int(x, 16) for x in head.split("-"))
+                    inside = start < addr + nbytes and addr < end
+                elif inside and head in ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return 0
+    return total
 
 
 class SharedBuffer:
@@ -211,7 +304,7 @@ class SharedBuffer:
         self._fd = os.memfd_create("kvxfer-pool", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, self.nbytes)
-            mm = mmap.mmap(self._fd, self.nbytes, _MAP_SHARED_POPULATED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = _map_shared(self._fd, self.nbytes)
         except OSError:
             os.close(self._fd)
             raise
@@ -321,7 +414,7 @@ def open_shared(path: str, inode: int, nbytes: int) -> mmap.mmap:
             )
         if st.st_size < nbytes:
             raise TransportError(f"peer's shared buffer {path} has {st.st_size} bytes, descriptor says {nbytes}")
-        return mmap.mmap(fd, nbytes, _MAP_SHARED_POPULATED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return _map_shared(fd, nbytes)
     finally:
         os.close(fd)
 

@@ -390,6 +390,15 @@ class Transport(abc.ABC):
     def _remote_view(self, remote: RemoteRegion, offset: int, nbytes: int):
         yield None  # not mapped: callers fall back to write()
 
+    def path_cost(self, device: str = "cpu"):
+        """What this transport's writes into ``device`` memory cost, for the planner's
+        ``auto`` choice between direct page runs and staging: a
+        ``sglang_kvxfer.planning.byteplan.PathCost`` (per-op seconds, bytes/s, and the
+        gather/scatter copy rate in that memory), or None where the backend declares none
+        (the planner then keeps its fixed rule, ``KVXFER_DIRECT_MIN_OP_BYTES``)."""
+        parse_device(device)
+        return None
+
     def read(self, local: Region, remote: RemoteRegion, local_offsets, remote_offsets, sizes) -> Ticket:
         """One-sided pull; only where ``caps.read_supported``."""
         raise TransportError(f"transport {self.name!r} does not support read (caps.read_supported is False)")

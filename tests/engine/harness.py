@@ -85,27 +85,35 @@ class Cluster:
         g = mgr.config.geometry
         return self.rng.permutation(g.num_pages)[: -(-tokens // g.page_size)]
 
-    def start(self, room, tokens, chunk=None, aux=b"aux", fill=True):
-        """Create receivers and senders for one request and hand over every chunk."""
-        gp = self.pre[0].config.geometry
+    def receive(self, room, tokens):
+        """Pick one request's prefill and decode pages and post every decode rank's receiver
+        with its metadata: (source pages, destination pages, receivers)."""
         src = self.pages(self.pre[0], tokens)
         dst = self.pages(self.dec[0], tokens)
         rxs = [KVReceiver(m, room) for m in self.dec]
         for rx in rxs:
             rx.send_metadata(dst, num_tokens=tokens)
+        return src, dst, rxs
+
+    def chunks(self, src, tokens, chunk=None):
+        """The request's token chunks of ``chunk`` tokens, rounded down to whole prefill pages
+        (at least one; ``None``: one chunk): (the chunk's source pages, whether it is the last)."""
+        ps = self.pre[0].config.geometry.page_size
+        chunk = max(ps, (chunk or tokens) // ps * ps)
+        for a in range(0, tokens, chunk):
+            b = min(tokens, a + chunk)
+            yield src[a // ps : -(-b // ps)], b == tokens
+
+    def start(self, room, tokens, chunk=None, aux=b"aux", fill=True):
+        """Create receivers and senders for one request and hand over every chunk."""
+        src, dst, rxs = self.receive(room, tokens)
         txs = []
-        chunk = max(gp.page_size, (chunk or tokens) // gp.page_size * gp.page_size)  # whole pages
         for m in self.pre:
             if fill:
                 fill_request(m.placement, m.pool.buffers, room, src, 0, tokens)
             tx = KVSender(m, room)
-            for a in range(0, tokens, chunk):
-                b = min(tokens, a + chunk)
-                tx.send(
-                    src[a // gp.page_size : -(-b // gp.page_size)],
-                    last_chunk=b == tokens,
-                    aux=aux if b == tokens else b"",
-                )
+            for pages, last in self.chunks(src, tokens, chunk):
+                tx.send(pages, last_chunk=last, aux=aux if last else b"")
             txs.append(tx)
         return txs, rxs, dst
 

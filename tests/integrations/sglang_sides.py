@@ -28,13 +28,17 @@ decode side's own memory, prefix included.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import queue
+import socket
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 
 from tests.integrations.sglang_env import (
     Model,
@@ -49,6 +53,19 @@ FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
 CHUNK_TOKENS = 16  # chunked prefill size (a multiple of the page size)
 FORWARD_S = 0.1  # how long the scripted "forward" of the early-sent chunk runs
 MODEL_PATH = "kvxfer-test-model"
+# Both sides' environment: loopback addresses, short timeouts, a small staging arena.
+ENV = {
+    "SGLANG_HOST_IP": "127.0.0.1",  # the address SGLang (and so our managers) advertise
+    "KVXFER_TCP_HOST": "127.0.0.1",
+    "KVXFER_BOOTSTRAP_TIMEOUT_S": "20",
+    "KVXFER_WAITING_TIMEOUT_S": "20",
+    "KVXFER_TRANSFER_TIMEOUT_S": "20",
+    "KVXFER_HEARTBEAT_INTERVAL_S": "0.2",
+    "KVXFER_HEARTBEAT_TIMEOUT_S": "3",
+    "KVXFER_STAGING_BYTES": str(1 << 20),
+    "KVXFER_STAGING_SLOT_BYTES": str(16 << 10),
+    "KVXFER_WORKERS": "2",
+}
 
 
 @dataclass
@@ -146,7 +163,42 @@ def _failure(handles) -> list[str]:
     return out
 
 
-def _setup(spec: Spec):
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_in_processes(main, specs: list, timeout_s: float) -> tuple[dict, dict]:
+    """Test side: ``main(spec, out, release)`` in a spawned process per spec (a prefill and a
+    decode one), each side's report collected, then both released to shut down. Fails the
+    test naming a side that did not report in time or crashed. Returns (prefill, decode)."""
+    ctx = mp.get_context("spawn")
+    out, release = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=main, args=(spec, out, release), daemon=True) for spec in specs]
+    for proc in procs:
+        proc.start()
+    reports = {}
+    try:
+        while len(reports) < 2:
+            role, report = out.get(timeout=timeout_s + 30)
+            reports[role] = report
+    except queue.Empty:
+        pytest.fail(f"no report from {sorted({'prefill', 'decode'} - set(reports))} within {timeout_s + 30} s")
+    finally:
+        release.set()
+        for proc in procs:
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
+    for role, report in reports.items():
+        assert "error" not in report, f"{role} side crashed:\n{report['error']}"
+    return reports["prefill"], reports["decode"]
+
+
+def setup(spec):
+    """Child side: the spec's environment, SGLang's base module, our backend and SGLang's
+    utils definitions."""
     os.environ.update(spec.env)
     base, reason = import_sglang_base()
     if base is None:
@@ -156,11 +208,12 @@ def _setup(spec: Spec):
     return backend, load_utils_defs()
 
 
-def main(spec: Spec, out, release) -> None:
-    """Process entry point: run one side, report, keep the managers up until released."""
+def serve(spec, out, release, prefill, decode) -> None:
+    """Process entry point: run one side (``prefill`` or ``decode`` by ``spec.role``), report,
+    keep the managers up until released."""
     closers: list = []
     try:
-        run = _prefill if spec.role == "prefill" else _decode
+        run = prefill if spec.role == "prefill" else decode
         out.put((spec.role, run(spec, closers)))
     except BaseException:
         out.put((spec.role, {"error": traceback.format_exc()}))
@@ -168,6 +221,10 @@ def main(spec: Spec, out, release) -> None:
         release.wait(spec.timeout_s)  # a peer may still be reading our memory or our messages
         for close in reversed(closers):
             close()
+
+
+def main(spec: Spec, out, release) -> None:
+    serve(spec, out, release, _prefill, _decode)
 
 
 def _wait(reqs, pollers_of, want, deadline, on_failed) -> list:
@@ -191,7 +248,7 @@ def _wait(reqs, pollers_of, want, deadline, on_failed) -> list:
 
 
 def _prefill(spec: Spec, closers: list) -> dict:
-    backend, defs = _setup(spec)
+    backend, defs = setup(spec)
     m, deadline = spec.model, time.monotonic() + spec.timeout_s
     sa = server_args(MODEL_PATH, "prefill", spec.tp, spec.port)
     boot = backend.KVXferKVBootstrapServer(sa.host, sa.disaggregation_bootstrap_port)
@@ -294,7 +351,7 @@ def _model_heads(model: Model):
 def _decode(spec: Spec, closers: list) -> dict:
     from sglang_kvxfer.engine.synthetic import fill_request, verify_request
 
-    backend, defs = _setup(spec)
+    backend, defs = setup(spec)
     backend._model_total_kv_heads = _model_heads(spec.model)
     m, deadline = spec.model, time.monotonic() + spec.timeout_s
     sa = server_args(MODEL_PATH, "decode", spec.tp, spec.port + 1)

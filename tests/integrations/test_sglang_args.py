@@ -197,12 +197,30 @@ def test_server_plan():
     assert plan_from_server_args(server(disaggregation_decode_enable_radix_cache=True), "decode").role == "decode"
 
 
+def test_attention_dp_plan():
+    """--enable-dp-attention (before or after SGLang's resolution) gives DP groups of
+    attn_tp = tp / dp ranks; a prefill rank's group is engine_rank // attn_tp (SGLang's
+    derive_attention_ranks: (dp, tp) with tp fastest)."""
+    for over in (dict(dp_size=2, enable_dp_attention=True), dict(attn_dp_size=2)):  # unresolved, resolved
+        plan = plan_from_server_args(server(**over), "prefill")
+        assert (plan.attn_tp_size, plan.attn_dp_size) == (2, 2)
+        assert [plan.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    dec = plan_from_server_args(
+        server(dp_size=4, enable_dp_attention=True, load_balance_method="round_robin"), "decode"
+    )
+    assert (dec.attn_tp_size, dec.attn_dp_size, dec.dp_rank(0)) == (1, 4, 0)  # decode routing is its own
+    with pytest.raises(GeometryError, match="tp_size=4 is not a multiple of the attention-DP size 3"):
+        plan_from_server_args(server(attn_dp_size=3), "prefill")
+
+
 @pytest.mark.parametrize(
     "over, role, flag",
     [
         (dict(pp_size=2), "prefill", "--pp-size=2"),
         (dict(dp_size=2), "prefill", "--dp-size=2"),
-        (dict(attn_dp_size=4), "decode", "--attn-dp-size=4"),
+        # attention DP is served only with the routing a decode can follow
+        (dict(attn_dp_size=2, load_balance_method="round_robin"), "prefill", "--load-balance-method='round_robin'"),
+        (dict(dp_size=4, attn_dp_size=2), "decode", "--dp-size=4"),
         (dict(attn_cp_size=2), "prefill", "--attn-cp-size=2"),
         (dict(dcp_size=2), "decode", "--dcp-size=2"),
         (dict(enable_pd_role_switch=True), "prefill", "--enable-pd-role-switch=True"),

@@ -185,7 +185,9 @@ def test_bad_scheduler_arguments_fail_the_request_by_name(dep):
     assert failure(tx).failure_reason == "init(): aux_index=99 must be a slot in [0, 8)"
     _, tx, rx = dep.pair()
     rx.init(1)
-    assert "init(): prefill_dp_rank=1, but the kvxfer backend serves one prefill DP group" in failure(rx).failure_reason
+    reason = failure(rx).failure_reason
+    assert "init(): prefill_dp_rank=1 names no DP group of the prefill at 127.0.0.1:" in reason, reason
+    assert "it registered dp_size=1 (DP groups [0])" in reason, reason
     _, tx, rx = dep.pair()
     rx.init(0)
     rx.send_metadata(np.asarray([1, 2], dtype=np.int32), 0, [], decode_prefix_len=6)

@@ -6,9 +6,6 @@ sides with the field-level message."""
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
-import queue
-import socket
 
 import pytest
 
@@ -18,26 +15,8 @@ from tests.integrations.sglang_env import Model, import_sglang_base
 _base, _reason = import_sglang_base()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_base is None, reason=_reason)]
 
-ENV = {
-    "SGLANG_HOST_IP": "127.0.0.1",  # the address SGLang (and so our managers) advertise
-    "KVXFER_TCP_HOST": "127.0.0.1",
-    "KVXFER_BOOTSTRAP_TIMEOUT_S": "20",
-    "KVXFER_WAITING_TIMEOUT_S": "20",
-    "KVXFER_TRANSFER_TIMEOUT_S": "20",
-    "KVXFER_HEARTBEAT_INTERVAL_S": "0.2",
-    "KVXFER_HEARTBEAT_TIMEOUT_S": "3",
-    "KVXFER_STAGING_BYTES": str(1 << 20),
-    "KVXFER_STAGING_SLOT_BYTES": str(16 << 10),
-    "KVXFER_WORKERS": "2",
-}
 # (room, prompt tokens): a partial last page, several chunks; a one-chunk request
 REQUESTS = [(0x5EED_0001_F00D, 37), (0x7A11_0002_CAFE, 9)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_sides(
@@ -50,36 +29,13 @@ def run_sides(
     requests: list = REQUESTS,
 ):
     """Start both sides, collect what each reports, then let them shut down."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    env = {**ENV, "KVXFER_SGLANG_TRANSPORT": transport}
-    out, release = ctx.Queue(), ctx.Event()
-    procs = [
-        ctx.Process(
-            target=sides.main,
-            args=(sides.Spec(role, mdl, tp, port, requests, env, timeout_s), out, release),
-            daemon=True,
-        )
+    port = sides.free_port()
+    env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": transport}
+    specs = [
+        sides.Spec(role, mdl, tp, port, requests, env, timeout_s)
         for role, mdl, tp in (("prefill", model, p), ("decode", decode_model or model, d))
     ]
-    for proc in procs:
-        proc.start()
-    reports = {}
-    try:
-        while len(reports) < 2:
-            role, report = out.get(timeout=timeout_s + 30)
-            reports[role] = report
-    except queue.Empty:
-        pytest.fail(f"no report from {sorted({'prefill', 'decode'} - set(reports))} within {timeout_s + 30} s")
-    finally:
-        release.set()
-        for proc in procs:
-            proc.join(20)
-            if proc.is_alive():
-                proc.kill()
-    for role, report in reports.items():
-        assert "error" not in report, f"{role} side crashed:\n{report['error']}"
-    return reports["prefill"], reports["decode"]
+    return sides.run_in_processes(sides.main, specs, timeout_s)
 
 
 @pytest.mark.parametrize(

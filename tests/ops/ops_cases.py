@@ -1,5 +1,6 @@
-"""Shared helpers of the ops tests: random pools, byte comparison, a loop oracle, the
-CUDA-kernel emulator call, and the hypothesis strategy of gather/scatter cases.
+"""Shared helpers of the ops tests: the native CPU library (or the reason to skip), random
+pools, byte comparison, a loop oracle, the CUDA-kernel emulator call, the calls of the
+rejection tests, and the hypothesis strategy of gather/scatter cases.
 
 Pools are filled with random *bits* (NaN payloads included for float dtypes), and every
 comparison is of bytes, so "bit for bit" is what is checked.
@@ -8,16 +9,33 @@ comparison is of bytes, so "bit for bit" is what is checked.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import strategies as st
 
 from sglang_kvxfer import _native, ops
+from sglang_kvxfer._native import build
 from sglang_kvxfer._ops_args import parse_call
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn]
+
+
+def require_native_cpu():
+    """The native CPU library. Skips where it cannot exist (KVXFER_DISABLE_NATIVE, no C++
+    compiler) and fails where a compiler exists but the library did not load: otherwise the
+    tests would compare the torch reference with itself."""
+    if os.environ.get("KVXFER_DISABLE_NATIVE"):
+        pytest.skip("KVXFER_DISABLE_NATIVE is set")
+    lib = _native.cpu_library()
+    if lib is None:
+        if build.find_cxx() is None:
+            pytest.skip("no C++ compiler: the native CPU library cannot exist here")
+        pytest.fail(f"a C++ compiler exists but the CPU library is unavailable: {_native.status()['cpu']}")
+    return lib
 
 
 def random_pool(layout, num_pages, page_size, heads, dim, dtype, layers, gen, device="cpu", vllm_shape=True):
@@ -90,20 +108,12 @@ def loop_oracle_scatter(
 
 
 def emulate_cuda(call_kwargs: dict, k, v, staging: torch.Tensor, gather: bool, ptr_align: int | None = None) -> None:
-    """Runs the CUDA kernel's work decomposition on the host (kvxfer_emulate_cuda_cpu)."""
+    """Runs the CUDA kernel's work decomposition on the host (kvxfer_emulate_cuda_cpu).
+    ``call_kwargs`` are gather_kv_heads' keywords, ``page_ids`` included."""
+    kw = dict(layout="NHD", token_offset=0, num_tokens=None)
+    kw.update(call_kwargs)
     lib = _native.cpu_library()
-    call = parse_call(
-        k,
-        v,
-        call_kwargs["page_ids"],
-        page_size=call_kwargs["page_size"],
-        head_start=call_kwargs["head_start"],
-        num_heads=call_kwargs["num_heads"],
-        layout=call_kwargs.get("layout", "NHD"),
-        token_offset=call_kwargs.get("token_offset", 0),
-        num_tokens=call_kwargs.get("num_tokens"),
-        unique_pages=not gather,
-    )
+    call = parse_call(k, v, kw.pop("page_ids"), unique_pages=not gather, **kw)
     pool, sl = ops._descs(call)
     ptrs = call.layer_ptrs()
     align = 16
@@ -121,6 +131,58 @@ def emulate_cuda(call_kwargs: dict, k, v, staging: torch.Tensor, gather: bool, p
         staging.numel() * staging.element_size(),
     )
     _native.check_status(lib, code, "kvxfer_emulate_cuda_cpu")
+
+
+def packed_gather_checked(k, page_ids, kw: dict) -> torch.Tensor:
+    """gather_kv_heads of a packed pool (K and V in ``k``), checked byte for byte against the
+    torch reference and the CUDA kernel's host emulator: the staging."""
+    staging = ops.gather_kv_heads(k, None, page_ids, **kw)
+    assert same_bytes(staging, ops.gather_kv_heads_reference(k, None, page_ids, **kw))
+    emulated = torch.full_like(staging, 0xA5)
+    emulate_cuda({**kw, "page_ids": page_ids}, k, None, emulated, gather=True)
+    assert same_bytes(emulated, staging)
+    return staging
+
+
+def assert_packed_scatters_agree(staging, dst, page_ids, kw: dict, oracle) -> None:
+    """Native, reference and emulated scatter of ``staging`` into copies of the packed pool
+    ``dst`` equal ``oracle(copy)``'s, whole pools (every other byte unchanged), and moved
+    something."""
+    native, ref, expect, emu = (clone_all(dst) for _ in range(4))
+    ops.scatter_kv_heads(staging, native, None, page_ids, **kw)
+    ops.scatter_kv_heads_reference(staging, ref, None, page_ids, **kw)
+    oracle(expect)
+    emulate_cuda({**kw, "page_ids": page_ids}, emu, None, staging, gather=False)
+    for got in (native, ref, emu):
+        assert same_bytes(got, expect)
+    assert not same_bytes(native, dst)
+
+
+def assert_emulated_gather_is_the_reference(k, v, kw: dict, ptr_align: int) -> None:
+    """The CUDA kernel's host emulator, its pointers taken as aligned to ``ptr_align`` bytes
+    only, gathers what the torch reference gathers."""
+    expect = ops.gather_kv_heads_reference(k, v, **kw)
+    got = torch.zeros_like(expect)
+    emulate_cuda(kw, k, v, got, gather=True, ptr_align=ptr_align)
+    assert same_bytes(got, expect)
+
+
+def native_gather_status(lib, pool, sl, call, ptrs, staging: torch.Tensor) -> int:
+    """kvxfer_gather_cpu of a parsed call's page ids over the descriptors ``pool``, ``sl``
+    and the layer pointer table ``ptrs`` (one thread), for the tests of what the C ABI
+    refuses: the status code."""
+    table = np.array(ptrs, dtype=np.uint64)
+    args = (pool, table.ctypes.data, call.page_ids.ctypes.data, sl, staging.data_ptr(), staging.numel(), 1, -1)
+    return lib.handle.kvxfer_gather_cpu(*args)
+
+
+def assert_gather_rejected(words: str, k, v, **kw) -> None:
+    """gather_kv_heads of page 0, head 0 (``kw`` on top) raises a ValueError saying ``words``."""
+    args = dict(head_start=0, num_heads=1)
+    args.update(kw)
+    with pytest.raises(ValueError) as exc:
+        ops.gather_kv_heads(k, v, [0], **args)
+    assert words in str(exc.value)
 
 
 @dataclass

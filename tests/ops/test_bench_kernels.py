@@ -39,3 +39,24 @@ def test_cuda_mode_without_a_device_exits_with_a_reason():
     out = _run("--device", "cuda", "--quick")
     assert out.returncode == 2
     assert json.loads(out.stdout) == {"error": "--device cuda but torch sees no CUDA device"}
+
+
+def test_fused_mode_reports_the_copy_against_gather_scatter_and_a_memmove_of_the_same_bytes():
+    out = _run(
+        "--device", "cpu", "--fused", "--fused-tokens", "64", "--fused-layers", "2", "--fused-page-sizes", "16",
+        "--fused-pairs", "NHD:NHD,NHD_KV:HND", "--repeats", "1",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert [(r["src_layout"], r["dst_layout"], r["tp"]) for r in doc["results"]] == [
+        ("NHD", "NHD", "2 -> 1"),
+        ("NHD", "NHD", "1 -> 2"),
+        ("NHD_KV", "HND", "2 -> 1"),
+        ("NHD_KV", "HND", "1 -> 2"),
+    ]
+    for r in doc["results"]:
+        assert r["bytes_moved"] == 2 * 64 * 4 * (128 + 128) * 2  # layers x tokens x heads x (K + V) x bf16
+        assert set(r["median_ms"]) == {"memmove", "fused", "gather_scatter"}
+        ms = r["median_ms"]
+        assert r["fused_vs_memmove"] == pytest.approx(ms["memmove"] / ms["fused"], rel=0.02)
+    assert doc["summary"]["min_fused_vs_memmove"] == min(r["fused_vs_memmove"] for r in doc["results"])

@@ -15,16 +15,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_kvxfer import _native, ops
-from sglang_kvxfer._native import build
 from sglang_kvxfer._ops_args import parse_call
 from tests.ops.ops_cases import (
     as_bytes,
+    assert_emulated_gather_is_the_reference,
     cases,
     clone_all,
     emulate_cuda,
     gather_kwargs,
     loop_oracle_scatter,
     random_pool,
+    require_native_cpu,
     same_bytes,
     staging_size,
 )
@@ -36,15 +37,7 @@ HYP = settings(
 
 @pytest.fixture(scope="module", autouse=True)
 def native_cpu():
-    """The native library must be there whenever a compiler is: otherwise these tests would
-    compare the reference with itself."""
-    if os.environ.get("KVXFER_DISABLE_NATIVE"):
-        pytest.skip("KVXFER_DISABLE_NATIVE is set")
-    lib = _native.cpu_library()
-    if lib is None:
-        if build.find_cxx() is None:
-            pytest.skip("no C++ compiler: the native CPU library cannot exist here")
-        pytest.fail(f"a C++ compiler exists but the CPU library is unavailable: {_native.status()['cpu']}")
+    lib = require_native_cpu()
     assert ops.backend_for("cpu") == "native-cpu"
     return lib
 
@@ -128,10 +121,7 @@ def test_emulated_kernel_every_vector_width(ptr_align):
     k = random_pool("NHD", 6, 4, 4, 64, torch.bfloat16, 2, gen)
     v = random_pool("NHD", 6, 4, 4, 64, torch.bfloat16, 2, gen)
     kw = dict(page_ids=[5, 0, 3], page_size=4, head_start=1, num_heads=2, layout="NHD")
-    expect = ops.gather_kv_heads_reference(k, v, **kw)
-    got = torch.zeros_like(expect)
-    emulate_cuda(kw, k, v, got, gather=True, ptr_align=ptr_align)
-    assert same_bytes(got, expect)
+    assert_emulated_gather_is_the_reference(k, v, kw, ptr_align)
 
 
 def test_emulated_kernel_skips_out_of_range_page_ids_instead_of_leaving_the_pool():

@@ -5,30 +5,30 @@ conversions to and from NHD and HND; the rejections."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from sglang_kvxfer import _native, ops
-from sglang_kvxfer._native import build
 from sglang_kvxfer._ops_args import parse_call
-from tests.ops.ops_cases import clone_all, emulate_cuda, loop_oracle_scatter, random_pool, same_bytes
+from tests.ops.ops_cases import (
+    assert_emulated_gather_is_the_reference,
+    assert_gather_rejected,
+    assert_packed_scatters_agree,
+    loop_oracle_scatter,
+    native_gather_status,
+    packed_gather_checked,
+    random_pool,
+    require_native_cpu,
+    same_bytes,
+)
 
 P, H, N, D, L = 6, 4, 4, 8, 3  # pages, heads, page_size, head_dim, layers
 
 
 @pytest.fixture(scope="module")
 def native_cpu():
-    if os.environ.get("KVXFER_DISABLE_NATIVE"):
-        pytest.skip("KVXFER_DISABLE_NATIVE is set")
-    lib = _native.cpu_library()
-    if lib is None:
-        if build.find_cxx() is None:
-            pytest.skip("no C++ compiler: the native CPU library cannot exist here")
-        pytest.fail(f"a C++ compiler exists but the CPU library is unavailable: {_native.status()['cpu']}")
-    return lib
+    return require_native_cpu()
 
 
 def vllm_cache():
@@ -93,23 +93,17 @@ def test_scatter_native_reference_loop_oracle_and_emulator_agree(native_cpu, dty
     src = random_pool("HND_KV", 5, page_size, 3, 24, dtype, 2, gen)
     kw = dict(page_size=page_size, head_start=1, num_heads=2, layout="HND_KV", num_tokens=tokens)
     pages = [4, 1, 3]
-    staging = ops.gather_kv_heads(src, None, pages, **kw)
-    assert same_bytes(staging, ops.gather_kv_heads_reference(src, None, pages, **kw))
-    emulated = torch.full_like(staging, 0xA5)
-    emulate_cuda({**kw, "page_ids": pages}, src, None, emulated, gather=True)
-    assert same_bytes(emulated, staging)
-
+    staging = packed_gather_checked(src, pages, kw)
     dst = random_pool("HND_KV", 6, page_size, 4, 24, dtype, 2, gen, vllm_shape=False)
     dst_pages = [5, 0, 2]
     dkw = {**kw, "head_start": 2}
-    native, ref, oracle, emu = (clone_all(dst) for _ in range(4))
-    ops.scatter_kv_heads(staging, native, None, dst_pages, **dkw)
-    ops.scatter_kv_heads_reference(staging, ref, None, dst_pages, **dkw)
-    loop_oracle_scatter(staging, oracle, None, dst_pages, **dkw, token_offset=0)
-    emulate_cuda({**dkw, "page_ids": dst_pages}, emu, None, staging, gather=False)
-    for got in (native, ref, emu):
-        assert same_bytes(got, oracle)  # whole pools: every other byte unchanged
-    assert not same_bytes(native, dst)
+    assert_packed_scatters_agree(
+        staging,
+        dst,
+        dst_pages,
+        dkw,
+        lambda oracle: loop_oracle_scatter(staging, oracle, None, dst_pages, **dkw, token_offset=0),
+    )
 
 
 @pytest.mark.parametrize("ptr_align", [1, 2, 4, 8, 16])
@@ -117,10 +111,7 @@ def test_emulated_kernel_every_vector_width(native_cpu, ptr_align):
     gen = torch.Generator().manual_seed(3)
     k = random_pool("HND_KV", 6, 4, 4, 64, torch.bfloat16, 2, gen)
     kw = dict(page_ids=[5, 0, 3], page_size=4, head_start=1, num_heads=2, layout="HND_KV")
-    expect = ops.gather_kv_heads_reference(k, None, **kw)
-    got = torch.zeros_like(expect)
-    emulate_cuda(kw, k, None, got, gather=True, ptr_align=ptr_align)
-    assert same_bytes(got, expect)
+    assert_emulated_gather_is_the_reference(k, None, kw, ptr_align)
 
 
 @pytest.mark.parametrize("other", ["NHD", "HND"])
@@ -152,12 +143,6 @@ def test_conversion_to_and_from_the_other_layouts(native_cpu, other):
             assert same_bytes(mid_v[layer][1, :, 2], tile[:, 1, 1])
 
 
-def _call(k, v=None, **kw):
-    args = dict(page_size=N, head_start=0, num_heads=1, layout="HND_KV")
-    args.update(kw)
-    return ops.gather_kv_heads(k, v, [0], **args)
-
-
 @pytest.mark.parametrize(
     "make,kw,words",
     [
@@ -176,10 +161,7 @@ def _call(k, v=None, **kw):
     ],
 )
 def test_rejections_name_the_argument_and_value(make, kw, words):
-    k, v = make(vllm_cache())
-    with pytest.raises(ValueError) as exc:
-        _call(k, v, **kw)
-    assert words in str(exc.value)
+    assert_gather_rejected(words, *make(vllm_cache()), **{"page_size": N, "layout": "HND_KV", **kw})
 
 
 def test_native_library_refuses_a_v_pointer_off_its_tile(native_cpu):
@@ -192,8 +174,7 @@ def test_native_library_refuses_a_v_pointer_off_its_tile(native_cpu):
     assert good[L:] == [p + N * D * 4 for p in good[:L]]
     bad = np.array(good[:L] + [p + 4 for p in good[:L]], dtype=np.uint64)
     staging = torch.zeros(call.staging_nbytes, dtype=torch.uint8)
-    args = (pool, bad.ctypes.data, call.page_ids.ctypes.data, sl, staging.data_ptr(), staging.numel(), 1, -1)
-    assert native_cpu.handle.kvxfer_gather_cpu(*args) == _native.STATUS_INVALID
+    assert native_gather_status(native_cpu, pool, sl, call, bad, staging) == _native.STATUS_INVALID
     assert "V pointer of layer 0 must be its K pointer + page_size * k_row_bytes" in native_cpu.last_error()
     code = native_cpu.handle.kvxfer_emulate_cuda_cpu(
         1, pool, bad.ctypes.data, 4, call.page_ids.ctypes.data, sl, staging.data_ptr(), staging.numel()
@@ -201,7 +182,5 @@ def test_native_library_refuses_a_v_pointer_off_its_tile(native_cpu):
     assert code == _native.STATUS_INVALID and "V pointer of layer 0" in native_cpu.last_error()
     assert bool((staging == 0).all())
     pool.v_row_bytes = pool.k_row_bytes + 4
-    ok = np.array(good, dtype=np.uint64)
-    args = (pool, ok.ctypes.data, call.page_ids.ctypes.data, sl, staging.data_ptr(), staging.numel(), 1, -1)
-    assert native_cpu.handle.kvxfer_gather_cpu(*args) == _native.STATUS_INVALID
+    assert native_gather_status(native_cpu, pool, sl, call, good, staging) == _native.STATUS_INVALID
     assert "layout HND_KV needs num_kv=2 and v_row_bytes == k_row_bytes" in native_cpu.last_error()

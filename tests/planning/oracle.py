@@ -36,7 +36,7 @@ def place_tokens(place: RankPlacement, pool, k_full, v_full, pages, num_tokens):
     g = place.geometry
     heads = list(place.heads)
     for layer in range(g.num_layers):
-        if g.layout is Layout.HND_KV:  # one buffer per layer: [page, head, K|V, slot, dim]
+        if g.packed_kv:  # one buffer per layer: HND_KV [page, head, K|V, slot, dim], NHD_KV [page, slot, head, K+V]
             kinds = [(layer, 0, k_full), (layer, 1, v_full)]
         else:
             kinds = [(layer, 0, k_full)] + ([(g.num_layers + layer, 1, v_full)] if g.has_v else [])
@@ -50,6 +50,9 @@ def place_tokens(place: RankPlacement, pool, k_full, v_full, pages, num_tokens):
                         buf[page * g.page_size + slot, local, :] = row
                     elif g.layout is Layout.HND_KV:
                         buf[page, local, kind, slot, :] = row
+                    elif g.layout is Layout.NHD_KV:  # K elements first, then V
+                        lo = 0 if kind == 0 else g.head_dim
+                        buf[page, slot, local, lo : lo + row.size] = row
                     else:
                         buf[page, local, slot, :] = row
     return pool

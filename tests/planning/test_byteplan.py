@@ -11,12 +11,16 @@ from hypothesis import strategies as st
 from sglang_kvxfer.errors import IncompatibleGeometryError, PlanError
 from sglang_kvxfer.geometry import KVGeometry
 from sglang_kvxfer.planning import DirectPlan, StagedPlan, plan_pair, plan_tp
-from sglang_kvxfer.planning.byteplan import coalesce, per_token_op_count
+from sglang_kvxfer.planning.byteplan import PathCost, coalesce, per_token_op_count
 from sglang_kvxfer.planning.executor import apply_plan
 
 from .oracle import POISON, empty_pool, full_kv, place_tokens
 
 TP_SIZES = {1: [1, 2, 4], 2: [1, 2, 4], 4: [1, 2, 4, 8], 6: [1, 2, 3, 6], 8: [1, 2, 4, 8]}
+# What the transports declare (see tests/engine/test_direct_rule.py for the real ones):
+# local on a 2-vCPU VM (about 1 us per memmove call, 8 GB/s), and tcp (1 us per entry, 4 GB/s).
+LOCAL_CPU = PathCost(1e-6, 8e9, 8e9, source="local-like")
+TCP_CPU = PathCost(1e-6, 4e9, 10e9, source="tcp-like")
 
 
 @st.composite
@@ -224,3 +228,103 @@ def test_incompatible_geometries_are_rejected_before_planning():
     other = KVGeometry(num_layers=3, total_kv_heads=8, head_dim=4, dtype="bf16").placement(1, 0)
     with pytest.raises(IncompatibleGeometryError, match="head_dim: prefill=8 decode=4"):
         plan_pair(t, src, other, [0], [0])
+
+
+def _p1_d1_32k(page_tokens=16, head_dim=64, layers=4, tokens=16 * 40, seed=3):
+    """P1 -> D1, NHD both sides, 8 heads of float32: 32 KiB per page and buffer at
+    ``page_tokens=16, head_dim=64``; scattered pages on both sides."""
+    g = KVGeometry(
+        num_layers=layers, total_kv_heads=8, head_dim=head_dim, dtype="float32", page_size=page_tokens, num_pages=128
+    )
+    t = plan_tp(8, 1, 1).transfers[0]
+    rng = np.random.default_rng(seed)
+    n = -(-tokens // page_tokens)
+    return t, g.placement(1, 0), g.placement(1, 0), rng.permutation(128)[:n], rng.permutation(128)[:n], tokens
+
+
+def _moves_like_the_oracle(plan, src, dst, src_pages, dst_pages, tokens):
+    g = src.geometry
+    k_full, v_full = full_kv(g.num_layers, 8, tokens, g.head_dim, g.v_head_dim, seed=tokens)
+    src_pool = place_tokens(src, empty_pool(src, POISON), k_full, v_full, src_pages, tokens)
+    got = empty_pool(dst)
+    apply_plan(plan, src_pool, got)
+    want = place_tokens(dst, empty_pool(dst), k_full, v_full, dst_pages, tokens)
+    return all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_cost_rule_sends_32k_pages_direct_over_local_and_says_why():
+    t, src, dst, sp, dp, tokens = _p1_d1_32k()
+    plan = plan_pair(t, src, dst, sp, dp, num_tokens=tokens, cost=LOCAL_CPU)
+    assert plan.path == "direct", plan.reason
+    ops = plan.direct_op_count
+    assert int(np.mean([r[2] for r in plan.k_ops])) >= 32 << 10  # page runs of at least one page
+    # the reason carries both estimates, with their terms, and names the cost's source
+    assert f"direct {ops} op(s) x 1 us" in plan.reason and "<= staged 2 x" in plan.reason
+    assert "GB/s" in plan.reason and "local-like" in plan.reason
+    assert plan.reason.endswith("ms (local-like)")
+    assert LOCAL_CPU.direct_s(ops, plan.nbytes) <= LOCAL_CPU.staged_s(plan.staged_op_count, plan.nbytes)
+    assert _moves_like_the_oracle(plan, src, dst, sp, dp, tokens)
+
+
+def test_cost_rule_stages_tiny_scattered_ops_over_tcp():
+    # 1-token pages of 8 heads x 8 float32: 256 B per op, no two pages adjacent
+    t, src, dst, sp, dp, tokens = _p1_d1_32k(page_tokens=1, head_dim=8, tokens=100)
+    plan = plan_pair(t, src, dst, sp, dp, num_tokens=tokens, cost=TCP_CPU)
+    assert plan.path == "staged" and plan.direct_op_count == 4 * 2 * 100
+    assert "contiguous but fragmented, 256 B per op" in plan.reason and "> staged" in plan.reason
+    assert "tcp-like" in plan.reason
+    assert _moves_like_the_oracle(plan, src, dst, sp, dp, tokens)
+    # the same pair, 32 KiB pages: tcp's per-entry cost is small next to two copies of them
+    t, src, dst, sp, dp, tokens = _p1_d1_32k()
+    assert plan_pair(t, src, dst, sp, dp, num_tokens=tokens, cost=TCP_CPU).path == "direct"
+
+
+def test_a_costly_op_stages_what_a_cheap_one_sends_direct():
+    """The choice follows the declared numbers: a GPU-like cost (10 us per copy call, copies
+    at device-memory speed) stages the 32 KiB pages that local CPU memory sends direct."""
+    t, src, dst, sp, dp, tokens = _p1_d1_32k()
+    gpu = PathCost(10e-6, 100e9, 500e9, source="gpu-like")
+    plan = plan_pair(t, src, dst, sp, dp, num_tokens=tokens, cost=gpu)
+    assert plan.path == "staged" and "gpu-like" in plan.reason
+    assert _moves_like_the_oracle(plan, src, dst, sp, dp, tokens)
+
+
+def test_overrides_win_over_the_cost_rule():
+    t, src, dst, sp, dp, tokens = _p1_d1_32k()
+    # an explicit KVXFER_DIRECT_MIN_OP_BYTES (the old rule): 32 KiB ops < 64 KiB -> staged
+    plan = plan_pair(t, src, dst, sp, dp, num_tokens=tokens, cost=LOCAL_CPU, direct_min_op_bytes=64 << 10)
+    assert plan.path == "staged"
+    assert "< direct_min_op_bytes=65536, the fixed rule, KVXFER_DIRECT_MIN_OP_BYTES" in plan.reason
+    low = plan_pair(t, src, dst, sp, dp, num_tokens=tokens, cost=TCP_CPU, direct_min_op_bytes=4096)
+    assert low.path == "direct" and "the fixed rule, direct_min_op_bytes=4096" in low.reason
+    # the data path (KVXFER_DATA_PATH) wins over both
+    assert plan_pair(t, src, dst, sp, dp, num_tokens=tokens, cost=LOCAL_CPU, path="staged").path == "staged"
+    t2, src2, dst2, sp2, dp2, tokens2 = _p1_d1_32k(page_tokens=1, head_dim=8, tokens=100)
+    forced = plan_pair(t2, src2, dst2, sp2, dp2, num_tokens=tokens2, cost=TCP_CPU, path="direct")
+    assert forced.path == "direct" and forced.reason == "contiguous on both sides"
+    assert _moves_like_the_oracle(forced, src2, dst2, sp2, dp2, tokens2)
+
+
+def test_without_a_cost_the_fixed_rule_decides():
+    """No cost (a transport that declares none): the fixed 64 KiB rule, as before."""
+    t, src, dst, sp, dp, tokens = _p1_d1_32k()
+    plan = plan_pair(t, src, dst, sp, dp, num_tokens=tokens)
+    assert plan.path == "staged"
+    assert "< direct_min_op_bytes=65536, the fixed rule, KVXFER_DIRECT_MIN_OP_BYTES" in plan.reason
+    big = _p1_d1_32k(page_tokens=32)  # 64 KiB pages
+    assert plan_pair(*big[:5], num_tokens=big[5]).path == "direct"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(per_op_s=-1.0), "PathCost.per_op_s=-1.0 must be >= 0"),
+        (dict(bytes_per_s=0.0), "PathCost.bytes_per_s=0.0 must be > 0"),
+        (dict(copy_bytes_per_s=float("inf")), "PathCost.copy_bytes_per_s=inf must be a finite number"),
+        (dict(stage_fixed_s="1"), "PathCost.stage_fixed_s='1' must be a finite number"),
+    ],
+)
+def test_path_cost_rejects_bad_numbers(kwargs, message):
+    args = {**dict(per_op_s=1e-6, bytes_per_s=1e9, copy_bytes_per_s=1e9), **kwargs}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        PathCost(**args)

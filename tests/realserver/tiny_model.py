@@ -53,15 +53,27 @@ def save_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def build(out: Path) -> Path:
-    """Write the model and tokenizer to ``out`` (once: an existing build is reused)."""
+def write_model(out: Path, name: str | None, make) -> Path:
+    """Build ``make(torch)`` (a ``*ForCausalLM``) under the fixed seed and write it, the
+    tokenizer and ``kvxfer_tiny.json`` to ``out``, once: an existing build is reused."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(SEED)
+    make(torch).save_pretrained(out)
+    save_tokenizer(out)
+    meta = {"seed": SEED, "vocab": VOCAB, **({"model": name} if name else {})}
+    (out / "kvxfer_tiny.json").write_text(json.dumps(meta))
+    return out
+
+
+def build(out: Path) -> Path:
+    """Write the model and tokenizer to ``out`` (once: an existing build is reused)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=256,
@@ -77,34 +89,21 @@ def build(out: Path) -> Path:
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
-    torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out)
-    save_tokenizer(out)
-    (out / "kvxfer_tiny.json").write_text(json.dumps({"seed": SEED, "vocab": VOCAB}))
-    return out
+    return write_model(out, None, lambda torch: LlamaForCausalLM(config).to(torch.bfloat16))
 
 
 MLA_KV_LORA_RANK = 512  # vLLM's CPU MLA decode kernel is built for a 576-wide latent only:
 MLA_ROPE_DIM = 64  # kv_lora_rank 512 + qk_rope_head_dim 64 (CPU_MLA's supported head size)
 
 
-def build_deepseek_v3(out: Path) -> Path:
-    """Write a tiny random-weight DeepSeek-V3 (MLA, every layer dense) and the word-level
-    tokenizer to ``out`` (once: an existing build is reused).
-
-    2 layers, hidden 256, 4 query heads (qk_nope 32, v 32), no query LoRA, a latent of
-    ``kv_lora_rank + qk_rope_head_dim`` = 576 per token and layer (the width vLLM's CPU MLA
-    kernel supports), float32. ``first_k_dense_replace`` = the layer count (and
-    ``moe_layer_freq`` 1, which SGLang reads) makes every layer a dense MLP; no MTP layer.
-    """
-    import torch
+def deepseek_v3(out: Path, name: str, *, kv_lora_rank: int, rope_dim: int, **extra) -> Path:
+    """A tiny random-weight DeepSeek-V3 (MLA, every layer dense) and the word-level tokenizer
+    in ``out`` (once): 2 layers, hidden 256, 4 query heads (qk_nope 32, v 32), no query LoRA,
+    a latent of ``kv_lora_rank + rope_dim`` per token and layer, float32.
+    ``first_k_dense_replace`` = the layer count (and ``moe_layer_freq`` 1, which SGLang reads)
+    makes every layer a dense MLP; no MTP layer. ``extra``: more config fields."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    out = Path(out)
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
     layers = 2
     config = DeepseekV3Config(
         vocab_size=VOCAB,
@@ -120,9 +119,9 @@ def build_deepseek_v3(out: Path) -> Path:
         n_group=1,
         topk_group=1,
         first_k_dense_replace=layers,
-        kv_lora_rank=MLA_KV_LORA_RANK,
+        kv_lora_rank=kv_lora_rank,
         q_lora_rank=None,
-        qk_rope_head_dim=MLA_ROPE_DIM,
+        qk_rope_head_dim=rope_dim,
         qk_nope_head_dim=32,
         v_head_dim=32,
         max_position_embeddings=2048,
@@ -131,14 +130,16 @@ def build_deepseek_v3(out: Path) -> Path:
         eos_token_id=2,
         tie_word_embeddings=False,
         num_mtp_layers=0,
+        **extra,
     )
     config.moe_layer_freq = 1
-    torch.manual_seed(SEED)
-    model = DeepseekV3ForCausalLM(config).to(torch.float32)
-    model.save_pretrained(out)
-    save_tokenizer(out)
-    (out / "kvxfer_tiny.json").write_text(json.dumps({"seed": SEED, "vocab": VOCAB, "model": "deepseek_v3"}))
-    return out
+    return write_model(out, name, lambda torch: DeepseekV3ForCausalLM(config).to(torch.float32))
+
+
+def build_deepseek_v3(out: Path) -> Path:
+    """The tiny DeepSeek-V3 shaped for vLLM's CPU MLA: a 576-wide latent (the only width
+    its kernel supports)."""
+    return deepseek_v3(out, "deepseek_v3", kv_lora_rank=MLA_KV_LORA_RANK, rope_dim=MLA_ROPE_DIM)
 
 
 if __name__ == "__main__":

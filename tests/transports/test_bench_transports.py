@@ -24,3 +24,9 @@ def test_quick_tcp_and_local_runs_verify_every_byte():
     rows = report["results"] if "results" in report else report.get("rows", [])
     names = {r.get("variant") or r.get("transport") for r in rows}
     assert {"tcp", "local"} <= names, sorted(map(str, names))
+    shm = [r for r in rows if r.get("variant") == "local"]
+    # local into shared memory also copies into a memfd of the writer, verified, and says
+    # how much of each destination is mapped with huge pages
+    assert shm and all(r["baseline_shm"]["verified"] is True for r in shm), shm
+    assert all(set(r["huge_page_bytes"]) == {"destination", "baseline"} for r in shm), shm
+    assert report["machine"]["shmem_thp"] in ("never", "advise", "within_size", "always", "deny", "force", "unknown")

@@ -365,3 +365,47 @@ def test_shared_buffers_and_their_imports_are_resident_before_the_first_write():
             assert _rss_bytes(mapping_address(peer_view)) == nbytes
         finally:
             peer_view.close()
+
+
+def test_shmem_thp_setting_is_the_bracketed_choice():
+    try:
+        with open(_memory.SHMEM_THP_SETTING) as f:
+            choices = f.read().split()
+    except OSError:
+        assert _memory.shmem_thp_setting() == "unknown"
+        return
+    picked = [c.strip("[]") for c in choices if c.startswith("[")]
+    assert [_memory.shmem_thp_setting()] == picked
+
+
+@pytest.mark.skipif(
+    _memory.shmem_thp_setting() not in ("advise", "within_size", "always"),
+    reason="the kernel gives shared memory no transparent huge pages (shmem_enabled is not advise/within_size/always)",
+)
+def test_shared_buffers_get_huge_pages_where_the_kernel_allows_them():
+    with alloc_shared(8 << 20) as buf:
+        assert _memory.huge_page_bytes(buf.ptr, buf.nbytes) >= 2 << 20
+
+
+def test_huge_page_bytes_of_a_4k_mapping_is_zero_and_counts_nothing_outside():
+    mm = mmap.mmap(-1, 4 << 20, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm.madvise(mmap.MADV_NOHUGEPAGE)
+        mm.write(b"x" * (4 << 20))
+        addr = _memory.mapping_address(mm)
+        assert _memory.huge_page_bytes(addr, 4 << 20) == 0
+        assert _rss_bytes(addr) == 4 << 20  # the helper reads the same smaps entries
+    finally:
+        mm.close()
+
+
+def test_memmove_rate_is_measured_once_and_prices_the_local_path_cost():
+    per_op, rate = _memory.memmove_rate()
+    assert 5e-8 <= per_op <= 5e-5 and 5e8 <= rate <= 5e11
+    assert _memory.memmove_rate() == (per_op, rate)  # cached: no second measurement
+    t = LocalTransport()
+    try:
+        cost = t.path_cost()
+        assert (cost.per_op_s, cost.bytes_per_s, cost.copy_bytes_per_s) == (per_op, rate, rate)
+    finally:
+        t.close()

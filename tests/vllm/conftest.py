@@ -46,3 +46,9 @@ def vllm_model(vllm_env, tmp_path_factory) -> Path:
     """The tiny Llama of tests/realserver (4 KV heads: TP 1 and 2), built with the vLLM
     environment's transformers."""
     return _build(tmp_path_factory.mktemp("tiny-llama-vllm") / "model")
+
+
+@pytest.fixture(scope="session")
+def vllm_mla_model(vllm_env, tmp_path_factory) -> Path:
+    """The tiny DeepSeek-V3 (MLA, a 576-wide latent: the only width vLLM's CPU MLA decodes)."""
+    return _build(tmp_path_factory.mktemp("tiny-deepseek-vllm") / "model", "--deepseek-v3")

@@ -343,6 +343,19 @@ class LocalTransport(Transport):
             ) from exc
         return _Target("cuda", nbytes, f"cuda:{device}", mapping=tensor, gpu=ipc["gpu"], gpu_visible=index is not None)
 
+    def path_cost(self, device: str = "cpu"):
+        """CPU: one ``memmove`` per entry, measured on this host once per process
+        (``_memory.memmove_rate``; the staged path's gather and scatter copy at the same
+        rate). CUDA: declared, not measured: an entry is one async device copy call (about
+        10 us of CPU), copies run at device-memory speed."""
+        from sglang_kvxfer.planning.byteplan import PathCost
+
+        kind, _ = parse_device(device)
+        if kind == "cuda":
+            return PathCost(10e-6, 100e9, 500e9, source="local cost, declared: CUDA IPC, one device copy per op")
+        per_op, rate = _memory.memmove_rate()
+        return PathCost(per_op, rate, rate, source="local cost, measured: one memmove per op")
+
     # -- writes -------------------------------------------------------------------------
     def _write(self, local: Region, remote: RemoteRegion, entries: Entries) -> Ticket:
         label = f"local write {local.region_id}->{remote.peer_id}:{remote.region_id}"

@@ -1,9 +1,11 @@
-"""HND_KV pools (vLLM's CPU cache) end to end through in-process prefill/decode managers: TP
-2 -> 1 and 1 -> 2, HND_KV to HND_KV (direct and staged), to and from NHD and HND, equal and
-different page sizes, over ``local`` and ``tcp``. HND_KV prefill pools are wrapped around
-vLLM-shaped tensors (``[num_blocks, heads, block_size, 2 * head_dim]``, one per layer), as a
-vLLM connector hands them over. Every decode pool is compared byte for byte, untouched pages
-included, with the planning oracle's placement of the same full KV."""
+"""Packed K-and-V pools (vLLM's caches: NHD_KV, the GPU layout LBNHC with one ``[num_blocks,
+block_size, heads, head_dim + v_head_dim]`` tensor per layer, and HND_KV, the CPU layout with
+one ``[num_blocks, heads, block_size, 2 * head_dim]`` tensor per layer) end to end through
+in-process prefill/decode managers, on CPU tensors: TP 2 -> 1 and 1 -> 2, each packing to
+itself (direct and staged), to and from NHD, HND and the other packing, equal and different
+page sizes, over ``local`` and ``tcp``. Packed prefill pools are wrapped around vLLM-shaped
+tensors, as a vLLM connector hands them over. Every decode pool is compared byte for byte,
+untouched pages included, with the planning oracle's placement of the same full KV."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 from sglang_kvxfer.engine import BootstrapServer, EngineConfig, KVManager, KVPoll, KVReceiver, KVSender
 from sglang_kvxfer.engine.pool import KVPool
-from sglang_kvxfer.geometry import KVGeometry
+from sglang_kvxfer.geometry import KVGeometry, Layout
 from tests.planning.oracle import POISON, SENTINEL, empty_pool, full_kv, place_tokens
 
 from .harness import FAST, wait_terminal
@@ -22,6 +24,16 @@ H, LAYERS, DIM, TOKENS, CHUNK = 4, 2, 8, 37, 8
 
 # (prefill TP, decode TP, prefill layout, decode layout, prefill page, decode page)
 CASES = [
+    (2, 2, "NHD_KV", "NHD_KV", 4, 4),
+    (2, 2, "NHD_KV", "NHD_KV", 4, 8),
+    (2, 1, "NHD_KV", "NHD_KV", 4, 4),
+    (1, 2, "NHD_KV", "NHD_KV", 8, 4),
+    (2, 1, "NHD_KV", "NHD", 4, 4),
+    (1, 2, "NHD_KV", "NHD", 4, 2),
+    (2, 1, "NHD", "NHD_KV", 4, 4),
+    (1, 2, "HND", "NHD_KV", 2, 4),
+    (2, 2, "NHD_KV", "HND_KV", 4, 4),
+    (1, 1, "HND_KV", "NHD_KV", 4, 8),
     (2, 1, "HND_KV", "HND_KV", 4, 4),
     (2, 1, "HND_KV", "HND_KV", 4, 8),
     (1, 2, "HND_KV", "HND_KV", 4, 4),
@@ -48,10 +60,16 @@ def _geometry(layout, page_size):
 
 
 def _vllm_pool(geometry, tp, rank):
-    """A pool over vLLM-shaped per-layer tensors, as the vLLM connector builds it."""
+    """A pool over per-layer tensors as vLLM's connector sees them: the CPU cache for HND_KV,
+    and for NHD_KV the logical ``[blocks, heads, block_size, 2 * head_dim]`` view over
+    token-major storage, turned contiguous."""
     place = geometry.placement(tp, rank)
-    g = geometry
-    caches = [torch.zeros(g.num_pages, place.num_local_heads, g.page_size, 2 * DIM) for _ in range(LAYERS)]
+    g, heads = geometry, place.num_local_heads
+    if g.layout is Layout.HND_KV:  # vLLM's CPU cache
+        caches = [torch.zeros(g.num_pages, heads, g.page_size, 2 * DIM) for _ in range(LAYERS)]
+    else:
+        store = [torch.zeros(g.num_pages, g.page_size, heads, 2 * DIM) for _ in range(LAYERS)]
+        caches = [s.permute(0, 2, 1, 3).permute(0, 2, 1, 3) for s in store]  # logical view and back
     pool = KVPool.wrap(place, caches)
     assert [b.data_ptr() for b in pool.buffers] == [c.data_ptr() for c in caches]
     return pool
@@ -126,26 +144,35 @@ def run_pair(p, d, lp, ld, ps, pd, transport, data_path="direct", room=7):
     return records, problems
 
 
+def _direct(p, d, lp, ld, ps, pd):
+    """Whether data_path=direct writes in place: the same packing on both sides and the bytes
+    line up (NHD_KV: all heads on each rank, any page size; HND_KV: the same page size)."""
+    if lp != ld:
+        return False
+    return {"NHD_KV": p == d, "HND_KV": ps == pd}.get(lp, False)
+
+
 @pytest.mark.parametrize("transport", ["local", "tcp"])
 @pytest.mark.parametrize("case", CASES, ids=["{}-{}-{}-{}-p{}-p{}".format(*c) for c in CASES])
-def test_hnd_kv_transfers_match_the_oracle(case, transport):
+def test_packed_kv_transfers_match_the_oracle(case, transport):
     p, d, lp, ld, ps, pd = case
     records, problems = run_pair(p, d, lp, ld, ps, pd, transport)
     assert problems == []
     assert len(records) == d and all(r.ok for r in records)
-    # data_path=direct: direct where the bytes line up (HND_KV both sides, same page size).
-    direct = lp == ld == "HND_KV" and ps == pd
+    direct = _direct(*case)
     assert all(("scatter" in r.phases) is not direct for r in records), [r.phases for r in records]
 
 
 @pytest.mark.parametrize("data_path", ["staged", "per_token", "auto"])
-def test_hnd_kv_other_data_paths(data_path):
-    records, problems = run_pair(2, 1, "HND_KV", "HND_KV", 4, 4, "local", data_path=data_path)
-    assert problems == [] and len(records) == 1
+@pytest.mark.parametrize(("p", "d", "layout"), [(2, 2, "NHD_KV"), (2, 1, "HND_KV")])
+def test_packed_kv_other_data_paths(p, d, layout, data_path):
+    records, problems = run_pair(p, d, layout, layout, 4, 4, "local", data_path=data_path)
+    assert problems == [] and len(records) == d
     if data_path != "auto":  # per_token is direct writes, one per token row
-        assert ("scatter" in records[0].phases) is (data_path == "staged")
+        assert all(("scatter" in r.phases) is (data_path == "staged") for r in records)
 
 
-def test_per_token_between_hnd_kv_and_nhd_is_staged():
-    records, problems = run_pair(1, 2, "HND_KV", "NHD", 4, 4, "tcp", data_path="per_token")
+@pytest.mark.parametrize(("packed", "other"), [("NHD_KV", "NHD"), ("NHD_KV", "HND_KV"), ("HND_KV", "NHD")])
+def test_per_token_between_a_packing_and_another_is_staged(packed, other):
+    records, problems = run_pair(1, 2, packed, other, 4, 4, "tcp", data_path="per_token")
     assert problems == [] and all("scatter" in r.phases for r in records)

@@ -1,0 +1,329 @@
+"""Attention-DP deployments for the scripted scheduler: several prefill DP groups behind one
+bootstrap, one or several decode DP groups, each side in its own process, driving our SGLang
+classes in SGLang 0.5.23's call order (see ``sglang_sides`` for the per-request order).
+
+What DP adds to that order, from SGLang's own code:
+
+* prefill (``--tp T --dp-size D --enable-dp-attention``): ``T / D`` ranks per DP group, each
+  rank's ``KVArgs.engine_rank`` its global TP rank (``prefill.py``); the data-parallel
+  controller hands a request to one DP group only: the router's ``data_parallel_rank``
+  (the sender then gets ``req_has_disagg_prefill_dp_rank=True``), else
+  ``bootstrap_room % D`` (``follow_bootstrap_room``, the prefill default). Polls are reduced
+  (MIN) over that group's attention-TP ranks.
+* decode: ``engine_rank = tp_rank % attn_tp``; each decode DP group serves the requests its
+  own controller gives it; ``_resolve_prefill_dp_rank`` picks the prefill group: the
+  router's rank, else ``0`` for ``dp_size == 1``, else ``bootstrap_room % dp_size`` (read from
+  ``prefill_info_table``); then ``init(prefill_dp_rank)``.
+
+The oracle (``DpOracle``) is independent of the engine: every (room, prefill DP group) has
+its own random full KV (every layer, K/V, token row of every page, head, byte); a prefill
+rank writes its owned heads of it into its pages, the unused rows of the last page hold the
+group's poison byte; what a decode rank must hold afterwards is computed here by placing the
+decode rank's owned heads of the served group's full KV into its pages, and every byte of
+every decode buffer is compared (pages no request used must still hold the sentinel).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tests.integrations import sglang_sides as sides
+from tests.integrations.sglang_env import Model, rank_memory, server_args
+
+FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
+SENTINEL = 0xA5  # decode bytes no request may touch
+CHUNK_TOKENS = 16
+
+
+@dataclass
+class DpRequest:
+    room: int
+    tokens: int
+    prefill_groups: tuple = ()  # groups that prefill it; () = SGLang's rule (room % dp)
+    explicit: bool = False  # the router chose the prefill DP rank (data_parallel_rank)
+    route: int | None = None  # the decode's prefill_dp_rank; None = SGLang's rule
+    decode_group: int = 0  # which decode DP group serves it
+
+
+@dataclass
+class DpSpec:
+    role: str
+    model: Model
+    attn_tp: int
+    dp: int
+    port: int
+    requests: list
+    env: dict = field(default_factory=dict)
+    timeout_s: float = 60.0
+
+
+def poison(group: int) -> int:
+    return 0x10 + group
+
+
+def heads_of(model: Model, attn_tp: int, rank: int) -> list[int]:
+    """Global KV heads a rank owns (DESIGN.md's rule; MLA: the one latent head)."""
+    if model.mla:
+        return [0]
+    h = model.total_kv_heads
+    if attn_tp <= h:
+        return list(range(rank * h // attn_tp, (rank + 1) * h // attn_tp))
+    return [rank // (attn_tp // h)]
+
+
+def buffer_dims(model: Model) -> list[int]:
+    """Byte width of one head row in each buffer (K of every layer, then V)."""
+    item = 2  # bfloat16
+    dims = [model.head_dim] * model.num_layers + ([] if model.mla else [model.v_head_dim] * model.num_layers)
+    return [d * item for d in dims]
+
+
+class DpOracle:
+    """The full KV of one request as prefilled on one DP group: ``rows[b]`` is
+    ``uint8 [pages * page_size, heads, dim_bytes]`` for buffer ``b``."""
+
+    def __init__(self, model: Model, room: int, group: int, tokens: int):
+        pages = -(-tokens // model.page_size)
+        n = pages * model.page_size
+        heads = 1 if model.mla else model.total_kv_heads
+        rng = np.random.default_rng([room & 0xFFFFFFFF, room >> 32, group])
+        self.rows = []
+        for dim in buffer_dims(model):
+            full = rng.integers(0, 256, size=(n, heads, dim), dtype=np.uint8)
+            full[tokens:] = poison(group)  # the last page's unused rows: what the prefill pool holds
+            self.rows.append(full)
+
+
+def byte_views(mem) -> list:
+    import torch
+
+    return [t.view(torch.uint8) for t in mem.buffers]
+
+
+def place(model: Model, views, heads: list[int], oracle: DpOracle, pages) -> None:
+    """Write ``heads`` of every page row of ``oracle`` into ``pages`` of ``views``."""
+    import torch
+
+    ps = model.page_size
+    rows = (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)
+    for view, full in zip(views, oracle.rows):
+        view[torch.from_numpy(rows)] = torch.from_numpy(np.ascontiguousarray(full[:, heads, :]))
+
+
+def compare(model: Model, views, expected: list[np.ndarray], label: str) -> list[str]:
+    problems = []
+    for b, (view, want) in enumerate(zip(views, expected)):
+        got = view.numpy()
+        if not np.array_equal(got, want):
+            row, head, byte = (int(x) for x in np.argwhere(got != want)[0])
+            problems.append(
+                f"{label} buffer {b}: page {row // model.page_size} row {row % model.page_size} local head {head} "
+                f"byte {byte} is {int(got[row, head, byte])}, expected {int(want[row, head, byte])}"
+            )
+    return problems
+
+
+def main(spec: DpSpec, out, release) -> None:
+    sides.serve(spec, out, release, _prefill, _decode)
+
+
+def _dp_server_args(spec: DpSpec, port: int):
+    extra = dict(dp_size=spec.dp, enable_dp_attention=True) if spec.dp > 1 else {}
+    return server_args(sides.MODEL_PATH, spec.role, spec.attn_tp * spec.dp, port, **extra)
+
+
+def _prefill_groups(req: DpRequest, dp: int) -> tuple:
+    return req.prefill_groups or (req.room % dp,)
+
+
+def _prefill(spec: DpSpec, closers: list) -> dict:
+    backend, defs = sides.setup(spec)
+    m, deadline = spec.model, time.monotonic() + spec.timeout_s
+    sa = _dp_server_args(spec, spec.port)
+    boot = backend.KVXferKVBootstrapServer(sa.host, sa.disaggregation_bootstrap_port)
+    closers.append(boot.close)
+    groups = []  # per DP group: (memories, managers)
+    for g in range(spec.dp):
+        mems, mgrs = [], []
+        for r in range(spec.attn_tp):
+            mem = rank_memory(m, spec.attn_tp, r, "prefill")
+            mem.kv_args.engine_rank = g * spec.attn_tp + r  # SGLang's prefill: the global TP rank
+            for view in byte_views(mem):
+                view.fill_(poison(g))
+            mems.append(mem)
+            mgrs.append(backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.PREFILL, sa, m.mla))
+            closers.append(mgrs[-1].close)
+        groups.append((mems, mgrs))
+    for _, mgrs in groups:
+        for mgr in mgrs:
+            mgr.register_to_bootstrap()
+    pages = sides._allocate(m, [(r.room, r.tokens) for r in spec.requests], seed=1)
+    work = []
+    for slot, req in enumerate(spec.requests):
+        for g in _prefill_groups(req, spec.dp):
+            mems, mgrs = groups[g]
+            senders = [
+                backend.KVXferKVSender(
+                    mgr, f"{sa.host}:{spec.port}", req.room, req_has_disagg_prefill_dp_rank=req.explicit
+                )
+                for mgr in mgrs
+            ]
+            work.append(
+                {"room": req.room, "group": g, "req": req, "slot": slot, "senders": senders, "pages": pages[slot]}
+            )
+    results: dict = {}
+
+    def failed(w):
+        results[(w["room"], w["group"])] = {"status": "Failed", "reasons": sides._failure(w["senders"])}
+
+    def bootstrapped(w):  # pop_bootstrapped, then the forward and send_kv_chunk
+        for s in w["senders"]:
+            s.pop_decode_prefix_len()
+            s.init(len(w["pages"]), w["slot"])
+        _forward_and_send(spec, w, groups[w["group"]][0])
+
+    def done(w):
+        results[(w["room"], w["group"])] = {"status": "Success"}
+        for s in w["senders"]:
+            s.clear()
+
+    _event_loop(work, lambda w: w["senders"], bootstrapped, done, failed, deadline)
+    return results
+
+
+def _event_loop(work, pollers_of, on_waiting, on_success, on_failed, deadline) -> None:
+    """Each request on its own, as the scheduler's queues move them: the bootstrap queue
+    (until WaitingForInput), then the inflight queue (until Success); Failed from either."""
+    bootstrapping, inflight = list(work), []
+    while bootstrapping or inflight:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rooms {[w['room'] for w in bootstrapping + inflight]} never concluded")
+        for w in list(bootstrapping):
+            poll = sides._min_poll(pollers_of(w))
+            if poll == FAILED:
+                bootstrapping.remove(w)
+                on_failed(w)
+            elif poll >= WAITING:
+                bootstrapping.remove(w)
+                inflight.append(w)
+                on_waiting(w)
+        for w in list(inflight):
+            poll = sides._min_poll(pollers_of(w))
+            if poll == FAILED:
+                inflight.remove(w)
+                on_failed(w)
+            elif poll == SUCCESS:
+                inflight.remove(w)
+                on_success(w)
+        time.sleep(0.002)
+
+
+def _forward_and_send(spec: DpSpec, w: dict, mems) -> None:
+    m, req = spec.model, w["req"]
+    oracle = DpOracle(m, req.room, w["group"], req.tokens)
+    ps = m.page_size
+    for a in range(0, req.tokens, CHUNK_TOKENS):
+        b = min(req.tokens, a + CHUNK_TOKENS)
+        last = b == req.tokens
+        chunk = w["pages"][a // ps : -(-b // ps)]
+        for r, mem in enumerate(mems):  # this chunk's forward: its pages' rows of the group's KV
+            sub = DpOracle.__new__(DpOracle)
+            lo = (a // ps) * ps
+            sub.rows = [full[lo : lo + len(chunk) * ps] for full in oracle.rows]
+            place(m, byte_views(mem), heads_of(m, spec.attn_tp, r), sub, chunk)
+            if last:
+                for name, row in sides.aux_rows(m, req.room).items():
+                    mem.meta[name][w["slot"]] = row
+        for s in w["senders"]:
+            if s.should_send_kv_chunk(len(chunk), last):
+                s.send(np.asarray(chunk, dtype=np.int32), [] if last else None, num_kv_tokens=b - a)
+
+
+def _decode(spec: DpSpec, closers: list) -> dict:
+    backend, defs = sides.setup(spec)
+    backend._model_total_kv_heads = sides._model_heads(spec.model)
+    m, deadline = spec.model, time.monotonic() + spec.timeout_s
+    sa = _dp_server_args(spec, spec.port + 1)
+    addr = f"127.0.0.1:{spec.port}"
+    groups = []
+    for _ in range(spec.dp):
+        mems, mgrs = [], []
+        for r in range(spec.attn_tp):
+            mem = rank_memory(m, spec.attn_tp, r, "decode")  # engine_rank = tp_rank % attn_tp
+            for view in byte_views(mem):
+                view.fill_(SENTINEL)
+            mems.append(mem)
+            mgrs.append(backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.DECODE, sa, m.mla))
+            closers.append(mgrs[-1].close)
+        groups.append((mems, mgrs))
+    pages = sides._allocate(m, [(r.room, r.tokens) for r in spec.requests], seed=2)
+    work = []
+    for slot, req in enumerate(spec.requests):
+        mems, mgrs = groups[req.decode_group]
+        rxs = [backend.KVXferKVReceiver(mgr, addr, req.room) for mgr in mgrs]
+        work.append({"room": req.room, "req": req, "slot": slot, "rxs": rxs, "pages": pages[slot]})
+    every = [mgr for _, mgrs in groups for mgr in mgrs]
+    while not all(mgr.try_ensure_parallel_info(addr) for mgr in every):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"prefill parallel info for {addr} never arrived")
+        time.sleep(0.02)
+    info = every[0].prefill_info_table[addr]
+    results: dict = {"info": {"attn_tp_size": info.attn_tp_size, "dp_size": info.dp_size}}
+    for w in work:  # _resolve_prefill_dp_rank, then _init_receiver
+        req = w["req"]
+        if req.route is not None:
+            rank = req.route  # the router's data_parallel_rank
+        elif info.dp_size == 1:
+            rank = 0
+        else:
+            assert info.follow_bootstrap_room
+            rank = req.room % info.dp_size
+        w["route"] = rank
+        for rx in w["rxs"]:
+            rx.init(rank)
+
+    def failed(w):
+        results[w["room"]] = {"status": "Failed", "reasons": sides._failure(w["rxs"]), "route": w["route"]}
+
+    def handshaken(w):  # _update_handshake_waiters -> pop_preallocated
+        for rx in w["rxs"]:
+            rx.send_metadata(np.asarray(w["pages"], dtype=np.int32), w["slot"], [], decode_prefix_len=0)
+
+    served = []
+
+    def transferred(w):  # pop_transferred (the metadata gate is the room in the slot)
+        mems = groups[w["req"].decode_group][0]
+        aux = [
+            f"rank {r}: metadata {name} differs"
+            for r, mem in enumerate(mems)
+            for name, row in sides.aux_rows(m, w["room"]).items()
+            if not bool((mem.meta[name][w["slot"]] == row).all())
+        ]
+        results[w["room"]] = {"status": "Success", "route": w["route"], "problems": aux}
+        served.append(w)
+        for rx in w["rxs"]:
+            rx.clear()
+
+    _event_loop(work, lambda w: w["rxs"], handshaken, transferred, failed, deadline)
+    # Every byte of every decode buffer against the oracle of what it must hold.
+    problems = []
+    for g, (mems, _) in enumerate(groups):
+        for r, mem in enumerate(mems):
+            views = byte_views(mem)
+            expected = [np.full(tuple(v.shape), SENTINEL, dtype=np.uint8) for v in views]
+            heads = heads_of(m, spec.attn_tp, r)
+            for w in served:
+                if w["req"].decode_group != g:
+                    continue
+                oracle = DpOracle(m, w["room"], w["route"], w["req"].tokens)
+                rows = (np.asarray(w["pages"], dtype=np.int64)[:, None] * m.page_size + np.arange(m.page_size)).reshape(
+                    -1
+                )
+                for want, full in zip(expected, oracle.rows):
+                    want[rows] = full[:, heads, :]
+            problems += compare(m, views, expected, f"decode DP group {g} rank {r}")
+    results["pool_problems"] = problems
+    return results
