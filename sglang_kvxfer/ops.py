@@ -139,7 +139,7 @@ def gather_kv_heads(
     return staging
 
 
-def _gather_call(k_buffers, v_buffers, page_ids, out=None, **slice_fields):
+def _gather_call(k_buffers, v_buffers, page_ids, out=None, **slice_fields) -> tuple[KVCall, torch.Tensor]:
     """Validated arguments of a gather and its staging bytes (allocated when ``out`` is None)."""
     call = parse_call(k_buffers, v_buffers, page_ids, unique_pages=False, **slice_fields)
     if out is None:
@@ -187,7 +187,7 @@ def scatter_kv_heads(
     _dispatch(*_scatter_call(**locals()), gather=False)
 
 
-def _scatter_call(staging, k_buffers, v_buffers, page_ids, **slice_fields):
+def _scatter_call(staging, k_buffers, v_buffers, page_ids, **slice_fields) -> tuple[KVCall, torch.Tensor]:
     """Validated arguments of a scatter and the staging's bytes."""
     call = parse_call(k_buffers, v_buffers, page_ids, unique_pages=True, **slice_fields)
     return call, staging_bytes_view(staging, "staging", call)
