@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from sglang_kvxfer.errors import KVXferError
@@ -80,3 +81,7 @@ def _guarded(command: str, call) -> int:
     except KeyboardInterrupt:
         print(f"kvxfer {command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (``kvxfer plan | head``): not an error of ours
+        # Python would report the pipe again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

@@ -3,6 +3,13 @@
 Builds the TP plan and, for one example request, the byte plan of every (writer, reader)
 pair, then prints a table (or one JSON object with ``--json``). Pure planning: no servers,
 no transport, no torch.
+
+With attention DP (``--prefill-dp``/``--decode-dp``, SGLang's ``--dp-size`` with
+``--enable-dp-attention``) each side's ``--tp`` ranks form DP groups of ``tp / dp``
+attention-TP ranks; a request moves between one prefill group (SGLang's routing:
+``--prefill-dp-rank``, else ``room % prefill_dp``) and one decode group (``--decode-dp-rank``),
+so the plan is the one between those two groups' attention-TP sizes. Ranks are shown as the
+group's attention-TP ranks, with the server-wide TP rank beside them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total-kv-heads", type=int, required=True, help="the model's un-sharded KV heads (1 for MLA)")
     p.add_argument("--prefill-tp", type=int, required=True, help="prefill TP size")
     p.add_argument("--decode-tp", type=int, required=True, help="decode TP size")
+    p.add_argument(
+        "--prefill-dp", type=int, default=1, help="prefill attention-DP groups (--dp-size with DP attention; default 1)"
+    )
+    p.add_argument(
+        "--decode-dp", type=int, default=1, help="decode attention-DP groups (--dp-size with DP attention; default 1)"
+    )
+    p.add_argument(
+        "--prefill-dp-rank",
+        type=int,
+        default=None,
+        help="the request's prefill DP group (the router's prefill_dp_rank; default room %% prefill-dp)",
+    )
+    p.add_argument("--decode-dp-rank", type=int, default=0, help="the decode DP group serving the request (default 0)")
     p.add_argument("--mla", action="store_true", help="MLA latent cache (one head on every rank)")
     p.add_argument("--layers", type=int, default=32, help="KV layers (default 32)")
     p.add_argument("--head-dim", type=int, default=128, help="K head dim (default 128; MLA e.g. 576)")
@@ -47,10 +67,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _dp_groups(tp: int, dp: int, dp_rank: int, side: str) -> tuple[int, int]:
+    """(attention-TP size, the request's DP group) of one side; errors name the flags."""
+    if tp % dp:
+        raise ValueError(f"--{side}-tp={tp} must be a multiple of --{side}-dp={dp}")
+    if not 0 <= dp_rank < dp:
+        raise ValueError(f"--{side}-dp-rank={dp_rank} must be in [0, {dp}) (--{side}-dp={dp})")
+    return tp // dp, dp_rank
+
+
 def build_report(args: argparse.Namespace) -> dict:
     if args.tokens < 1:
         raise ValueError(f"--tokens={args.tokens} must be >= 1")
-    plan = plan_tp(args.total_kv_heads, args.prefill_tp, args.decode_tp, mla=args.mla, salt=args.room)
+    p_dp, d_dp = args.prefill_dp, args.decode_dp
+    if p_dp < 1 or d_dp < 1:
+        raise ValueError(f"--prefill-dp={p_dp} and --decode-dp={d_dp} must be >= 1")
+    p_rank = args.room % p_dp if args.prefill_dp_rank is None else args.prefill_dp_rank
+    p_attn, p_group = _dp_groups(args.prefill_tp, p_dp, p_rank, "prefill")
+    d_attn, d_group = _dp_groups(args.decode_tp, d_dp, args.decode_dp_rank, "decode")
+    plan = plan_tp(args.total_kv_heads, p_attn, d_attn, mla=args.mla, salt=args.room)
     ps = args.prefill_page_size or args.page_size
     pd = args.decode_page_size or args.page_size
     src_n, dst_n = -(-args.tokens // ps), -(-args.tokens // pd)
@@ -71,8 +106,8 @@ def build_report(args: argparse.Namespace) -> dict:
     for t in plan.transfers:
         pair = plan_pair(
             t,
-            gp.placement(args.prefill_tp, t.prefill_rank),
-            gd.placement(args.decode_tp, t.decode_rank),
+            gp.placement(p_attn, t.prefill_rank),
+            gd.placement(d_attn, t.decode_rank),
             src_pages,
             dst_pages,
             num_tokens=args.tokens,
@@ -82,6 +117,8 @@ def build_report(args: argparse.Namespace) -> dict:
         transfers.append(
             {
                 **t.to_dict(),
+                "prefill_tp_rank": p_group * p_attn + t.prefill_rank,
+                "decode_tp_rank": d_group * d_attn + t.decode_rank,
                 "global_heads": [t.global_head_start, t.global_head_start + t.num_heads],
                 "path": pair.path,
                 "reason": pair.reason,
@@ -95,6 +132,12 @@ def build_report(args: argparse.Namespace) -> dict:
         "total_kv_heads": args.total_kv_heads,
         "prefill_tp": args.prefill_tp,
         "decode_tp": args.decode_tp,
+        "prefill_dp": p_dp,
+        "decode_dp": d_dp,
+        "prefill_attn_tp": p_attn,
+        "decode_attn_tp": d_attn,
+        "prefill_dp_rank": p_group,
+        "decode_dp_rank": d_group,
         "mla": args.mla,
         "room": args.room,
         "request": {
@@ -111,20 +154,27 @@ def build_report(args: argparse.Namespace) -> dict:
         "decode_ranks": [
             {
                 "rank": d,
-                "heads": _span(owned_heads(args.total_kv_heads, args.decode_tp, d, args.mla)),
+                "tp_rank": d_group * d_attn + d,
+                "heads": _span(owned_heads(args.total_kv_heads, d_attn, d, args.mla)),
                 "writers": [t.prefill_rank for t in plan.writers_of(d)],
             }
-            for d in range(args.decode_tp)
+            for d in range(d_attn)
         ],
         "prefill_ranks": [
             {
                 "rank": p,
-                "heads": _span(owned_heads(args.total_kv_heads, args.prefill_tp, p, args.mla)),
+                "tp_rank": p_group * p_attn + p,
+                "heads": _span(owned_heads(args.total_kv_heads, p_attn, p, args.mla)),
                 "targets": list(plan.decode_targets(p)),
             }
-            for p in range(args.prefill_tp)
+            for p in range(p_attn)
         ],
     }
+
+
+def _rank(rank: int, tp_rank: int) -> str:
+    """A group's attention-TP rank, with the server-wide TP rank where they differ."""
+    return str(rank) if rank == tp_rank else f"{rank} ({tp_rank})"
 
 
 def _span(r: range) -> list[int]:
@@ -143,9 +193,17 @@ def _fmt_bytes(n: int) -> str:
 def render(report: dict) -> str:
     req = report["request"]
     kind = "MLA" if report["mla"] else "MHA"
+    dp = ""
+    if report["prefill_dp"] > 1 or report["decode_dp"] > 1:
+        dp = (
+            f" (attention DP: prefill group {report['prefill_dp_rank']} of {report['prefill_dp']}, "
+            f"attention TP {report['prefill_attn_tp']} -> decode group {report['decode_dp_rank']} of "
+            f"{report['decode_dp']}, attention TP {report['decode_attn_tp']}; ranks below are the "
+            "groups' attention-TP ranks, server TP ranks in parentheses)"
+        )
     lines = [
         f"{kind}: {report['total_kv_heads']} KV head(s), prefill TP {report['prefill_tp']} -> "
-        f"decode TP {report['decode_tp']}; example request: {req['tokens']} tokens x "
+        f"decode TP {report['decode_tp']}{dp}; example request: {req['tokens']} tokens x "
         f"{req['layers']} layers, {req['dtype']}, pages {req['prefill_page_size']}/{req['decode_page_size']} "
         f"tokens, layout {req['prefill_layout']}/{req['decode_layout']}, {req['decode_pages']} decode pages",
         "",
@@ -167,8 +225,8 @@ def render(report: dict) -> str:
         g0, g1 = t["global_heads"]
         rows.append(
             (
-                str(t["prefill_rank"]),
-                str(t["decode_rank"]),
+                _rank(t["prefill_rank"], t["prefill_tp_rank"]),
+                _rank(t["decode_rank"], t["decode_tp_rank"]),
                 f"[{g0}, {g1})",
                 f"[{t['src_head_start']}, {t['src_head_start'] + t['num_heads']})",
                 f"[{t['dst_head_start']}, {t['dst_head_start'] + t['num_heads']})",
@@ -186,12 +244,12 @@ def render(report: dict) -> str:
     lines.append("")
     for d in report["decode_ranks"]:
         lines.append(
-            f"decode rank {d['rank']}: heads [{d['heads'][0]}, {d['heads'][1]}), "
+            f"decode rank {_rank(d['rank'], d['tp_rank'])}: heads [{d['heads'][0]}, {d['heads'][1]}), "
             f"waits for {len(d['writers'])} writer(s): {d['writers']}"
         )
     for p in report["prefill_ranks"]:
         lines.append(
-            f"prefill rank {p['rank']}: heads [{p['heads'][0]}, {p['heads'][1]}), "
+            f"prefill rank {_rank(p['rank'], p['tp_rank'])}: heads [{p['heads'][0]}, {p['heads'][1]}), "
             f"writes to decode rank(s) {p['targets'] or 'none (not elected for this room)'}"
         )
     reasons = sorted({(t["path"], t["reason"]) for t in report["transfers"]})

@@ -27,6 +27,7 @@ from sglang_kvxfer.protocol.fields import MAX_FRAME_BYTES
 __all__ = ["ControlChannel"]
 
 log = logging.getLogger("sglang_kvxfer.control")
+SLOW_HANDLER_S = 1.0  # a control handler (or tick) longer than this is logged
 
 
 class ControlChannel:
@@ -127,6 +128,7 @@ class ControlChannel:
                     self._on_tick(now)
                 except Exception:  # a bug in a tick must not kill the rank's I/O
                     log.exception("control tick failed")
+                self._check_slow("a tick", now)
 
     @property
     def bad_frames(self) -> int:
@@ -153,10 +155,21 @@ class ControlChannel:
         claimed = getattr(message, "session", sender)
         if claimed != sender:
             return self._drop("spoofed", f"{type(message).__name__} names session {claimed} but came from {sender}")
+        t0 = time.monotonic()
         try:
             self._on_message(message, sender)
         except Exception:
             log.exception("handling %s failed", type(message).__name__)
+        self._check_slow(type(message).__name__, t0)
+
+    def _check_slow(self, what: str, t0: float) -> None:
+        """Warn when one handler held the I/O thread long: meanwhile this rank sent no
+        heartbeats, and a peer that waits for them long enough declares it dead."""
+        took = time.monotonic() - t0
+        if took > SLOW_HANDLER_S:
+            log.warning(
+                "%s: handling %s took %.1f s on the I/O thread (no heartbeats meanwhile)", self.endpoint, what, took
+            )
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the I/O thread (bounded join) and close every socket. Idempotent."""

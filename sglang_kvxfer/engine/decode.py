@@ -720,6 +720,10 @@ class DecodeManager(RankBase[DecodeRoom]):
     def _peer_lost(self, peer: Peer, reason: str) -> None:
         with self._lock:
             groups = [g for g in self._groups.values() if peer in g.peers.values()]
+            if any(g.status is GroupStatus.REGISTERING and not g.acks.get(peer.tp_rank) for g in groups):
+                # It never answered this rank's DecodeRegister: an endpoint nobody serves
+                # (a stale bootstrap entry) or a rank that stalled since registering.
+                reason += f"; it never answered this rank's registration (sent to {peer.endpoint})"
             for g in groups:
                 g.status, g.error = GroupStatus.FAILED, reason
             rooms = [

@@ -117,3 +117,49 @@ def test_invalid_input_is_one_line_without_traceback(args, words):
     assert proc.returncode == 2
     assert words in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_attention_dp_plans_between_the_routed_groups(capsys):
+    """--tp 4 --dp-size 2 prefill (attention TP 2) into a --tp 4 --dp-size 4 decode (attention
+    TP 1): room 5 goes to prefill group 5 % 2 = 1 (server ranks 2, 3), both of whose ranks
+    write all 8 heads of decode group 3 (server rank 3)."""
+    args = ["plan", "--total-kv-heads", "8", "--prefill-tp", "4", "--prefill-dp", "2", "--decode-tp", "4"]
+    args += ["--decode-dp", "4", "--decode-dp-rank", "3", "--room", "5", "--tokens", "64", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["prefill_attn_tp"], out["decode_attn_tp"], out["prefill_dp_rank"], out["decode_dp_rank"]) == (
+        2,
+        1,
+        1,
+        3,
+    )
+    got = [
+        (t["prefill_rank"], t["prefill_tp_rank"], t["decode_rank"], t["decode_tp_rank"], t["global_heads"])
+        for t in out["transfers"]
+    ]
+    assert got == [(0, 2, 0, 3, [0, 4]), (1, 3, 0, 3, [4, 8])]
+    assert [p["tp_rank"] for p in out["prefill_ranks"]] == [2, 3]
+    assert [d["tp_rank"] for d in out["decode_ranks"]] == [3]
+    # the router's prefill_dp_rank overrides room % dp; the table names both kinds of rank
+    assert main([*args[:-1], "--prefill-dp-rank", "0"]) == 0
+    table = capsys.readouterr().out
+    assert "attention DP: prefill group 0 of 2" in table and "0 (3)" in table
+
+
+def test_attention_dp_errors_name_the_flags():
+    bad = run_cli("plan", "--total-kv-heads", "8", "--prefill-tp", "4", "--prefill-dp", "3", "--decode-tp", "1")
+    assert bad.returncode != 0 and "--prefill-tp=4 must be a multiple of --prefill-dp=3" in bad.stderr
+    bad = run_cli(
+        "plan",
+        "--total-kv-heads",
+        "8",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "2",
+        "--decode-dp",
+        "2",
+        "--decode-dp-rank",
+        "2",
+    )
+    assert bad.returncode != 0 and "--decode-dp-rank=2 must be in [0, 2)" in bad.stderr

@@ -6,13 +6,14 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+
+from tests.ports import free_port
 
 SMALL = ["--layers", "2", "--head-dim", "32", "--page-size", "8"]
 
@@ -21,12 +22,6 @@ def kvxfer(*args, timeout=120, **kw):
     return subprocess.run(
         [sys.executable, "-m", "sglang_kvxfer", *args], capture_output=True, text=True, timeout=timeout, **kw
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_demo_json_verifies_every_request():

@@ -5,7 +5,6 @@ scrapes (in-process, and from rank processes during a run)."""
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 
@@ -15,6 +14,7 @@ from sglang_kvxfer.cluster.group import make_spec, open_groups
 from sglang_kvxfer.cluster.workload import make_requests, run_workload
 from sglang_kvxfer.engine import BootstrapServer, KVPoll, KVReceiver, KVSender
 from sglang_kvxfer.engine.synthetic import fill_request
+from tests.ports import free_port
 
 from .harness import FAST, Cluster, geometry, wait_terminal
 
@@ -156,29 +156,11 @@ def test_prometheus_endpoint_in_process_counts_in_flight_done_and_failed():
             assert failed["kvxfer_requests_in_flight"] == 0
 
 
-def _free_port_range(n: int) -> int:
-    """A base port with ``n`` free ports after it (free now; the test binds them next)."""
-    for base in range(31000, 60000, 97):
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError("no free port range")
-
-
 def test_rank_processes_serve_metrics_that_a_scrape_reads_during_a_run():
     pytest.importorskip("prometheus_client")
     g = geometry(8, page_size=4, num_pages=96)
     opts = {k: v for k, v in FAST.items() if k != "num_workers"}
-    base = _free_port_range(3)
+    base = free_port(span=3)
     with BootstrapServer() as boot:
         pre, dec = open_groups(
             make_spec("prefill", g, 2, boot.address, "tcp", options=opts, metrics_port=base),

@@ -31,7 +31,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import threading
 import time
 import traceback
@@ -161,12 +160,6 @@ def _failure(handles) -> list[str]:
         else:
             out.append("failure_exception() did not raise")
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_in_processes(main, specs: list, timeout_s: float) -> tuple[dict, dict]:

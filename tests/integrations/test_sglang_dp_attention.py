@@ -16,6 +16,7 @@ from sglang_kvxfer.protocol.messages import BootstrapQuery, PrefillRegister
 from tests.integrations import sglang_dp_sides as dps
 from tests.integrations import sglang_sides as sides
 from tests.integrations.sglang_env import Model, import_sglang_base, load_utils_defs, rank_memory, server_args
+from tests.ports import free_port
 
 _base, _reason = import_sglang_base()
 needs_sglang = pytest.mark.skipif(_base is None, reason=_reason)
@@ -28,7 +29,7 @@ ROOMS = [R(0x5EED_0000_F00D, 37), R(0x5EED_0001_F00D, 9), R(0x7A11_0002_CAFE, 20
 
 def run_dp(prefill: tuple, decode: tuple, model: Model, requests, env=None, timeout_s: float = 60.0):
     """``prefill``/``decode``: ``(attn_tp, dp)``. Returns both sides' reports."""
-    port = sides.free_port()
+    port = free_port()
     env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": "local", **(env or {})}
     specs = [
         dps.DpSpec(role, model, tp, dp, port, requests, env, timeout_s)
@@ -108,7 +109,7 @@ def test_a_decode_that_would_query_a_dp_rank_registry_is_refused(monkeypatch):
     mem = rank_memory(Model(), 1, 0, "decode")
     mode = load_utils_defs().DisaggregationMode.DECODE
     with pytest.raises(KVXferError, match="does not support SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"):
-        backend.KVXferKVManager(mem.kv_args, mode, server_args("m", "decode", 1, sides.free_port()), False)
+        backend.KVXferKVManager(mem.kv_args, mode, server_args("m", "decode", 1, free_port()), False)
 
 
 # -- the bootstrap's DP groups (no SGLang needed) -------------------------------------------------

@@ -6,13 +6,13 @@ its message."""
 from __future__ import annotations
 
 import itertools
-import socket
 import time
 
 import numpy as np
 import pytest
 
 from tests.integrations.sglang_env import Model, import_sglang_base, load_utils_defs, rank_memory, server_args
+from tests.ports import free_port
 
 base, _reason = import_sglang_base()
 pytestmark = pytest.mark.skipif(base is None, reason=_reason)
@@ -30,12 +30,6 @@ ENV = {
 }
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
 _rooms = itertools.count(0x1000_0000_0001)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def poll_until(handle, want, timeout_s=10.0, seen=None) -> int:
@@ -61,7 +55,7 @@ class Deployment:
 
     def __init__(self, backend, defs, model: Model, decode_model: Model | None = None):
         self.backend, self.model = backend, model
-        self.port = _free_port()
+        self.port = free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.boot = backend.KVXferKVBootstrapServer("127.0.0.1", self.port)
         self.pmem = rank_memory(model, 1, 0, "prefill")
@@ -261,7 +255,7 @@ def test_wrong_manager_kinds_are_refused(dep):
 def test_unsupported_server_settings_refuse_the_manager(sglang_backend):
     backend, defs = sglang_backend
     mem = rank_memory(Model(), 1, 0, "decode")
-    args = server_args("m", "decode", 1, _free_port(), enable_pd_role_switch=True)
+    args = server_args("m", "decode", 1, free_port(), enable_pd_role_switch=True)
     with pytest.raises(Exception, match="does not support --enable-pd-role-switch=True"):
         backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.DECODE, args, False)
     with pytest.raises(ValueError, match="disaggregation_mode=.* must be PREFILL or DECODE"):

@@ -11,6 +11,7 @@ import pytest
 
 from tests.integrations import sglang_sides as sides
 from tests.integrations.sglang_env import Model, import_sglang_base
+from tests.ports import free_port
 
 _base, _reason = import_sglang_base()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_base is None, reason=_reason)]
@@ -29,7 +30,7 @@ def run_sides(
     requests: list = REQUESTS,
 ):
     """Start both sides, collect what each reports, then let them shut down."""
-    port = sides.free_port()
+    port = free_port()
     env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": transport}
     specs = [
         sides.Spec(role, mdl, tp, port, requests, env, timeout_s)

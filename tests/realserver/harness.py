@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -23,6 +22,8 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 STANDINS = HERE / "standins"
@@ -83,12 +84,6 @@ def env_problem() -> str | None:
     if not (venv_dir() / ".kvxfer-recipe").exists():
         return f"the SGLang environment at {venv_dir()} is incomplete (rerun {MAKE_ENV.name})"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_model(out: Path) -> Path:
@@ -159,8 +154,26 @@ class Server:
         return log_tail(self.log_path, n, skip="server_args=")
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> float:
+        """Seconds until the server answers /health. A server that exited because another
+        process took its HTTP port first is started once more on a new port."""
         assert self.proc is not None
+        try:
+            return wait_http(self.proc, self.url + "/health", self.name, self.log_tail, timeout_s)
+        except RuntimeError:
+            if not self._lost_its_port():
+                raise
+        self.port = free_port()
+        with open(self.log_path, "ab") as log:
+            log.write(b"(the HTTP port was taken by another process: starting again on a new port)\n")
+        self.start()
         return wait_http(self.proc, self.url + "/health", self.name, self.log_tail, timeout_s)
+
+    def _lost_its_port(self) -> bool:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return False
+        return any("address already in use" in line and f", {self.port})" in line for line in lines)
 
     def generate(self, payload: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
         req = urllib.request.Request(
@@ -246,15 +259,26 @@ def process_title(pid: int) -> str:
         return ""
 
 
+# Lines worth showing even when they scrolled out of the tail (a bind error, the kvxfer
+# engine's own reports), up to ERRORS_SHOWN of them.
+NOTABLE = ("ERROR", "Errno", "kvxfer:", "Traceback", "did not run for", "on the I/O thread", "is gone")
+ERRORS_SHOWN = 20
+
+
 def log_tail(path: Path, n: int = 40, skip: str = "") -> str:
-    """The last ``n`` lines of a log file (without lines containing ``skip``)."""
+    """The last ``n`` lines of a log file (without lines containing ``skip``), after the
+    last ``ERRORS_SHOWN`` notable lines above them (errors, the engine's reports)."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
     if skip:
         lines = [line for line in lines if skip not in line]
-    return "\n".join(lines[-n:])
+    head, tail = lines[:-n], lines[-n:]
+    notable = [line for line in head if any(word in line for word in NOTABLE)][-ERRORS_SHOWN:]
+    if not notable:
+        return "\n".join(tail)
+    return "\n".join([f"(notable lines above the last {n}:)", *notable, "(the last lines:)", *tail])
 
 
 def process_tree(root: int) -> list[int]:
