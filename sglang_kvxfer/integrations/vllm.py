@@ -17,10 +17,13 @@ failure handling are the engine's. This module only dispatches vLLM's calls to t
 owns them; importing it imports vLLM.
 
 Push, as vLLM's NIXL push mode: the producer computes the prompt (``max_tokens=1``) for a
-request with ``kv_transfer_params={"do_remote_decode": True}``, keeps its blocks when it
-finishes, and answers ``kv_transfer_params`` with the bootstrap address, a random room and
-its block ids. A proxy passes those to the consumer, whose workers send their block ids to
-the producer's workers; the producer's workers write the KV into them.
+request with ``kv_transfer_params={"do_remote_decode": True}`` and hands each layer to the
+engine as the forward writes it (``save_kv_layer``), keeps its blocks when it finishes, and
+answers ``kv_transfer_params`` with the bootstrap address, the room and its block ids. A
+proxy passes those to the consumer, whose workers send their block ids to the producer's
+workers; the producer's workers write the KV into them. A client may also pick the room
+itself (``"room": R`` on both sides) and send both requests at once: the consumer then
+registers while the producer still computes.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ if TYPE_CHECKING:
     import torch
 
     from sglang_kvxfer.integrations.vllm_scheduler import SchedulerSide
-    from sglang_kvxfer.integrations.vllm_worker import WorkerSide
+    from sglang_kvxfer.integrations.vllm_worker import SendReport, WorkerSide
 
 
 class KVXferConnector(KVConnectorBase_V1):
@@ -61,16 +64,20 @@ class KVXferConnector(KVConnectorBase_V1):
         self.settings = settings
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
         if role == KVConnectorRole.SCHEDULER:
             from sglang_kvxfer.integrations.vllm_scheduler import SchedulerSide
 
-            self._scheduler = SchedulerSide(vllm_config, settings)
+            self._scheduler = SchedulerSide(vllm_config, settings, num_kv_cache_groups=max(1, len(groups)))
         else:
             from sglang_kvxfer.integrations.vllm_worker import WorkerSide
 
-            groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
             self._worker = WorkerSide(
-                vllm_config, settings, on_received=self.on_received, report_block_errors=len(groups) <= 1
+                vllm_config,
+                settings,
+                on_received=self.on_received,
+                report_block_errors=len(groups) <= 1,
+                on_sent=self.on_sent,
             )
 
     @property
@@ -89,6 +96,11 @@ class KVXferConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVXferConnectorMetadata):
+            self._worker.begin_step(connector_metadata)  # before the forward: open layer-wise sends
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if isinstance(meta, KVXferConnectorMetadata):
@@ -98,13 +110,16 @@ class KVXferConnector(KVConnectorBase_V1):
         """Loads are asynchronous (the request waits in WAITING_FOR_REMOTE_KVS): nothing to wait."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Whole-request sends: the KV moves once the request's prompt is complete (see
-        ``wait_for_save``); the engine has no layer-wise streaming yet."""
+        """Layer ``layer_name`` of this step's tokens is written: the layer-wise sends this
+        step opened hand it to the engine (``vllm_worker``)."""
+        self.worker_side.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
+        """After the forward: layers ``save_kv_layer`` did not report move now; the
+        whole-request sends start. Returns at once (the transfers run on)."""
         meta = self._connector_metadata
         if isinstance(meta, KVXferConnectorMetadata):
-            self.worker_side.start_sends(meta)
+            self.worker_side.finish_step(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self.worker_side.poll()
@@ -121,6 +136,10 @@ class KVXferConnector(KVConnectorBase_V1):
         """Called on the worker when a request's KV has arrived, before vLLM is told (a hook
         for tests; the default does nothing)."""
 
+    def on_sent(self, report: SendReport) -> None:
+        """Called on a producer worker when a request's send ended, with how it went (a hook
+        for tests; the default does nothing)."""
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
@@ -135,7 +154,7 @@ class KVXferConnector(KVConnectorBase_V1):
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVXferConnectorMetadata:
-        return self.scheduler_side.build_connector_meta()
+        return self.scheduler_side.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self.scheduler_side.update_connector_output(connector_output)

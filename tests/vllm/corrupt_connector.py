@@ -6,20 +6,36 @@ that producer rank delivered are zeroed in the received blocks before vLLM decod
 that writer had sent zeros. Each zeroing appends a line to the file + ``.log``.
 
 With ``KVXFER_TEST_DUMP_DIR`` set, each rank writes the raw bytes of the blocks a request
-sends (producer, just before the send starts) or received (consumer, before vLLM is told and
-before any zeroing) to ``DIR/<side>-rank<R>-<n>.bin`` (``n`` counts that rank's requests from
-0), all layers in model order, the blocks in the request's order: what the byte-level tests
-compare. Loaded with ``kv_connector_module_path="tests.vllm.corrupt_connector"``.
+sends (producer, at the end of the forward of the step that hands the send over, when its
+KV is written) or received (consumer, before vLLM is told and before any zeroing) to
+``DIR/<side>-rank<R>-<n>.bin`` (``n`` counts that rank's requests from 0), all layers in
+model order, the blocks in the request's order: what the byte-level tests compare.
+
+With ``KVXFER_TEST_RECORD_FILE`` set, each rank appends one JSON line per event: a producer
+rank's ended send (``{"event": "sent", ...}``, the connector's ``SendReport``: layer-wise or
+whole, how many layer groups went to the engine, bytes) and a consumer rank's started receive
+(``{"event": "recv_started", "room": R, ...}``, once its metadata is on its way).
+Loaded with ``kv_connector_module_path="tests.vllm.corrupt_connector"``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 from sglang_kvxfer.integrations.vllm import KVXferConnector
 
 CORRUPT_ENV = "KVXFER_TEST_CORRUPT_FILE"
 DUMP_ENV = "KVXFER_TEST_DUMP_DIR"
+RECORD_ENV = "KVXFER_TEST_RECORD_FILE"
+
+
+def _record(event: dict) -> None:
+    path = os.environ.get(RECORD_ENV)
+    if path:
+        with open(path, "a") as f:  # one short line per write: appends from several ranks stay whole
+            f.write(json.dumps(event) + "\n")
 
 
 class KVXferTestConnector(KVXferConnector):
@@ -45,6 +61,17 @@ class KVXferTestConnector(KVXferConnector):
         for spec in getattr(meta, "sends", {}).values():
             self._dump("producer", list(spec.block_ids))
         super().wait_for_save()
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        lay = self.worker_side.layout
+        for req_id, spec in getattr(self._connector_metadata, "recvs", {}).items():
+            _record(
+                {"event": "recv_started", "req_id": req_id, "room": spec.room, "tp_rank": lay.tp_rank if lay else -1}
+            )
+
+    def on_sent(self, report) -> None:
+        _record(dict(dataclasses.asdict(report), event="sent"))
 
     def on_received(self, req_id: str, block_ids: list[int]) -> None:
         self._dump("consumer", block_ids)

@@ -6,17 +6,22 @@ once: the tiny Llama TP 2 -> TP 1 over ``local``, then TP 1 -> TP 2 over ``tcp``
 test_vllm_mla.py, by bytes: vLLM's CPU MLA gives no token reference, docs/vllm.md). A
 request runs on the producer with ``max_tokens=1`` and ``do_remote_decode``; its
 ``kv_transfer_params`` go to the consumer, whose 16 greedy tokens must equal the producer's
-own 16 (float32: TP 1 and TP 2 agree with themselves, not necessarily with each other). The
+own 16 (float32: TP 1 and TP 2 agree with themselves, not necessarily with each other).
+Every send is layer-wise: each producer rank's record (``SendReport``, written by the test
+connector) must show one hand-over per model layer, all from ``save_kv_layer``. The
 negative control zeroes what one producer rank delivered, on the consumer after the
-transfer: the tokens must then differ, and equal again with the hook off. Last, the
-producer is killed: a consumer request that needs its KV ends with an error within the
-heartbeat bound, not a hang.
+transfer: the tokens must then differ, and equal again with the hook off. A client-chosen
+room lets the consumer register before the producer computes (both requests at once). Bad
+rooms fail naming the value. Last, the producer is killed: a consumer request that needs its
+KV ends with an error within the heartbeat bound, not a hang.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,12 +60,58 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 1024) for _ in range(n)]
 
 
+RECORD_WAIT_S = 60.0  # a producer rank reports a send at its next step after the transfer
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 class Pair:
-    def __init__(self, config: Config, producer: h.Engine, consumer: h.Engine, control: Path):
+    def __init__(
+        self,
+        config: Config,
+        producer: h.Engine,
+        consumer: h.Engine,
+        control: Path,
+        records: tuple[Path, Path],
+        num_layers: int,
+        bootstrap: str,
+    ):
         self.config = config
         self.ptp, self.dtp, self.transport = config.ptp, config.dtp, config.transport
         self.producer, self.consumer, self.control = producer, consumer, control
+        self.producer_records, self.consumer_records = records
+        self.num_layers, self.bootstrap = num_layers, bootstrap
         self._refs: dict = {}
+
+    def wait_records(self, path: Path, pick, count: int, what: str) -> list[dict]:
+        deadline = time.monotonic() + RECORD_WAIT_S
+        while True:
+            found = [r for r in read_records(path) if pick(r)]
+            if len(found) >= count:
+                return found
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: {len(found)} of {count} records after {RECORD_WAIT_S} s\n{self.logs()}")
+            time.sleep(0.2)
+
+    def assert_layerwise(self, room: int) -> None:
+        """Every producer rank sent room ``room`` layer-wise: one hand-over per model layer,
+        each from ``save_kv_layer`` (none left for ``wait_for_save``), and it succeeded."""
+        sent = self.wait_records(
+            self.producer_records,
+            lambda r: r["event"] == "sent" and r["room"] == room,
+            self.ptp,
+            f"the producer ranks' sends of room {room}",
+        )
+        assert sorted(r["tp_rank"] for r in sent) == list(range(self.ptp)), sent
+        for r in sent:
+            assert r["ok"] and r["layerwise"] and r["bytes"] > 0, r
+            assert (r["layer_groups"], r["layers_streamed"], r["layers_late"]) == (
+                self.num_layers,
+                self.num_layers,
+                0,
+            ), r
 
     def logs(self) -> str:
         return f"--- producer:\n{self.producer.log_tail()}\n--- consumer:\n{self.consumer.log_tail()}"
@@ -73,8 +124,8 @@ class Pair:
             self._refs[key] = out["outputs"][0]["token_ids"]
         return self._refs[key]
 
-    def prefill(self, ids: list[int]) -> dict:
-        out = self.producer.generate([ids], 1, [{"do_remote_decode": True}])
+    def prefill(self, ids: list[int], **extra) -> dict:
+        out = self.producer.generate([ids], 1, [{"do_remote_decode": True, **extra}])
         assert "outputs" in out, f"prefill failed: {out}\n{self.logs()}"
         params = out["outputs"][0]["kv_transfer_params"]
         assert params and params.get("engine") == "sglang_kvxfer" and params.get("do_remote_prefill"), params
@@ -99,32 +150,29 @@ def pair(request, vllm_env, vllm_model, vllm_logs):
         KVXFER_BOOTSTRAP_TIMEOUT_S="30",
         KVXFER_TEST_CORRUPT_FILE=str(control),
     )
-    base = {"model": str(vllm_model), "transport": transport, "block_size": cfg.block_size}
+    records = (vllm_logs / f"{name}-producer-records.jsonl", vllm_logs / f"{name}-consumer-records.jsonl")
+    test_connector = dict(connector="KVXferTestConnector", connector_module="tests.vllm.corrupt_connector")
+    base = {"model": str(vllm_model), "transport": transport, "block_size": cfg.block_size, **test_connector}
+    kv_port = h.free_port()
     producer = h.Engine(
         f"{name}-producer",
-        dict(base, tp=ptp, kv_role="kv_both", kv_port=h.free_port()),
-        env,
+        dict(base, tp=ptp, kv_role="kv_both", kv_port=kv_port),
+        dict(env, KVXFER_TEST_RECORD_FILE=str(records[0])),
         vllm_logs / f"{name}-producer.log",
     )
     consumer = h.Engine(
         f"{name}-consumer",
-        dict(
-            base,
-            tp=dtp,
-            kv_role="kv_consumer",
-            kv_port=h.free_port(),
-            connector="KVXferTestConnector",
-            connector_module="tests.vllm.corrupt_connector",
-        ),
-        env,
+        dict(base, tp=dtp, kv_role="kv_consumer", kv_port=h.free_port()),
+        dict(env, KVXFER_TEST_RECORD_FILE=str(records[1])),
         vllm_logs / f"{name}-consumer.log",
     )
+    num_layers = json.loads((Path(vllm_model) / "config.json").read_text())["num_hidden_layers"]
     try:
         producer.start()
         consumer.start()
         producer.wait_ready()
         consumer.wait_ready()
-        yield Pair(cfg, producer, consumer, control)
+        yield Pair(cfg, producer, consumer, control, records, num_layers, f"127.0.0.1:{kv_port}")
     finally:
         producer.stop()
         consumer.stop()
@@ -140,6 +188,7 @@ def test_decoded_tokens_equal_the_reference_of_the_prefill_tp(pair):
             f"{pair.config.name}: producer TP {pair.ptp} -> consumer TP {pair.dtp}, {n}-token prompt: "
             f"{got} != reference {want}\n{pair.logs()}"
         )
+        pair.assert_layerwise(params["room"])
 
 
 def test_negative_control_zeroed_writer_changes_the_tokens(pair):
@@ -156,11 +205,53 @@ def test_negative_control_zeroed_writer_changes_the_tokens(pair):
     finally:
         pair.control.unlink()
     assert got["finish_reason"] != "error", f"the transfer failed: {got}\n{pair.logs()}"
+    pair.assert_layerwise(params["room"])  # the zeroed KV came the layer-wise way
     zeroed = record.read_text()[len(before) :] if record.exists() else ""
     assert "zeroed local heads" in zeroed, f"the hook zeroed nothing ({zeroed!r}); {got}\n{pair.logs()}"
     assert got["token_ids"] != want, f"tokens did not change with writer 0's KV zeroed: {got}"
     again = pair.decode(ids, pair.prefill(ids))
     assert again["token_ids"] == want, f"with the hook off: {again} != {want}\n{pair.logs()}"
+
+
+def test_a_client_room_lets_the_consumer_register_before_the_producer_computes(pair):
+    """The router's order (both requests at once, the room chosen by the client): the
+    consumer's request with the room and the producer's bootstrap address starts first; the
+    producer's request is sent once the consumer's receive has started (its metadata is on
+    its way). The tokens equal the reference, and the sends were layer-wise."""
+    ids = prompt(150, 21)
+    want = pair.reference(ids)
+    room = secrets.randbits(63)
+    consumer_params = {"do_remote_prefill": True, "room": room, "bootstrap_addr": pair.bootstrap}
+    answer: dict = {}
+    thread = threading.Thread(target=lambda: answer.update(pair.decode(ids, consumer_params)), daemon=True)
+    thread.start()
+    pair.wait_records(
+        pair.consumer_records,
+        lambda r: r["event"] == "recv_started" and r["room"] == room,
+        pair.dtp,
+        f"the consumer's receives of room {room}",
+    )
+    params = pair.prefill(ids, room=room)
+    assert params["room"] == room, params
+    thread.join(h.REQUEST_TIMEOUT_S + 10)
+    assert not thread.is_alive(), f"the consumer did not answer\n{pair.logs()}"
+    assert answer.get("token_ids") == want, f"{answer} != reference {want}\n{pair.logs()}"
+    pair.assert_layerwise(room)
+
+
+def test_bad_rooms_fail_naming_the_field_and_the_value(pair):
+    """A client-given room must be an int in [0, 2**63): the producer moves nothing and says
+    why in its kv_transfer_params (vLLM lets no connector fail a producer request); the
+    consumer fails the request (finish_reason "error") with the message in its log."""
+    ids = prompt(30, 23)
+    out = pair.producer.generate([ids], 1, [{"do_remote_decode": True, "room": -1}])
+    params = out["outputs"][0]["kv_transfer_params"]
+    assert params["do_remote_prefill"] is False, params
+    assert params["error"] == "kv_transfer_params room=-1 (int) must be an int with 0 <= room < 2**63", params
+    got = pair.decode(ids, {"do_remote_prefill": True, "room": "abc", "bootstrap_addr": pair.bootstrap})
+    assert got["finish_reason"] == "error" and got["token_ids"] == [], got
+    log = pair.consumer.log_tail(400)
+    assert "kv_transfer_params room='abc' (str) must be an int with 0 <= room < 2**63" in log, log
 
 
 def test_a_block_size_mismatch_fails_the_request_naming_both_values(pair):

@@ -5,7 +5,8 @@ the README's flags, and the example's proxy between them, each in a session of i
 One completion through the proxy (prefill on the producer, KV over ``local``, decode on the
 consumer) must answer the same 16 greedy tokens and text as a plain request to the producer,
 and the consumer's metrics must count its prompt tokens as received (``external_kv_transfer``),
-not computed.
+not computed. A second proxy in its concurrent mode (``--bootstrap``: it picks the room and
+sends both requests at once) must answer the same.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ def servers(vllm_env, vllm_model, vllm_logs):
     env = h.base_env(secrets.token_hex(32))
     env.update(KVXFER_HEARTBEAT_TIMEOUT_S="30")  # two servers busy on two cores (see test_vllm_pd)
     api = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_model), *COMMON, "--host", "127.0.0.1"]
-    pport, cport, xport = h.free_port(), h.free_port(), h.free_port()
+    pport, cport, xport, yport, kv_port = (h.free_port() for _ in range(5))
     producer = h.Service(
         "producer",
         [*api, "--tensor-parallel-size", "2", "--port", str(pport)]
-        + ["--kv-transfer-config", connector("kv_producer", kv_port=h.free_port())],
+        + ["--kv-transfer-config", connector("kv_producer", kv_port=kv_port)],
         env,
         vllm_logs / "serve-producer.log",
         pport,
@@ -58,27 +59,40 @@ def servers(vllm_env, vllm_model, vllm_logs):
         vllm_logs / "serve-proxy.log",
         xport,
     )
+    concurrent = h.Service(
+        "proxy-concurrent",
+        [str(PROXY), "--producer", producer.url, "--consumer", consumer.url, "--port", str(yport)]
+        + ["--bootstrap", f"127.0.0.1:{kv_port}"],
+        env,
+        vllm_logs / "serve-proxy-concurrent.log",
+        yport,
+    )
+    services = (producer, consumer, proxy, concurrent)
     try:
-        for s in (producer, consumer, proxy):
+        for s in services:
             s.start()
-        for s in (producer, consumer, proxy):
+        for s in services:
             s.wait_ready()
-        yield producer, consumer, proxy
+        yield services
     finally:
-        for s in (proxy, consumer, producer):
+        for s in reversed(services):
             s.stop()
 
 
-def test_proxy_answer_equals_the_producers_own(servers):
-    producer, consumer, proxy = servers
-    body = {
+def completion(producer: h.Service, prompt: str) -> dict:
+    return {
         "model": producer.cmd[producer.cmd.index("--model") + 1],
-        "prompt": "the quick brown fox jumps over the lazy dog",
+        "prompt": prompt,
         "max_tokens": 16,
         "temperature": 0,
         "ignore_eos": True,
         "return_token_ids": True,
     }
+
+
+def test_proxy_answer_equals_the_producers_own(servers):
+    producer, consumer, proxy, _ = servers
+    body = completion(producer, "the quick brown fox jumps over the lazy dog")
 
     def logs() -> str:
         return "\n".join(f"--- {s.name}:\n{s.log_tail()}" for s in servers)
@@ -98,6 +112,21 @@ def test_proxy_answer_equals_the_producers_own(servers):
         received = external_tokens(consumer.get("/metrics"))
     # vLLM recomputes the prompt's last token; every other one must have come from the producer.
     assert received >= prompt_len - 1 > 0, f"{received} of {prompt_len} prompt tokens received\n{logs()}"
+
+
+def test_concurrent_proxy_answer_equals_the_producers_own(servers):
+    """The proxy picks the room and posts to the consumer first, then to the producer, and
+    waits for both: the consumer registers while the producer computes."""
+    producer, _, _, concurrent = servers
+    body = completion(producer, "a lazy dog sleeps while the quick brown fox runs")
+    status, plain = producer.post("/v1/completions", body)
+    assert status == 200, f"plain request: {status} {plain}"
+    status, moved = concurrent.post("/v1/completions", body)
+    logs = "\n".join(f"--- {s.name}:\n{s.log_tail()}" for s in servers)
+    assert status == 200, f"through the concurrent proxy: {status} {moved}\n{logs}"
+    want, got = plain["choices"][0], moved["choices"][0]
+    assert len(want["token_ids"]) == 16, want
+    assert (got["token_ids"], got["text"]) == (want["token_ids"], want["text"]), f"{got} != {want}\n{logs}"
 
 
 def external_tokens(metrics: str) -> float:
