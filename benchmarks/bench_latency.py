@@ -17,6 +17,11 @@ Baselines measured in the same run:
 * ``control_rtt``: one authenticated control frame to another process and back over ZMQ
   (what the control channel uses), the floor of any request's notices:
   ``ratio_p50_vs_rtt`` divides by its p50.
+* ``--data-paths`` (default ``auto``): with several, e.g. ``auto,staged,direct``, every
+  transport and pair runs once per data path (``EngineConfig.data_path`` of its ranks), in
+  the same interleaved rounds; ``ratio_p50_vs_paths`` divides a case's p50 by the p50 of
+  the same transport and pair on each other path (the fused path against the staged and
+  direct ones it replaces, measured side by side).
 
 Presets (explicit flags win):
 
@@ -27,6 +32,7 @@ Presets (explicit flags win):
 
     python benchmarks/bench_latency.py                      # small requests
     python benchmarks/bench_latency.py --preset large       # 256 MiB requests, 2 in flight
+    python benchmarks/bench_latency.py --preset large --data-paths auto,staged,direct
 """
 
 from __future__ import annotations
@@ -147,11 +153,11 @@ def _dist(ms: list[float]) -> dict:
 class Case:
     """One transport and TP pair: its two rank groups and the rounds measured on them."""
 
-    def __init__(self, args, transport: str, p: int, d: int, key: bytes, boot):
+    def __init__(self, args, transport: str, p: int, d: int, key: bytes, boot, path: str = "auto"):
         from sglang_kvxfer.cluster.group import make_spec, open_groups
         from sglang_kvxfer.geometry import KVGeometry
 
-        self.transport, self.p, self.d, self.args = transport, p, d, args
+        self.transport, self.p, self.d, self.args, self.path = transport, p, d, args, path
         pages = -(-args.tokens // PAGE_SIZE) * (args.concurrency + 1) + 8
         g = KVGeometry(
             num_layers=args.layers,
@@ -161,7 +167,8 @@ class Case:
             page_size=PAGE_SIZE,
             num_pages=pages,
         )
-        common = dict(options={"auth_key": key}, concurrency=args.concurrency + 1, log_level="ERROR")
+        options = {"auth_key": key, "data_path": path}
+        common = dict(options=options, concurrency=args.concurrency + 1, log_level="ERROR")
         self.pre, self.dec = open_groups(
             make_spec("prefill", g, p, boot.address, transport, **common),
             make_spec("decode", g, d, boot.address, transport, **common),
@@ -173,7 +180,7 @@ class Case:
 
     @property
     def label(self) -> str:
-        return f"{self.transport} P{self.p}->D{self.d}"
+        return f"{self.transport} P{self.p}->D{self.d} {self.path}"
 
     def run(self, n: int, seed: int, keep: bool = True) -> None:
         from sglang_kvxfer.cluster.workload import make_requests, run_workload
@@ -207,7 +214,7 @@ class Case:
         for group in (self.pre, self.dec):
             group.close()
 
-    def record(self, direct_p50: float | None, rtt_p50: float) -> dict:
+    def record(self, direct_p50: float | None, rtt_p50: float, others: dict[str, float] | None = None) -> dict:
         med = lambda key: round(statistics.median(r[key] for r in self.rounds), 3)  # noqa: E731
         p50, p99 = med("p50"), med("p99")
         return {
@@ -218,6 +225,7 @@ class Case:
             "layers": self.args.layers,
             "request_bytes": self.args.layers * 2 * self.args.tokens * 8 * 128 * 2,
             "concurrency": self.args.concurrency,
+            "forced_path": self.path,
             "data_path": self.paths,
             "p50_ms": p50,
             "p99_ms": p99,
@@ -227,6 +235,7 @@ class Case:
             "rank_ctx_switches_per_request": med("rank_ctx_switches_per_request"),
             "ratio_p50_vs_direct": round(p50 / direct_p50, 3) if direct_p50 else None,
             "ratio_p50_vs_rtt": round(p50 / rtt_p50, 3) if rtt_p50 else None,
+            "ratio_p50_vs_paths": {k: round(p50 / v, 3) for k, v in (others or {}).items() if v and k != self.path},
             "phases_p50_ms": {k: _pct(v, 50) for k, v in sorted(self.phases.items())},
             "rounds": self.rounds,
             "failures": self.failures[:5],
@@ -244,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=None, help="requests per round and case")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None, help="requests before the first round, per case")
+    ap.add_argument("--data-paths", default="auto", help="comma list of data paths, each a case per transport and pair")
     ap.add_argument("--output", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     for name, value in PRESETS[args.preset].items():
@@ -257,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         p, _, d = item.partition(":")
         pairs.append((int(p), int(d)))
     transports = [t for t in args.transport.split(",") if t]
+    paths = [p for p in args.data_paths.split(",") if p]
+    bad = [p for p in paths if p not in ("auto", "direct", "staged", "fused", "per_token")]
+    if bad or not paths:
+        raise SystemExit(f"--data-paths: {bad or paths} must be among auto, direct, staged, fused, per_token")
 
     from sglang_kvxfer.engine.bootstrap import BootstrapServer
 
@@ -269,10 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for t in transports:
             for p, d in pairs:
-                boots.append(BootstrapServer(key=key))  # a bootstrap keeps one prefill group's TP size
-                say(f"starting {t} P{p}->D{d} ...")
-                case = Case(args, t, p, d, key, boots[-1])
-                cases.append(case)
+                for path in paths:
+                    boots.append(BootstrapServer(key=key))  # a bootstrap keeps one prefill group's TP size
+                    say(f"starting {t} P{p}->D{d} {path} ...")
+                    case = Case(args, t, p, d, key, boots[-1], path)
+                    cases.append(case)
                 if args.warmup > 0:
                     case.run(args.warmup, seed=10_000 + len(cases), keep=False)
         for r in range(args.rounds):
@@ -287,7 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         for boot in boots:
             boot.close()
     rtt_p50 = statistics.median(_pct(x, 50) for x in rtt)
-    direct = {c.transport: c.record(None, rtt_p50)["p50_ms"] for c in cases if (c.p, c.d) == (1, 1)}
+    p50 = {(c.transport, c.p, c.d, c.path): c.record(None, rtt_p50)["p50_ms"] for c in cases}
+    direct = {t: v for (t, p, d, path), v in p50.items() if (p, d) == (1, 1) and path == paths[0]}
+
+    def others(c: Case) -> dict[str, float]:
+        return {path: v for (t, p, d, path), v in p50.items() if (t, p, d) == (c.transport, c.p, c.d)}
+
     out = {
         "benchmark": "latency",
         "argv": sys.argv[1:] if argv is None else argv,
@@ -302,14 +322,19 @@ def main(argv: list[str] | None = None) -> int:
             "on the decode (metrics.py); p50/p90/p99/max per round, *_ms fields are medians over rounds",
             "control_rtt": "one authenticated control frame (encode, seal, ZMQ PUSH over loopback TCP, open, "
             "decode) to a second process and one back; p50/p99 per round",
-            "ratio_p50_vs_direct": "p50 / p50 of the 1:1 pair on the same transport (same run)",
+            "ratio_p50_vs_direct": "p50 / p50 of the 1:1 pair on the same transport (same run; its first data path)",
+            "ratio_p50_vs_paths": "p50 / p50 of the same transport and pair on each other --data-paths entry "
+            "(same run)",
             "ratio_p50_vs_rtt": "p50 / control_rtt p50 (same run)",
             "rank_cpu_ms_per_request": "CPU time (user + system) of the case's rank processes during a round, per "
             "request: the work a request costs, steadier than latency on a shared machine",
             "rank_ctx_switches_per_request": "context switches of every thread of those processes per request "
             "(wake-ups: thread hand-overs, sleeps, polls)",
         },
-        "config": {k: getattr(args, k) for k in ("preset", "tokens", "layers", "concurrency", "requests", "rounds")},
+        "config": {
+            k: getattr(args, k)
+            for k in ("preset", "tokens", "layers", "concurrency", "requests", "rounds", "data_paths")
+        },
         "baseline": {
             "control_rtt_ms": {
                 "p50": rtt_p50,
@@ -317,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rounds": [_dist(x) for x in rtt],
             },
         },
-        "cases": [c.record(direct.get(c.transport), rtt_p50) for c in cases],
+        "cases": [c.record(direct.get(c.transport), rtt_p50, others(c)) for c in cases],
         "elapsed_s": round(time.monotonic() - t_start, 1),
     }
     text = json.dumps(out, indent=1)

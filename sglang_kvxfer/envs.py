@@ -60,6 +60,16 @@ def _choice(*options: str) -> Callable[[str], str]:
     return parse
 
 
+def _upper_choice(*options: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        val = raw.strip().upper()
+        if val not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return val
+
+    return parse
+
+
 def _define(name: str, default, parse, doc: str) -> EnvVar:
     if not name.startswith("KVXFER_"):
         raise AssertionError(f"environment variables must start with KVXFER_: {name}")
@@ -76,17 +86,21 @@ def all_vars() -> list[EnvVar]:
 KVXFER_LOG_LEVEL = _define(
     "KVXFER_LOG_LEVEL",
     "WARNING",
-    lambda s: s.strip().upper(),
-    "Log level of the `sglang_kvxfer` logger (DEBUG, INFO, WARNING, ERROR).",
+    _upper_choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+    "Log level of the `sglang_kvxfer` logger (DEBUG, INFO, WARNING, ERROR), applied when the "
+    "package is imported. Set, it wins over the host's logging set-up (an SGLang or vLLM "
+    "server, `--log-level`): the logger gets its own stderr handler. Unset, the host decides.",
 )
 KVXFER_DATA_PATH = _define(
     "KVXFER_DATA_PATH",
     "auto",
-    _choice("auto", "direct", "staged", "per_token"),
+    _choice("auto", "direct", "staged", "per_token", "fused"),
     "Force the data path of every (writer, reader) pair: `direct` page runs (only where the "
-    "bytes are contiguous on both sides), `staged` gather -> one write -> scatter, `auto` "
-    "(the planner's cost rule), or `per_token` (SGLang's one-write-per-token pattern, a "
-    "benchmark baseline only).",
+    "bytes are contiguous on both sides), `staged` gather -> one write -> scatter, `fused` "
+    "one pool -> pool copy into the reader's pool (only where the writer's process maps it: "
+    "`local` shared memory, CUDA IPC; elsewhere what `auto` picks of the others), `auto` "
+    "(the planner's cost rule over all three), or `per_token` (SGLang's one-write-per-token "
+    "pattern, a benchmark baseline only).",
 )
 KVXFER_DIRECT_MIN_OP_BYTES = _define(
     "KVXFER_DIRECT_MIN_OP_BYTES",

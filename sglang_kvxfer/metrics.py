@@ -96,7 +96,10 @@ class RequestRecord:
     ``last_chunk_ready`` is when the last chunk was ready to move, so ``tail_s`` is the
     latency the transfer adds after the prefill's last chunk. ``bytes``/``ops``: written
     (prefill, every reader) or received (decode, every writer); ops are transport
-    descriptors. ``failure_kind`` (one of ``FAILURE_KINDS``, "" on success) is derived from
+    descriptors (a fused pool -> pool copy counts one). ``pool_read_bytes`` (prefill): bytes
+    read from the rank's KV pool; below ``bytes`` where staged readers that need the same
+    head slice (replicated heads) share one gather (fan-out); 0 on the decode.
+    ``failure_kind`` (one of ``FAILURE_KINDS``, "" on success) is derived from
     ``reason`` unless the engine knows it (an abort on this side).
     """
 
@@ -107,6 +110,7 @@ class RequestRecord:
     reason: str = ""
     bytes: int = 0
     ops: int = 0
+    pool_read_bytes: int = 0
     phases: dict = field(default_factory=dict)
     first_byte_ready: float | None = None
     last_chunk_ready: float | None = None

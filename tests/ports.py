@@ -32,7 +32,8 @@ def port_range() -> range:
     return range(max(1024, min(30000, low - 512)), low)
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
+    """Whether ``port`` can be bound on 127.0.0.1 now."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -51,7 +52,7 @@ def free_port(span: int = 1, attempts: int = 500) -> int:
         for _ in range(attempts):
             base = _RNG.randrange(ports.start, ports.stop - span + 1)
             block = range(base, base + span)
-            if any(p in _GIVEN for p in block) or not all(_bindable(p) for p in block):
+            if any(p in _GIVEN for p in block) or not all(bindable(p) for p in block):
                 continue
             _GIVEN.update(block)
             return base

@@ -41,3 +41,36 @@ def test_env_var_parse_error_names_the_variable(monkeypatch):
         assert "KVXFER_DATA_PATH" in str(exc) and "sideways" in str(exc)
     else:
         raise AssertionError("a bad KVXFER_DATA_PATH was accepted")
+
+
+def _log_probe(level: str | None) -> subprocess.CompletedProcess:
+    """A fresh interpreter that imports the package and logs at INFO and WARNING through an
+    engine logger, with ``KVXFER_LOG_LEVEL`` set to ``level`` (unset for None)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "KVXFER_LOG_LEVEL"}
+    if level is not None:
+        env["KVXFER_LOG_LEVEL"] = level
+    code = (
+        "import logging, sglang_kvxfer\n"
+        "log = logging.getLogger('sglang_kvxfer.probe')\n"
+        "log.info('info line'); log.warning('warning line')\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_kvxfer_log_level_sets_the_engine_logger_level():
+    shown = _log_probe("info")
+    assert shown.returncode == 0, shown.stderr
+    assert "INFO sglang_kvxfer.probe: info line" in shown.stderr
+    assert shown.stderr.count("warning line") == 1
+    quiet = _log_probe("ERROR")
+    assert "info line" not in quiet.stderr and "warning line" not in quiet.stderr
+    unset = _log_probe(None)  # the host's logging decides: Python's fallback shows warnings only
+    assert "info line" not in unset.stderr and "warning line" in unset.stderr
+
+
+def test_a_malformed_kvxfer_log_level_names_the_variable():
+    bad = _log_probe("chatty")
+    assert bad.returncode != 0
+    assert "KVXFER_LOG_LEVEL='chatty' is invalid: expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL" in bad.stderr

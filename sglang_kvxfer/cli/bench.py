@@ -317,21 +317,26 @@ def _run_points(args, shape: Shape, points: list[tuple], boot, bar, next_seed, k
                 items = [r["record"]["bytes"] for res in results if res.ok for r in res.prefill if r.get("record")]
                 if sum(items):
                     base.append(measure_baseline(method, items, streams, timeout, dev_p, dev_d))
-            records.append(
-                _record(
-                    args,
-                    shape,
-                    (tokens, concurrency, chunk),
-                    summarize(runs, sum(wall)),
-                    engine,
-                    wall,
-                    base,
-                    method,
-                    streams,
-                    dev_p,
-                    dev_d,
-                )
+            record = _record(
+                args,
+                shape,
+                (tokens, concurrency, chunk),
+                summarize(runs, sum(wall)),
+                engine,
+                wall,
+                base,
+                method,
+                streams,
+                dev_p,
+                dev_d,
             )
+            reads = [
+                sum(r["record"].get("pool_read_bytes", 0) for r in res.prefill if r.get("record"))
+                for res in runs
+                if res.ok
+            ]
+            record["pool_read_bytes_per_request"] = int(statistics.median(reads)) if reads else 0
+            records.append(record)
     return records
 
 
@@ -371,6 +376,7 @@ def _record(args, shape: Shape, point: tuple, s: dict, engine, wall, base, metho
         "ops_per_request": s["ops_per_request"]["median"],
         "descriptors_per_s": s["descriptors_per_s"],
         "latency_ms": {"p50": s["p50_ms"], "p90": s["p90_ms"], "p99": s["p99_ms"]},
+        "p99_over_p50": round(s["p99_ms"] / s["p50_ms"], 3) if s["p50_ms"] and s["p50_ms"] == s["p50_ms"] else None,
         "tail_ms": s["tail_ms"],
         "phases_ms": s["phases_ms"],
         "data_path": s["data_path"],
@@ -387,7 +393,10 @@ DEFINITIONS = {
     "latency_ms": "transfer window per request, percentiles over every request of every repeat",
     "tail_ms": "last chunk ready -> last notice: what the transfer adds after the prefill's last chunk",
     "phases_ms": "busy time per phase per request (largest among its ranks); phases overlap",
-    "ops_per_request": "transport descriptors (writes) per request, all ranks",
+    "ops_per_request": "transport descriptors (writes; a fused pool -> pool copy counts one) per request, all ranks",
+    "p99_over_p50": "latency_ms p99 / p50: the tail against the typical request",
+    "pool_read_bytes_per_request": "bytes read from the prefill ranks' KV pools per request (median): below bytes "
+    "where staged readers of a replicated head share one gather (fan-out); a fused or direct reader reads its own",
     "descriptors_per_s": "descriptors / busy time",
     "baseline": "the same bytes, in the same pieces, moved by plain movers in the same run: copy (numpy copyto), "
     "socket (loopback TCP sendall/recv_into) or d2d (torch copy between devices); streams = prefill "

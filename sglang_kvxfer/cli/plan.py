@@ -10,17 +10,25 @@ attention-TP ranks; a request moves between one prefill group (SGLang's routing:
 ``--prefill-dp-rank``, else ``room % prefill_dp``) and one decode group (``--decode-dp-rank``),
 so the plan is the one between those two groups' attention-TP sizes. Ranks are shown as the
 group's attention-TP ranks, with the server-wide TP rank beside them.
+
+With pipeline parallelism (``--prefill-pp``/``--decode-pp``, SGLang's ``--pp-size``) the
+prefill's layers are split over its stages as SGLang splits them (``--pp-layers``: its
+``SGLANG_PP_LAYER_PARTITION``); every stage writes its layers with the same TP plan, to the
+decode stage of its rank (decode PP equal) or all into the one decode pool (decode PP 1), so
+each (stage, writer, reader) is a row with the stage's layers and bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import numpy as np
 
 from sglang_kvxfer import envs
 from sglang_kvxfer.geometry import KVGeometry, owned_heads
+from sglang_kvxfer.integrations.sglang_args import pp_layer_split
 from sglang_kvxfer.planning import plan_pair, plan_tp
 from sglang_kvxfer.planning.byteplan import per_token_op_count
 
@@ -42,6 +50,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the request's prefill DP group (the router's prefill_dp_rank; default room %% prefill-dp)",
     )
     p.add_argument("--decode-dp-rank", type=int, default=0, help="the decode DP group serving the request (default 0)")
+    p.add_argument("--prefill-pp", type=int, default=1, help="prefill pipeline-parallel stages (--pp-size; default 1)")
+    p.add_argument(
+        "--decode-pp", type=int, default=1, help="decode pipeline-parallel stages: 1 or --prefill-pp (default 1)"
+    )
+    p.add_argument(
+        "--pp-layers",
+        default=None,
+        help="layers per prefill PP stage, e.g. 10,22 (SGLANG_PP_LAYER_PARTITION; default SGLang's even split)",
+    )
     p.add_argument("--mla", action="store_true", help="MLA latent cache (one head on every rank)")
     p.add_argument("--layers", type=int, default=32, help="KV layers (default 32)")
     p.add_argument("--head-dim", type=int, default=128, help="K head dim (default 128; MLA e.g. 576)")
@@ -85,6 +102,17 @@ def build_report(args: argparse.Namespace) -> dict:
     p_rank = args.room % p_dp if args.prefill_dp_rank is None else args.prefill_dp_rank
     p_attn, p_group = _dp_groups(args.prefill_tp, p_dp, p_rank, "prefill")
     d_attn, d_group = _dp_groups(args.decode_tp, d_dp, args.decode_dp_rank, "decode")
+    p_pp, d_pp = args.prefill_pp, args.decode_pp
+    if p_pp < 1 or d_pp < 1:
+        raise ValueError(f"--prefill-pp={p_pp} and --decode-pp={d_pp} must be >= 1")
+    if d_pp not in (1, p_pp):
+        raise ValueError(f"--decode-pp={d_pp} must equal --prefill-pp={p_pp} or be 1 (SGLang's rule for PD with PP)")
+    if args.pp_layers is not None and p_pp == 1:
+        raise ValueError("--pp-layers needs --prefill-pp > 1")
+    try:
+        stages = pp_layer_split(args.layers, p_pp, args.pp_layers)
+    except ValueError as exc:
+        raise ValueError(f"--pp-layers/--layers/--prefill-pp: {exc}") from None
     plan = plan_tp(args.total_kv_heads, p_attn, d_attn, mla=args.mla, salt=args.room)
     ps = args.prefill_page_size or args.page_size
     pd = args.decode_page_size or args.page_size
@@ -103,31 +131,37 @@ def build_report(args: argparse.Namespace) -> dict:
     src_pages = np.arange(src_n)
     dst_pages = np.arange(0, dst_n * step, step)
     transfers = []
-    for t in plan.transfers:
-        pair = plan_pair(
-            t,
-            gp.placement(p_attn, t.prefill_rank),
-            gd.placement(d_attn, t.decode_rank),
-            src_pages,
-            dst_pages,
-            num_tokens=args.tokens,
-            path=envs.KVXFER_DATA_PATH.get(),
-            direct_min_op_bytes=envs.KVXFER_DIRECT_MIN_OP_BYTES.get(),
-        )
-        transfers.append(
-            {
-                **t.to_dict(),
-                "prefill_tp_rank": p_group * p_attn + t.prefill_rank,
-                "decode_tp_rank": d_group * d_attn + t.decode_rank,
-                "global_heads": [t.global_head_start, t.global_head_start + t.num_heads],
-                "path": pair.path,
-                "reason": pair.reason,
-                "bytes": pair.nbytes,
-                "ops_direct": pair.direct_op_count,
-                "ops_staged": pair.staged_op_count,
-                "ops_per_token": per_token_op_count(args.layers, args.tokens, gp.has_v),
-            }
-        )
+    for s, layers in enumerate(stages):
+        sp = dataclasses.replace(gp, num_layers=len(layers))  # the stage's pool, and its share of the decode's
+        sd = dataclasses.replace(gd, num_layers=len(layers))
+        for t in plan.transfers:
+            pair = plan_pair(
+                t,
+                sp.placement(p_attn, t.prefill_rank),
+                sd.placement(d_attn, t.decode_rank),
+                src_pages,
+                dst_pages,
+                num_tokens=args.tokens,
+                path=envs.KVXFER_DATA_PATH.get(),
+                direct_min_op_bytes=envs.KVXFER_DIRECT_MIN_OP_BYTES.get(),
+            )
+            transfers.append(
+                {
+                    **t.to_dict(),
+                    "prefill_tp_rank": p_group * p_attn + t.prefill_rank,
+                    "decode_tp_rank": d_group * d_attn + t.decode_rank,
+                    "pp_rank": s,
+                    "decode_pp_rank": s if d_pp > 1 else 0,
+                    "layers": _span(layers),
+                    "global_heads": [t.global_head_start, t.global_head_start + t.num_heads],
+                    "path": pair.path,
+                    "reason": pair.reason,
+                    "bytes": pair.nbytes,
+                    "ops_direct": pair.direct_op_count,
+                    "ops_staged": pair.staged_op_count,
+                    "ops_per_token": per_token_op_count(len(layers), args.tokens, gp.has_v),
+                }
+            )
     return {
         "total_kv_heads": args.total_kv_heads,
         "prefill_tp": args.prefill_tp,
@@ -138,6 +172,12 @@ def build_report(args: argparse.Namespace) -> dict:
         "decode_attn_tp": d_attn,
         "prefill_dp_rank": p_group,
         "decode_dp_rank": d_group,
+        "prefill_pp": p_pp,
+        "decode_pp": d_pp,
+        "stages": [
+            {"pp_rank": s, "layers": _span(layers), "decode_pp_rank": s if d_pp > 1 else 0}
+            for s, layers in enumerate(stages)
+        ],
         "mla": args.mla,
         "room": args.room,
         "request": {
@@ -201,6 +241,15 @@ def render(report: dict) -> str:
             f"{report['decode_dp']}, attention TP {report['decode_attn_tp']}; ranks below are the "
             "groups' attention-TP ranks, server TP ranks in parentheses)"
         )
+    staged = report["prefill_pp"] > 1
+    if staged:
+        spans = ", ".join(f"[{a}, {b})" for a, b in (st["layers"] for st in report["stages"]))
+        into = (
+            "each to the decode PP stage of its rank"
+            if report["decode_pp"] > 1
+            else "all into the one decode pool (decode PP 1)"
+        )
+        dp += f" (pipeline parallel: {report['prefill_pp']} prefill PP stages, layers {spans}, {into})"
     lines = [
         f"{kind}: {report['total_kv_heads']} KV head(s), prefill TP {report['prefill_tp']} -> "
         f"decode TP {report['decode_tp']}{dp}; example request: {req['tokens']} tokens x "
@@ -208,7 +257,7 @@ def render(report: dict) -> str:
         f"tokens, layout {req['prefill_layout']}/{req['decode_layout']}, {req['decode_pages']} decode pages",
         "",
     ]
-    header = (
+    header: tuple[str, ...] = (
         "prefill",
         "decode",
         "global heads",
@@ -220,11 +269,15 @@ def render(report: dict) -> str:
         "ops staged",
         "ops per-token",
     )
-    rows = []
+    if staged:
+        header = ("stage", *header)
+    rows: list[tuple[str, ...]] = []
     for t in report["transfers"]:
         g0, g1 = t["global_heads"]
+        stage = (f"{t['pp_rank']} [{t['layers'][0]}, {t['layers'][1]})",) if staged else ()
         rows.append(
             (
+                *stage,
                 _rank(t["prefill_rank"], t["prefill_tp_rank"]),
                 _rank(t["decode_rank"], t["decode_tp_rank"]),
                 f"[{g0}, {g1})",
@@ -252,6 +305,14 @@ def render(report: dict) -> str:
             f"prefill rank {_rank(p['rank'], p['tp_rank'])}: heads [{p['heads'][0]}, {p['heads'][1]}), "
             f"writes to decode rank(s) {p['targets'] or 'none (not elected for this room)'}"
         )
+    for st in report["stages"] if staged else ():
+        a, b = st["layers"]
+        dst = (
+            f"decode PP stage {st['decode_pp_rank']} (which holds the same layers)"
+            if report["decode_pp"] > 1
+            else f"layers [{a}, {b}) of the decode pool"
+        )
+        lines.append(f"prefill PP stage {st['pp_rank']}: layers [{a}, {b}), written to {dst}")
     reasons = sorted({(t["path"], t["reason"]) for t in report["transfers"]})
     lines.append("")
     lines += [f"{path}: {reason}" for path, reason in reasons]

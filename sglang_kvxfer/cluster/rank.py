@@ -12,7 +12,9 @@ exit is bounded: managers are closed with a short timeout and the process leaves
 Because there is no model, a prefill rank fills the request's pages
 with content derived from (room, layer, head, token) before it hands over the first chunk
 (so filling is not part of the transfer window) and a decode rank verifies every byte it
-received against the same function. Each result carries the rank's ``RequestRecord``
+received against the same function. A job's ``layer_group`` (optional) makes the prefill
+hand each token chunk over in groups of that many layers (layer-wise streaming). Each
+result carries the rank's ``RequestRecord``
 (``metrics.py``). With ``metrics_port`` in its spec the rank serves Prometheus metrics on
 ``metrics_port + tp_rank``. The module is the spawn target (``rank_main``), so it stays
 importable on its own; it must not parse command-line arguments or print: a rank answers
@@ -56,17 +58,11 @@ def _send(conn, lock: threading.Lock, obj: dict) -> None:
 def _wait_terminal(handle, timeout_s: float):
     from sglang_kvxfer.protocol.state import KVPoll
 
-    deadline = time.monotonic() + timeout_s
-    delay = 0.0005
-    while True:
-        poll = handle.poll()
-        if poll in (KVPoll.Success, KVPoll.Failed):
-            return poll
-        if time.monotonic() > deadline:
-            handle.abort(f"the rank server gave up after {timeout_s:.0f} s")
-            return handle.poll()
-        time.sleep(delay)
-        delay = min(delay * 2, 0.01)
+    poll = handle.wait(timeout_s)  # woken by the request's end: no polling beside the transfer
+    if poll in (KVPoll.Success, KVPoll.Failed):
+        return poll
+    handle.abort(f"the rank server gave up after {timeout_s:.0f} s")
+    return handle.poll()
 
 
 def _pause(handle, seconds: float) -> None:
@@ -240,9 +236,17 @@ class RankServer:
                         _pause(sender, job["chunk_delay_s"])  # stands in for the prefill forward of this chunk
                     if sender.poll() == KVPoll.Failed:
                         break  # aborted or the peer failed: no point in sending the rest
-                    sender.send(
-                        pages[a // g.page_size : -(-b // g.page_size)], last_chunk=last, aux=job["aux"] if last else b""
-                    )
+                    chunk_pages = pages[a // g.page_size : -(-b // g.page_size)]
+                    step = job.get("layer_group") or g.num_layers  # layer-wise: layers per send()
+                    for la in range(0, g.num_layers, step):
+                        lb = min(g.num_layers, la + step)
+                        done = lb == g.num_layers
+                        sender.send(
+                            chunk_pages,
+                            last_chunk=last and done,
+                            aux=job["aux"] if last and done else b"",
+                            layers=range(la, lb) if step < g.num_layers else None,
+                        )
             except BaseException as exc:
                 self._failed_part_way(sender, exc)
                 raise

@@ -12,6 +12,21 @@ groups, each an attention-TP group of ``tp_size`` ranks with its own pools. Regi
 their DP group; a query names the group it asks about and gets that group's ranks only, so a
 decode rank knows each group as a separate prefill group (its own sessions, registrations,
 deadlines and heartbeats) under the address ``host:port#dpN`` (``host:port`` for group 0).
+
+Pipeline parallelism (SGLang ``--pp-size``, protocol 6): each DP group is ``pp_size`` PP
+stages, each an attention-TP group whose pools hold the stage's layers
+``[layer_start, layer_start + num_layers)``. Registrations name their stage; a query names the
+stage it asks about (address ``host:port#ppS``, ``host:port#dpN#ppS``) and gets that stage's
+ranks and first layer only, so a decode rank knows each stage as a prefill group of its own.
+Every stage registers the same TP, DP and PP sizes, transport and geometry except the layer
+count and the page count (a stage's pool is sized by its own memory); the ranks of one stage
+register the same first layer; stages hold disjoint layer ranges in stage order.
+
+KV pools (protocol 6): a rank that serves a speculative draft model's KV as well registers it
+separately, with ``kv_pool="draft"`` and the draft's geometry, and announces that geometry in
+its registration of the model's pool (``draft_geometry``). Registrations, conflicts and
+queries are per pool; a reply about the model's pool carries the announced draft geometry, so a
+decode learns whether the prefill has a draft before any draft rank is asked about.
 Requests and replies travel in the authenticated envelope (``protocol/envelope.py``): a
 request must carry a valid tag, be fresh (time-stamped sequence within the window, never
 seen before) and name its envelope's sender as its session; anything else is dropped
@@ -39,29 +54,58 @@ from sglang_kvxfer.protocol.messages import (
     PrefillRegister,
 )
 
-__all__ = ["BootstrapServer", "request", "group_address", "split_group_address"]
+__all__ = ["BootstrapServer", "request", "group_address", "split_group_address", "split_stage_address"]
 
 log = logging.getLogger("sglang_kvxfer.bootstrap")
 
 _DP_MARK = "#dp"
+_PP_MARK = "#pp"
 
 
-def group_address(address: str, dp_rank: int) -> str:
-    """The address a decode rank knows prefill DP group ``dp_rank`` of the bootstrap at
-    ``address`` by: ``host:port`` for group 0, ``host:port#dpN`` for group N."""
+def group_address(address: str, dp_rank: int, pp_rank: int = 0) -> str:
+    """The address a decode rank knows PP stage ``pp_rank`` of prefill DP group ``dp_rank``
+    of the bootstrap at ``address`` by: ``host:port`` for group 0 stage 0, ``host:port#dpN``
+    for group N, ``host:port#ppS`` / ``host:port#dpN#ppS`` for stage S."""
     parse_host_port(address)
-    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
-        raise ValueError(f"dp_rank={dp_rank!r} must be an int >= 0")
-    return address if dp_rank == 0 else f"{address}{_DP_MARK}{dp_rank}"
+    for name, value in (("dp_rank", dp_rank), ("pp_rank", pp_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r} must be an int >= 0")
+    dp = f"{_DP_MARK}{dp_rank}" if dp_rank else ""
+    pp = f"{_PP_MARK}{pp_rank}" if pp_rank else ""
+    return f"{address}{dp}{pp}"
+
+
+def _mark(address: str, text: str, mark: str, what: str) -> int:
+    if not (text.isdigit() and str(int(text)) == text and int(text) > 0):
+        raise ValueError(f"bootstrap={address!r}: the {what} after {mark!r} must be an int >= 1")
+    return int(text)
+
+
+def split_stage_address(address: str) -> tuple[str, int, int]:
+    """``group_address`` reversed: ``(bootstrap host:port, DP group, PP stage)``."""
+    rest, pmark, pp = address.partition(_PP_MARK)
+    base, dmark, dp = rest.partition(_DP_MARK)
+    dp_rank = _mark(address, dp, _DP_MARK, "DP group") if dmark else 0
+    pp_rank = _mark(address, pp, _PP_MARK, "PP stage") if pmark else 0
+    parse_host_port(base)
+    return base, dp_rank, pp_rank
 
 
 def split_group_address(address: str) -> tuple[str, int]:
-    """``group_address`` reversed: ``(bootstrap host:port, DP group)``."""
-    base, mark, dp = address.partition(_DP_MARK)
-    if mark and not (dp.isdigit() and str(int(dp)) == dp and int(dp) > 0):
-        raise ValueError(f"bootstrap={address!r}: the DP group after {_DP_MARK!r} must be an int >= 1")
-    parse_host_port(base)
-    return base, int(dp) if mark else 0
+    """``(bootstrap host:port, DP group)`` of a group address of PP stage 0."""
+    base, dp_rank, pp_rank = split_stage_address(address)
+    if pp_rank:
+        raise ValueError(f"bootstrap={address!r} names PP stage {pp_rank}; this call takes a DP group's address")
+    return base, dp_rank
+
+
+# Geometry fields every PP stage shares (a stage's pool holds its own layers and is sized by
+# its own memory, so num_layers and num_pages may differ between stages).
+_STAGE_SHARED = ("total_kv_heads", "head_dim", "v_head_dim", "dtype", "page_size", "layout", "mla")
+
+
+def _layers(msg: PrefillRegister) -> range:
+    return range(msg.layer_start, msg.layer_start + msg.geometry.num_layers)
 
 
 class BootstrapServer:
@@ -91,16 +135,22 @@ class BootstrapServer:
             raise KVXferError(f"bootstrap service cannot listen on {host}:{port}: {exc}") from None
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
-        self._ranks: dict[tuple[int, int], PrefillRegister] = {}  # (dp_rank, tp_rank) ->
+        # (kv_pool, dp_rank, pp_rank, tp_rank) -> the rank's registration
+        self._ranks: dict[tuple[str, int, int, int], PrefillRegister] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvxfer-bootstrap", daemon=True)
         self._thread.start()
 
-    def registered(self, dp_rank: int = 0) -> dict[int, str]:
-        """tp_rank -> session of the registered prefill ranks of DP group ``dp_rank``."""
+    def registered(self, dp_rank: int = 0, kv_pool: str = "", pp_rank: int = 0) -> dict[int, str]:
+        """tp_rank -> session of the registered prefill ranks of PP stage ``pp_rank`` of DP
+        group ``dp_rank`` (for KV pool ``kv_pool``)."""
         with self._lock:
-            return {tp: m.session for (dp, tp), m in self._ranks.items() if dp == dp_rank}
+            return {
+                tp: m.session
+                for (pool, dp, pp, tp), m in self._ranks.items()
+                if (pool, dp, pp) == (kv_pool, dp_rank, pp_rank)
+            }
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -138,49 +188,110 @@ class BootstrapServer:
             if isinstance(msg, PrefillRegister):
                 conflict = self._conflict(msg)
                 if conflict:
-                    log.warning("refused prefill rank %d of DP group %d: %s", msg.tp_rank, msg.dp_rank, conflict)
-                    return self._reply(msg.dp_rank, reason=conflict, force_not_ready=True)
-                self._ranks[(msg.dp_rank, msg.tp_rank)] = msg
-                return self._reply(msg.dp_rank)
+                    log.warning(
+                        "refused prefill rank %d of DP group %d, PP stage %d: %s",
+                        msg.tp_rank,
+                        msg.dp_rank,
+                        msg.pp_rank,
+                        conflict,
+                    )
+                    return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank, reason=conflict, force_not_ready=True)
+                self._ranks[(msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.tp_rank)] = msg
+                return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank)
             if isinstance(msg, BootstrapQuery):
-                return self._reply(msg.dp_rank)
+                return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank)
         return self._reply(0, reason=f"bootstrap does not handle {type(msg).__name__}", force_not_ready=True)
 
     def _conflict(self, msg: PrefillRegister) -> str:
-        # Every DP group is an attention-TP group of the same size over the same model.
-        for (dp, tp), other in self._ranks.items():
-            if (dp, tp) == (msg.dp_rank, msg.tp_rank):
+        # Every DP group is pp_size PP stages, each an attention-TP group of the same size over
+        # the same model; a draft-model pool is served by the same ranks (same sizes and
+        # transport). Stages differ only in their layers and their pool's pages.
+        for (pool, dp, pp, tp), other in self._ranks.items():
+            if (pool, dp, pp, tp) == (msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.tp_rank):
                 continue  # a restart of the same rank replaces it
-            for name in ("tp_size", "dp_size", "geometry", "transport"):
+            names: tuple[str, ...] = ("tp_size", "dp_size", "pp_size", "transport")
+            if pool == msg.kv_pool:
+                names += ("geometry", "draft_geometry") if pp == msg.pp_rank else ("draft_geometry",)
+            theirs = f"rank {tp} of DP group {dp}" + (f", PP stage {pp}," if other.pp_size > 1 else "")
+            for name in names:
                 a, b = getattr(other, name), getattr(msg, name)
                 if a != b:
-                    return (
-                        f"prefill rank {msg.tp_rank} of DP group {msg.dp_rank} registers {name}={b!r} but "
-                        f"rank {tp} of DP group {dp} registered {name}={a!r}"
+                    return self._refusal(msg, f"{name}={b!r}", f"{theirs} registered {name}={a!r}", pool)
+            if pool != msg.kv_pool:
+                continue
+            if pp == msg.pp_rank and other.layer_start != msg.layer_start:
+                return self._refusal(
+                    msg, f"layer_start={msg.layer_start}", f"{theirs} registered layer_start={other.layer_start}", pool
+                )
+            if pp != msg.pp_rank:
+                shared = [
+                    (name, getattr(other.geometry, name), getattr(msg.geometry, name))
+                    for name in _STAGE_SHARED
+                    if getattr(other.geometry, name) != getattr(msg.geometry, name)
+                ]
+                if shared:
+                    name, a, b = shared[0]
+                    return self._refusal(msg, f"geometry.{name}={b!r}", f"{theirs} registered {name}={a!r}", pool)
+                mine, its = _layers(msg), _layers(other)
+                if (pp < msg.pp_rank and its.stop > mine.start) or (pp > msg.pp_rank and mine.stop > its.start):
+                    return self._refusal(
+                        msg,
+                        f"layers [{mine.start}, {mine.stop})",
+                        f"PP stage {pp} registered layers [{its.start}, {its.stop}) (stages hold disjoint "
+                        "layer ranges in stage order)",
+                        pool,
                     )
         return ""
 
-    def _reply(self, dp_rank: int, reason: str = "", force_not_ready: bool = False) -> BootstrapReply:
-        groups = sorted({dp for dp, _ in self._ranks})
-        dp_size = next(iter(self._ranks.values())).dp_size if self._ranks else 0
-        ranks = sorted((m for (dp, _), m in self._ranks.items() if dp == dp_rank), key=lambda m: m.tp_rank)
+    @staticmethod
+    def _refusal(msg: PrefillRegister, mine: str, theirs: str, pool: str) -> str:
+        stage = f", PP stage {msg.pp_rank}," if msg.pp_size > 1 else ""
+        what = f" for kv_pool={msg.kv_pool!r}" if msg.kv_pool else ""
+        other = f" for kv_pool={pool!r}" if pool else ""
+        return f"prefill rank {msg.tp_rank} of DP group {msg.dp_rank}{stage} registers {mine}{what} but {theirs}{other}"
+
+    def _reply(
+        self, dp_rank: int, kv_pool: str = "", pp_rank: int = 0, reason: str = "", force_not_ready: bool = False
+    ) -> BootstrapReply:
+        pooled = {(dp, pp, tp): m for (pool, dp, pp, tp), m in self._ranks.items() if pool == kv_pool}
+        groups = sorted({dp for dp, _, _ in pooled})
+        stages = sorted({pp for dp, pp, _ in pooled if dp == dp_rank})
+        first = next(iter(pooled.values()), None)
+        dp_size = first.dp_size if first is not None else 0
+        pp_size = first.pp_size if first is not None else 0
+        ranks = sorted(
+            (m for (dp, pp, _), m in pooled.items() if (dp, pp) == (dp_rank, pp_rank)), key=lambda m: m.tp_rank
+        )
         size = ranks[0].tp_size if ranks else 0
         ready = bool(ranks) and len(ranks) == size and not force_not_ready
         if not ready and not reason:
+            stage = f" PP stage {pp_rank} of" if pp_size > 1 else ""
             if dp_size and dp_rank >= dp_size:
                 reason = (
                     f"dp_rank={dp_rank}: the prefill behind this bootstrap has dp_size={dp_size} "
                     f"(registered DP groups: {groups})"
                 )
-            elif not ranks and groups:
+            elif pp_size and pp_rank >= pp_size:
+                reason = (
+                    f"pp_rank={pp_rank}: the prefill behind this bootstrap has pp_size={pp_size} "
+                    f"(registered PP stages of DP group {dp_rank}: {stages})"
+                )
+            elif not ranks and dp_rank not in groups and groups:
                 reason = (
                     f"DP group {dp_rank} has no prefill rank registered "
                     f"(registered DP groups: {groups} of dp_size={dp_size})"
                 )
+            elif not ranks and stages:
+                reason = (
+                    f"PP stage {pp_rank} of DP group {dp_rank} has no prefill rank registered "
+                    f"(registered PP stages: {stages} of pp_size={pp_size})"
+                )
             else:
                 reason = f"{len(ranks)} of {size or '?'} prefill rank(s) registered"
-                if dp_size > 1:
-                    reason += f" in DP group {dp_rank}"
+                if dp_size > 1 or pp_size > 1:
+                    reason += f" in{stage} DP group {dp_rank}"
+            if kv_pool:
+                reason += f" (kv_pool={kv_pool!r})"
         return BootstrapReply(
             ready=ready,
             tp_size=size,
@@ -191,6 +302,12 @@ class BootstrapServer:
             dp_rank=dp_rank,
             dp_size=dp_size,
             dp_groups=tuple(groups),
+            kv_pool=kv_pool,
+            draft_geometry=ranks[0].draft_geometry if ranks and not kv_pool else None,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            layer_start=ranks[0].layer_start if ranks else 0,
+            pp_stages=tuple(stages),
         )
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -220,7 +337,7 @@ def request(address: str, message, timeout_s: float, key: bytes | None = None) -
     down or unreachable, or it uses another key: it drops what it cannot authenticate) and
     ``RemoteProtocolError`` for a malformed or unauthenticated reply.
     """
-    base, dp_rank = split_group_address(address)
+    base, dp_rank, pp_rank = split_stage_address(address)
     host, port = parse_host_port(base)
     if isinstance(message, BootstrapQuery) and dp_rank:
         if message.dp_rank not in (0, dp_rank):
@@ -228,6 +345,12 @@ def request(address: str, message, timeout_s: float, key: bytes | None = None) -
                 f"BootstrapQuery.dp_rank={message.dp_rank} but the address {address!r} names DP group {dp_rank}"
             )
         message = dataclasses.replace(message, dp_rank=dp_rank)
+    if isinstance(message, BootstrapQuery) and pp_rank:
+        if message.pp_rank not in (0, pp_rank):
+            raise ValueError(
+                f"BootstrapQuery.pp_rank={message.pp_rank} but the address {address!r} names PP stage {pp_rank}"
+            )
+        message = dataclasses.replace(message, pp_rank=pp_rank)
     key = auth.resolve_key() if key is None else key
     seq = envelope.fresh_seq(time.time())
     frame = envelope.seal(key, message.session, seq, codec.encode(message))
@@ -261,6 +384,17 @@ def request(address: str, message, timeout_s: float, key: bytes | None = None) -
                     raise RemoteProtocolError(
                         f"bootstrap {address}: asked about DP group {message.dp_rank}, the reply is about "
                         f"DP group {reply.dp_rank}"
+                    )
+                if isinstance(message, BootstrapQuery) and reply.pp_rank != message.pp_rank:
+                    raise RemoteProtocolError(
+                        f"bootstrap {address}: asked about PP stage {message.pp_rank}, the reply is about "
+                        f"PP stage {reply.pp_rank}"
+                    )
+                asked = getattr(message, "kv_pool", "")
+                if reply.kv_pool != asked:
+                    raise RemoteProtocolError(
+                        f"bootstrap {address}: asked about kv_pool={asked!r}, the reply is about "
+                        f"kv_pool={reply.kv_pool!r}"
                     )
                 return reply
     finally:

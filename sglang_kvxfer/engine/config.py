@@ -66,12 +66,21 @@ class EngineConfig:
         transport_options: keyword options of that transport.
         host: address this rank advertises for its control inbox.
         device: ``"cpu"`` or ``"cuda:N"`` for pools allocated by the engine.
-        data_path: ``auto``, ``direct``, ``staged`` or ``per_token`` for every (writer,
+        data_path: ``auto``, ``direct``, ``staged``, ``fused`` or ``per_token`` for every (writer,
             reader) pair (``KVXFER_DATA_PATH``); direct_min_op_bytes: ``auto``'s fixed rule,
             the smallest average direct op (``KVXFER_DIRECT_MIN_OP_BYTES``); None (unset):
             the cost rule, from the transport's ``path_cost``.
         auth_key: the shared secret that authenticates control frames (see ``auth.py``);
             None takes it from the environment or the per-user key file.
+        kv_pool: which of the rank's KV pools this manager moves: ``""`` the model's,
+            ``"draft"`` a speculative decoding draft model's (its own geometry; registered
+            and looked up at the bootstrap separately, by a manager of its own).
+        draft_geometry: a prefill manager of the model's pool: the geometry of the draft
+            pool the same rank serves (announced with its registration), None if none.
+        pp_rank, pp_size, layer_start: a prefill rank's pipeline-parallel stage, the number
+            of stages, and the first model layer its pool holds (the geometry's
+            ``num_layers`` is the stage's layer count). Registered with the bootstrap; 0, 1
+            and 0 without PP.
     """
 
     role: str
@@ -98,6 +107,11 @@ class EngineConfig:
     auth_key: bytes | str | None = field(default=None, repr=False, compare=False)
     dp_rank: int = 0
     dp_size: int = 1
+    kv_pool: str = ""
+    draft_geometry: KVGeometry | None = None
+    pp_rank: int = 0
+    pp_size: int = 1
+    layer_start: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -119,8 +133,8 @@ class EngineConfig:
                 f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed "
                 f"heartbeat_interval_s={self.heartbeat_interval_s}"
             )
-        if self.data_path not in ("auto", "direct", "staged", "per_token"):
-            raise ValueError(f"data_path={self.data_path!r} must be one of auto, direct, staged, per_token")
+        if self.data_path not in ("auto", "direct", "staged", "per_token", "fused"):
+            raise ValueError(f"data_path={self.data_path!r} must be one of auto, direct, staged, per_token, fused")
         for name in ("staging_bytes", "staging_slot_bytes", "num_workers", "direct_min_op_bytes"):
             value = getattr(self, name)
             if value is None and name == "direct_min_op_bytes":
@@ -132,12 +146,25 @@ class EngineConfig:
                 f"staging_bytes={self.staging_bytes} must hold at least two slots of "
                 f"staging_slot_bytes={self.staging_slot_bytes}"
             )
-        for name in ("dp_rank", "dp_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "dp_size"):
-                raise ValueError(f"{name}={value!r} must be an integer >= {int(name == 'dp_size')}")
-        if self.dp_rank >= self.dp_size:
-            raise ValueError(f"dp_rank={self.dp_rank} must be < dp_size={self.dp_size}")
+        for name in ("dp_rank", "dp_size", "pp_rank", "pp_size", "layer_start"):
+            value, least = getattr(self, name), int(name.endswith("_size"))
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}={value!r} must be an integer >= {least}")
+        for kind in ("dp", "pp"):
+            rank, size = getattr(self, f"{kind}_rank"), getattr(self, f"{kind}_size")
+            if rank >= size:
+                raise ValueError(f"{kind}_rank={rank} must be < {kind}_size={size}")
+        if self.pp_size == 1 and self.layer_start:
+            raise ValueError(f"layer_start={self.layer_start} must be 0 without pipeline parallelism (pp_size=1)")
+        if self.kv_pool not in ("", "draft"):
+            raise ValueError(f"kv_pool={self.kv_pool!r} must be '' (the model's KV) or 'draft'")
+        if self.draft_geometry is not None and (
+            not isinstance(self.draft_geometry, KVGeometry) or self.kv_pool or self.role != "prefill"
+        ):
+            raise ValueError(
+                "draft_geometry must be a KVGeometry, and only for a prefill manager of the model's pool "
+                f"(role={self.role!r}, kv_pool={self.kv_pool!r})"
+            )
         if self.device != "cpu" and not str(self.device).startswith("cuda"):
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda[:N]'")
         object.__setattr__(self, "auth_key", config_key(self.auth_key, self.host))

@@ -4,7 +4,8 @@ A decode rank looks the prefill group up at the bootstrap, registers its pool wi
 candidate prefill rank (both sides check the geometry; a mismatch fails the requests at
 once with the field-level message), then per request sends metadata to every candidate:
 destination pages, and for each elected writer either nothing (direct writes into the
-pool) or a window of two staging slots. It scatters each staged chunk as its
+pool, or ``fused``: one pool -> pool copy by a writer that maps this rank's pool) or a
+window of two staging slots. It scatters each staged chunk as its
 ``ChunkReady`` arrives and returns the slot, scatters a writer's last chunk, which rides on
 its ``TransferDone``, together with counting that writer done, and reports Success only
 when every expected writer has sent ``TransferDone`` with every (token x layer) of its
@@ -33,6 +34,7 @@ import numpy as np
 
 from sglang_kvxfer.engine import bootstrap
 from sglang_kvxfer.engine.config import ENGINE_VERSION, EngineConfig
+from sglang_kvxfer.engine.decode_plans import DecodePlanning
 from sglang_kvxfer.engine.decode_rooms import DecodeRoom, GroupStatus, PrefillGroup
 from sglang_kvxfer.engine.manager import Peer, RankBase, RequestHandle
 from sglang_kvxfer.engine.pool import KVPool
@@ -45,10 +47,9 @@ from sglang_kvxfer.errors import (
 )
 from sglang_kvxfer.geometry import check_compatible
 from sglang_kvxfer.metrics import note_writer_done
-from sglang_kvxfer.planning import HeadTransfer, RequestPlan, candidate_prefill_ranks, plan_tp
-from sglang_kvxfer.planning.byteplan import PathCost
+from sglang_kvxfer.planning import PathCost, PoolMapping, RequestPlan, candidate_prefill_ranks, plan_tp
 from sglang_kvxfer.protocol.envelope import peer_secret
-from sglang_kvxfer.protocol.fields import STAGING_SLOTS, Side
+from sglang_kvxfer.protocol.fields import Side
 from sglang_kvxfer.protocol.messages import (
     Abort,
     BootstrapQuery,
@@ -73,8 +74,8 @@ log = logging.getLogger("sglang_kvxfer.decode")
 INLINE_NOTICE_BYTES = 256 << 10
 
 
-class DecodeManager(RankBase[DecodeRoom]):
-    """One decode TP rank."""
+class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
+    """One decode TP rank (writer plans and staging windows: ``decode_plans.py``)."""
 
     side = Side.DECODE
 
@@ -117,7 +118,7 @@ class DecodeManager(RankBase[DecodeRoom]):
 
     def _resolve(self, group: PrefillGroup) -> None:
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
-        query = BootstrapQuery(session=self.session, tp_rank=self.tp_rank)
+        query = BootstrapQuery(session=self.session, tp_rank=self.tp_rank, kv_pool=self.config.kv_pool)
         reply, last = None, "no answer"
         while not self._closed and time.monotonic() < deadline:
             try:
@@ -228,6 +229,7 @@ class DecodeManager(RankBase[DecodeRoom]):
             return self._group_failed(group, f"prefill rank {msg.tp_rank} refused this decode rank: {error}")
         with self._lock:
             group.acks[msg.tp_rank] = True
+            group.mappings[msg.tp_rank] = PoolMapping(msg.pool_mapped, msg.pool_note or "no reason given")
             group.peers[msg.tp_rank].last_seen = time.monotonic()
             if set(group.acks) != set(group.peers) or group.status is not GroupStatus.REGISTERING:
                 return
@@ -335,73 +337,9 @@ class DecodeManager(RankBase[DecodeRoom]):
                     staging_capacity_bytes=capacity,
                     staging_region=region,
                     prefix_tokens=rec.prefix_tokens,
+                    fused=p in writers and rec.plans[p].fused,
                 ),
             )
-
-    def _plan_writers(
-        self, rec: DecodeRoom, writers: dict[int, HeadTransfer], group: PrefillGroup
-    ) -> dict[int, RequestPlan]:
-        """One ``RequestPlan`` per writer, built once per request: it picks the pair's path
-        and cuts every staged chunk's scatter slice."""
-        plans: dict[int, RequestPlan] = {}
-        for p, t in writers.items():
-            src = group.placements[p]
-            n_src = -(-rec.num_tokens // src.geometry.page_size)
-            if n_src > src.geometry.num_pages:
-                raise TransferFailedError(
-                    f"a {rec.num_tokens}-token request needs {n_src} prefill pages; "
-                    f"prefill pools hold {src.geometry.num_pages}",
-                    rec.room,
-                )
-            # Path choice with the real decode pages, assuming prefill pages are contiguous
-            # (decode cannot know them); prefill follows this choice.
-            plans[p] = RequestPlan.build(
-                t,
-                src,
-                self.placement,
-                np.arange(n_src),
-                rec.pages,
-                num_tokens=rec.num_tokens,
-                path=self.config.data_path,
-                direct_min_op_bytes=self.config.direct_min_op_bytes,
-                cost=self._transport_cost(),
-            )
-        return plans
-
-    def _transport_cost(self) -> PathCost | None:
-        """What a write into this rank's pool costs over its transport (``auto``'s cost rule;
-        ``local`` measures it once per process), asked once. None with a fixed rule
-        (``KVXFER_DIRECT_MIN_OP_BYTES``) or where the transport declares none."""
-        if self._path_cost is None:
-            cost = None
-            if self.config.direct_min_op_bytes is None:
-                cost = self._live_transport.path_cost(self.config.device)
-            self._path_cost = (cost,)
-        return self._path_cost[0]
-
-    def _lend_windows(self, rec: DecodeRoom, plans: dict[int, RequestPlan]) -> dict[int, tuple[int, int]] | None:
-        """Staging windows for the writers whose pair is staged; None if space is short now."""
-        lent: dict[int, tuple[int, int]] = {}
-        for p, plan in plans.items():
-            nbytes = plan.nbytes()
-            if not plan.staged or nbytes == 0:
-                continue
-            per_token = nbytes // rec.num_tokens
-            slot = max(per_token, min(self.config.staging_slot_bytes, nbytes))
-            staging = self._live_staging
-            offset = staging.alloc(STAGING_SLOTS * slot)
-            if offset is None:
-                for off, _ in lent.values():
-                    staging.free(off)
-                if STAGING_SLOTS * slot > staging.cap_bytes:
-                    raise TransferFailedError(
-                        f"one token of this pair needs {slot} B of staging; the arena "
-                        f"may hold {staging.cap_bytes} B (KVXFER_STAGING_BYTES)",
-                        rec.room,
-                    )
-                return None
-            lent[p] = (offset, STAGING_SLOTS * slot)
-        return lent
 
     # -- messages (I/O thread) --------------------------------------------------------------------
     def _on_message(self, msg: Any, sender: str) -> None:
@@ -630,6 +568,7 @@ class DecodeManager(RankBase[DecodeRoom]):
                 rec.ops += msg.num_ops
                 for k, v in note_writer_done(rec.marks, msg.timings, arrived).items():
                     rec.timings[k] = rec.timings.get(k, 0.0) + v
+                rec.writer_aux[msg.tp_rank] = msg.aux_payload
                 if msg.aux_payload:
                     rec.aux_payload = msg.aux_payload
                 done = rec.state.poll is KVPoll.Success
@@ -823,8 +762,21 @@ class KVReceiver(RequestHandle):
         return self._rec.aux_payload
 
     @property
+    def writer_aux(self) -> dict[int, bytes]:
+        """The aux payload of each writer's ``TransferDone``, by prefill rank (complete once
+        ``poll()`` reached Success)."""
+        with self.mgr._lock:
+            return dict(self._rec.writer_aux)
+
+    @property
     def waiting_for(self) -> str:
         return self._rec.waiting_for
+
+    @property
+    def paths(self) -> dict[int, tuple[str, str]]:
+        """Each writer's data path (``direct``, ``staged``, ``fused``, ``per_token``) and
+        why (its plan's ``reason``), by prefill rank; empty until the metadata went out."""
+        return {p: (str(plan.path), plan.reason) for p, plan in self._rec.plans.items()}
 
     @property
     def stats(self) -> dict:

@@ -16,7 +16,7 @@ import numpy as np
 from sglang_kvxfer.engine.manager import Peer, Worker
 from sglang_kvxfer.geometry import RankPlacement
 from sglang_kvxfer.metrics import RequestRecord
-from sglang_kvxfer.planning import HeadTransfer, RequestPlan
+from sglang_kvxfer.planning import HeadTransfer, PoolMapping, RequestPlan
 from sglang_kvxfer.protocol.messages import BootstrapReply
 from sglang_kvxfer.protocol.state import KVPoll, RequestState
 
@@ -47,6 +47,8 @@ class PrefillGroup:
         self.placements: dict[int, RankPlacement] = {}
         self.peers: dict[int, Peer] = {}  # prefill tp_rank -> peer (its endpoint and session)
         self.acks: dict[int, bool] = {}
+        # prefill tp_rank -> whether it maps this rank's KV pool (its RegisterReply): fused path
+        self.mappings: dict[int, PoolMapping] = {}
 
 
 class DecodeRoom:
@@ -55,6 +57,8 @@ class DecodeRoom:
     def __init__(self, room: int, state: RequestState, group: str):
         self.room = room
         self.state = state
+        self.ended = threading.Event()  # set when the state becomes Success or Failed
+        state.on_terminal(self.ended.set)
         self.group = group
         self.pages: np.ndarray | None = None
         self.num_tokens = 0
@@ -71,6 +75,7 @@ class DecodeRoom:
         self.layer_tokens: dict[int, np.ndarray] = {}
         self.candidates: tuple[int, ...] = ()
         self.aux_payload = b""
+        self.writer_aux: dict[int, bytes] = {}  # prefill rank -> the aux payload of its TransferDone
         self.bytes = 0
         self.timings: dict[str, float] = {}
         self.first_notice: float | None = None

@@ -90,6 +90,7 @@ class RoomRecord(Protocol):
 
     room: int
     state: RequestState
+    ended: threading.Event  # set when ``state`` becomes Success or Failed
 
     def record(self, tp_rank: int) -> RequestRecord: ...
 
@@ -354,6 +355,15 @@ class RequestHandle:
     _abort_reason = "aborted"
 
     def poll(self) -> KVPoll:
+        return self._rec.state.poll
+
+    def wait(self, timeout_s: float) -> KVPoll:
+        """Block until the request succeeded or failed, at most ``timeout_s`` seconds, and
+        return its poll (not terminal after a timeout). Woken by the transition itself: no
+        polling, for callers that have nothing else to do meanwhile."""
+        if timeout_s < 0:
+            raise ValueError(f"timeout_s={timeout_s} must be >= 0")
+        self._rec.ended.wait(timeout_s)
         return self._rec.state.poll
 
     @property

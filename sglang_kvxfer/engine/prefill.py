@@ -35,7 +35,7 @@ from sglang_kvxfer.engine.prefill_datapath import PrefillDataPath
 from sglang_kvxfer.engine.prefill_rooms import Chunk, PrefillRoom, PrefillRoomTable
 from sglang_kvxfer.errors import KVXferError, LocalProtocolError, TransferFailedError, TransferTimeoutError
 from sglang_kvxfer.geometry import check_compatible
-from sglang_kvxfer.planning import DataPath, candidate_decode_ranks, plan_tp
+from sglang_kvxfer.planning import DataPath, PoolMapping, candidate_decode_ranks, plan_tp
 from sglang_kvxfer.protocol.envelope import peer_secret
 from sglang_kvxfer.protocol.fields import Side
 from sglang_kvxfer.protocol.messages import (
@@ -65,6 +65,8 @@ class DecodePeer(Peer):
         self.placement = msg.geometry.placement(msg.tp_size, msg.tp_rank)
         self.regions = regions
         self.locs = [BufferLoc(int(r), int(o)) for r, o in msg.kv_buffer_locs]
+        self.mapping = PoolMapping(False, "its registration was not accepted")  # fused path: prefill_fused.py
+        self.mapped_buffers: dict[int, tuple[int, Any]] = {}  # buffer -> (region base, tensor): prefill_fused.py
         self._staging: dict[bytes, RemoteRegion] = {}
         self._staging_lock = threading.Lock()
 
@@ -90,6 +92,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
         # Forgotten decode sessions -> (peer, last time told to register again), capped.
         self._lost_peers: collections.OrderedDict[str, tuple[Peer, float]] = collections.OrderedDict()
         self._num_unattached = 0
+        self._failed_rooms = collections.OrderedDict()
         super().__init__(config, pool)
         self._registered = threading.Event()
         self.registration_error: str | None = None
@@ -107,6 +110,11 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             transport=self.config.transport,
             dp_rank=self.config.dp_rank,
             dp_size=self.config.dp_size,
+            kv_pool=self.config.kv_pool,
+            draft_geometry=self.config.draft_geometry,
+            pp_rank=self.config.pp_rank,
+            pp_size=self.config.pp_size,
+            layer_start=self.config.layer_start,
         )
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         last = "no answer"
@@ -117,12 +125,14 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
                 last = str(exc)
                 time.sleep(0.2)
                 continue
-            if reply.reason and not reply.ready and "registered" not in reply.reason:
-                self.registration_error = reply.reason  # refused: conflicting group settings
-                log.error("bootstrap refused prefill rank %d: %s", self.tp_rank, reply.reason)
-                break
-            self._registered.set()
-            return
+            # Registered means the bootstrap now lists this session in its group; a refusal
+            # (settings that conflict with the group's) leaves it out and says why.
+            if any(info.session == self.session for info in reply.ranks):
+                self._registered.set()
+                return
+            self.registration_error = reply.reason or "the bootstrap's reply does not list this rank"
+            log.error("bootstrap refused prefill rank %d: %s", self.tp_rank, self.registration_error)
+            break
         if self.registration_error is None:
             self.registration_error = f"could not register with bootstrap {self.config.bootstrap}: {last}"
         self._registered.set()
@@ -243,6 +253,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
                     or loc.offset + peer.placement.buffer_nbytes(b) > regions[loc.region].nbytes
                 ):
                     raise KVXferError(f"kv_buffer_locs[{b}]={loc.region, loc.offset} is outside the registered regions")
+            peer.mapping = self._pool_mapping(peer)
         except Exception as exc:  # any refusal is reported to the peer, never raised here
             error = str(exc)
             log.error(
@@ -258,10 +269,17 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             with self._lock:
                 self._decode_peers[msg.session] = peer
                 self._lost_peers.pop(msg.session, None)
+        mapping = PoolMapping(False, "") if error else peer.mapping
         self._live_control.send(
             msg.endpoint,
             RegisterReply(
-                session=self.session, tp_rank=self.tp_rank, ok=not error, error=error, geometry=self.config.geometry
+                session=self.session,
+                tp_rank=self.tp_rank,
+                ok=not error,
+                error=error,
+                geometry=self.config.geometry,
+                pool_mapped=mapping.mapped,
+                pool_note=mapping.note,
             ),
         )
 
@@ -289,8 +307,13 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
         g = self.config.geometry
         conflict = late = ""
         with self._lock:
-            rec = self._rooms.get(meta.room) or self._create_unattached(meta.room)
-            if rec is None:
+            rec = self._rooms.get(meta.room)
+            failed = self.failed_reason(meta.room) if rec is None else None
+            if rec is None and failed is None:
+                rec = self._create_unattached(meta.room)
+            if failed is not None:  # it failed here and was released before this metadata came
+                late = failed
+            elif rec is None:
                 late = f"prefill rank {self.tp_rank} holds too many requests nobody sends yet"
             elif rec.state.is_terminal:
                 late = rec.state.reason or f"room {meta.room} already completed on prefill rank {self.tp_rank}"
@@ -584,6 +607,12 @@ class KVSender(RequestHandle):
         return self._rec.bytes
 
     @property
+    def pool_read_bytes(self) -> int:
+        """Bytes read from this rank's KV pool for the request so far (a head slice that
+        several staged readers need is gathered once: fan-out)."""
+        return self._rec.pool_read_bytes
+
+    @property
     def ops(self) -> int:
         """Transport ops posted for this request so far."""
         return self._rec.ops
@@ -595,6 +624,7 @@ class KVSender(RequestHandle):
         for meta in self._rec.metas.values():
             if meta.elected:
                 key = DataPath.DIRECT.value if meta.staging_offset < 0 else DataPath.STAGED.value
+                key = DataPath.FUSED.value if meta.fused else key
                 out[key] = out.get(key, 0) + 1
         return out
 

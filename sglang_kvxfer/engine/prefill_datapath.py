@@ -4,10 +4,13 @@ Owns ``PrefillDataPath``, the part of ``PrefillManager`` that queues a sender's 
 (token ranges, each whole or as layer groups: a group moves only its layers' bytes),
 keeps one ``RequestPlan`` per reader of a room (built at the reader's first chunk,
 extended chunk by chunk, cut per staging slot or direct write), writes direct page runs,
-streams staged tokens through the reader's two staging slots (gather -> one write ->
-``ChunkReady``, waiting for ``ChunkAck`` before a slot is reused), and sends
-``TransferDone`` after the last chunk, carrying each staged reader's last slot (one notice
-instead of a ``ChunkReady`` and a ``TransferDone``; that slot is never acknowledged).
+copies fused readers' chunks pool -> pool (``prefill_fused.py``), streams staged tokens
+through the readers' two staging slots (gather -> one write -> ``ChunkReady``, waiting for
+``ChunkAck`` before a slot is reused; staged readers that need the same head slice, the
+replicas of a head, share one gather whose staging is written to each of their slots:
+fan-out), and sends ``TransferDone`` after the last chunk, carrying each staged reader's
+last slot (one notice instead of a ``ChunkReady`` and a ``TransferDone``; that slot is
+never acknowledged).
 Must not: handle control messages other than sending its own, decide room ownership, or
 fail a room itself (it raises; ``_drain`` hands the error to ``_fail_room``).
 """
@@ -16,12 +19,15 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from sglang_kvxfer.engine.manager import RankBase
+from sglang_kvxfer.engine.pool import StagingArena
+from sglang_kvxfer.engine.prefill_fused import FusedWrites
 from sglang_kvxfer.engine.prefill_rooms import Chunk, PrefillRoom, Synchronizable
 from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeoutError
 from sglang_kvxfer.metrics import SINCE_FIRST_BYTE, SINCE_LAST_CHUNK
@@ -40,22 +46,49 @@ __all__ = ["PrefillDataPath"]
 log = logging.getLogger("sglang_kvxfer.prefill")
 
 
+class _Local:
+    """Local staging that slot writes read: freed when the last of them has landed (one
+    write, or one per reader of a fan-out group: one gather, several writes)."""
+
+    def __init__(self, arena: StagingArena, offset: int, users: int):
+        self._arena, self.offset, self._users = arena, offset, users
+        self._lock = threading.Lock()
+
+    def release(self, count: int = 1) -> None:
+        with self._lock:
+            self._users -= count
+            last = self._users == 0
+        if last:
+            self._arena.free(self.offset)
+
+
 class _Slot(NamedTuple):
-    """One staging slot on its way: its write, both offsets, its bytes, tokens and layers."""
+    """One staging slot on its way: its write, the local staging it reads (None: gathered
+    in place), the reader's slot offset, its bytes, tokens and layers, and its reader."""
 
     ticket: Ticket
-    local_off: int | None
+    local: _Local | None
     remote_off: int
     nbytes: int
     a: int
     b: int
     t_posted: float
     layers: tuple[int, int]
+    reader: int
+    endpoint: str
 
 
-class PrefillDataPath(RankBase[PrefillRoom]):
+class _Reader(NamedTuple):
+    """A staged reader of a chunk: its plan, its peer record and its metadata."""
+
+    plan: RequestPlan
+    peer: DecodePeer
+    meta: RequestMeta
+
+
+class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
     """Data path of ``PrefillManager`` (a mixin over ``RankBase``; ``DecodePeer`` and
-    ``_fail_room`` come from ``prefill.py``)."""
+    ``_fail_room`` come from ``prefill.py``, the fused writes from ``prefill_fused.py``)."""
 
     _decode_peers: dict[str, DecodePeer]  # set by PrefillManager.__init__
 
@@ -156,21 +189,23 @@ class PrefillDataPath(RankBase[PrefillRoom]):
                     if rec.state.poll is not KVPoll.Transferring:
                         rec.state.handle(Event.CHUNK_STARTED, time.monotonic())
                 tickets = []
+                # staged readers by the source head slice they need: replicas share a gather
+                staged: dict[tuple[int, int], list[_Reader]] = collections.defaultdict(list)
                 for t in readers:
                     meta = rec.metas[t.decode_rank]
                     peer = self._peer_of(meta)
                     plan = self._reader_plan(rec, t, peer, meta)
-                    if meta.staging_offset < 0:
+                    if plan.fused:  # one copy per reader: each reader's pool must be written
+                        self._write_fused(rec, plan, peer, start, stop, layers, ready)
+                    elif meta.staging_offset < 0:
                         if ready is not None:
                             ready.synchronize()
                             ready = None
                         tickets += self._write_direct(rec, plan, peer, start, stop, layers)
                     else:
-                        last = self._write_staged(
-                            rec, plan, peer, meta, start, stop, ready, hold_last=chunk.last, layers=layers
-                        )
-                        if last is not None:
-                            held[t.decode_rank] = last
+                        staged[(t.src_head_start, t.num_heads)].append(_Reader(plan, peer, meta))
+                for group in staged.values():
+                    held.update(self._write_staged(rec, group, start, stop, ready, hold_last=chunk.last, layers=layers))
                 if tickets:
                     t0 = time.perf_counter()
                     wait_all(tickets, self.config.transfer_timeout_s)
@@ -183,8 +218,7 @@ class PrefillDataPath(RankBase[PrefillRoom]):
             if chunk.last:
                 self._finish(rec, readers, chunk.aux, held)
         except BaseException:
-            for reader, slot in held.items():  # those _finish did not take over
-                self._drop_slots(rec, reader, [slot])
+            self._drop_slots(rec, held.values())  # those _finish did not take over
             raise
 
     @staticmethod
@@ -204,11 +238,20 @@ class PrefillDataPath(RankBase[PrefillRoom]):
     def _reader_plan(self, rec: PrefillRoom, t: HeadTransfer, peer: DecodePeer, meta: RequestMeta) -> RequestPlan:
         """The reader's ``RequestPlan``: built at its first chunk, then extended by the pages
         handed over since (only those are checked). Decode chose the path: no staging window
-        means direct writes (or per-token ones, the benchmark baseline)."""
+        means direct writes (or per-token ones, the benchmark baseline), or with ``fused``
+        one pool -> pool copy per chunk (this process maps the reader's pool)."""
         t0 = time.perf_counter()
         plan = rec.readers.get(t.decode_rank)
         if plan is None:
-            if meta.staging_offset >= 0:
+            if meta.fused:
+                if not peer.mapping.mapped:
+                    raise TransferFailedError(
+                        f"decode rank {t.decode_rank} asked for fused writes, but its KV pool is not "
+                        f"mapped here ({peer.mapping.note})",
+                        rec.room,
+                    )
+                path = DataPath.FUSED
+            elif meta.staging_offset >= 0:
                 path = DataPath.STAGED
             else:
                 path = DataPath.PER_TOKEN if self.config.data_path == DataPath.PER_TOKEN else DataPath.DIRECT
@@ -220,8 +263,9 @@ class PrefillDataPath(RankBase[PrefillRoom]):
                 meta.dst_page_ids,
                 num_tokens=self._layout(rec)[1],
                 path=path,
+                mapping=peer.mapping,
             )
-            if meta.staging_offset < 0 and plan.staged:
+            if meta.staging_offset < 0 and plan.staged:  # (a fused plan is never staged)
                 raise TransferFailedError(
                     f"decode rank {t.decode_rank} asked for direct writes but the bytes "
                     f"are not contiguous ({plan.reason})",
@@ -266,121 +310,145 @@ class PrefillDataPath(RankBase[PrefillRoom]):
             rec.ops += len(ops)
             rec.reader_ops[t.decode_rank] += len(ops)
         rec.bytes += nbytes
+        rec.pool_read_bytes += nbytes
         rec.reader_bytes[t.decode_rank] += nbytes
         return tickets
 
     def _write_staged(
         self,
         rec: PrefillRoom,
-        plan: RequestPlan,
-        peer: DecodePeer,
-        meta: RequestMeta,
+        group: list[_Reader],
         start: int,
         stop: int,
         ready: Synchronizable | None = None,
         hold_last: bool = False,
         layers: tuple[int, int] | None = None,
-    ) -> _Slot | None:
-        """Stream tokens [start, stop) of ``layers`` (default: all) through the reader's two
-        staging slots: gather slot k+1 while slot k is on the wire; announce each slot once
-        its write completed. Each gather is ordered after ``ready`` (the chunk's producer
-        event). With ``hold_last`` (the request's last chunk) the last slot is returned
-        unannounced: ``_finish`` lands it and announces it with ``TransferDone``."""
+    ) -> dict[int, _Slot]:
+        """Stream tokens [start, stop) of ``layers`` (default: all) through the staging
+        slots of ``group``: one reader, or readers that need the same head slice of the
+        same pages (replicas of a head), which share each gather (fan-out). Gather step k+1
+        while step k is on the wire; announce each reader's slot once its write completed.
+        Each gather is ordered after ``ready`` (the chunk's producer event). With
+        ``hold_last`` (the request's last chunk) the last step's slots are returned
+        unannounced, by reader: ``_finish`` lands them and announces them with
+        ``TransferDone``."""
         layers = layers or (0, self.config.geometry.num_layers)
-        t = plan.transfer
-        if meta.staging_region is None:  # RequestMeta refuses a staged window without one
-            raise TransferFailedError(f"decode rank {t.decode_rank} named no staging region", rec.room)
-        remote = peer.staging_segment(self._live_transport, meta.staging_region)
-        slot_bytes = meta.staging_capacity_bytes // STAGING_SLOTS
-        per_token = plan.nbytes(0, 1, layers)  # a layer group's tokens: more of them per slot
-        step = slot_bytes // per_token
+        remotes, slot_bytes = [], []
+        for r in group:
+            if r.meta.staging_region is None:  # RequestMeta refuses a staged window without one
+                raise TransferFailedError(
+                    f"decode rank {r.plan.transfer.decode_rank} named no staging region", rec.room
+                )
+            remotes.append(r.peer.staging_segment(self._live_transport, r.meta.staging_region))
+            slot_bytes.append(r.meta.staging_capacity_bytes // STAGING_SLOTS)
+        per_token = group[0].plan.nbytes(0, 1, layers)  # a layer group's tokens: more of them per slot
+        step = min(slot_bytes) // per_token
         if step < 1:
             raise TransferFailedError(
-                f"decode staging slot of {slot_bytes} B cannot hold one token ({per_token} B)", rec.room
+                f"decode staging slot of {min(slot_bytes)} B cannot hold one token ({per_token} B)", rec.room
             )
-        inflight: collections.deque[_Slot] = collections.deque()
+        inflight: collections.deque[list[_Slot]] = collections.deque()
         a = start
         try:
             while a < stop or inflight:
                 if a < stop and len(inflight) < STAGING_SLOTS:
                     b = min(stop, a + step)
-                    inflight.append(self._post_slot(rec, plan, remote, meta, a, b, slot_bytes, ready, layers))
+                    inflight.append(self._post_step(rec, group, remotes, slot_bytes, a, b, ready, layers))
                     a = b
                     continue
                 if hold_last and a >= stop and len(inflight) == 1:
-                    return inflight.popleft()
-                self._complete_slot(rec, t, peer, inflight.popleft())
+                    return {slot.reader: slot for slot in inflight.popleft()}
+                slots = inflight.popleft()
+                for i, slot in enumerate(slots):
+                    try:
+                        self._complete_slot(rec, slot)
+                    except BaseException:
+                        inflight.appendleft(slots[i + 1 :])  # the handler below drops them
+                        raise
         except BaseException:
-            self._drop_slots(rec, t.decode_rank, inflight)
+            self._drop_slots(rec, [slot for slots in inflight for slot in slots])
             raise
-        return None
+        return {}
 
-    def _drop_slots(self, rec: PrefillRoom, reader: int, slots) -> None:
+    def _drop_slots(self, rec: PrefillRoom, slots) -> None:
         """Give up slots of a failing chunk: let their writes end (the bytes may still be
         read from local staging), free their local staging, forget their reader slots."""
-        for ticket, local_off, remote_off, *_ in slots:
-            if ticket.poll() is TicketState.PENDING:
+        for slot in slots:
+            if slot.ticket.poll() is TicketState.PENDING:
                 try:
-                    ticket.wait(self.config.transfer_timeout_s)
+                    slot.ticket.wait(self.config.transfer_timeout_s)
                 except KVXferError:
                     pass
-            if local_off is not None:
-                self._live_staging.free(local_off)
+            if slot.local is not None:
+                slot.local.release()
             with rec.cond:
-                rec.inflight[reader].discard(remote_off)
+                rec.inflight[slot.reader].discard(slot.remote_off)
 
-    def _post_slot(
+    def _post_step(
         self,
         rec: PrefillRoom,
-        plan: RequestPlan,
-        remote: RemoteRegion,
-        meta: RequestMeta,
+        group: list[_Reader],
+        remotes: list[RemoteRegion],
+        slot_bytes: list[int],
         a: int,
         b: int,
-        slot_bytes: int,
-        ready: Synchronizable | None = None,
-        layers: tuple[int, int] | None = None,
-    ) -> _Slot:
-        """Gather tokens [a, b) for one staging slot and start moving it. Where the transport
-        maps the reader's staging here (``local`` shared memory, CUDA IPC) on the KV
-        buffers' device, the gather writes straight into the slot: no local staging and no
-        transport write. Otherwise it gathers into local staging and ``write()`` moves it."""
-        t = plan.transfer
+        ready: Synchronizable | None,
+        layers: tuple[int, int],
+    ) -> list[_Slot]:
+        """Gather tokens [a, b) once and start moving them into a slot of every reader of
+        ``group``. One reader whose staging the transport maps here (``local`` shared
+        memory, CUDA IPC) on the KV buffers' device gets the gather straight into its slot:
+        no local staging and no transport write. Otherwise the gather goes into local
+        staging and ``write()`` moves it to each reader's slot (freed after the last)."""
         t0 = time.perf_counter()
-        layers = layers or (0, self.config.geometry.num_layers)
+        plan = group[0].plan
         piece = plan.gather_slice(a, b)  # a view of the plan's pages: nothing is planned again
         nbytes = plan.nbytes(a, b, layers)
         t_planned = time.perf_counter()
-        remote_off = self._acquire_slot(rec, t.decode_rank, meta, slot_bytes)
-        local_off = None
+        readers = [r.plan.transfer.decode_rank for r in group]
+        acquired: list[int] = []
+        local: _Local | None = None
+        tickets: list[Ticket] = []
         try:
-            in_place = False
-            with self._live_transport.remote_view(remote, remote_off, nbytes) as view:
-                if view is not None and self._gatherable(view):
-                    t1 = time.perf_counter()
-                    self._gather(plan, piece, view, ready, layers)
-                    ticket = Ticket.completed(f"room {rec.room}: gathered into the reader's slot")
-                    in_place = True
-            if not in_place:
-                local_off = self._alloc_local(rec, nbytes)
-                t1 = time.perf_counter()
+            for reader, r, size in zip(readers, group, slot_bytes):
+                acquired.append(self._acquire_slot(rec, reader, r.meta, size))
+            if len(group) == 1:
+                with self._live_transport.remote_view(remotes[0], acquired[0], nbytes) as view:
+                    if view is not None and self._gatherable(view):
+                        t1 = time.perf_counter()
+                        self._gather(plan, piece, view, ready, layers)
+                        tickets.append(Ticket.completed(f"room {rec.room}: gathered into the reader's slot"))
+            if not tickets:
                 staging = self._live_staging
-                self._gather(plan, piece, staging.view(local_off, nbytes), ready, layers)
-                loc = staging.locate(local_off)  # the segment region holding local_off
-                ticket = self._live_transport.write(
-                    self._open(loc.region, "staging region"), remote, [loc.offset], [remote_off], [nbytes]
-                )
+                local = _Local(staging, self._alloc_local(rec, nbytes), len(group))
+                t1 = time.perf_counter()
+                self._gather(plan, piece, staging.view(local.offset, nbytes), ready, layers)
+                loc = staging.locate(local.offset)  # the segment region holding the gather
+                region = self._open(loc.region, "staging region")
+                for remote, remote_off in zip(remotes, acquired):
+                    tickets.append(self._live_transport.write(region, remote, [loc.offset], [remote_off], [nbytes]))
         except BaseException:
-            if local_off is not None:
-                self._live_staging.free(local_off)
+            for ticket in tickets:  # posted writes may still read the local staging
+                if ticket.poll() is TicketState.PENDING:
+                    try:
+                        ticket.wait(self.config.transfer_timeout_s)
+                    except KVXferError:
+                        pass
+            if local is not None:
+                local.release(len(group))
             with rec.cond:
-                rec.inflight[t.decode_rank].discard(remote_off)
+                for reader, remote_off in zip(readers, acquired):
+                    rec.inflight[reader].discard(remote_off)
             raise
         t2 = time.perf_counter()
         rec.timings["plan"] += t_planned - t0
         rec.timings["wait"] += t1 - t_planned  # flow control: a free staging slot on both sides
         rec.timings["gather"] += t2 - t1
-        return _Slot(ticket, local_off, remote_off, nbytes, a, b, t2, layers)
+        rec.pool_read_bytes += nbytes  # once, whatever the number of readers
+        return [
+            _Slot(ticket, local, remote_off, nbytes, a, b, t2, layers, reader, r.peer.endpoint)
+            for ticket, remote_off, reader, r in zip(tickets, acquired, readers, group)
+        ]
 
     def _gatherable(self, view: object) -> bool:
         """Whether the gather kernel may write ``view`` in place: a view on another device
@@ -410,30 +478,30 @@ class PrefillDataPath(RankBase[PrefillRoom]):
         k, v = plan.layer_buffers(self._live_pool.buffers, layers)
         self.copy_stream.run(lambda: ops.gather_kv_heads(k, v, piece, out=out), ready)
 
-    def _land_slot(self, rec: PrefillRoom, reader: int, entry: _Slot) -> None:
-        """Wait for the slot's write, free its local staging and count it."""
-        ticket, local_off, remote_off, nbytes, _a, _b, t_posted, _layers = entry
+    def _land_slot(self, rec: PrefillRoom, entry: _Slot) -> None:
+        """Wait for the slot's write, release its local staging and count it."""
+        reader = entry.reader
         try:
-            ticket.wait(self.config.transfer_timeout_s)
+            entry.ticket.wait(self.config.transfer_timeout_s)
         except BaseException:
             with rec.cond:
-                rec.inflight[reader].discard(remote_off)
+                rec.inflight[reader].discard(entry.remote_off)
             raise
         finally:
-            if local_off is not None:
-                self._live_staging.free(local_off)
-        ops = staged_op_count(nbytes)  # one bulk move into the reader's slot (a write, or in place)
-        rec.timings["wire"] += time.perf_counter() - t_posted
-        rec.bytes += nbytes
+            if entry.local is not None:
+                entry.local.release()
+        ops = staged_op_count(entry.nbytes)  # one bulk move into the reader's slot (a write, or in place)
+        rec.timings["wire"] += time.perf_counter() - entry.t_posted
+        rec.bytes += entry.nbytes
         rec.ops += ops
-        rec.reader_bytes[reader] += nbytes
+        rec.reader_bytes[reader] += entry.nbytes
         rec.reader_ops[reader] += ops
 
-    def _complete_slot(self, rec: PrefillRoom, t: HeadTransfer, peer: DecodePeer, entry: _Slot) -> None:
-        self._land_slot(rec, t.decode_rank, entry)
+    def _complete_slot(self, rec: PrefillRoom, entry: _Slot) -> None:
+        self._land_slot(rec, entry)
         t3 = time.perf_counter()
         self._live_control.send(
-            peer.endpoint,
+            entry.endpoint,
             ChunkReady(
                 room=rec.room,
                 tp_rank=self.tp_rank,
@@ -490,7 +558,7 @@ class PrefillDataPath(RankBase[PrefillRoom]):
         for t in readers:
             slot = held.pop(t.decode_rank, None)
             if slot is not None:
-                self._land_slot(rec, t.decode_rank, slot)
+                self._land_slot(rec, slot)
                 chunks[t.decode_rank] = StagedChunk(
                     token_start=slot.a,
                     num_tokens=slot.b - slot.a,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,6 +56,8 @@ class PrefillRoom:
     def __init__(self, room: int, state: RequestState):
         self.room = room
         self.state = state
+        self.ended = threading.Event()  # set when the state becomes Success or Failed
+        state.on_terminal(self.ended.set)
         self.metas: dict[int, RequestMeta] = {}  # decode rank -> its metadata (its claim on the room)
         self.expected: tuple[int, ...] | None = None
         self.plan: TPPlan | None = None
@@ -69,6 +72,7 @@ class PrefillRoom:
         self.cond = threading.Condition()
         self.bytes = 0
         self.ops = 0
+        self.pool_read_bytes = 0  # read from this rank's pool: a fan-out slice counts once
         self.reader_bytes: dict[int, int] = collections.defaultdict(int)
         self.reader_ops: dict[int, int] = collections.defaultdict(int)
         self.timings: dict[str, float] = collections.defaultdict(float)
@@ -95,6 +99,7 @@ class PrefillRoom:
             reason=self.state.reason or "",
             bytes=self.bytes,
             ops=self.ops,
+            pool_read_bytes=self.pool_read_bytes,
             phases=dict(self.timings),
             first_byte_ready=first,
             last_chunk_ready=last,
@@ -109,8 +114,14 @@ class PrefillRoomTable(RankBase[PrefillRoom]):
 
     MAX_UNATTACHED_ROOMS = 4096  # records created by frames before a sender holds the room
     ROOM_RETENTION_S = 60.0  # a finished room nobody holds is forgotten after this
+    MAX_FAILED_ROOMS = 4096  # failed rooms remembered after they were forgotten (their reason)
 
     _num_unattached: int  # set by PrefillManager.__init__
+    # Failed rooms already forgotten: room -> (reason, when). A decode whose metadata comes
+    # after the room failed and was released here is told the reason at once instead of
+    # waiting for its own deadline (kept for the decode's waiting deadline, at most
+    # MAX_FAILED_ROOMS of them, oldest dropped first).
+    _failed_rooms: collections.OrderedDict[int, tuple[str, float]]
 
     def _create_unattached(self, room: int) -> PrefillRoom | None:
         """A record for a room no sender holds yet (its metadata or abort came first), or None
@@ -135,12 +146,26 @@ class PrefillRoomTable(RankBase[PrefillRoom]):
                 rec.unattached = False
                 self._num_unattached -= 1
             rec.sender_attached = True
+            self._failed_rooms.pop(room, None)  # a new request under this id
             return rec
 
     def _forget(self, room: int) -> None:
         rec = self._rooms.pop(room, None)
-        if rec is not None and rec.unattached:
+        if rec is None:
+            return
+        if rec.unattached:
             self._num_unattached -= 1
+        if rec.state.poll is KVPoll.Failed:
+            self._failed_rooms[room] = (rec.state.reason or "the request failed", time.monotonic())
+            self._failed_rooms.move_to_end(room)
+            while len(self._failed_rooms) > self.MAX_FAILED_ROOMS:
+                self._failed_rooms.popitem(last=False)
+
+    def failed_reason(self, room: int) -> str | None:
+        """Why ``room`` failed here, if it failed and was forgotten since (call with the
+        lock held); None otherwise."""
+        entry = self._failed_rooms.get(room)
+        return None if entry is None else entry[0]
 
     def release(self, room: int) -> None:
         """Forget a room (the sender is done with it)."""
@@ -163,3 +188,9 @@ class PrefillRoomTable(RankBase[PrefillRoom]):
             ]
             for r in stale:
                 self._forget(r)
+            keep_s = max(self.ROOM_RETENTION_S, self.config.waiting_timeout_s)
+            while self._failed_rooms:
+                room, (_, when) = next(iter(self._failed_rooms.items()))
+                if now - when <= keep_s:
+                    break
+                del self._failed_rooms[room]

@@ -3,13 +3,15 @@
 Owns the translation of the attribute bag SGLang hands every transfer backend into a full ``KVGeometry`` with the buffer addresses, the aux
 (metadata) buffer layout and the packing of one aux slot, and the reading of the few
 ``ServerArgs`` fields that decide the attention TP and DP sizes and the bootstrap address.
-Every feature this backend does not carry (PP, attention CP, plain DP replicas, extra
+Every feature this backend does not carry (attention CP, plain DP replicas, extra
 per-request state...) is refused here with a message that names the setting.
 
 Head counts are never inferred from byte lengths: the total comes from
 ``KVArgs.total_kv_head_num`` (or the model config, through the caller), the per-rank count
 from the ownership rule; byte lengths only yield head_dim, with an exact-division check per
-buffer. Must not import sglang or torch: it reads attributes by name.
+buffer. The same holds for a speculative draft model's KV (``num_draft_entries`` trailing
+entries of ``kv_data_ptrs``): its own geometry, its head count from the draft model's config
+(through the caller). Must not import sglang or torch: it reads attributes by name.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ __all__ = [
     "SERVER_ARGS_FIELDS",
     "ServerPlan",
     "AuxLayout",
+    "DraftLayout",
     "SglangLayout",
     "plan_from_server_args",
+    "pp_layer_split",
     "kv_dtype",
     "nic_list",
     "layout_from_kv_args",
@@ -40,6 +44,8 @@ __all__ = [
 # Every KVArgs attribute read here: a test checks them against SGLang's own class.
 KVARGS_FIELDS = (
     "engine_rank",
+    "pp_rank",
+    "prefill_start_layer",
     "kv_data_ptrs",
     "kv_data_lens",
     "kv_item_lens",
@@ -75,6 +81,11 @@ SERVER_ARGS_FIELDS = (
     "dtype",
     "enable_dp_attention",
     "load_balance_method",
+    "disaggregation_enable_kv_checksum",
+    "speculative_algorithm",
+    "speculative_draft_model_path",
+    "speculative_draft_model_revision",
+    "speculative_draft_kv_cache_dtype",
 )
 
 _PR_TOTAL_HEADS = (
@@ -107,6 +118,8 @@ class ServerPlan:
     device: str  # "cpu" or "cuda" (the kind of memory the KV pool is in)
     ib_device: str  # --disaggregation-ib-device ("" when unset)
     attn_dp_size: int = 1  # attention-DP groups (--dp-size with --enable-dp-attention)
+    kv_checksum: bool = False  # --disaggregation-enable-kv-checksum
+    pp_size: int = 1  # pipeline-parallel stages (--pp-size); each stage's ranks hold its layers
 
     def dp_rank(self, engine_rank: int) -> int:
         """The attention-DP group of the rank with ``KVArgs.engine_rank``. SGLang's prefill
@@ -137,7 +150,6 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         attn_dp = dp  # not yet resolved: SGLang turns --enable-dp-attention into attn_dp_size=dp_size
     attn_cp = _get(server_args, "attn_cp_size", 1) or 1
     checks = (
-        ("--pp-size", _get(server_args, "pp_size", 1) or 1, "pipeline-parallel KV transfer is not implemented"),
         (
             "--dp-size",
             dp if attn_dp == 1 else 1,
@@ -172,6 +184,7 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         )
     tp = _int("ServerArgs.tp_size", tp, 1)
     attn_dp = _int("ServerArgs.attn_dp_size", attn_dp, 1)
+    pp = _int("ServerArgs.pp_size", _get(server_args, "pp_size", 1) or 1, 1)
     if tp % (attn_dp * attn_cp):
         raise GeometryError(f"ServerArgs.tp_size={tp} is not a multiple of the attention-DP size {attn_dp}")
     device = _get(server_args, "device", None) or "cuda"  # None: SGLang auto-detects a GPU
@@ -191,7 +204,38 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         device=device,
         ib_device=str(_get(server_args, "disaggregation_ib_device", "") or ""),
         attn_dp_size=attn_dp,
+        kv_checksum=bool(_get(server_args, "disaggregation_enable_kv_checksum", False)),
+        pp_size=pp,
     )
+
+
+def pp_layer_split(num_layers: int, pp_size: int, partition: str | None = None) -> list[range]:
+    """The layers of each PP stage as SGLang assigns them (``get_pp_indices``): with a
+    partition (``SGLANG_PP_LAYER_PARTITION``, a comma list of layer counts per stage), those
+    counts in stage order; otherwise an even split with the remainder given to the last
+    stages, one layer each. ``ValueError`` names what does not fit."""
+    _int("num_layers", num_layers, 1)
+    _int("pp_size", pp_size, 1)
+    if partition is not None and pp_size > 1:  # SGLang ignores a partition without PP
+        try:
+            counts = [int(x) for x in str(partition).split(",")]
+        except ValueError:
+            raise ValueError(f"layer partition {partition!r} must be a comma list of integers") from None
+        if len(counts) != pp_size or sum(counts) != num_layers or min(counts) < 1:
+            raise ValueError(
+                f"layer partition {partition!r} must give each of the {pp_size} PP stages at least one layer, "
+                f"{num_layers} layers in all"
+            )
+    else:
+        if num_layers < pp_size:
+            raise ValueError(f"{num_layers} layers cannot be split over {pp_size} PP stages")
+        base, extra = divmod(num_layers, pp_size)
+        counts = [base + (1 if s >= pp_size - extra else 0) for s in range(pp_size)]
+    out, at = [], 0
+    for n in counts:
+        out.append(range(at, at + n))
+        at += n
+    return out
 
 
 def kv_dtype(kv_cache_dtype_str: Any, model_dtype: Any = None) -> str:
@@ -325,6 +369,16 @@ class AuxLayout:
 
 
 @dataclass(frozen=True)
+class DraftLayout:
+    """The speculative draft model's KV pool on one rank (the trailing ``num_draft_entries``
+    entries of ``kv_data_ptrs``): its own geometry, the same page ids as the model's pool."""
+
+    geometry: KVGeometry
+    kv_ptrs: tuple[int, ...]  # K of every draft layer, then V (MLA: one each)
+    kv_lens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SglangLayout:
     """One SGLang rank's KV pool as this engine sees it."""
 
@@ -334,7 +388,8 @@ class SglangLayout:
     kv_ptrs: tuple[int, ...]  # the geometry's buffers: K of every layer, then V (MLA: one each)
     kv_lens: tuple[int, ...]
     aux: AuxLayout
-    num_draft_entries: int  # trailing draft-model entries of kv_data_ptrs, not transferred
+    num_draft_entries: int  # trailing draft-model entries of kv_data_ptrs (``draft``)
+    draft: DraftLayout | None = None  # None without a draft model
 
 
 def _per_entry_dim(name: str, i: int, item_len: int, page_size: int, heads: int, itemsize: int) -> int:
@@ -358,8 +413,107 @@ def _same(name: str, values: list[int], first: int) -> int:
     return values[0]
 
 
+def _pool_geometry(
+    what: str,
+    first: int,
+    items: list[int],
+    lens: list[int],
+    *,
+    mla: bool,
+    heads_total: int,
+    local: int,
+    page_size: int,
+    dtype: str,
+) -> KVGeometry:
+    """The geometry of the KV entries ``[first, first + len(items))`` of ``kv_data_ptrs``
+    (K of every layer then V; MLA: one per layer). ``what`` names the pool in errors."""
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    n = len(items)
+    layers = n if mla else n // 2
+    k_dims = [_per_entry_dim(f"{what}K", first + i, items[i], page_size, local, itemsize) for i in range(layers)]
+    head_dim = _same(f"head_dim ({what}K)", k_dims, first)
+    v_head_dim = None
+    if not mla:
+        v_dims = [_per_entry_dim(f"{what}V", first + i, items[i], page_size, local, itemsize) for i in range(layers, n)]
+        v_head_dim = _same(f"head_dim ({what}V)", v_dims, first + layers)
+    pages = [lens[i] // items[i] for i in range(n)]
+    num_pages = _same(f"pages per buffer ({what}kv_data_lens // kv_item_lens)", pages, first)
+    return KVGeometry(
+        num_layers=layers,
+        total_kv_heads=heads_total,
+        head_dim=head_dim,
+        dtype=dtype,
+        page_size=page_size,
+        layout=Layout.NHD,
+        mla=mla,
+        v_head_dim=v_head_dim,
+        num_pages=_int(f"pages per {what}buffer", num_pages, 1),
+    )
+
+
+def _draft_layout(
+    ptrs: list[int],
+    lens: list[int],
+    items: list[int],
+    first: int,
+    *,
+    tp_size: int,
+    rank: int,
+    page_size: int,
+    dtype: str,
+    draft_kv: Callable[[], tuple[int, bool]] | None,
+) -> DraftLayout:
+    """The draft model's pool from entries ``[first, len(ptrs))``: its head count and
+    attention type from ``draft_kv()`` (the draft model's config), never from bytes."""
+    num = len(ptrs) - first
+    if draft_kv is None:
+        raise GeometryError(
+            f"KVArgs.num_draft_entries={num}: the draft model's KV head count is needed to describe its "
+            "KV entries, and no draft model config was given"
+        )
+    try:
+        heads_total, mla = draft_kv()
+    except Exception as exc:
+        raise GeometryError(
+            f"KVArgs.num_draft_entries={num}: the draft model's config (--speculative-draft-model-path) "
+            f"could not supply its KV head count ({type(exc).__name__}: {exc})"
+        ) from exc
+    if not mla and num % 2:
+        raise GeometryError(
+            f"KVArgs.num_draft_entries={num}: the draft model has MHA attention, so its entries must be K "
+            "and V of every draft layer (an even count)"
+        )
+    if mla:
+        heads_total, local = 1, 1
+    else:
+        heads_total = _int("the draft model's total KV heads", heads_total, 1)
+        try:
+            local = len(owned_heads(heads_total, tp_size, rank))
+        except GeometryError as exc:
+            raise GeometryError(f"the draft model's KV heads on attention TP {tp_size}: {exc}") from None
+    geometry = _pool_geometry(
+        "draft ",
+        first,
+        items[first:],
+        lens[first:],
+        mla=bool(mla),
+        heads_total=heads_total,
+        local=local,
+        page_size=page_size,
+        dtype=dtype,
+    )
+    return DraftLayout(geometry, tuple(ptrs[first:]), tuple(lens[first:]))
+
+
 def layout_from_kv_args(
-    args: Any, *, tp_size: int, mla: bool, dtype: str, total_kv_heads: Callable[[], int] | None = None
+    args: Any,
+    *,
+    tp_size: int,
+    mla: bool,
+    dtype: str,
+    total_kv_heads: Callable[[], int] | None = None,
+    draft_kv: Callable[[], tuple[int, bool]] | None = None,
+    draft_dtype: str | None = None,
 ) -> SglangLayout:
     """Translate ``KVArgs`` into a geometry, this rank's placement and its buffers.
 
@@ -371,6 +525,9 @@ def layout_from_kv_args(
         total_kv_heads: called for the model's un-sharded KV head count when
             ``KVArgs.total_kv_head_num`` is unset (SGLang's decode side sets it only with
             staging on); None: an unset field is an error.
+        draft_kv: with ``num_draft_entries > 0``, called for the draft model's
+            ``(un-sharded KV heads, MLA)`` (its config; KVArgs carries neither).
+        draft_dtype: the draft pool's element type (None: ``dtype``).
 
     Raises ``GeometryError`` naming the KVArgs field for anything inconsistent.
     """
@@ -401,7 +558,6 @@ def layout_from_kv_args(
             f"{main} main entries, expected {'one per layer' if mla else 'K and V of every layer (an even count)'}"
         )
     page_size = _int("KVArgs.page_size", _get(args, "page_size", None), 1)
-    itemsize = DTYPE_ITEMSIZE[dtype]
     rank = _int("KVArgs.engine_rank", _get(args, "engine_rank", None), 0) % tp_size
     if mla:
         heads_total, local = 1, 1
@@ -425,29 +581,33 @@ def layout_from_kv_args(
                 f"KVArgs.kv_head_num={given!r} but rank {rank} of an attention TP group of "
                 f"{tp_size} owns {local} of total_kv_head_num={heads_total} heads"
             )
-    layers = main if mla else main // 2
-    k_dims = [_per_entry_dim("K", i, items[i], page_size, local, itemsize) for i in range(layers)]
-    head_dim = _same("head_dim (K)", k_dims, 0)
-    v_head_dim = None
-    if not mla:
-        v_dims = [_per_entry_dim("V", i, items[i], page_size, local, itemsize) for i in range(layers, main)]
-        v_head_dim = _same("head_dim (V)", v_dims, layers)
-    pages = [lens[i] // items[i] for i in range(main)]
-    num_pages = _same("pages per buffer (kv_data_lens // kv_item_lens)", pages, 0)
-    geometry = KVGeometry(
-        num_layers=layers,
-        total_kv_heads=heads_total,
-        head_dim=head_dim,
-        dtype=dtype,
-        page_size=page_size,
-        layout=Layout.NHD,
+    geometry = _pool_geometry(
+        "",
+        0,
+        items[:main],
+        lens[:main],
         mla=mla,
-        v_head_dim=v_head_dim,
-        num_pages=_int("pages per buffer", num_pages, 1),
+        heads_total=heads_total,
+        local=local,
+        page_size=page_size,
+        dtype=dtype,
     )
+    draft_layout = None
+    if draft:
+        draft_layout = _draft_layout(
+            ptrs,
+            lens,
+            items,
+            main,
+            tp_size=tp_size,
+            rank=rank,
+            page_size=page_size,
+            dtype=draft_dtype or dtype,
+            draft_kv=draft_kv,
+        )
     aux = AuxLayout(
         tuple(_get(args, "aux_data_ptrs", None) or ()),
         tuple(_get(args, "aux_data_lens", None) or ()),
         tuple(_get(args, "aux_item_lens", None) or ()),
     )
-    return SglangLayout(geometry, tp_size, rank, tuple(ptrs[:main]), tuple(lens[:main]), aux, draft)
+    return SglangLayout(geometry, tp_size, rank, tuple(ptrs[:main]), tuple(lens[:main]), aux, draft, draft_layout)

@@ -1,6 +1,6 @@
 """Per-request byte plans for one (writer, reader) pair, as numpy arrays.
 
-Owns ``plan_pair`` and the two plan shapes it returns:
+Owns ``plan_pair`` and the three plan shapes it returns:
 
 * ``DirectPlan``: the bytes to move are contiguous on both sides (equal TP or MLA on NHD
   pools, or page-aligned head slices of HND pools, or of HND_KV pools, with equal page
@@ -12,14 +12,18 @@ Owns ``plan_pair`` and the two plan shapes it returns:
   differ in page size/layout so that nothing lines up. The writer gathers the slice of all
   layers into a token-major staging buffer ``[layer][K|V][token][n][dim]``, moves it with
   one large write, and the reader scatters it. The plan holds what gather and scatter need.
+* ``FusedPlan``: the reader's pool is mapped writable in the writer's process (``local``
+  shared memory, CUDA IPC): one ``ops.copy_kv_heads`` reads the writer's pages and writes
+  the reader's pages with both page tables, any layouts and page sizes. The same slices as
+  ``StagedPlan``, one pass instead of gather + write + scatter.
 
-Both report the op count of both strategies so callers (and ``kvxfer plan``) can show
-why a path was chosen. Page lists are validated, never truncated. No I/O, no torch.
+All report the op count of direct and staged so callers (and ``kvxfer plan``) can show
+why a path was chosen; which one ``auto`` takes is ``pathcost.py``'s rule. Page lists are
+validated, never truncated. No I/O, no torch.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypedDict
 
@@ -28,12 +32,16 @@ import numpy as np
 from sglang_kvxfer.errors import PlanError
 from sglang_kvxfer.geometry import Compatibility, KVGeometry, Layout, RankPlacement, check_compatible
 from sglang_kvxfer.planning.kvslice import DataPath, KVSlice
+from sglang_kvxfer.planning.pathcost import DIRECT_MIN_OP_BYTES, PathCost, PoolMapping, prefers_direct, prefers_fused
 from sglang_kvxfer.planning.tp import HeadTransfer
 
 __all__ = [
+    "DIRECT_MIN_OP_BYTES",
     "PairPlan",
     "DirectPlan",
+    "FusedPlan",
     "PathCost",
+    "PoolMapping",
     "StagedPlan",
     "plan_pair",
     "coalesce",
@@ -45,49 +53,6 @@ __all__ = [
 
 # One staged write never exceeds this (MORI and most verbs stacks cap a WR below 4 GiB).
 MAX_WRITE_BYTES = 1 << 30
-DIRECT_MIN_OP_BYTES = 64 * 1024  # the fixed rule's threshold, where no transport cost is given
-
-
-@dataclass(frozen=True)
-class PathCost:
-    """What ``auto`` weighs to pick a contiguous pair's path: one transport's costs in one
-    kind of memory (a transport declares them: ``Transport.path_cost(device)``).
-
-    ``per_op_s``: seconds to post one write op (a direct page run, or one staged slot);
-    ``bytes_per_s``: the transport's bandwidth for those writes; ``copy_bytes_per_s``: a
-    gather or a scatter, the two extra copies of the staged path; ``stage_fixed_s``: what
-    staging adds once whatever the bytes (the gather and scatter launches and the reader's
-    ChunkReady/ChunkAck hop); ``source``: where the numbers come from, quoted in plan
-    reasons. The estimates::
-
-        direct = ops x per_op_s + bytes / bytes_per_s
-        staged = 2 x bytes / copy_bytes_per_s + slots x per_op_s + stage_fixed_s + bytes / bytes_per_s
-    """
-
-    per_op_s: float
-    bytes_per_s: float
-    copy_bytes_per_s: float
-    stage_fixed_s: float = 100e-6
-    source: str = "declared"
-
-    def __post_init__(self) -> None:
-        for name in ("per_op_s", "bytes_per_s", "copy_bytes_per_s", "stage_fixed_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"PathCost.{name}={value!r} must be a finite number")
-            rate = name.endswith("bytes_per_s")
-            if value < 0 or (value == 0 and rate):
-                raise ValueError(f"PathCost.{name}={value!r} must be {'> 0' if rate else '>= 0'}")
-
-    def direct_s(self, ops: int, nbytes: int) -> float:
-        """Estimated seconds of ``ops`` direct writes moving ``nbytes``."""
-        return ops * self.per_op_s + nbytes / self.bytes_per_s
-
-    def staged_s(self, slots: int, nbytes: int) -> float:
-        """Estimated seconds of gather + ``slots`` writes + scatter of ``nbytes``."""
-        return (
-            2 * nbytes / self.copy_bytes_per_s + slots * self.per_op_s + self.stage_fixed_s + nbytes / self.bytes_per_s
-        )
 
 
 @dataclass(frozen=True)
@@ -144,17 +109,15 @@ class DirectPlan(PairPlan):
 
 
 @dataclass(frozen=True)
-class StagedPlan(PairPlan):
-    """Gather -> one write -> scatter. Staging layout: for each layer, K block
-    ``[num_tokens, num_heads, head_dim]`` then V block ``[num_tokens, num_heads, v_head_dim]``."""
+class _SlicedPlan(PairPlan):
+    """A plan the kernels carry out from both sides' page lists (staged or fused)."""
 
     src_pages: np.ndarray
     dst_pages: np.ndarray
-    staging_nbytes: int = 0
-    path: ClassVar[DataPath] = DataPath.STAGED
 
     def gather_slice(self) -> KVSlice:
-        """What ``ops.gather_kv_heads`` reads from the writer's pool."""
+        """What ``ops.gather_kv_heads`` (or the source of ``ops.copy_kv_heads``) reads from
+        the writer's pool."""
         return side_slice(
             self.src,
             self.src_pages,
@@ -165,7 +128,8 @@ class StagedPlan(PairPlan):
         )
 
     def scatter_slice(self) -> KVSlice:
-        """What ``ops.scatter_kv_heads`` writes into the reader's pool."""
+        """What ``ops.scatter_kv_heads`` (or the destination of ``ops.copy_kv_heads``)
+        writes into the reader's pool."""
         return side_slice(
             self.dst,
             self.dst_pages,
@@ -182,6 +146,28 @@ class StagedPlan(PairPlan):
     def scatter_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``ops.scatter_kv_heads`` on the reader's pool."""
         return self.scatter_slice().op_kwargs()
+
+
+@dataclass(frozen=True)
+class StagedPlan(_SlicedPlan):
+    """Gather -> one write -> scatter. Staging layout: for each layer, K block
+    ``[num_tokens, num_heads, head_dim]`` then V block ``[num_tokens, num_heads, v_head_dim]``."""
+
+    staging_nbytes: int = 0
+    path: ClassVar[DataPath] = DataPath.STAGED
+
+
+@dataclass(frozen=True)
+class FusedPlan(_SlicedPlan):
+    """One ``ops.copy_kv_heads(src pool, gather_slice(), dst pool, scatter_slice())`` into
+    the reader's pool, mapped in the writer's process: no staging, no wire write, no
+    scatter on the reader. ``op_count`` is 1 (one copy call)."""
+
+    path: ClassVar[DataPath] = DataPath.FUSED
+
+    @property
+    def op_count(self) -> int:
+        return 1
 
 
 def _v_head_dim(g: KVGeometry) -> int:
@@ -278,6 +264,7 @@ def plan_pair(
     path: DataPath | str | None = "auto",
     direct_min_op_bytes: int | None = None,
     cost: PathCost | None = None,
+    mapping: PoolMapping | None = None,
 ) -> PairPlan:
     """Byte plan of one (writer, reader) pair for one request or one chunk of it.
 
@@ -290,10 +277,12 @@ def plan_pair(
         num_tokens: tokens in the request. Defaults to ``len(src_pages) * page_size`` when
             both sides use the same page size; required otherwise.
         token_start, token_stop: the chunk of tokens to plan (default: all of them).
-        path: ``"auto"``, ``"direct"``, ``"staged"`` or ``"per_token"`` (None: ``auto``; the engine passes
-            ``EngineConfig.data_path``). ``direct`` falls back to staged where the bytes are not
-            contiguous. ``per_token`` is SGLang's pattern (one op per token, per head run, per
-            buffer), kept only as a baseline for benchmarks.
+        path: ``"auto"``, ``"direct"``, ``"staged"``, ``"fused"`` or ``"per_token"`` (None:
+            ``auto``; the engine passes ``EngineConfig.data_path``). ``direct`` falls back to
+            staged where the bytes are not contiguous; ``fused`` to ``auto``'s choice of the
+            other two where the reader's pool is not mapped (``mapping``). ``per_token`` is
+            SGLang's pattern (one op per token, per head run, per buffer), kept only as a
+            baseline for benchmarks.
         direct_min_op_bytes: ``auto``'s fixed rule (``KVXFER_DIRECT_MIN_OP_BYTES``): a
             contiguous pair whose direct ops average fewer bytes than this (and more than 4
             per buffer) is staged. Given, it wins over ``cost``; None: ``cost``, or
@@ -301,6 +290,10 @@ def plan_pair(
         cost: the cost rule: under ``auto``, a contiguous pair goes direct when
             ``cost.direct_s`` of its direct ops is at most ``cost.staged_s`` of staging it
             (``PathCost``, what the writer's transport declares: ``Transport.path_cost``).
+        mapping: whether the reader's pool is mapped in the writer's process
+            (``PoolMapping``; None: unknown, as for ``kvxfer plan``: never fused). Mapped,
+            ``auto`` weighs the fused path too (``pathcost.prefers_fused``); known either way,
+            the reason says why the pair is fused or not.
 
     Raises:
         PlanError: page lists that do not cover the tokens, out-of-range or repeated page
@@ -316,14 +309,14 @@ def plan_pair(
     start, stop = _resolve_range(token_start, token_stop, total)
     _check_coverage(src_arr, dst_arr, gs.page_size, gd.page_size, stop)
     rule = cost if direct_min_op_bytes is None else direct_min_op_bytes
-    return _plan_range(transfer, src, dst, src_arr, dst_arr, start, stop, _parse_path(path), rule, compat)
+    return _plan_range(transfer, src, dst, src_arr, dst_arr, start, stop, _parse_path(path), rule, compat, mapping)
 
 
 def _parse_path(path: DataPath | str | None) -> DataPath:
     try:
         return DataPath.parse(path)
-    except ValueError:
-        raise PlanError(f"path={path!r} must be one of auto, direct, staged, per_token") from None
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
 
 
 class _PairFields(TypedDict):
@@ -360,10 +353,11 @@ def _plan_range(
     choice: DataPath,
     direct_min_op_bytes: int | PathCost | None,
     compat: Compatibility,
-) -> DirectPlan | StagedPlan:
+    mapping: PoolMapping | None = None,
+) -> DirectPlan | StagedPlan | FusedPlan:
     """``plan_pair`` on page lists and a token range already checked. ``direct_min_op_bytes``
     is ``auto``'s rule: a ``PathCost`` (the cost rule), an int threshold (the fixed rule),
-    or None (the fixed rule at ``DIRECT_MIN_OP_BYTES``)."""
+    or None (the fixed rule at ``DIRECT_MIN_OP_BYTES``); ``mapping``: as in ``plan_pair``."""
     gs = src.geometry
     count = stop - start
     n = transfer.num_heads
@@ -389,21 +383,45 @@ def _plan_range(
         return DirectPlan(
             **common, reason="one op per token (SGLang's pattern; benchmark baseline)", k_ops=k_ops, v_ops=v_ops
         )
+    forced_fused = choice is DataPath.FUSED
+    if forced_fused:
+        if mapping is not None and mapping.mapped:
+            reason = f"forced by path='fused' (the reader's pool is mapped here: {mapping.note})"
+            return FusedPlan(**common, reason=reason, src_pages=src_arr, dst_pages=dst_arr)
+        choice = DataPath.AUTO  # not mapped: what auto takes of the other two
+    path = DataPath.STAGED
     if direct is not None and choice is not DataPath.STAGED:
-        use_direct, why = True, "contiguous on both sides"
+        use_direct, reason = True, "contiguous on both sides"
         if choice is DataPath.AUTO:
-            use_direct, why = _auto_prefers_direct(
+            use_direct, reason = prefers_direct(
                 _op_count(gs.num_layers, direct), nbytes, len(direct[0]), direct_min_op_bytes, staged_ops
             )
         if use_direct or count == 0:
-            return DirectPlan(**common, reason=why, k_ops=direct[0], v_ops=direct[1])
-        reason = why
+            path = DataPath.DIRECT
     elif direct is None:
         reason = _why_strided(transfer, src, dst, compat)
         if choice is DataPath.PER_TOKEN:  # only reached when the two sides pack K and V differently
             reason = f"{_PER_TOKEN_PACKING} ({reason})"
     else:
         reason = "forced by path='staged'"
+    if forced_fused:
+        why_not = mapping.note if mapping is not None else "the reader's pool is not known to be mapped here"
+        reason = f"path='fused' but not fused ({why_not}); {reason}"
+    elif mapping is not None:  # the engine: say why the pair is fused or not
+        if not mapping.mapped:
+            reason = f"{reason}; not fused: {mapping.note}"
+        elif choice is not DataPath.AUTO:
+            reason = f"{reason}; not fused: forced by path='{choice}'"
+        elif count:
+            fused, terms = prefers_fused(path, nbytes, direct_count, staged_ops, direct_min_op_bytes)
+            if fused:
+                reason = (
+                    f"fused, the reader's pool is mapped here ({mapping.note}): {terms}; instead of {path}: {reason}"
+                )
+                return FusedPlan(**common, reason=reason, src_pages=src_arr, dst_pages=dst_arr)
+            reason = f"{reason}; not fused: {terms}"
+    if path is DataPath.DIRECT and direct is not None:  # DIRECT is set only with direct ops
+        return DirectPlan(**common, reason=reason, k_ops=direct[0], v_ops=direct[1])
     return StagedPlan(**common, reason=reason, src_pages=src_arr, dst_pages=dst_arr, staging_nbytes=nbytes)
 
 
@@ -418,41 +436,6 @@ def per_token_possible(src: RankPlacement, dst: RankPlacement) -> bool:
     (not between an HND_KV or NHD_KV pool and a pool with another packing)."""
     gs, gd = src.geometry, dst.geometry
     return gs.packed_kv == gd.packed_kv and (not gs.packed_kv or gs.layout == gd.layout)
-
-
-def _auto_prefers_direct(
-    direct_count: int,
-    nbytes: int,
-    ops_per_buffer: int,
-    rule: int | PathCost | None,
-    staged_ops: int = 1,
-) -> tuple[bool, str]:
-    """``auto``'s choice for a contiguous pair, and why, with the numbers."""
-    avg = nbytes / max(direct_count, 1)
-    if isinstance(rule, PathCost):
-        cost = rule
-        direct_s, staged_s = cost.direct_s(direct_count, nbytes), cost.staged_s(staged_ops, nbytes)
-        terms = (
-            f"direct {direct_count} op(s) x {cost.per_op_s * 1e6:.3g} us + {nbytes} B / "
-            f"{cost.bytes_per_s / 1e9:.3g} GB/s = {direct_s * 1e3:.3g} ms "
-            f"{'<=' if direct_s <= staged_s else '>'} staged 2 x {nbytes} B / "
-            f"{cost.copy_bytes_per_s / 1e9:.3g} GB/s + {staged_ops} slot(s) x "
-            f"{cost.per_op_s * 1e6:.3g} us + {cost.stage_fixed_s * 1e6:.3g} us + {nbytes} B / "
-            f"{cost.bytes_per_s / 1e9:.3g} GB/s = {staged_s * 1e3:.3g} ms ({cost.source})"
-        )
-        if direct_s <= staged_s:
-            return True, f"contiguous on both sides, {avg:.0f} B per op: {terms}"
-        return False, f"contiguous but fragmented, {avg:.0f} B per op: {terms}; staging is cheaper"
-    rule = DIRECT_MIN_OP_BYTES if rule is None else rule
-    if ops_per_buffer <= 4 or avg >= rule:
-        return True, (
-            f"contiguous on both sides ({ops_per_buffer} op(s) per buffer, {avg:.0f} B per op; "
-            f"the fixed rule, direct_min_op_bytes={rule}, KVXFER_DIRECT_MIN_OP_BYTES)"
-        )
-    return False, (
-        f"contiguous but fragmented ({ops_per_buffer} ops per buffer of {avg:.0f} B "
-        f"< direct_min_op_bytes={rule}, the fixed rule, KVXFER_DIRECT_MIN_OP_BYTES); staging is fewer, larger writes"
-    )
 
 
 def _why_strided(transfer: HeadTransfer, src: RankPlacement, dst: RankPlacement, compat: Compatibility) -> str:

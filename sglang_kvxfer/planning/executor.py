@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sglang_kvxfer.geometry import KVGeometry, Layout, RankPlacement
-from sglang_kvxfer.planning.byteplan import DirectPlan, PairPlan, StagedPlan
+from sglang_kvxfer.planning.byteplan import DirectPlan, FusedPlan, PairPlan, StagedPlan
 
 __all__ = ["apply_plan", "gather_np", "scatter_np"]
 
@@ -134,13 +134,14 @@ def apply_plan(plan: PairPlan, src_buffers: Sequence[np.ndarray], dst_buffers: S
             for s, d, n in plan.buffer_ops(b):
                 dst[b][d : d + n] = src[b][s : s + n]
         return
-    if not isinstance(plan, StagedPlan):
-        raise TypeError(f"plan must be a DirectPlan or StagedPlan, got {type(plan).__name__}")
+    if not isinstance(plan, (StagedPlan, FusedPlan)):
+        raise TypeError(f"plan must be a DirectPlan, StagedPlan or FusedPlan, got {type(plan).__name__}")
     t = plan.transfer
+    # A fused plan moves the same bytes as a staged one, without the staging buffer in between.
     staging = gather_np(
         plan.src, src_buffers, plan.src_pages, t.src_head_start, t.num_heads, plan.token_start, plan.num_tokens
     )
-    if staging.size != plan.staging_nbytes:
+    if isinstance(plan, StagedPlan) and staging.size != plan.staging_nbytes:
         raise AssertionError(f"gather produced {staging.size} bytes, plan says {plan.staging_nbytes}")
     scatter_np(
         plan.dst, dst_buffers, staging, plan.dst_pages, t.dst_head_start, t.num_heads, plan.token_start, plan.num_tokens

@@ -21,10 +21,11 @@ class DataPath(str, enum.Enum):
     """How a (writer, reader) pair moves its bytes. A ``str`` enum, so ``path == "direct"``
     and ``f"{path}"`` keep reading as the plain names (config, env, JSON, logs)."""
 
-    AUTO = "auto"  # choose per pair: direct when its ops are few or large enough
+    AUTO = "auto"  # choose per pair by cost: direct, staged, or fused where the reader pool is mapped
     DIRECT = "direct"  # page runs, contiguous on both sides
     STAGED = "staged"  # gather -> one write -> scatter through staging slots
     PER_TOKEN = "per_token"  # one write per token and head run (SGLang's pattern; a baseline)
+    FUSED = "fused"  # one pool -> pool copy into the reader's pool, mapped in the writer's process
 
     def __str__(self) -> str:
         return self.value
@@ -37,7 +38,7 @@ class DataPath(str, enum.Enum):
         try:
             return cls(str(value or "auto").lower())
         except ValueError:
-            raise ValueError(f"path={value!r} must be one of auto, direct, staged, per_token") from None
+            raise ValueError(f"path={value!r} must be one of {', '.join(p.value for p in cls)}") from None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from sglang_kvxfer.planning.byteplan import (
     DIRECT_MIN_OP_BYTES,
     DirectPlan,
     PathCost,
+    PoolMapping,
     _as_pages,
     _check_coverage,
     _check_transfer,
@@ -47,7 +48,7 @@ __all__ = ["RequestPlan"]
 class RequestPlan:
     """What one writer moves to one reader for one whole request.
 
-    ``path`` is resolved: ``DIRECT``, ``STAGED`` or ``PER_TOKEN`` (never ``AUTO``).
+    ``path`` is resolved: ``DIRECT``, ``STAGED``, ``FUSED`` or ``PER_TOKEN`` (never ``AUTO``).
     ``src_pages`` may cover fewer tokens than ``num_tokens`` while the writer's chunks
     arrive (``extend``); ``dst_pages`` is the reader's whole list. Both are read-only
     ``int64`` arrays. ``token_nbytes`` is the payload of one token (all layers, K and V).
@@ -76,14 +77,17 @@ class RequestPlan:
         path: DataPath | str | None = DataPath.AUTO,
         direct_min_op_bytes: int | None = None,
         cost: PathCost | None = None,
+        mapping: PoolMapping | None = None,
     ) -> RequestPlan:
         """Check the pair and both page lists and resolve the path.
 
         ``auto`` applies ``plan_pair``'s rule to the tokens the page lists cover now (the
         engine's reader plans with the whole request): ``direct_min_op_bytes`` when given,
-        else the transport's ``cost``, else the fixed rule at ``DIRECT_MIN_OP_BYTES``;
-        ``direct`` falls back to staged where the bytes are not contiguous, with the reason
-        in ``reason``.
+        else the transport's ``cost``, else the fixed rule at ``DIRECT_MIN_OP_BYTES``, and
+        with ``mapping`` (the reader's pool mapped in the writer's process) the fused path
+        too; ``direct`` falls back to staged where the bytes are not contiguous, ``fused``
+        to ``auto``'s choice of direct and staged where the pool is not mapped, with the
+        reason in ``reason``.
 
         Raises:
             PlanError, IncompatibleGeometryError: as ``plan_pair``.
@@ -100,7 +104,7 @@ class RequestPlan:
         else:
             covered = min(total, len(src_arr) * gs.page_size, len(dst_arr) * gd.page_size)
             rule = cost if direct_min_op_bytes is None else direct_min_op_bytes
-            pair = _plan_range(transfer, src, dst, src_arr, dst_arr, 0, covered, choice, rule, compat)
+            pair = _plan_range(transfer, src, dst, src_arr, dst_arr, 0, covered, choice, rule, compat, mapping)
             resolved, reason = pair.path, pair.reason
         token_nbytes = gs.num_layers * transfer.num_heads * (gs.head_dim + _v_head_dim(gs)) * gs.itemsize
         return cls(
@@ -141,6 +145,12 @@ class RequestPlan:
     @property
     def staged(self) -> bool:
         return self.path is DataPath.STAGED
+
+    @property
+    def fused(self) -> bool:
+        """One ``ops.copy_kv_heads`` per chunk from ``gather_slice`` into ``scatter_slice``
+        of the reader's pool (mapped in the writer's process)."""
+        return self.path is DataPath.FUSED
 
     def nbytes(self, start: int = 0, stop: int | None = None, layers: tuple[int, int] | None = None) -> int:
         """Payload bytes of tokens ``[start, stop)`` (default: the whole request), of layers
@@ -190,12 +200,14 @@ class RequestPlan:
         return start, stop
 
     def gather_slice(self, start: int, stop: int) -> KVSlice:
-        """Tokens ``[start, stop)`` of the writer's pool, for ``ops.gather_kv_heads``."""
+        """Tokens ``[start, stop)`` of the writer's pool, for ``ops.gather_kv_heads`` (or the
+        source of ``ops.copy_kv_heads``)."""
         start, stop = self._range(start, stop)
         return side_slice(self.src, self.src_pages, self.transfer.src_head_start, self.transfer.num_heads, start, stop)
 
     def scatter_slice(self, start: int, stop: int) -> KVSlice:
-        """Tokens ``[start, stop)`` of the reader's pool, for ``ops.scatter_kv_heads``."""
+        """Tokens ``[start, stop)`` of the reader's pool, for ``ops.scatter_kv_heads`` (or the
+        destination of ``ops.copy_kv_heads``)."""
         start, stop = self._range(start, stop)
         return side_slice(self.dst, self.dst_pages, self.transfer.dst_head_start, self.transfer.num_heads, start, stop)
 
@@ -205,10 +217,10 @@ class RequestPlan:
         Raises:
             PlanError: the plan is staged, or the range is outside the request or the pages.
         """
-        if self.path is DataPath.STAGED:
+        if self.path in (DataPath.STAGED, DataPath.FUSED):
             raise PlanError(
                 f"the plan of prefill rank {self.transfer.prefill_rank} -> decode rank "
-                f"{self.transfer.decode_rank} is staged ({self.reason}), not direct"
+                f"{self.transfer.decode_rank} is {self.path} ({self.reason}), not direct"
             )
         start, stop = self._range(start, stop)
         compat = check_compatible(self.src.geometry, self.dst.geometry)

@@ -8,7 +8,7 @@ without processes.
 Message flow (each arrow one msgpack frame ``[PROTOCOL_VERSION, type, {fields}]``;
 control frames are one-way PUSH -> PULL, the bootstrap lookup is request/reply)::
 
-    prefill rank  --PrefillRegister-->  bootstrap                 (once per process start)
+    prefill rank  --PrefillRegister-->  bootstrap                 (once per process start and KV pool)
     decode rank   --BootstrapQuery--->  bootstrap
     decode rank   <--BootstrapReply---  bootstrap                 (ready once all ranks registered)
     decode rank   --DecodeRegister--->  each candidate prefill rank (once per session pair)

@@ -62,8 +62,14 @@ __all__ = [
 # 2: staging_region moved from DecodeRegister to RequestMeta; 3: TransferDone carries the
 # writer's last staged chunk (last_chunk), which then has no ChunkReady and no ChunkAck;
 # 4: ChunkReady carries layer_start/num_layers and TransferDone last_layer_start/
-# last_num_layers (layer-wise streaming), and prefill registrations carry their DP group.
-PROTOCOL_VERSION = 4
+# last_num_layers (layer-wise streaming), and prefill registrations carry their DP group;
+# 5: RegisterReply says whether the prefill maps the decode's KV pool (pool_mapped,
+# pool_note) and RequestMeta whether the writer writes it with one fused copy (fused);
+# 6: PrefillRegister, BootstrapQuery and BootstrapReply name a KV pool (kv_pool: "" or
+# "draft"), and the model's pool registration and reply carry draft_geometry; prefill
+# registrations name their pipeline-parallel stage (pp_rank, pp_size, layer_start), queries
+# the stage they ask about and replies the stage's layers and the registered stages.
+PROTOCOL_VERSION = 6
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name
 MAX_ENDPOINT_CHARS = 256  # "tcp://host:port"

@@ -73,6 +73,8 @@ TpSize = Annotated[int, Int(1, MAX_TP_SIZE)]
 TpRank = Annotated[int, Int(0, MAX_TP_SIZE - 1)]
 DpSize = Annotated[int, Int(1, MAX_TP_SIZE)]  # prefill attention-DP groups behind one bootstrap
 DpRank = Annotated[int, Int(0, MAX_TP_SIZE - 1)]
+PpSize = Annotated[int, Int(1, MAX_TP_SIZE)]  # prefill pipeline-parallel stages (protocol 6)
+PpRank = Annotated[int, Int(0, MAX_TP_SIZE - 1)]
 Count = Annotated[int, Int(0, INT64_MAX)]  # num_* and *_bytes
 Positive = Annotated[int, Int(1, INT64_MAX)]
 OffsetOrNone = Annotated[int, Int(-1, INT64_MAX)]  # -1: not used
@@ -89,6 +91,9 @@ Reason = Annotated[str, Text(MAX_REASON_CHARS, r"(?s).*\S.*", "a non-empty reaso
 ErrorText = Annotated[str, Text(MAX_REASON_CHARS, cut=True)]
 GeometryField = Annotated[KVGeometry, Geometry()]
 MaybeGeometry = Annotated[KVGeometry | None, Maybe(Geometry())]
+# Which of a rank's KV pools (protocol 6): "" the model's own, "draft" a speculative
+# decoding draft model's (its own geometry, moved by a manager of its own)
+KVPoolName = Annotated[str, Text(16, r"(draft)?", "'' (the model's KV pool) or 'draft' (a draft model's)")]
 PageIdArray = Annotated[np.ndarray, PageIds()]
 AgentDescriptor = Annotated[bytes, Blob(MAX_AGENT_DESCRIPTOR_BYTES, min_bytes=1)]
 RegionDescriptor = Blob(MAX_REGION_DESCRIPTOR_BYTES, min_bytes=1)
@@ -149,20 +154,38 @@ class PrefillRegister(Message):
     # attention-TP group of tp_size ranks with its own pools
     dp_rank: DpRank = 0
     dp_size: DpSize = 1
+    # protocol 6: which pool this registration is for; a registration of the model's pool
+    # ("") names the geometry of the draft-model pool the same rank registers under
+    # kv_pool="draft" (None: it has none), so a decode knows at once whether one exists.
+    kv_pool: KVPoolName = ""
+    draft_geometry: MaybeGeometry = None
+    # protocol 6, pipeline parallelism (SGLang --pp-size): this rank's PP stage and the first
+    # model layer its pool holds; the geometry's num_layers is the stage's layer count, so the
+    # stage holds layers [layer_start, layer_start + geometry.num_layers)
+    pp_rank: PpRank = 0
+    pp_size: PpSize = 1
+    layer_start: Count = 0
 
     def _validate(self) -> None:
         _rank_below_size(self)
         _rank_below_size(self, "dp_rank", "dp_size")
+        _rank_below_size(self, "pp_rank", "pp_size")
+        if self.kv_pool and self.draft_geometry is not None:
+            self._bad("draft_geometry", f"must be None in a registration of kv_pool={self.kv_pool!r}")
+        if self.pp_size == 1 and self.layer_start:
+            self._bad("layer_start", f"={self.layer_start} must be 0 without pipeline parallelism (pp_size=1)")
 
 
 @message
 class BootstrapQuery(Message):
-    """Decode rank -> bootstrap: where are the prefill ranks of DP group ``dp_rank``?
-    (request/reply)."""
+    """Decode rank -> bootstrap: where are the prefill ranks of DP group ``dp_rank``, PP
+    stage ``pp_rank``? (request/reply)."""
 
     session: SessionId  # the asking decode process
     tp_rank: TpRank
     dp_rank: DpRank = 0
+    kv_pool: KVPoolName = ""  # protocol 6: the pool asked about
+    pp_rank: PpRank = 0  # protocol 6: the PP stage asked about
 
 
 @record
@@ -189,12 +212,28 @@ class BootstrapReply(Message):
     dp_rank: DpRank = 0  # the DP group asked about; ranks are that group's
     dp_size: Annotated[int, Int(0, MAX_TP_SIZE)] = 0  # 0: no prefill rank registered yet
     dp_groups: Annotated[tuple[int, ...], ListOf(Int(0, MAX_TP_SIZE - 1), MAX_TP_SIZE)] = ()  # with a rank
+    # protocol 6: the pool asked about; for the model's pool (""), the draft-model pool's
+    # geometry the group's ranks announced (None: no draft model, or no rank registered yet)
+    kv_pool: KVPoolName = ""
+    draft_geometry: MaybeGeometry = None
+    # protocol 6, pipeline parallelism: the PP stage asked about, the stages behind the
+    # bootstrap (0: no rank registered yet), the first layer of the asked stage's pool (its
+    # geometry's num_layers is the stage's count) and the stages of the asked DP group that
+    # have a registered rank
+    pp_rank: PpRank = 0
+    pp_size: Annotated[int, Int(0, MAX_TP_SIZE)] = 0
+    layer_start: Count = 0
+    pp_stages: Annotated[tuple[int, ...], ListOf(Int(0, MAX_TP_SIZE - 1), MAX_TP_SIZE)] = ()
 
     def _validate(self) -> None:
-        if len(set(self.dp_groups)) != len(self.dp_groups) or list(self.dp_groups) != sorted(self.dp_groups):
-            self._bad("dp_groups", f"must list DP groups once each, in order, got {list(self.dp_groups)}")
-        if self.dp_size and any(d >= self.dp_size for d in self.dp_groups):
-            self._bad("dp_groups", f"has a DP group >= dp_size={self.dp_size}: {list(self.dp_groups)}")
+        if self.kv_pool and self.draft_geometry is not None:
+            self._bad("draft_geometry", f"must be None in a reply about kv_pool={self.kv_pool!r}")
+        for name, size in (("dp_groups", self.dp_size), ("pp_stages", self.pp_size)):
+            listed = list(getattr(self, name))
+            if len(set(listed)) != len(listed) or listed != sorted(listed):
+                self._bad(name, f"must list each once, in order, got {listed}")
+            if size and any(d >= size for d in listed):
+                self._bad(name, f"has an entry >= {name[:2]}_size={size}: {listed}")
         seen = [r.tp_rank for r in self.ranks]
         if len(set(seen)) != len(seen):
             self._bad("ranks", f"lists a tp_rank twice: {seen}")
@@ -208,6 +247,8 @@ class BootstrapReply(Message):
             self._bad("ready", "is True but tp_size, geometry or transport is missing")
         if self.dp_rank >= max(self.dp_size, 1):
             self._bad("dp_rank", f"={self.dp_rank} must be < dp_size={self.dp_size} when ready")
+        if self.pp_rank >= max(self.pp_size, 1):
+            self._bad("pp_rank", f"={self.pp_rank} must be < pp_size={self.pp_size} when ready")
         if seen != list(range(self.tp_size)):
             self._bad("ranks", f"must list tp_rank 0..{self.tp_size - 1} once each, got {seen}")
 
@@ -255,19 +296,28 @@ class DecodeRegister(Message):
 @message
 class RegisterReply(Message):
     """Prefill -> decode, answering ``DecodeRegister``. ``ok=False``: ``error`` says which
-    geometry field differs, with both values. ``geometry`` lets decode check as well."""
+    geometry field differs, with both values. ``geometry`` lets decode check as well.
+
+    ``pool_mapped`` (protocol 5): the prefill process maps every region of the decode's KV
+    pool writable, on the device of its own pool, so it can write the decode's pages with
+    one fused copy (the decode may then plan the ``fused`` path); ``pool_note`` says where
+    it is mapped, or why not (quoted in the decode's plan reasons)."""
 
     session: SessionId  # the prefill process
     tp_rank: TpRank
     ok: Bool
     error: ErrorText
     geometry: GeometryField
+    pool_mapped: Bool = False
+    pool_note: ErrorText = ""
 
     def _validate(self) -> None:
         if self.ok and self.error:
             self._bad("error", f"must be empty when ok=True, got {self.error!r}")
         if not self.ok and not self.error.strip():
             self._bad("error", "must say why when ok=False")
+        if self.pool_mapped and not self.ok:
+            self._bad("pool_mapped", "must be False when ok=False (the registration was refused)")
 
 
 # -- per request -----------------------------------------------------------------------------
@@ -282,6 +332,10 @@ class RequestMeta(Message):
     ``-1`` / ``0`` / None on the direct path. ``prefix_tokens`` (protocol 3): tokens of the
     request this decode already holds (decode radix cache); ``dst_page_ids`` and
     ``num_tokens`` cover only the tokens after them, and the prefill sends only those.
+    ``fused`` (protocol 5): the elected writer writes this decode rank's pool pages itself
+    with one pool -> pool copy per chunk (its ``RegisterReply`` said ``pool_mapped``): no
+    staging window, no ``ChunkReady``, no scatter; its ``TransferDone`` counts as a direct
+    writer's.
     """
 
     room: Room
@@ -296,10 +350,17 @@ class RequestMeta(Message):
     staging_capacity_bytes: Count
     staging_region: MaybeRegion
     prefix_tokens: Count = 0
+    fused: Bool = False
 
     def _validate(self) -> None:
         _rank_below_size(self)
         direct = self.staging_offset == -1
+        if self.fused and not (direct and self.elected):
+            self._bad(
+                "fused",
+                f"=True needs an elected writer without a staging window (elected={self.elected}, "
+                f"staging_offset={self.staging_offset})",
+            )
         if direct != (self.staging_capacity_bytes == 0):
             self._bad(
                 "staging_capacity_bytes",

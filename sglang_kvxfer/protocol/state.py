@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 import math
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from sglang_kvxfer.errors import LocalProtocolError
@@ -166,6 +166,7 @@ class RequestState:
         "_table",
         "_writers",
         "_writers_done",
+        "_on_terminal",
     )
 
     def __init__(self, room: int, side: Side | str, now: float, deadlines: Deadlines | None = None):
@@ -181,6 +182,7 @@ class RequestState:
         self._table = TRANSITIONS[self.side]
         self._writers: frozenset[int] | None = None
         self._writers_done: set[int] = set()
+        self._on_terminal: Callable[[], None] | None = None
         self.poll = _B
         self.reason: str | None = None
         self._enter(_B, _check_seconds("now", now, False))
@@ -200,6 +202,15 @@ class RequestState:
     def __repr__(self) -> str:
         why = f", reason={self.reason!r}" if self.reason else ""
         return f"RequestState(room={self.room}, side={self.side}, poll={self.poll.name}{why})"
+
+    def on_terminal(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once when the request enters Success or Failed (at once if it
+        is there already): the I/O layer wakes whoever waits for the request. It must not
+        raise. One callback per request; a second replaces the first."""
+        if self.is_terminal:
+            callback()
+        else:
+            self._on_terminal = callback
 
     # -- events ------------------------------------------------------------------------------
     def handle(self, event: Event, now: float, reason: str | None = None) -> KVPoll:
@@ -299,3 +310,6 @@ class RequestState:
         self.poll = state
         self.entered_at = now
         self.deadline = None if state in TERMINAL_STATES else now + self.deadlines.for_state(state)
+        if state in TERMINAL_STATES and self._on_terminal is not None:
+            notify, self._on_terminal = self._on_terminal, None
+            notify()

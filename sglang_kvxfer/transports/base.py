@@ -368,13 +368,33 @@ class Transport(abc.ABC):
         )
         return self._write(local, remote, coalesce(entries))
 
+    # -- mapped peer memory (optional capability) ------------------------------------------
+    def mapped_device(self, remote: RemoteRegion) -> str | None:
+        """Optional capability: the device (``"cpu"``, ``"cuda:N"``) on which this process
+        maps the peer's region ``remote`` writable, so that ``remote_view`` of it yields a
+        tensor there; None where it is not mapped (the default: the bytes go through
+        ``write()``, e.g. a socket, RDMA or ``process_vm_writev``). It does not change while
+        the region stays imported, so a caller may ask once (the engine does at
+        registration, to plan one fused copy from its pool into a peer's pool)."""
+        self._check_open()
+        if not isinstance(remote, RemoteRegion):
+            raise TypeError(f"remote must be a RemoteRegion, got {type(remote).__name__}")
+        return self._mapped_device(remote)
+
+    def _mapped_device(self, remote: RemoteRegion) -> str | None:
+        return None
+
     @contextlib.contextmanager
     def remote_view(self, remote: RemoteRegion, offset: int, nbytes: int):
         """Optional: a writable ``torch.uint8`` tensor over ``nbytes`` of a peer's region at
-        ``offset``, for producers that can write there directly (a gather kernel filling the
-        peer's staging slot: one copy less than gather + ``write``). Yields ``None`` where
-        the peer's memory is not mapped here (the default); the view is valid only inside
-        the ``with`` block, and bytes written through it are the caller's to order."""
+        ``offset``, on ``mapped_device(remote)``, for producers that can write there directly
+        (a gather kernel filling the peer's staging slot, a fused copy filling its KV pool:
+        one copy less than going through ``write()``). Yields ``None`` where the peer's
+        memory is not mapped here (the default). The view is valid only inside the ``with``
+        block; bytes written through it are the caller's to order and must have landed when
+        the block ends. A transport that can see its peers exit refuses the view of a peer
+        already gone, and raises ``PeerGoneError`` when the block ends if the peer exited
+        meanwhile (the bytes went into memory nobody reads)."""
         self._check_open()
         if not isinstance(remote, RemoteRegion):
             raise TypeError(f"remote must be a RemoteRegion, got {type(remote).__name__}")

@@ -163,3 +163,49 @@ def test_attention_dp_errors_name_the_flags():
         "2",
     )
     assert bad.returncode != 0 and "--decode-dp-rank=2 must be in [0, 2)" in bad.stderr
+
+
+def test_pipeline_parallel_stages_in_json_and_table(capsys):
+    """--prefill-pp 2 over 5 layers: SGLang's split ([0, 2), [2, 5)), every stage's writers
+    with the stage's layers and bytes; into a decode of PP 1 (one pool) or PP 2 (stage s to
+    decode stage s)."""
+    args = ["plan", "--total-kv-heads", "8", "--prefill-tp", "2", "--decode-tp", "1", "--layers", "5"]
+    args += ["--tokens", "64", "--prefill-pp", "2"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["prefill_pp"], out["decode_pp"]) == (2, 1)
+    assert out["stages"] == [
+        {"pp_rank": 0, "layers": [0, 2], "decode_pp_rank": 0},
+        {"pp_rank": 1, "layers": [2, 5], "decode_pp_rank": 0},
+    ]
+    rows = [(t["pp_rank"], t["prefill_rank"], t["layers"], t["bytes"]) for t in out["transfers"]]
+    per_layer = 2 * 4 * 128 * 2 * 64  # K and V of 4 heads x head_dim 128 x bf16 x 64 tokens
+    assert rows == [(0, 0, [0, 2], 2 * per_layer), (0, 1, [0, 2], 2 * per_layer)] + [
+        (1, 0, [2, 5], 3 * per_layer),
+        (1, 1, [2, 5], 3 * per_layer),
+    ]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "(pipeline parallel: 2 prefill PP stages, layers [0, 2), [2, 5), all into the one decode pool" in text
+    assert "stage     prefill" in text and "\n1 [2, 5)  1        0  " in text
+    assert "prefill PP stage 1: layers [2, 5), written to layers [2, 5) of the decode pool" in text
+    # decode PP 2 and an explicit partition (SGLANG_PP_LAYER_PARTITION)
+    assert main([*args, "--decode-pp", "2", "--pp-layers", "4,1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(st["layers"], st["decode_pp_rank"]) for st in out["stages"]] == [([0, 4], 0), ([4, 5], 1)]
+    assert {t["decode_pp_rank"] for t in out["transfers"] if t["pp_rank"] == 1} == {1}
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--prefill-pp", "2", "--decode-pp", "3"], "--decode-pp=3 must equal --prefill-pp=2 or be 1"),
+        (["--prefill-pp", "0"], "--prefill-pp=0 and --decode-pp=1 must be >= 1"),
+        (["--prefill-pp", "2", "--pp-layers", "1,2"], "must give each of the 2 PP stages at least one layer, 4 layers"),
+        (["--pp-layers", "2,2"], "--pp-layers needs --prefill-pp > 1"),
+        (["--prefill-pp", "5"], "4 layers cannot be split over 5 PP stages"),
+    ],
+)
+def test_pipeline_parallel_errors_name_the_flags(extra, words):
+    bad = run_cli("plan", "--total-kv-heads", "8", "--prefill-tp", "1", "--decode-tp", "1", "--layers", "4", *extra)
+    assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

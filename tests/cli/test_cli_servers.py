@@ -47,7 +47,9 @@ def test_demo_json_verifies_every_request():
         "local",
     )
     assert out["bytes"] == 2 * (64 + 200 + 64) * 8 * (32 + 32) * 2  # layers x tokens x heads x (K+V dims) x bf16
-    assert out["data_path"] == {"staged": 6}  # P2 -> D1 on NHD pools: strided head slices
+    # P2 -> D1 on NHD pools: strided head slices, copied pool -> pool into the decode's
+    # shared-memory pool, which local maps in the prefill's process
+    assert out["data_path"] == {"fused": 6}
 
 
 @pytest.mark.parametrize(

@@ -122,7 +122,8 @@ def test_cpu_copy_runs_inline_after_ready(fake_cuda):
 
 def test_staged_gathers_and_scatters_go_through_the_copy_stream_with_ready():
     # 8 heads, prefill TP 2 -> decode TP 1, NHD: strided head slices, so the pair is staged
-    with Cluster(2, 1, geometry(8, page_size=4)) as c:
+    # (forced: over shared memory auto fuses it, below)
+    with Cluster(2, 1, geometry(8, page_size=4), decode_opts={"data_path": "staged"}) as c:
         calls: dict[str, list] = {"prefill": [], "decode": []}
         for side, mgrs in (("prefill", c.pre), ("decode", c.dec)):
             for m in mgrs:

@@ -62,7 +62,8 @@ def _cost(name, pinned_rate=None, monkeypatch=None):
 
 
 def run_p1_d1(shape, transport, **decode_opts):
-    """One request P1 -> D1 through fresh managers; returns (decode record, problems)."""
+    """One request P1 -> D1 through fresh managers; returns (decode record, problems, the
+    pair's data path)."""
     g = _geometry(shape)
     tokens, ps = shape["tokens"], shape["page_size"]
     src, dst = _pages(shape, seed=1)
@@ -86,6 +87,7 @@ def run_p1_d1(shape, transport, **decode_opts):
                 tx.send(src[: -(-tokens // ps)], last_chunk=True, aux=b"a")
                 states = wait_terminal([tx, rx])
                 assert states == [KVPoll.Success] * 2, [h.failure_reason() for h in (tx, rx)]
+                (path, _why), *_ = rx.paths.values()
                 want = place_tokens(dec.placement, empty_pool(dec.placement), k_full, v_full, dst, tokens)
                 problems = [
                     f"buffer {i} differs from the oracle"
@@ -97,7 +99,7 @@ def run_p1_d1(shape, transport, **decode_opts):
         finally:
             pre.close()
     assert len(records) == 1 and records[0].ok, records
-    return records[0], problems
+    return records[0], problems, path
 
 
 def _staged(record) -> bool:
@@ -128,26 +130,29 @@ def test_local_sends_32k_pages_direct_and_the_bytes_land(monkeypatch):
     plan = _rule(BIG, cost)
     assert plan.path == "direct", plan.reason
     assert "local cost, measured" in plan.reason and "<= staged" in plan.reason
-    record, problems = run_p1_d1(BIG, "local", data_path=str(plan.path))
-    assert problems == [] and not _staged(record), record.phases
+    record, problems, path = run_p1_d1(BIG, "local", data_path=str(plan.path))
+    assert problems == [] and not _staged(record) and path == "direct", record.phases
 
 
 def test_tcp_stages_tiny_scattered_pages_and_the_bytes_land():
     plan = _rule(TINY, _cost("tcp"))
     assert plan.path == "staged", plan.reason
     assert "256 B per op" in plan.reason and "tcp cost, declared" in plan.reason
-    record, problems = run_p1_d1(TINY, "tcp", data_path=str(plan.path))
-    assert problems == [] and _staged(record), record.phases
+    record, problems, path = run_p1_d1(TINY, "tcp", data_path=str(plan.path))
+    assert problems == [] and _staged(record) and path == "staged", record.phases
 
 
 @pytest.mark.parametrize("min_op, staged", [(64 << 10, True), (4 << 10, False)])
 def test_direct_min_op_bytes_overrides_the_rule_through_the_engine(monkeypatch, min_op, staged):
-    """An explicit threshold decides however cheap the transport's ops are."""
+    """An explicit threshold decides however cheap the transport's ops are. What it would
+    stage goes fused here: the decode's pool is shared memory, mapped in the prefill's
+    process, and one pass replaces gather + scatter (the fixed rule weighs no cost)."""
     cost = _cost("local", (1e-6, 8e9), monkeypatch)
     assert _rule(BIG, cost).path == "direct"
     assert (_rule(BIG, cost, direct_min_op_bytes=min_op).path == "staged") is staged
-    record, problems = run_p1_d1(BIG, "local", data_path="auto", direct_min_op_bytes=min_op)
-    assert problems == [] and _staged(record) is staged, record.phases
+    record, problems, path = run_p1_d1(BIG, "local", data_path="auto", direct_min_op_bytes=min_op)
+    assert problems == [] and not _staged(record), record.phases
+    assert path == ("fused" if staged else "direct")
 
 
 def test_data_path_overrides_the_rule_through_the_engine(monkeypatch):
@@ -155,5 +160,5 @@ def test_data_path_overrides_the_rule_through_the_engine(monkeypatch):
     assert _rule(BIG, cost).path == "direct"
     assert _rule(BIG, cost, path="staged").path == "staged"
     monkeypatch.setenv("KVXFER_DATA_PATH", "staged")
-    record, problems = run_p1_d1(BIG, "local")  # EngineConfig takes data_path from the env var
-    assert problems == [] and _staged(record), record.phases
+    record, problems, path = run_p1_d1(BIG, "local")  # EngineConfig takes data_path from the env var
+    assert problems == [] and _staged(record) and path == "staged", record.phases

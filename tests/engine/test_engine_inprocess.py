@@ -65,7 +65,8 @@ def test_mla_one_writer_per_decode_rank():
 @pytest.mark.parametrize("transport", ["tcp", "local"])
 def test_staging_window_smaller_than_a_request_streams_through_slots(transport):
     g = geometry(8, page_size=4, num_pages=256)
-    with Cluster(2, 1, g, transport=transport, decode_opts={"staging_slot_bytes": 4096, "staging_bytes": 1 << 16}) as c:
+    opts = {"staging_slot_bytes": 4096, "staging_bytes": 1 << 16, "data_path": "staged"}  # local would fuse
+    with Cluster(2, 1, g, transport=transport, decode_opts=opts) as c:
         txs, rxs, dst = c.start(31, 400, chunk=64)
         assert wait_terminal(txs + rxs) == [KVPoll.Success] * 3
         assert c.verify(31, dst, 400) == []
@@ -241,7 +242,7 @@ def test_the_last_staged_chunk_rides_on_transfer_done(transport, slot_bytes, slo
         1,
         geometry(8, page_size=4, num_pages=256),
         transport=transport,
-        decode_opts={"staging_slot_bytes": slot_bytes},
+        decode_opts={"staging_slot_bytes": slot_bytes, "data_path": "staged"},  # local would fuse
     ) as c:
         pre_sent = [_record_sends(m) for m in c.pre]
         dec_sent = _record_sends(c.dec[0])
@@ -259,7 +260,7 @@ def test_the_last_staged_chunk_rides_on_transfer_done(transport, slot_bytes, slo
 
 
 def test_a_last_chunk_outside_its_window_fails_the_room_naming_it():
-    with Cluster(2, 1, geometry(8, page_size=4)) as c:
+    with Cluster(2, 1, geometry(8, page_size=4), decode_opts={"data_path": "staged"}) as c:
         rx = KVReceiver(c.dec[0], 51)
         rx.send_metadata([1, 2, 3], num_tokens=12)
         wait_for(lambda: c.dec[0].room(51).windows)
@@ -297,3 +298,39 @@ def test_the_control_loop_sleeps_until_its_tick_instead_of_spinning(monkeypatch)
         channel.close()
     assert ticks[0] >= 20
     assert polls[0] <= 3 * ticks[0] + 5, f"{polls[0]} polls for {ticks[0]} ticks"
+
+
+def test_wait_returns_when_the_request_ends_and_not_before():
+    """``wait`` blocks until the request's own transition (success, or an abort from the
+    peer) and returns the live poll after a timeout."""
+    with Cluster(2, 1, geometry()) as c:
+        rx = KVReceiver(c.dec[0], 61)
+        assert rx.wait(0.05) in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)  # the timeout ends it
+        rx.send_metadata([1, 2, 3], num_tokens=12)
+        txs = [KVSender(m, 61) for m in c.pre]
+        rx.abort("the client left")
+        assert [tx.wait(10) for tx in txs] == [KVPoll.Failed] * 2  # woken by the peer's abort
+        txs, rxs, dst = c.start(62, 12)
+        assert [h.wait(10) for h in txs + rxs] == [KVPoll.Success] * 3
+        assert c.verify(62, dst, 12) == []
+        with pytest.raises(ValueError, match="timeout_s=-1 must be >= 0"):
+            rxs[0].wait(-1)
+
+
+def test_metadata_for_a_room_that_failed_and_was_released_is_answered_with_the_reason():
+    """The prefill gave up on a room and forgot it before the decode's metadata came (a
+    client that aborted early, a consumer that registers late): the decode is told why at
+    once instead of waiting for its own deadline."""
+    with Cluster(1, 1, geometry()) as c:
+        tx = KVSender(c.pre[0], 71)
+        tx.abort("the client left before the decode asked")
+        assert tx.poll() == KVPoll.Failed
+        tx.clear()
+        assert c.pre[0].room(71) is None  # forgotten
+        rx = KVReceiver(c.dec[0], 71)
+        rx.send_metadata([1, 2], num_tokens=8)
+        assert rx.wait(5) == KVPoll.Failed  # the waiting deadline is 10 s
+        assert "the client left before the decode asked" in rx.failure_reason
+        txs, rxs, dst = c.start(72, 8)  # the next request is served
+        assert [h.wait(10) for h in txs + rxs] == [KVPoll.Success] * 2
+        assert c.verify(72, dst, 8) == []

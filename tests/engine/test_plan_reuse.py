@@ -24,7 +24,8 @@ def test_staged_slots_reuse_one_plan_per_reader(monkeypatch):
     for name in ("extend", "gather_slice", "scatter_slice"):
         monkeypatch.setattr(RP, name, counting(name, getattr(RP, name)))
     g = geometry(8, page_size=4, num_pages=256)
-    with Cluster(2, 1, g, decode_opts={"staging_slot_bytes": 4096, "staging_bytes": 1 << 16}) as c:
+    opts = {"staging_slot_bytes": 4096, "staging_bytes": 1 << 16, "data_path": "staged"}  # auto would fuse
+    with Cluster(2, 1, g, decode_opts=opts) as c:
         txs, rxs, dst = c.start(41, 400, chunk=64)  # 7 chunks, ~38 slots per writer
         assert wait_terminal(txs + rxs) == [KVPoll.Success] * 3
         assert c.verify(41, dst, 400) == []

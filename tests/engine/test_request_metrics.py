@@ -34,7 +34,7 @@ def eventually(check, timeout_s=10.0, what="condition"):
 def test_window_runs_from_first_byte_ready_to_last_notice_and_covers_every_chunk(p, d):
     g = geometry(8, page_size=4, num_pages=64)
     room, tokens, chunk = 31, 48, 16
-    with Cluster(p, d, g) as c:
+    with Cluster(p, d, g, decode_opts={"data_path": "staged"}) as c:  # staged phases (local would fuse)
         src, dst = c.pages(c.pre[0], tokens), c.pages(c.dec[0], tokens)
         for m in c.pre:
             fill_request(m.placement, m.pool.buffers, room, src, 0, tokens)

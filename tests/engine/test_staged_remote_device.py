@@ -39,7 +39,8 @@ def _wrap(transport, monkeypatch, foreign_views: bool) -> list[int]:
 def test_staged_slots_on_another_device_go_through_write(monkeypatch, foreign_views):
     # 8 heads over prefill TP 2 and decode TP 1: each prefill rank gathers a strided head slice
     g = geometry(8, page_size=4)
-    with Cluster(2, 1, g, transport="local") as c:
+    # staged forced: over shared memory auto would fuse (one pool -> pool copy, no slots)
+    with Cluster(2, 1, g, transport="local", decode_opts={"data_path": "staged"}) as c:
         writes = [_wrap(m.transport, monkeypatch, foreign_views) for m in c.pre]
         tokens = 37
         txs, rxs, dst = c.start(31, tokens, chunk=8)

@@ -97,7 +97,7 @@ def test_staged_transfers_grow_the_reader_arena_and_name_each_segment(monkeypatc
     # 4 KiB segments at first: a window of two 2 KiB slots fills one, so the concurrent
     # requests below need new segments, which must reach the writers before they write.
     monkeypatch.setattr(pool_module, "MIN_SEGMENT_BYTES", 4096)
-    opts = {"staging_slot_bytes": 2048, "staging_bytes": 1 << 20}
+    opts = {"staging_slot_bytes": 2048, "staging_bytes": 1 << 20, "data_path": "staged"}  # local would fuse
     with Cluster(2, 1, geometry(8, page_size=4), prefill_opts=opts, decode_opts=opts) as c:
         dec = c.dec[0]
         assert dec.staging.nbytes == 0  # registered with the prefill ranks, nothing allocated
@@ -129,7 +129,7 @@ def test_staged_transfers_grow_the_reader_arena_and_name_each_segment(monkeypatc
 
 
 def test_a_window_larger_than_the_cap_fails_the_request_with_the_cap():
-    opts = {"staging_slot_bytes": 4096, "staging_bytes": 8192}
+    opts = {"staging_slot_bytes": 4096, "staging_bytes": 8192, "data_path": "staged"}  # local would fuse
     # a 4-head slice of 2 layers, K and V of 512 bf16 each: 16 KiB per token, so two slots
     # of one token each exceed the 8 KiB cap
     g = geometry(8, page_size=4, head_dim=512, v_head_dim=512)

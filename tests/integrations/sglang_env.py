@@ -109,6 +109,34 @@ class Model:
     metadata_slots: int = 8
     hidden_size: int = 32
     mla: bool = False
+    # a speculative decoding draft model (EAGLE-like: its own layers, heads and dims; the
+    # pool's page size, rows and dtype are the model's): its KV entries follow the model's
+    draft: Draft | None = None
+
+
+@dataclass
+class Draft:
+    """The draft model's KV shape (``draft_token_to_kv_pool``)."""
+
+    num_layers: int = 1
+    total_kv_heads: int = 2
+    head_dim: int = 8
+    v_head_dim: int = 8
+    mla: bool = False
+
+    def model(self, target: Model) -> Model:
+        """The draft pool as a ``Model`` of its own (for ``model_geometry`` and the fill)."""
+        return Model(
+            total_kv_heads=self.total_kv_heads,
+            num_layers=self.num_layers,
+            head_dim=self.head_dim,
+            v_head_dim=self.v_head_dim,
+            page_size=target.page_size,
+            pool_tokens=target.pool_tokens,
+            dtype=target.dtype,
+            kv_cache_dtype_str=target.kv_cache_dtype_str,
+            mla=self.mla,
+        )
 
 
 @dataclass
@@ -120,10 +148,16 @@ class RankMemory:
     meta: dict
     kv_args: object = None
     extra: dict = field(default_factory=dict)
+    draft_k: list = field(default_factory=list)
+    draft_v: list = field(default_factory=list)
 
     @property
     def buffers(self) -> list:
         return self.k + self.v
+
+    @property
+    def draft_buffers(self) -> list:
+        return self.draft_k + self.draft_v
 
 
 def local_heads(model: Model, tp: int) -> int:
@@ -168,6 +202,13 @@ def rank_memory(model: Model, tp: int, rank: int, role: str) -> RankMemory:
         else [torch.zeros((rows, heads, model.v_head_dim), dtype=dtype) for _ in range(model.num_layers)]
     )
     meta = metadata_buffers(model)
+    draft_k, draft_v = [], []
+    if model.draft is not None:  # draft_token_to_kv_pool: same rows, the draft's heads and dims
+        dm = model.draft.model(model)
+        dh = local_heads(dm, tp)
+        draft_k = [torch.zeros((rows, dh, dm.head_dim), dtype=dtype) for _ in range(dm.num_layers)]
+        if not dm.mla:
+            draft_v = [torch.zeros((rows, dh, dm.v_head_dim), dtype=dtype) for _ in range(dm.num_layers)]
     args = base.KVArgs()
     args.engine_rank = rank
     args.pp_rank = 0
@@ -177,12 +218,14 @@ def rank_memory(model: Model, tp: int, rank: int, role: str) -> RankMemory:
     args.kv_layout = None
     args.prefill_start_layer = 0
     args.prefill_end_layer = model.num_layers
-    bufs = k + v
+    # _init_kv_manager: the model's entries, then draft_kv_pool.get_contiguous_buf_infos()
+    bufs = k + v + draft_k + draft_v
     args.kv_data_ptrs = [t.data_ptr() for t in bufs]
     args.kv_data_lens = [t.nbytes for t in bufs]
     args.kv_item_lens = [t[0].nbytes * model.page_size for t in bufs]
-    args.num_draft_entries = 0
+    args.num_draft_entries = len(draft_k) + len(draft_v)
     args.kv_layer_ids = list(range(model.num_layers)) * (1 if model.mla else 2)
+    args.kv_layer_ids += [model.num_layers + i for i in range(len(draft_k))] * (2 if draft_v else 1)
     if role == "prefill" and not model.mla:
         args.kv_head_num = heads
         args.total_kv_head_num = model.total_kv_heads
@@ -200,7 +243,7 @@ def rank_memory(model: Model, tp: int, rank: int, role: str) -> RankMemory:
     args.state_conv_shard_groups = []
     args.is_hybrid_mla_backend = False
     args.swa_kv_cache_layout = None
-    return RankMemory(k, v, meta, args)
+    return RankMemory(k, v, meta, args, draft_k=draft_k, draft_v=draft_v)
 
 
 def model_geometry(model: Model):

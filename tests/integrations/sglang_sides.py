@@ -24,6 +24,13 @@ script writes their content there first), sends only the later pages with
 ``decode_prefix_len``, and the prefill, after ``pop_decode_prefix_len()``, inits and sends only
 the pages after the prefix. The test checks every KV byte and every metadata byte in the
 decode side's own memory, prefix included.
+
+With a draft model (``Model.draft``), every rank's KVArgs carry the draft pool's entries after
+the model's (as ``_init_kv_manager`` appends ``draft_token_to_kv_pool``'s), the scripted
+forward writes the draft's KV into the same pages (content of its own), and the decode checks
+every byte of both pools. ``Spec.kv_checksum`` runs both sides with
+``--disaggregation-enable-kv-checksum``; ``Spec.corrupt`` ("kv" or "draft") flips one landed
+byte of decode rank 0 in the first request (the backend's ``after_kv_landed`` hook).
 """
 
 from __future__ import annotations
@@ -76,6 +83,14 @@ class Spec:
     requests: list  # [(bootstrap_room, prompt tokens[, decode prefix tokens])]
     env: dict = field(default_factory=dict)
     timeout_s: float = 60.0
+    kv_checksum: bool = False  # --disaggregation-enable-kv-checksum on this side
+    corrupt: str = ""  # decode: "kv" or "draft": flip a landed byte of rank 0, first request
+
+
+def draft_room(room: int) -> int:
+    """The seed of a request's draft-model KV content: not the model's, so a draft buffer
+    holding the model's rows (or the reverse) is caught."""
+    return room ^ 0xD2AF_7000_0000_0001
 
 
 class ScriptEvent:
@@ -162,30 +177,37 @@ def _failure(handles) -> list[str]:
     return out
 
 
-def run_in_processes(main, specs: list, timeout_s: float) -> tuple[dict, dict]:
-    """Test side: ``main(spec, out, release)`` in a spawned process per spec (a prefill and a
-    decode one), each side's report collected, then both released to shut down. Fails the
-    test naming a side that did not report in time or crashed. Returns (prefill, decode)."""
+def run_named_processes(main, specs: list, timeout_s: float, name=lambda spec: spec.role) -> dict:
+    """Test side: ``main(spec, out, release)`` in a spawned process per spec; each reports
+    ``(name, report)`` on ``out``. Every report is collected by name, then all are released
+    to shut down. Fails the test naming a process that did not report in time or crashed."""
     ctx = mp.get_context("spawn")
     out, release = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=main, args=(spec, out, release), daemon=True) for spec in specs]
     for proc in procs:
         proc.start()
-    reports = {}
+    reports: dict = {}
+    names = {name(spec) for spec in specs}
     try:
-        while len(reports) < 2:
-            role, report = out.get(timeout=timeout_s + 30)
-            reports[role] = report
+        while len(reports) < len(names):
+            key, report = out.get(timeout=timeout_s + 30)
+            reports[key] = report
     except queue.Empty:
-        pytest.fail(f"no report from {sorted({'prefill', 'decode'} - set(reports))} within {timeout_s + 30} s")
+        pytest.fail(f"no report from {sorted(names - set(reports))} within {timeout_s + 30} s")
     finally:
         release.set()
         for proc in procs:
             proc.join(20)
             if proc.is_alive():
                 proc.kill()
-    for role, report in reports.items():
-        assert "error" not in report, f"{role} side crashed:\n{report['error']}"
+    for key, report in reports.items():
+        assert "error" not in report, f"{key} crashed:\n{report['error']}"
+    return reports
+
+
+def run_in_processes(main, specs: list, timeout_s: float) -> tuple[dict, dict]:
+    """``run_named_processes`` for a prefill and a decode side: returns (prefill, decode)."""
+    reports = run_named_processes(main, specs, timeout_s)
     return reports["prefill"], reports["decode"]
 
 
@@ -198,7 +220,18 @@ def setup(spec):
         raise RuntimeError(reason)
     from sglang_kvxfer.integrations import sglang as backend
 
+    backend._draft_model_kv = _draft_heads(spec.model)
     return backend, load_utils_defs()
+
+
+def _draft_heads(model: Model):
+    def draft_model_kv(server_args) -> tuple[int, bool]:
+        # Stands in for the draft model's ModelConfig (--speculative-draft-model-path).
+        if model.draft is None:
+            raise AssertionError("asked for the draft model's heads of a model without a draft")
+        return model.draft.total_kv_heads, model.draft.mla
+
+    return draft_model_kv
 
 
 def serve(spec, out, release, prefill, decode) -> None:
@@ -243,7 +276,7 @@ def _wait(reqs, pollers_of, want, deadline, on_failed) -> list:
 def _prefill(spec: Spec, closers: list) -> dict:
     backend, defs = setup(spec)
     m, deadline = spec.model, time.monotonic() + spec.timeout_s
-    sa = server_args(MODEL_PATH, "prefill", spec.tp, spec.port)
+    sa = server_args(MODEL_PATH, "prefill", spec.tp, spec.port, disaggregation_enable_kv_checksum=spec.kv_checksum)
     boot = backend.KVXferKVBootstrapServer(sa.host, sa.disaggregation_bootstrap_port)
     closers.append(boot.close)
     mems, mgrs = [], []
@@ -255,6 +288,9 @@ def _prefill(spec: Spec, closers: list) -> dict:
         mgr.register_to_bootstrap()
     geo = model_geometry(m)
     places = [geo.placement(spec.tp, r) for r in range(spec.tp)]
+    if m.draft is not None:
+        dgeo = model_geometry(m.draft.model(m))
+        places = [(p, dgeo.placement(spec.tp, r)) for r, p in enumerate(places)]
     results: dict = {}
     reqs = []
     pages = _allocate(m, spec.requests, seed=1)
@@ -311,7 +347,11 @@ def _forward_and_send(req: dict, m: Model, mems, places) -> None:
 
         def forward(a=a, b=b):  # bound now: an early forward runs after the loop moved on
             for r, mem in enumerate(mems):
-                fill_request(places[r], mem.buffers, req["room"], pages, a, b - a)
+                if m.draft is None:
+                    fill_request(places[r], mem.buffers, req["room"], pages, a, b - a)
+                else:  # the target's forward and the draft model's extend over the same pages
+                    fill_request(places[r][0], mem.buffers, req["room"], pages, a, b - a)
+                    fill_request(places[r][1], mem.draft_buffers, draft_room(req["room"]), pages, a, b - a)
 
         if early is None:
             forward()
@@ -347,7 +387,7 @@ def _decode(spec: Spec, closers: list) -> dict:
     backend, defs = setup(spec)
     backend._model_total_kv_heads = _model_heads(spec.model)
     m, deadline = spec.model, time.monotonic() + spec.timeout_s
-    sa = server_args(MODEL_PATH, "decode", spec.tp, spec.port + 1)
+    sa = server_args(MODEL_PATH, "decode", spec.tp, spec.port + 1, disaggregation_enable_kv_checksum=spec.kv_checksum)
     mems, mgrs = [], []
     for r in range(spec.tp):
         mems.append(rank_memory(m, spec.tp, r, "decode"))
@@ -377,11 +417,17 @@ def _decode(spec: Spec, closers: list) -> dict:
 
     ready = _wait(reqs, lambda r: r["rxs"], WAITING, deadline, failed)  # _update_handshake_waiters
     geo = model_geometry(m)
+    dgeo = model_geometry(m.draft.model(m)) if m.draft is not None else None
+    if spec.corrupt:
+        _corrupt_first_landing(backend, spec, mgrs, mems, reqs[0])
     for req in ready:  # pop_preallocated: a radix-cache hit holds the prefix's pages already
         prefix = req["prefix"]
         if prefix:
             for r, mem in enumerate(mems):
                 fill_request(geo.placement(spec.tp, r), mem.buffers, req["room"], req["pages"], 0, prefix)
+                if dgeo is not None:
+                    place = dgeo.placement(spec.tp, r)
+                    fill_request(place, mem.draft_buffers, draft_room(req["room"]), req["pages"], 0, prefix)
         after = req["pages"][prefix // m.page_size :].astype(np.int32)
         for rx in req["rxs"]:
             rx.send_metadata(after, req["slot"], [], decode_prefix_len=prefix)
@@ -406,10 +452,35 @@ def _decode(spec: Spec, closers: list) -> dict:
                     geo.placement(spec.tp, r), mem.buffers, req["room"], req["pages"], req["tokens"]
                 )
             ]
+            if dgeo is not None:  # every byte of the draft model's KV too
+                place = dgeo.placement(spec.tp, r)
+                problems += [
+                    f"rank {r} draft: {p}"
+                    for p in verify_request(
+                        place, mem.draft_buffers, draft_room(req["room"]), req["pages"], req["tokens"]
+                    )
+                ]
             for name, row in aux_rows(m, req["room"]).items():
                 if not bool((mem.meta[name][req["slot"]] == row).all()):
                     problems.append(f"rank {r}: metadata {name} of slot {req['slot']} differs")
-        results[req["room"]] = {"status": "Success", "problems": problems}
+        verified = [rx.kv_checksum_heads for rx in req["rxs"]]
+        results[req["room"]] = {"status": "Success", "problems": problems, "verified": verified}
         for rx in req["rxs"]:
             rx.clear()
     return results
+
+
+def _corrupt_first_landing(backend, spec: Spec, mgrs, mems, req) -> None:
+    """Flip one byte of decode rank 0's first landed token in ``req`` (the model's K of layer
+    0, or the draft's), after every writer reported done and before the checksum is checked:
+    what a corrupting transport or a stray write would leave behind."""
+    import torch
+
+    def corrupt(rx) -> None:
+        if rx.bootstrap_room != req["room"] or rx.kv_mgr is not mgrs[0]:
+            return
+        buf = (mems[0].draft_k if spec.corrupt == "draft" else mems[0].k)[0]
+        row = int(req["pages"][req["prefix"] // spec.model.page_size]) * spec.model.page_size
+        buf.view(torch.uint8)[row, 0, 0] ^= 0x5A
+
+    backend.after_kv_landed = corrupt

@@ -55,12 +55,60 @@ def kv_args(layers=3, heads=2, head_dim=16, v_head_dim=8, page_size=4, rows=68, 
 
 
 def test_mha_kv_args_become_the_full_geometry():
-    lay = layout_from_kv_args(kv_args(draft=2), tp_size=2, mla=False, dtype="bfloat16")
+    lay = layout_from_kv_args(kv_args(), tp_size=2, mla=False, dtype="bfloat16")
     g = lay.geometry
     assert (g.num_layers, g.total_kv_heads, g.head_dim, g.v_head_dim, g.page_size, g.num_pages) == (3, 4, 16, 8, 4, 17)
     assert (g.dtype, str(g.layout), g.mla, lay.tp_size, lay.tp_rank) == ("bfloat16", "NHD", False, 2, 1)
-    assert len(lay.kv_ptrs) == 6 and lay.num_draft_entries == 2  # draft entries are not transferred
+    assert len(lay.kv_ptrs) == 6 and lay.num_draft_entries == 0 and lay.draft is None
     assert lay.aux.num_slots == 8
+
+
+def test_draft_entries_become_a_geometry_of_their_own():
+    # EAGLE-style: one draft layer (K and V entries after the model's), 8 KV heads of the draft
+    # model's config on a TP-2 side, the same pages as the model's pool
+    args = kv_args(draft=2)
+    lay = layout_from_kv_args(args, tp_size=2, mla=False, dtype="bfloat16", draft_kv=lambda: (8, False))
+    d = lay.draft
+    assert d is not None and lay.num_draft_entries == 2
+    assert (d.geometry.num_layers, d.geometry.total_kv_heads, d.geometry.head_dim, d.geometry.v_head_dim) == (
+        1,
+        8,
+        8,
+        8,
+    )
+    assert (d.geometry.page_size, d.geometry.num_pages, d.geometry.mla) == (4, 17, False)
+    assert d.kv_ptrs == tuple(args.kv_data_ptrs[6:]) and len(lay.kv_ptrs) == 6
+    assert lay.geometry.num_layers == 3  # the model's geometry is unchanged
+    mla = layout_from_kv_args(
+        kv_args(mla=True, head_dim=24, draft=1), tp_size=2, mla=True, dtype="bfloat16", draft_kv=lambda: (1, True)
+    )
+    assert mla.draft is not None and (mla.draft.geometry.mla, mla.draft.geometry.num_layers) == (True, 1)
+    fp8 = layout_from_kv_args(
+        args, tp_size=2, mla=False, dtype="bfloat16", draft_kv=lambda: (8, False), draft_dtype="float8_e4m3fn"
+    )
+    assert fp8.draft is not None and (fp8.draft.geometry.dtype, fp8.draft.geometry.head_dim) == ("float8_e4m3fn", 16)
+
+
+def test_draft_entries_are_refused_with_the_reason():
+    args = kv_args(draft=2)
+    with pytest.raises(GeometryError, match=r"num_draft_entries=2: the draft model's KV head count is needed"):
+        layout_from_kv_args(args, tp_size=2, mla=False, dtype="bfloat16")
+
+    def broken():
+        raise FileNotFoundError("draft/config.json")
+
+    with pytest.raises(
+        GeometryError,
+        match=r"draft model's config \(--speculative-draft-model-path\) could not supply its KV head count "
+        r"\(FileNotFoundError: draft/config.json\)",
+    ):
+        layout_from_kv_args(args, tp_size=2, mla=False, dtype="bfloat16", draft_kv=broken)
+    with pytest.raises(GeometryError, match=r"num_draft_entries=3: the draft model has MHA attention.*even count"):
+        layout_from_kv_args(kv_args(draft=3), tp_size=2, mla=False, dtype="bfloat16", draft_kv=lambda: (4, False))
+    with pytest.raises(GeometryError, match=r"kv_item_lens\[6\]=256 \(draft K\) is not a whole number of heads"):
+        layout_from_kv_args(args, tp_size=2, mla=False, dtype="bfloat16", draft_kv=lambda: (12, False))
+    with pytest.raises(GeometryError, match=r"the draft model's KV heads on attention TP 2: .*3"):
+        layout_from_kv_args(args, tp_size=2, mla=False, dtype="bfloat16", draft_kv=lambda: (3, False))
 
 
 def test_mla_kv_args_need_no_head_counts():
@@ -213,10 +261,19 @@ def test_attention_dp_plan():
         plan_from_server_args(server(attn_dp_size=3), "prefill")
 
 
+def test_pipeline_parallel_plan():
+    """--pp-size is served on both sides (the stages' layers come from each rank's KVArgs)."""
+    for role in ("prefill", "decode"):
+        plan = plan_from_server_args(server(pp_size=4, tp_size=2), role)
+        assert (plan.pp_size, plan.attn_tp_size) == (4, 2)
+    assert plan_from_server_args(server(), "prefill").pp_size == 1
+    with pytest.raises(GeometryError, match=r"ServerArgs.pp_size='0' must be an integer >= 1"):
+        plan_from_server_args(server(pp_size="0"), "prefill")
+
+
 @pytest.mark.parametrize(
     "over, role, flag",
     [
-        (dict(pp_size=2), "prefill", "--pp-size=2"),
         (dict(dp_size=2), "prefill", "--dp-size=2"),
         # attention DP is served only with the routing a decode can follow
         (dict(attn_dp_size=2, load_balance_method="round_robin"), "prefill", "--load-balance-method='round_robin'"),

@@ -78,22 +78,57 @@ timings = st.dictionaries(
 )
 
 
+kv_pools = st.sampled_from(["", "draft"])  # protocol 6: the model's pool or a draft model's
+
+
+@st.composite
+def pp_stages(draw):
+    """Protocol 6: (pp_rank, pp_size, layer_start) of a prefill PP stage (0 without PP)."""
+    size = draw(st.integers(1, 8))
+    rank = draw(st.integers(0, size - 1))
+    return rank, size, draw(st.integers(0, 4096)) if size > 1 else 0
+
+
 @st.composite
 def prefill_registers(draw):
     size, rank = draw(tp_pairs())
-    return PrefillRegister(draw(names), draw(names), size, rank, draw(endpoints), draw(geometries()), draw(transports))
+    pool = draw(kv_pools)
+    pp_rank, pp_size, layer_start = draw(pp_stages())
+    return PrefillRegister(
+        draw(names),
+        draw(names),
+        size,
+        rank,
+        draw(endpoints),
+        draw(geometries()),
+        draw(transports),
+        kv_pool=pool,
+        draft_geometry=None if pool else draw(st.one_of(st.none(), geometries())),
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        layer_start=layer_start,
+    )
 
 
 @st.composite
 def bootstrap_replies(draw):
     size = draw(st.integers(1, 32))
+    pool = draw(kv_pools)
+    draft = None if pool else draw(st.one_of(st.none(), geometries()))
+    pp_rank, pp_size, layer_start = draw(pp_stages())
+    stages = tuple(sorted(draw(st.sets(st.integers(0, pp_size - 1), max_size=pp_size))))
+    pp = dict(pp_rank=pp_rank, pp_size=pp_size, layer_start=layer_start, pp_stages=stages)
     if draw(st.booleans()):
         ranks = [PrefillRankInfo(r, draw(endpoints), draw(names)) for r in range(size)]
-        return BootstrapReply(True, size, draw(geometries()), draw(transports), ranks, "")
+        return BootstrapReply(
+            True, size, draw(geometries()), draw(transports), ranks, "", kv_pool=pool, draft_geometry=draft, **pp
+        )
     registered = draw(st.lists(st.integers(0, size - 1), unique=True, max_size=size))
     ranks = [PrefillRankInfo(r, draw(endpoints), draw(names)) for r in registered]
     geometry = draw(st.one_of(st.none(), geometries()))
-    return BootstrapReply(False, draw(st.sampled_from([0, size])), geometry, "", ranks, draw(reasons))
+    return BootstrapReply(
+        False, draw(st.sampled_from([0, size])), geometry, "", ranks, draw(reasons), kv_pool=pool, draft_geometry=draft
+    )
 
 
 @st.composite
@@ -126,13 +161,22 @@ def decode_registers(draw):
 @st.composite
 def register_replies(draw):
     ok = draw(st.booleans())
-    return RegisterReply(draw(names), draw(st.integers(0, 1023)), ok, "" if ok else draw(reasons), draw(geometries()))
+    return RegisterReply(
+        draw(names),
+        draw(st.integers(0, 1023)),
+        ok,
+        "" if ok else draw(reasons),
+        draw(geometries()),
+        pool_mapped=ok and draw(st.booleans()),  # protocol 5: the prefill maps the decode's pool
+        pool_note=draw(error_texts),
+    )
 
 
 @st.composite
 def request_metas(draw):
     size, rank = draw(tp_pairs())
     staged = draw(st.booleans())
+    elected = draw(st.booleans())
     return RequestMeta(
         draw(rooms),
         draw(names),
@@ -141,11 +185,12 @@ def request_metas(draw):
         draw(counts),
         draw(page_id_arrays),
         draw(st.integers(-1, 2**31 - 1)),
-        draw(st.booleans()),
+        elected,
         draw(counts) if staged else -1,
         draw(positives) if staged else 0,
         draw(blobs) if staged else None,
         draw(counts),  # prefix_tokens
+        fused=elected and not staged and draw(st.booleans()),  # protocol 5: one pool -> pool copy
     )
 
 
@@ -168,7 +213,9 @@ def transfer_dones(draw):
 
 MESSAGE_STRATEGIES = {
     "PrefillRegister": prefill_registers(),
-    "BootstrapQuery": st.builds(BootstrapQuery, names, st.integers(0, 1023)),
+    "BootstrapQuery": st.builds(
+        BootstrapQuery, names, st.integers(0, 1023), kv_pool=kv_pools, pp_rank=st.integers(0, 1023)
+    ),
     "BootstrapReply": bootstrap_replies(),
     "DecodeRegister": decode_registers(),
     "RegisterReply": register_replies(),

@@ -367,12 +367,12 @@ def test_transfer_done_with_its_last_chunk_round_trips():
     assert decode(encode(DONE)).last_chunk is None
 
 
-@pytest.mark.parametrize("old", [2, 3])
+@pytest.mark.parametrize("old", [2, 3, 4, 5])
 def test_an_older_peer_is_refused_at_its_first_frame_naming_both_versions(old):
     _, tag, fields = envelope(REG)  # a decode rank's first frame to a prefill rank
     text = rejected(frame(old, tag, fields))
-    assert PROTOCOL_VERSION == 4
-    assert f"peer speaks protocol version {old}, this engine speaks 4" in text
+    assert PROTOCOL_VERSION == 6
+    assert f"peer speaks protocol version {old}, this engine speaks 6" in text
 
 
 def test_a_version_2_transfer_done_without_last_chunk_is_refused_naming_the_field():

@@ -380,3 +380,22 @@ def test_random_event_sequences_keep_the_invariants(side, steps):
         assert old not in (S, F), "a terminal state moved"
         assert new is F or new >= old
         assert (req.deadline is None) == req.is_terminal
+
+
+def test_on_terminal_is_called_once_when_the_request_ends():
+    calls = []
+    ok = RequestState(7, "prefill", 0.0)
+    ok.on_terminal(lambda: calls.append("ok"))
+    ok.handle(Event.BOOTSTRAPPED, 0.1)
+    ok.handle(Event.CHUNK_STARTED, 0.2)
+    assert calls == []  # live states do not call it
+    ok.handle(Event.TRANSFER_DONE, 0.3)
+    assert calls == ["ok"]
+    failed = RequestState(8, "decode", 0.0)
+    failed.on_terminal(lambda: calls.append("failed"))
+    failed.handle(Event.FAIL, 0.1, reason="peer gone")
+    with pytest.raises(LocalProtocolError):
+        failed.handle(Event.FAIL, 0.2, reason="again")  # terminal: refused, and not called again
+    assert calls == ["ok", "failed"]
+    failed.on_terminal(lambda: calls.append("late"))  # already ended: called at once
+    assert calls == ["ok", "failed", "late"]

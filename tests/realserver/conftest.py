@@ -92,6 +92,9 @@ class Fleet:
 
 
 PREFILL_CHUNK = 64  # --chunked-prefill-size: a prompt over 64 tokens moves in several chunks
+# The reference servers of ``references`` while that fixture is up, by TP size: a module that
+# needs one reference only reuses it instead of starting its own (``reference_server_tp1``).
+RUNNING_REFERENCES: dict[int, h.Server] = {}
 
 
 @pytest.fixture(scope="session")
@@ -104,8 +107,10 @@ def references(server_env, tiny_model, logs):
         s.args += chunk
     try:
         fleet.start(*ref.values())
+        RUNNING_REFERENCES.update(ref)
         yield ref
     finally:
+        RUNNING_REFERENCES.clear()
         fleet.stop()
 
 

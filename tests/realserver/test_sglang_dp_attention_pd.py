@@ -16,12 +16,12 @@ SGLang's CPU path needs three small patches for attention DP and DeepSeek MLA
 from __future__ import annotations
 
 import random
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.ports import bindable
 from tests.realserver import harness as h
 from tests.realserver.conftest import PREFILL_CHUNK, Fleet
 
@@ -44,21 +44,12 @@ DERIVED = range(233, 241)
 _reserved: set[int] = set()
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def fleet_port() -> int:
     """A free port whose DP-derived ports are free too, clear of every port handed out."""
     for _ in range(500):
         p = h.free_port()
         mine = [p] + [p + d for d in DERIVED]
-        if p + DERIVED[-1] < 65536 and not _reserved & set(mine) and all(_bindable(q) for q in mine[1:]):
+        if p + DERIVED[-1] < 65536 and not _reserved & set(mine) and all(bindable(q) for q in mine[1:]):
             _reserved.update(mine)
             return p
     raise RuntimeError("no free port with free DP-derived ports found")

@@ -13,11 +13,16 @@ How bytes move, by the kind of the destination region:
   either process's ``CUDA_VISIBLE_DEVICES`` (``remote_view`` hands out no view of a GPU
   this process cannot see: such writes go through ``write()``).
 
+``mapped_device`` / ``remote_view`` (the optional capability of ``transports.base``): shared
+memory and CUDA IPC regions of a visible GPU are mapped here, so a producer (the engine's
+gather into a reader's staging slot, or its fused pool -> pool copy) writes them in place.
+
 CPU writes complete inside ``write()`` on the caller's thread (no receiver thread exists).
 A peer's exit is seen through a pidfd: writes after it fail with ``PeerGoneError``. Memory
 mapped by CUDA IPC is never written once its exporter has exited (that can corrupt this
-process's CUDA context): every CUDA post and every CUDA ``remote_view`` first polls the
+process's CUDA context): every CUDA post and every ``remote_view`` first polls the
 peer's pidfd (one non-blocking ``select``, about a microsecond per batch, not per entry),
+and a view polls it again when its block ends (a peer gone meanwhile fails the block),
 and a peer in another pid namespace, whose exit cannot be seen, is refused CUDA IPC.
 
 Trust boundary: the Unix user. Any process of the same user can open ``/proc/<pid>/fd/<n>``
@@ -377,10 +382,28 @@ class LocalTransport(Transport):
         finally:
             self._regions.release(src)
 
+    def _mapped_device(self, remote: RemoteRegion) -> str | None:
+        """Shared memory: ``cpu``; CUDA IPC of a GPU visible here: its device; private
+        (CMA) memory, and CUDA IPC reached by peer access from another device: None."""
+        lease = self._targets.acquire((remote.peer_id, remote.region_id))
+        if lease is None:
+            raise ValueError(
+                f"remote region {remote.region_id} of peer {remote.peer_id!r} is not imported (import_region it first)"
+            )
+        try:
+            target = lease.value
+            if target.kind == "shm" or (target.kind == "cuda" and target.gpu_visible):
+                return target.device
+            return None
+        finally:
+            self._targets.release(lease)
+
     @contextlib.contextmanager
     def _remote_view(self, remote: RemoteRegion, offset: int, nbytes: int):
         """Shared memory and CUDA IPC regions are mapped here: hand out a view (leased, so
-        the mapping outlives it); private (CMA) regions are not."""
+        the mapping outlives it); private (CMA) regions are not. The peer's pidfd is polled
+        before (a CUDA IPC mapping of an exited exporter must not be written) and, for a
+        view handed out, after the block: a peer that exited meanwhile fails it."""
         peer = self._peer(remote.peer_id)
         if peer.failed is not None:
             raise PeerGoneError(peer.failed)
@@ -391,18 +414,23 @@ class LocalTransport(Transport):
             )
         try:
             target = lease.value
-            if target.kind == "cuda" and target.gpu_visible:
-                gone = self._gone(remote.peer_id, peer)
-                if gone is not None:
-                    raise PeerGoneError(gone)
+            mapped = (target.kind == "cuda" and target.gpu_visible) or (target.kind == "shm" and nbytes > 0)
+            if not mapped:
+                yield None
+                return
+            gone = self._gone(remote.peer_id, peer)
+            if gone is not None:
+                raise PeerGoneError(f"{gone}; nothing was written to its memory")
+            if target.kind == "cuda":
                 yield target.mapping[offset : offset + nbytes]
-            elif target.kind == "shm" and nbytes:
+            else:
                 import torch
 
                 raw = (ctypes.c_char * nbytes).from_address(target.base + offset)
                 yield torch.frombuffer(raw, dtype=torch.uint8, count=nbytes)
-            else:
-                yield None
+            gone = self._gone(remote.peer_id, peer)  # the block ended: did the bytes reach a live peer?
+            if gone is not None:
+                raise PeerGoneError(f"{gone} while its memory was written through a mapped view")
         finally:
             self._targets.release(lease)
 

@@ -98,7 +98,27 @@ sys.meta_path.insert(0, _Finder())
 # time a request's KV has arrived; when it holds "W/P" (a prefill TP rank W of P ranks), the
 # KV heads that writer delivered are zeroed in the decode's pool before SGLang decodes, as if
 # that writer had sent zeros. Each zeroing appends a line to the file + ".log".
+# "landed W/P" zeroes them earlier: once every writer reported done, before the receiver checks
+# the KV checksums (--disaggregation-enable-kv-checksum), through its after_kv_landed hook.
+# "stage S" zeroes every head of the layers prefill PP stage S delivered (a decode of PP 1).
 CORRUPT_ENV = "KVXFER_TEST_CORRUPT_FILE"
+LANDED = "landed "
+STAGE = "stage "
+
+
+def _zero_stage(receiver, stage: int) -> str:
+    mgr = receiver.kv_mgr
+    layers = mgr.prefill_info_table[receiver.bootstrap_addr].pp_layers[stage]
+    g = mgr.layout.geometry
+    index = list(layers) + ([] if g.mla else [g.num_layers + i for i in layers])
+    pool = mgr.engine.pool
+    for i in index:
+        for p in receiver._kvxfer_pages:
+            pool.buffers[i][int(p) * g.page_size : (int(p) + 1) * g.page_size] = 0
+    return (
+        f"decode rank {mgr.layout.tp_rank}: zeroed layers {layers.start}..{layers.stop - 1} (PP stage {stage}) "
+        f"of {len(receiver._kvxfer_pages)} pages"
+    )
 
 
 def _zero_writer(receiver, spec: str) -> str:
@@ -120,6 +140,22 @@ def _zero_writer(receiver, spec: str) -> str:
     return f"decode rank {lay.tp_rank}: zeroed heads {lo}..{hi - 1} of {len(receiver._kvxfer_pages)} pages"
 
 
+def _corrupt_spec() -> str:
+    try:
+        return open(os.environ[CORRUPT_ENV]).read().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def _zero_and_log(receiver, spec: str) -> None:
+    if spec.startswith(STAGE):
+        what = _zero_stage(receiver, int(spec[len(STAGE) :]))
+    else:
+        what = _zero_writer(receiver, spec)
+    with open(os.environ[CORRUPT_ENV] + ".log", "a") as f:
+        f.write(f"room {receiver.bootstrap_room}: {what}\n")
+
+
 def _patch_receiver(module) -> None:
     cls = module.KVXferKVReceiver
     send_metadata, poll = cls.send_metadata, cls.poll
@@ -132,18 +168,18 @@ def _patch_receiver(module) -> None:
         state = poll(self)
         if state == 4 and not getattr(self, "_kvxfer_corrupted", False):  # KVPoll.Success
             self._kvxfer_corrupted = True
-            path = os.environ[CORRUPT_ENV]
-            try:
-                spec = open(path).read().strip()
-            except FileNotFoundError:
-                spec = ""
-            if spec:
-                what = _zero_writer(self, spec)
-                with open(path + ".log", "a") as f:
-                    f.write(f"room {self.bootstrap_room}: {what}\n")
+            spec = _corrupt_spec()
+            if spec and not spec.startswith(LANDED):
+                _zero_and_log(self, spec)
         return state
 
+    def landed(receiver) -> None:
+        spec = _corrupt_spec()
+        if spec.startswith(LANDED):
+            _zero_and_log(receiver, spec[len(LANDED) :])
+
     cls.send_metadata, cls.poll = patched_send_metadata, patched_poll
+    module.after_kv_landed = landed
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):

@@ -1,0 +1,468 @@
+"""SGLang's transfer manager and bootstrap server for the kvxfer backend.
+
+Owns ``KVXferKVManager`` (one SGLang rank's manager: an engine manager over SGLang's own KV
+pool memory, no copy; a second one over a draft model's pool; on a decode rank facing a
+prefill of several PP stages, one per stage's layer range over a layer-slice view of the same
+pool) and ``KVXferKVBootstrapServer``. The decode side's parallel info
+(``try_ensure_parallel_info``, ``prefill_info_table``) and which engine manager serves which
+part of a request (``receive_parts``) are decided here; the requests themselves are
+``sglang_requests``. Must not: drive a request, or read a pool's bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sglang_kvxfer import envs
+from sglang_kvxfer.engine.config import EngineConfig, parse_host_port
+from sglang_kvxfer.errors import KVXferError
+from sglang_kvxfer.geometry import KVGeometry
+from sglang_kvxfer.integrations.sglang_args import SglangLayout, kv_dtype, layout_from_kv_args, plan_from_server_args
+from sglang_kvxfer.integrations.sglang_common import (
+    DRAFT,
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    KVArgs,
+    PrefillInfo,
+    draft_problem,
+    local_host,
+    log,
+    resolved,
+    role_of,
+    seam,
+    sglang_timeout,
+    transport_name,
+)
+from sglang_kvxfer.integrations.sglang_pp import (
+    PrefillTopology,
+    StageStatus,
+    TopologyLookup,
+    layer_slice,
+    pp_rule_problem,
+    stage_label,
+    tiling_problem,
+)
+
+if TYPE_CHECKING:
+    from sglang_kvxfer.engine.decode import DecodeManager
+    from sglang_kvxfer.engine.manager import RankBase
+    from sglang_kvxfer.engine.prefill import PrefillManager
+    from sglang_kvxfer.integrations.sglang_requests import KVXferKVReceiver
+
+__all__ = ["KVXferKVManager", "KVXferKVBootstrapServer", "ReceivePart"]
+
+
+@dataclass(frozen=True)
+class ReceivePart:
+    """One engine request of a decode request: which engine manager receives which layers
+    from which prefill group address; ``ptrs`` are that manager's buffers (for the KV
+    checksum); ``aux``: whether the request's metadata slot comes from this part."""
+
+    label: str  # "" for the model's whole pool; "PP stage 1 (layers [16, 32))" for a stage
+    engine: DecodeManager
+    address: str
+    config: EngineConfig
+    ptrs: tuple[int, ...]
+    aux: bool
+
+
+class KVXferKVManager(BaseKVManager):
+    """One SGLang rank's transfer manager: an engine manager over SGLang's KV pool."""
+
+    supports_host_destination = False
+
+    def __init__(self, args: KVArgs, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False):
+        from sglang_kvxfer.engine import KVManager, KVPool
+
+        self.kv_args = args
+        self.disaggregation_mode = disaggregation_mode
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        self.role = role_of(disaggregation_mode)
+        self.plan = plan_from_server_args(resolved(server_args), self.role)
+        if self.role == "decode" and os.environ.get(
+            "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", ""
+        ).strip().lower() in ("1", "true", "yes", "on"):
+            raise KVXferError(
+                "the kvxfer transfer backend does not support SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK: "
+                "its bootstrap has no per-request DP rank registry; the decode routes by the router's "
+                "data_parallel_rank or bootstrap_room % dp_size"
+            )
+        dtype = kv_dtype(getattr(args, "kv_cache_dtype_str", None), getattr(server_args, "dtype", None))
+        draft_dtype = getattr(server_args, "speculative_draft_kv_cache_dtype", None)
+        self.layout: SglangLayout = layout_from_kv_args(
+            args,
+            tp_size=self.plan.attn_tp_size,
+            mla=self.is_mla_backend,
+            dtype=dtype,
+            total_kv_heads=lambda: seam("_model_total_kv_heads")(server_args),
+            draft_kv=lambda: seam("_draft_model_kv")(server_args),
+            draft_dtype=None if str(draft_dtype or "auto").lower() == "auto" else kv_dtype(draft_dtype),
+        )
+        lay = self.layout
+        self.pp_size, self.pp_rank, layer_start = self._pp_stage(args)
+        gpu_id = int(getattr(args, "gpu_id", 0) or 0)
+        device = "cpu" if self.plan.device == "cpu" else f"cuda:{gpu_id}"
+        # SGLang's deadlines where ours are not set (None: ours, as EngineConfig's defaults read them)
+        bootstrap_s = sglang_timeout(envs.KVXFER_BOOTSTRAP_TIMEOUT_S, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")
+        waiting_s = sglang_timeout(envs.KVXFER_WAITING_TIMEOUT_S, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT")
+        self.dp_rank = self.plan.dp_rank(int(args.engine_rank))
+        draft = lay.draft
+        prefill = self.role == "prefill"
+        self.config = EngineConfig(
+            self.role,
+            lay.geometry,
+            lay.tp_size,
+            lay.tp_rank,
+            self.plan.bootstrap,
+            transport=transport_name(device, self.plan.ib_device, gpu_id),
+            host=local_host(),
+            device=device,
+            bootstrap_timeout_s=envs.KVXFER_BOOTSTRAP_TIMEOUT_S.get() if bootstrap_s is None else bootstrap_s,
+            waiting_timeout_s=envs.KVXFER_WAITING_TIMEOUT_S.get() if waiting_s is None else waiting_s,
+            dp_rank=self.dp_rank,
+            dp_size=self.plan.attn_dp_size if prefill else 1,
+            draft_geometry=draft.geometry if draft is not None and prefill else None,
+            pp_rank=self.pp_rank if prefill else 0,
+            pp_size=self.pp_size if prefill else 1,
+            layer_start=layer_start,
+        )
+        # The draft model's pool: a manager of its own, registered under kv_pool="draft".
+        self.draft_config: EngineConfig | None = None
+        if draft is not None:
+            self.draft_config = dataclasses.replace(
+                self.config, geometry=draft.geometry, kv_pool="draft", draft_geometry=None
+            )
+        self._device = device
+        pool = KVPool.from_pointers(self.config.placement, lay.kv_ptrs, lay.kv_lens, device)
+        self.engine: RankBase = KVManager(self.config, pool)
+        self.draft_engine: RankBase | None = None
+        self.stage_status: StageStatus | None = None
+        try:
+            if draft is not None and self.draft_config is not None:
+                draft_pool = KVPool.from_pointers(self.draft_config.placement, draft.kv_ptrs, draft.kv_lens, device)
+                self.draft_engine = KVManager(self.draft_config, draft_pool)
+            if prefill and self.pp_size > 1:
+                # SGLang's PP prefill asks stage 0 whether a request is bootstrapped on every stage.
+                self.stage_status = StageStatus(
+                    self.pp_rank,
+                    self.pp_size,
+                    seam("_pp_exchange")(server_args, args),
+                    key=self.config.key,
+                    host=self.config.host,
+                    session=self.engine.session,
+                )
+        except BaseException:
+            self.close()
+            raise
+        # --disaggregation-enable-kv-checksum: verified here on CPU pools (per writer); on GPU
+        # pools SGLang's scheduler digest covers ranks of the same TP width.
+        self.kv_checksum = self.plan.kv_checksum and device == "cpu"
+        if self.kv_checksum:
+            seam("_defer_sglang_cpu_checksum")()
+        elif self.plan.kv_checksum:
+            log.info(
+                "kvxfer: --disaggregation-enable-kv-checksum: this backend digests CPU pools only; on %s "
+                "SGLang's own digest is verified between ranks of the same TP width",
+                device,
+            )
+        self._unverified: set[str] = set()  # prefill addresses whose missing digests were logged
+        self.prefill_info_table: dict[str, PrefillInfo] = {}
+        self._lookups: dict[str, TopologyLookup] = {}  # decode: the prefill behind each bootstrap
+        # decode PP 1 facing PP stages: (engine, config, buffers) per stage layer range
+        self._slices: dict[tuple[int, int], tuple[DecodeManager, EngineConfig, tuple[int, ...]]] = {}
+        dp = self.plan.attn_dp_size
+        where = f" of DP group {self.dp_rank}/{dp}" if prefill and dp > 1 else f" (attention DP {dp})" if dp > 1 else ""
+        if self.pp_size > 1:
+            span = f", layers [{layer_start}, {layer_start + lay.geometry.num_layers})" if prefill else ""
+            where += f", PP stage {self.pp_rank}/{self.pp_size}{span}"
+        log.info(
+            "kvxfer %s rank %d/%d%s: %s%s over %s",
+            self.role,
+            lay.tp_rank,
+            lay.tp_size,
+            where,
+            lay.geometry,
+            f" and draft-model KV {draft.geometry}" if draft is not None else "",
+            self.config.transport,
+        )
+
+    def _pp_stage(self, args: KVArgs) -> tuple[int, int, int]:
+        """``(pp_size, pp_rank, first layer of this rank's pool)`` from SGLang's ``--pp-size``
+        and ``KVArgs.pp_rank`` / ``prefill_start_layer`` (a decode's first layer is not known
+        to it, nor needed: its stage talks to the prefill stage of its own rank)."""
+        size = self.plan.pp_size
+        rank = getattr(args, "pp_rank", 0) or 0
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            raise KVXferError(f"KVArgs.pp_rank={rank!r} must be an int in [0, --pp-size={size})")
+        if size > 1 and self.layout.draft is not None:
+            raise KVXferError(
+                f"the kvxfer transfer backend does not support a {DRAFT} with --pp-size={size}: which PP stage "
+                "holds the draft model's pool is not implemented; use another --disaggregation-transfer-backend "
+                "for speculative decoding with pipeline parallelism"
+            )
+        if self.role != "prefill" or size == 1:
+            return size, rank, 0
+        start = getattr(args, "prefill_start_layer", None)
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise KVXferError(f"KVArgs.prefill_start_layer={start!r} must be an int >= 0 (PP stage {rank})")
+        return size, rank, start
+
+    @property
+    def prefill_engine(self) -> PrefillManager:
+        """``engine`` of a prefill manager (TypeError on a decode one)."""
+        from sglang_kvxfer.engine.prefill import PrefillManager
+
+        engine = self.engine
+        if not isinstance(engine, PrefillManager):
+            raise TypeError(f"the kvxfer {self.role} manager has no prefill engine")
+        return engine
+
+    @property
+    def decode_engine(self) -> DecodeManager:
+        """``engine`` of a decode manager (TypeError on a prefill one)."""
+        from sglang_kvxfer.engine.decode import DecodeManager
+
+        engine = self.engine
+        if not isinstance(engine, DecodeManager):
+            raise TypeError(f"the kvxfer {self.role} manager has no decode engine")
+        return engine
+
+    @property
+    def prefill_draft_engine(self) -> PrefillManager | None:
+        """The prefill engine of the draft model's pool (None without a draft model)."""
+        from sglang_kvxfer.engine.prefill import PrefillManager
+
+        engine = self.draft_engine
+        if engine is not None and not isinstance(engine, PrefillManager):
+            raise TypeError(f"the kvxfer {self.role} manager has no prefill draft engine")
+        return engine
+
+    @property
+    def decode_draft_engine(self) -> DecodeManager | None:
+        """The decode engine of the draft model's pool (None without a draft model)."""
+        from sglang_kvxfer.engine.decode import DecodeManager
+
+        engine = self.draft_engine
+        if engine is not None and not isinstance(engine, DecodeManager):
+            raise TypeError(f"the kvxfer {self.role} manager has no decode draft engine")
+        return engine
+
+    def register_to_bootstrap(self) -> None:
+        """Prefill: wait until this rank is registered with the bootstrap (the engine
+        registers in the background from construction); raise if that failed or timed out.
+        Decode: nothing to register."""
+        if self.role == "prefill":
+            self.prefill_engine.wait_registered(self.config.bootstrap_timeout_s)
+            draft = self.prefill_draft_engine
+            if draft is not None:
+                draft.wait_registered(self.config.bootstrap_timeout_s)
+
+    # -- what SGLang's decode scheduler calls beyond the base class ------------------------------
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Non-blocking: True once the prefill at ``bootstrap_addr`` is known (or its lookup
+        failed: the requests then fail with the reason). Its PP stages are learned first; each
+        engine manager that will receive from it then looks up its group (stage)."""
+        from sglang_kvxfer.engine import bootstrap
+
+        if self.role != "decode":
+            raise ValueError("try_ensure_parallel_info() is a decode-side call")
+        try:
+            parse_host_port(bootstrap_addr, "bootstrap_addr")
+        except ValueError:
+            return False
+        topo = self._topology(bootstrap_addr)
+        if isinstance(topo, str):  # the prefill never registered
+            self.prefill_info_table[bootstrap_addr] = PrefillInfo(attn_tp_size=0, problem=topo, routable=False)
+            return True
+        if topo is None:
+            return False
+        problem = self._pp_problem(topo)
+        if problem:
+            info = PrefillInfo(
+                attn_tp_size=topo.tp_size,
+                dp_size=topo.dp_size,
+                problem=problem,
+                pp_size=topo.pp_size,
+                pp_layers=topo.pp_layers,
+                routable=False,
+            )
+            self.prefill_info_table[bootstrap_addr] = info
+            return True
+        statuses = [
+            part.engine.prefill_group_status(bootstrap.group_address(bootstrap_addr, 0, pp_rank))
+            for pp_rank, part in self._stage_parts(bootstrap_addr, topo, 0)
+        ]
+        if any(s[0] not in ("ready", "failed") for s in statuses):
+            return False
+        status = "failed" if any(s[0] == "failed" for s in statuses) else "ready"
+        tp_size, geometry = statuses[0][2], statuses[0][3]
+        dp_size = 1
+        dp_groups: tuple[int, ...] = (0,)  # a prefill without attention DP
+        draft: KVGeometry | None = None
+        if status == "ready":  # DP group 0 is registered: ask how many groups there are
+            try:
+                dp_size, dp_groups, draft = self._prefill_dp_groups(bootstrap_addr)
+            except KVXferError as exc:
+                log.warning("kvxfer: the DP groups behind bootstrap %s: %s (asking again)", bootstrap_addr, exc)
+                return False
+        ours = self.layout.geometry.page_size
+        if geometry is not None and geometry.page_size != ours:
+            # The scheduler counts whole pages on both sides (as SGLang's own backends
+            # require): the page sizes must agree.
+            problem = (
+                f"page_size: prefill={geometry.page_size} decode={ours} (start both servers with the same --page-size)"
+            )
+        if status == "ready" and not problem:
+            problem = draft_problem(draft, self.layout.draft.geometry if self.layout.draft else None)
+        self.prefill_info_table[bootstrap_addr] = PrefillInfo(
+            attn_tp_size=tp_size,
+            dp_size=dp_size,
+            problem=problem,
+            dp_groups=dp_groups,
+            draft_geometry=draft,
+            pp_size=topo.pp_size,
+            pp_layers=topo.pp_layers,
+        )
+        return True
+
+    def _topology(self, bootstrap_addr: str) -> PrefillTopology | str | None:
+        """The prefill's stages (None while looked up; the reason if the lookup failed)."""
+        lookup = self._lookups.get(bootstrap_addr)
+        if lookup is None:
+            eng = self.decode_engine
+            lookup = self._lookups[bootstrap_addr] = TopologyLookup(
+                bootstrap_addr,
+                key=self.config.key,
+                session=eng.session,
+                tp_rank=eng.tp_rank,
+                timeout_s=self.config.bootstrap_timeout_s,
+            )
+        if lookup.result is not None:
+            return lookup.result
+        if lookup.error:  # reported once; the next call looks again (the prefill may start later)
+            del self._lookups[bootstrap_addr]
+            lookup.close()
+            return lookup.error
+        return None
+
+    def _pp_problem(self, topo: PrefillTopology) -> str:
+        """Why this decode rank cannot receive from the prefill's PP stages ("" if it can)."""
+        problem = pp_rule_problem(self.pp_size, topo.pp_size)
+        if problem or topo.pp_size == 1:
+            return problem
+        ours = self.layout.geometry.num_layers
+        if self.pp_size == 1:
+            return tiling_problem(topo.pp_layers, ours)
+        theirs = topo.pp_layers[self.pp_rank]
+        if len(theirs) != ours:
+            return (
+                f"{stage_label(self.pp_rank, theirs)} of the prefill holds {len(theirs)} layers, this decode's PP "
+                f"stage {self.pp_rank} holds {ours}: serve the same model with the same layer split "
+                "(SGLANG_PP_LAYER_PARTITION) on both servers"
+            )
+        return ""
+
+    def _stage_parts(
+        self, bootstrap_addr: str, topo: PrefillTopology | None, dp_rank: int
+    ) -> list[tuple[int, ReceivePart]]:
+        """``(prefill PP stage, part)`` of a request routed to DP group ``dp_rank``: the whole
+        pool from the prefill's only stage, or from the stage of this decode's own PP rank;
+        with a decode of PP 1 and a prefill of several stages, one part per stage over the
+        layers it holds (the last stage's part delivers the metadata slot, as SGLang sends it
+        from the last PP rank)."""
+        from sglang_kvxfer.engine import bootstrap
+
+        lay = self.layout
+        if topo is None or topo.pp_size == 1 or self.pp_size == topo.pp_size:
+            staged = topo is not None and topo.pp_size > 1
+            s = self.pp_rank if staged else 0
+            label = stage_label(s, topo.pp_layers[s]) if topo is not None and staged else ""
+            address = bootstrap.group_address(bootstrap_addr, dp_rank, s)
+            return [(s, ReceivePart(label, self.decode_engine, address, self.config, lay.kv_ptrs, True))]
+        parts = []
+        for s, layers in enumerate(topo.pp_layers):
+            engine, config, ptrs = self._slice(layers)
+            address = bootstrap.group_address(bootstrap_addr, dp_rank, s)
+            aux = s == topo.pp_size - 1
+            parts.append((s, ReceivePart(stage_label(s, layers), engine, address, config, ptrs, aux)))
+        return parts
+
+    def _slice(self, layers: range) -> tuple[DecodeManager, EngineConfig, tuple[int, ...]]:
+        """An engine manager over ``layers`` of this rank's pool (a layer-slice view of
+        SGLang's buffers), made once per layer range and closed with this manager."""
+        from sglang_kvxfer.engine import KVManager, KVPool
+        from sglang_kvxfer.engine.decode import DecodeManager
+
+        key = (layers.start, layers.stop)
+        made = self._slices.get(key)
+        if made is None:
+            lay = self.layout
+            geometry, ptrs, lens = layer_slice(lay.geometry, lay.kv_ptrs, lay.kv_lens, layers)
+            config = dataclasses.replace(self.config, geometry=geometry)
+            engine = KVManager(config, KVPool.from_pointers(config.placement, ptrs, lens, self._device))
+            if not isinstance(engine, DecodeManager):  # KVManager builds one for a decode config
+                raise TypeError(f"expected a decode engine for layers {key}, got {type(engine).__name__}")
+            made = self._slices[key] = (engine, config, ptrs)
+        return made
+
+    def receive_parts(self, bootstrap_addr: str, dp_rank: int) -> list[ReceivePart]:
+        """The engine requests a decode request routed to prefill DP group ``dp_rank`` is made
+        of (one over the whole pool from DP group ``dp_rank`` while the prefill's stages are
+        not known: a request inited before ``try_ensure_parallel_info`` said True)."""
+        lookup = self._lookups.get(bootstrap_addr)
+        topo = lookup.result if lookup is not None else None
+        return [part for _, part in self._stage_parts(bootstrap_addr, topo, dp_rank)]
+
+    def _prefill_dp_groups(self, bootstrap_addr: str) -> tuple[int, tuple[int, ...], KVGeometry | None]:
+        """``(dp_size, registered DP groups, draft-model pool geometry)`` of the prefill
+        behind ``bootstrap_addr``: one query (the bootstrap just answered this rank's engine),
+        under a session of its own."""
+        from sglang_kvxfer.engine import bootstrap
+        from sglang_kvxfer.protocol.messages import BootstrapQuery
+
+        eng = self.decode_engine
+        query = BootstrapQuery(session=f"{eng.session}.dp", tp_rank=eng.tp_rank)
+        reply = bootstrap.request(bootstrap_addr, query, timeout_s=2.0, key=self.config.key)
+        return max(reply.dp_size, 1), tuple(reply.dp_groups) or (0,), reply.draft_geometry
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        # A decode rank of another TP width receives a slice of what the prefill digested; a
+        # decode of PP 1 receives every stage's layers, where each stage digested its own.
+        info = self.prefill_info_table.get(bootstrap_addr)
+        return info is not None and info.attn_tp_size == self.layout.tp_size and info.pp_size == self.pp_size
+
+    def submit_prefill_recompute(self, receiver: KVXferKVReceiver, payload: Any = None) -> None:
+        receiver._fail(
+            "PD retraction with prefill recompute (rebootstrap) is not supported by the kvxfer transfer backend"
+        )
+
+    def close(self) -> None:
+        """Stop the engine managers (threads, sockets, registrations). Idempotent."""
+        for lookup in getattr(self, "_lookups", {}).values():
+            lookup.close()
+        for engine, _, _ in getattr(self, "_slices", {}).values():
+            engine.close()
+        if self.stage_status is not None:
+            self.stage_status.close()
+        if self.draft_engine is not None:
+            self.draft_engine.close()
+        self.engine.close()
+
+
+class KVXferKVBootstrapServer(BaseKVBootstrapServer):
+    """SGLang starts one on the prefill node at ``--disaggregation-bootstrap-port``; the
+    prefill ranks register there and decode ranks look them up (IPv4)."""
+
+    def __init__(self, host: str, port: int):
+        from sglang_kvxfer.engine import BootstrapServer
+
+        self.host, self.port = host, port
+        bind = "0.0.0.0" if host in ("", "0.0.0.0", "::", "*") else host
+        self.server = BootstrapServer(bind, int(port))
+
+    def close(self) -> None:
+        self.server.close()

@@ -1,0 +1,596 @@
+"""SGLang's per-request sender and receiver for the kvxfer backend.
+
+Owns ``KVXferKVSender`` (prefill) and ``KVXferKVReceiver`` (decode), what they share
+(``_Request``: the monotonic status and the failure record) and ``_Parts``: the engine
+requests one SGLang request drives. A request is one engine request per part: the model's KV,
+a draft model's KV over the same pages, and on a decode of PP 1 facing a prefill of several
+PP stages, one per stage over the layers it holds. It succeeds only when every part did; the
+first failure fails it and aborts the others.
+
+SGLang's contract kept here: polls return ``KVPoll`` ints, move forward only, and ``Failed``
+is terminal; ``failure_exception()`` raises an error with ``failure_reason`` and
+``is_from_another_rank``; a bad call from the scheduler fails that request with the reason
+instead of raising into the event loop; on the decode side the aux (metadata) slot is written
+before ``Success`` is reported, so SGLang's metadata gate sees the request's
+``bootstrap_room``. Must not: build engine managers (``sglang_manager``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sglang_kvxfer import envs
+from sglang_kvxfer.engine.config import EngineConfig, parse_host_port
+from sglang_kvxfer.errors import KVXferError
+from sglang_kvxfer.integrations import sglang_checksum as checksum
+from sglang_kvxfer.integrations.sglang_common import (
+    DRAFT,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVPoll,
+    KVTransferMetric,
+    KVXferTransferError,
+    Synchronizable,
+    log,
+    page_array,
+    prefix_tokens,
+    seam,
+)
+from sglang_kvxfer.integrations.sglang_manager import KVXferKVManager
+
+if TYPE_CHECKING:
+    from sglang_kvxfer.engine import KVReceiver, KVSender
+    from sglang_kvxfer.metrics import RequestRecord
+
+__all__ = ["KVXferKVSender", "KVXferKVReceiver"]
+
+
+class _Parts:
+    """The engine requests of one SGLang request, each with a label ("" for the model's
+    whole pool). It succeeds only when every part did; the first failure fails it (its
+    reason names the part) and aborts the others."""
+
+    def __init__(self, parts: list[tuple[str, KVSender | KVReceiver]]):
+        if not parts:
+            raise ValueError("a request needs at least one engine request")
+        self.parts = parts
+
+    def poll(self) -> int:
+        states = [int(h.poll()) for _, h in self.parts]
+        if KVPoll.Failed in states:
+            reason = self.failure_reason or "the transfer failed"
+            for (_, h), st in zip(self.parts, states):
+                if st not in (KVPoll.Failed, KVPoll.Success):
+                    h.abort(reason)
+            return int(KVPoll.Failed)
+        if all(st == KVPoll.Success for st in states):
+            return int(KVPoll.Success)
+        return min(st for st in states if st != KVPoll.Success)
+
+    def state(self) -> int:
+        """The lowest status of the parts, without acting on a failure."""
+        return min(int(h.poll()) for _, h in self.parts)
+
+    @property
+    def failure_reason(self) -> str | None:
+        for what, h in self.parts:
+            reason = h.failure_reason
+            if reason is not None and int(h.poll()) == KVPoll.Failed:
+                return f"{what}: {reason}" if what else reason
+        return None
+
+    def abort(self, reason: str) -> None:
+        for _, h in self.parts:
+            h.abort(reason)
+
+    def clear(self) -> None:
+        for _, h in self.parts:
+            h.clear()
+
+    @property
+    def record(self) -> _PartsRecord:
+        return _PartsRecord(tuple((what, h.record) for what, h in self.parts))
+
+
+@dataclass(frozen=True)
+class _PartsRecord:
+    """The transfer record of a request: its first part's, with every part's bytes and ops
+    added; a draft model's also shown apart (``draft_bytes``/``draft_ops``), each PP stage's
+    in ``pp_stages``."""
+
+    parts: tuple[tuple[str, RequestRecord], ...]
+
+    def to_dict(self) -> dict:
+        (first_label, first), rest = self.parts[0], self.parts[1:]
+        line = first.to_dict()
+        stages = [] if first_label in ("", DRAFT) else [(first_label, first)]
+        for what, d in rest:
+            line.update(bytes=line["bytes"] + d.bytes, ops=line["ops"] + d.ops)
+            if what == DRAFT:
+                line.update(draft_bytes=d.bytes, draft_ops=d.ops)
+            else:
+                stages.append((what, d))
+            if not d.ok and line.get("ok"):
+                line.update(ok=False, reason=f"{what}: {d.reason}")
+        if stages:
+            line["pp_stages"] = [{"stage": what, "bytes": d.bytes, "ops": d.ops, "ok": d.ok} for what, d in stages]
+        return line
+
+
+class _Request:
+    """What a sender and a receiver share: the monotonic status and the failure record."""
+
+    def _setup(self, room: Any) -> None:
+        if isinstance(room, bool) or not isinstance(room, (int, np.integer)):
+            raise ValueError(f"bootstrap_room={room!r} must be an int")
+        self.bootstrap_room = int(room)
+        self.conclude_state: int | None = None
+        self._status = KVPoll.Bootstrapping
+        self._reason: str | None = None
+        self._engine: _Parts | None = None  # the engine's requests, once made
+
+    def _observe(self, state: int) -> int:
+        if state == KVPoll.Failed or state == KVPoll.Success:
+            self.conclude_state = int(state)
+            self._write_record()
+            return self.conclude_state
+        self._status = max(self._status, int(state))
+        return self._status
+
+    def _fail(self, reason: str) -> None:
+        """Fail this request here and tell the peers (no-op once concluded)."""
+        if self.conclude_state is not None:
+            return
+        self._reason = reason
+        self.conclude_state = KVPoll.Failed
+        if self._engine is not None:
+            self._engine.abort(reason)
+        log.warning("kvxfer room %d failed: %s", self.bootstrap_room, reason)
+        self._write_record()
+
+    def _write_record(self) -> None:
+        """Append this request's record to ``KVXFER_RECORDS_FILE`` (once; never raises)."""
+        path = envs.KVXFER_RECORDS_FILE.get()
+        if not path or self._engine is None or getattr(self, "_recorded", False):
+            return
+        self._recorded = True
+        try:
+            line = self._engine.record.to_dict()
+            if self._reason and not line.get("reason"):
+                line.update(ok=False, reason=self._reason)
+            mgr = getattr(self, "kv_mgr", None)
+            if mgr is not None and mgr.pp_size > 1:  # this rank's PP stage
+                line.update(pp_rank=mgr.pp_rank, pp_size=mgr.pp_size)
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except Exception:
+            log.warning("kvxfer room %d: could not append its record to %s", self.bootstrap_room, path, exc_info=True)
+
+    def _fail_from(self, where: str, exc: Exception) -> None:
+        """A scheduler call failed: fail this request with why, never raise into the loop."""
+        if isinstance(exc, (ValueError, TypeError, KVXferError)):
+            return self._fail(f"{where}: {exc}")
+        log.exception("kvxfer room %d: unexpected error in %s", self.bootstrap_room, where)
+        self._fail(f"{where}: {type(exc).__name__}: {exc}")
+
+    def failure_exception(self):
+        """Raise the reason this request failed (SGLang calls it after a Failed poll)."""
+        own = self._reason or (self._engine.failure_reason if self._engine is not None else None)
+        if own is None:  # Failed came from another TP rank through the all-reduce
+            self._fail("another TP rank failed this request")
+            self.clear()
+            raise KVXferTransferError(
+                self.bootstrap_room, "Failed due to an unknown reason from another rank", is_from_another_rank=True
+            )
+        self.conclude_state = KVPoll.Failed
+        self.clear()
+        raise KVXferTransferError(self.bootstrap_room, own)
+
+    def abort(self) -> None:
+        self._fail("aborted by SGLang (AbortReq)")
+
+    def clear(self) -> None:
+        if self._engine is not None:
+            self._engine.clear()
+
+
+class KVXferKVSender(_Request, BaseKVSender):
+    """Prefill side of one request."""
+
+    def __init__(
+        self,
+        mgr: KVXferKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ):
+        from sglang_kvxfer.engine import KVSender
+
+        if not isinstance(mgr, KVXferKVManager) or mgr.role != "prefill":
+            raise TypeError(f"mgr must be a prefill KVXferKVManager, got {mgr!r}")
+        self._setup(bootstrap_room)
+        self.kv_mgr = mgr
+        self.bootstrap_server_url = bootstrap_addr
+        self.num_kv_indices: int | None = None
+        self.aux_index: int | None = None
+        self.curr_idx = 0
+        self._early_send_wait_event = None  # set by SGLang's early (prefix) send under overlap
+        self._started: float | None = None
+        self._latency: float | None = None
+        self._sender = KVSender(mgr.prefill_engine, self.bootstrap_room)
+        parts: list[tuple[str, KVSender | KVReceiver]] = [("", self._sender)]
+        draft = mgr.prefill_draft_engine
+        self._draft: KVSender | None = None
+        if draft is not None:
+            self._draft = KVSender(draft, self.bootstrap_room)
+            parts.append((DRAFT, self._draft))
+        self._engine = self._pair = _Parts(parts)
+        self._pages: list[np.ndarray] = []  # the pages of every chunk sent, in order (KV checksum)
+        dp_size = mgr.plan.attn_dp_size
+        if dp_size > 1 and not req_has_disagg_prefill_dp_rank and self.bootstrap_room % dp_size != mgr.dp_rank:
+            # The decode looks for this request in DP group bootstrap_room % dp_size
+            # (SGLang's follow_bootstrap_room); serving it here would never be found.
+            self._fail(
+                f"prefill DP group {mgr.dp_rank} was given bootstrap_room={self.bootstrap_room}, which "
+                f"follow_bootstrap_room routes to DP group {self.bootstrap_room % dp_size} "
+                f"(bootstrap_room % dp_size, dp_size={dp_size}); the decode looks for it there"
+            )
+        if mgr.stage_status is not None:  # a later PP stage: stage 0 waits for this one too
+            mgr.stage_status.watch(self.bootstrap_room, self._bootstrap_state)
+
+    def _bootstrap_state(self) -> int:
+        """This request's status without acting on it (read by the PP status thread)."""
+        concluded = self.conclude_state
+        return concluded if concluded is not None else self._pair.state()
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None):
+        """The request's page count (its last page may be partial) and metadata slot."""
+        if isinstance(num_kv_indices, bool) or not isinstance(num_kv_indices, (int, np.integer)) or num_kv_indices < 0:
+            return self._fail(f"init(): num_kv_indices={num_kv_indices!r} must be an int >= 0")
+        if aux_index is not None:
+            try:
+                self.kv_mgr.layout.aux.check_slot(aux_index)
+            except ValueError as exc:
+                return self._fail(f"init(): {exc}")
+        self.num_kv_indices, self.aux_index = int(num_kv_indices), aux_index
+
+    def pop_decode_prefix_len(self) -> int:
+        """The prefix the decode already holds (0 without a decode radix cache). SGLang asks
+        once the poll reached WaitingForInput, before ``init``: by then every decode rank's
+        request has arrived. A length this prefill cannot page-align fails the request."""
+        try:
+            prefix = self._sender.decode_prefix_tokens
+            if prefix is None:
+                raise ValueError("asked before the decode's request arrived (poll is not WaitingForInput)")
+            if self._draft is not None:
+                draft = self._draft.decode_prefix_tokens
+                if draft is None:
+                    raise ValueError(f"asked before the decode's request for the {DRAFT} arrived")
+                if draft != prefix:
+                    raise ValueError(
+                        f"the decode sent decode_prefix_len={prefix} for the model's KV and {draft} for the {DRAFT}"
+                    )
+            return prefix_tokens(prefix, self.kv_mgr.layout.geometry.page_size, "prefill")
+        except Exception as exc:
+            self._fail_from("pop_decode_prefix_len()", exc)
+            return 0
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        return num_pages > 0 or last_chunk  # an empty last chunk still ends the request
+
+    def send(
+        self,
+        kv_indices,
+        state_indices: list | None = None,
+        num_kv_tokens: int | None = None,
+        indices_event: Synchronizable | None = None,
+    ):
+        """Hand over the next chunk of pages. The chunk covers the decode page list slice
+        ``[curr_idx, curr_idx + len(kv_indices))`` (SGLang's ``index_slice``); the one that
+        reaches ``num_kv_indices`` is the last and carries the aux slot (every PP stage sends
+        its own: a decode stage takes it from the prefill stage of its rank, a decode of PP 1
+        from the last stage)."""
+        wait, self._early_send_wait_event = self._early_send_wait_event, None
+        if self.conclude_state is not None:
+            return
+        try:
+            if indices_event is not None:
+                indices_event.synchronize()  # the D2H copy of the indices must have landed
+            pages = page_array(kv_indices)
+            if self.num_kv_indices is None:
+                raise ValueError("send() came before init()")
+            index_slice = slice(self.curr_idx, self.curr_idx + len(pages))
+            if index_slice.stop > self.num_kv_indices:
+                raise ValueError(
+                    f"pages [{index_slice.start}, {index_slice.stop}) run past "
+                    f"num_kv_indices={self.num_kv_indices} given to init()"
+                )
+            if state_indices and any(s is not None and len(s) for s in state_indices):
+                raise ValueError("state_indices were given, but this backend transfers no per-request state")
+            last = index_slice.stop == self.num_kv_indices
+            aux = self.kv_mgr.layout.aux.read(self.aux_index) if last and self.aux_index is not None else b""
+            self._started = self._started or time.perf_counter()
+            self._pages.append(pages)
+            draft_aux = b""
+            if last and self.kv_mgr.kv_checksum:
+                if wait is not None:
+                    wait.synchronize()  # the digest reads this chunk's KV
+                aux, draft_aux = self._digests(aux)
+            self._sender.send(pages, last_chunk=last, aux=aux, ready=wait)
+            if self._draft is not None:
+                self._draft.send(pages, last_chunk=last, aux=draft_aux, ready=wait)
+            self.curr_idx = index_slice.stop
+        except Exception as exc:
+            self._fail_from("send()", exc)
+
+    def _digests(self, aux: bytes) -> tuple[bytes, bytes]:
+        """``aux`` and the draft's (empty) aux with this rank's KV checksums in front: each
+        head it owns over every page of the request it sent."""
+        mgr = self.kv_mgr
+        pages = np.concatenate(self._pages) if self._pages else np.zeros(0, dtype=np.int64)
+        aux = checksum.attach(aux, checksum.head_digests(mgr.config.placement, mgr.layout.kv_ptrs, pages))
+        draft, config = mgr.layout.draft, mgr.draft_config
+        if draft is None or config is None:
+            return aux, b""
+        return aux, checksum.attach(b"", checksum.head_digests(config.placement, draft.kv_ptrs, pages))
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        state = self._observe(self._pair.poll())
+        if state == KVPoll.Success and self._started is not None:
+            self._latency = time.perf_counter() - self._started
+        return state
+
+    def poll_pp_consensus(self) -> int:
+        """SGLang's PP prefill polls its bootstrap queue here, on PP stage 0 only, and hands
+        the result to the later stages: the lowest status of this request over every stage
+        (a stage that has not reported it counts as Bootstrapping), so each stage has the
+        decode's request when SGLang asks it for the decode's prefix and inits its sender."""
+        own = self.poll()
+        stages = self.kv_mgr.stage_status
+        if stages is None or own in (KVPoll.Failed, KVPoll.Success):
+            return own
+        state, failed = stages.consensus(self.bootstrap_room, own)
+        if failed:
+            self._fail(f"PP stage {failed[0]} failed this request (its scheduler reports why)")
+            return KVPoll.Failed
+        return state
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        total = self._sender.bytes_sent + (self._draft.bytes_sent if self._draft is not None else 0)
+        return KVTransferMetric(transfer_latency_s=self._latency, transfer_total_bytes=total)
+
+    def clear(self) -> None:
+        stages = self.kv_mgr.stage_status
+        if stages is not None:
+            stages.forget(self.bootstrap_room)
+        super().clear()
+
+
+@dataclass(frozen=True)
+class _Rx:
+    """One engine request of a decode request, with what its landing is checked against."""
+
+    label: str
+    rx: KVReceiver
+    config: EngineConfig
+    ptrs: tuple[int, ...]  # the buffers it lands in (K of its layers, then V)
+    aux: bool  # the request's metadata slot comes with this part
+
+
+class KVXferKVReceiver(_Request, BaseKVReceiver):
+    """Decode side of one request."""
+
+    def __init__(self, mgr: KVXferKVManager, bootstrap_addr: str, bootstrap_room: int | None = None):
+        if not isinstance(mgr, KVXferKVManager) or mgr.role != "decode":
+            raise TypeError(f"mgr must be a decode KVXferKVManager, got {mgr!r}")
+        self._setup(bootstrap_room)
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.abort_notified = False
+        self.require_staging = False  # SGLang's own staging buffers are not used
+        self.bootstrap_infos = None  # read by SGLang only for deferred releases (not offered)
+        self.aux_index: int | None = None
+        self._inited = False
+        self.prefill_dp_rank: int | None = None  # the prefill DP group, from init()
+        self._dp_size = 1
+        # The engine's requests, made by init() once the prefill DP group is known; empty
+        # before that, or when the request failed first.
+        self._rxs: list[_Rx] = []
+        self._pages: np.ndarray | None = None  # this rank's pages of the request (KV checksum)
+        self.kv_checksum_heads = 0  # heads (of every part) whose checksum was compared on landing
+        try:
+            parse_host_port(bootstrap_addr, "bootstrap_addr")
+        except ValueError as exc:
+            self._fail(str(exc))
+
+    @property
+    def _rx(self) -> KVReceiver:
+        """The engine request that brings the metadata slot."""
+        for part in self._rxs:
+            if part.aux:
+                return part.rx
+        raise KVXferError(f"kvxfer room {self.bootstrap_room} has no engine request: {self._reason}")
+
+    def init(self, prefill_dp_rank: int):
+        """Route this request to prefill DP group ``prefill_dp_rank`` (SGLang's
+        ``_resolve_prefill_dp_rank``: the router's rank, else ``bootstrap_room % dp_size``)
+        and start the engine's requests against that group's ranks (one per PP stage on a
+        decode of PP 1 facing a prefill of several)."""
+        from sglang_kvxfer.engine import KVReceiver, bootstrap
+
+        if self.conclude_state is not None or self._rxs:
+            return
+        mgr = self.kv_mgr
+        info = mgr.prefill_info_table.get(self.bootstrap_addr)
+        dp_size, groups = (info.dp_size, info.dp_groups) if info is not None else (1, (0,))
+        if isinstance(prefill_dp_rank, bool) or not isinstance(prefill_dp_rank, (int, np.integer)):
+            return self._fail(f"init(): prefill_dp_rank={prefill_dp_rank!r} must be an int")
+        if not 0 <= prefill_dp_rank < dp_size:
+            return self._fail(
+                f"init(): prefill_dp_rank={prefill_dp_rank} names no DP group of the prefill at "
+                f"{self.bootstrap_addr}: it registered dp_size={dp_size} (DP groups {list(groups)})"
+            )
+        self.prefill_dp_rank, self._dp_size = int(prefill_dp_rank), dp_size
+        if info is not None and info.problem and not info.routable:
+            return self._fail(info.problem)  # no engine request can be made toward those stages
+        try:
+            for part in mgr.receive_parts(self.bootstrap_addr, self.prefill_dp_rank):
+                rx = KVReceiver(part.engine, self.bootstrap_room, part.address)
+                self._rxs.append(_Rx(part.label, rx, part.config, part.ptrs, part.aux))
+            draft, draft_config, draft_layout = mgr.decode_draft_engine, mgr.draft_config, mgr.layout.draft
+            if draft is not None and draft_config is not None and draft_layout is not None:
+                if not (info is not None and info.problem):
+                    group = bootstrap.group_address(self.bootstrap_addr, self.prefill_dp_rank)
+                    rx = KVReceiver(draft, self.bootstrap_room, group)
+                    self._rxs.append(_Rx(DRAFT, rx, draft_config, draft_layout.kv_ptrs, False))
+        except Exception as exc:
+            if self._rxs:
+                self._engine = _Parts([(p.label, p.rx) for p in self._rxs])
+            return self._fail_from("init()", exc)
+        self._engine = _Parts([(p.label, p.rx) for p in self._rxs])
+        if info is not None and info.problem:  # after the engine's requests: their groups hear it
+            return self._fail(info.problem)
+        self._inited = True
+
+    def failure_exception(self):
+        try:
+            super().failure_exception()
+        except KVXferTransferError as exc:
+            if self._dp_size > 1 and not exc.is_from_another_rank:  # name the group it was routed to
+                raise KVXferTransferError(
+                    self.bootstrap_room,
+                    f"{exc.failure_reason} [prefill DP group {self.prefill_dp_rank} of dp_size={self._dp_size} "
+                    f"at {self.bootstrap_addr}]",
+                ) from None
+            raise
+
+    def send_metadata(
+        self,
+        kv_indices,
+        aux_index: int | None = None,
+        state_indices: list | None = None,
+        decode_prefix_len: int | None = None,
+        destination: Any = "device",
+        **kwargs,
+    ):
+        """Tell the prefill writers where this request's KV goes. SGLang hands over whole
+        pages (the last may be partial on both sides), so the engine moves
+        ``len(kv_indices) * page_size`` token rows: both sides count the same pages. Every
+        part (PP stage, draft pool) gets the same pages.
+
+        ``decode_prefix_len`` (decode radix cache): the page-aligned prefix this decode
+        already holds. ``kv_indices`` then cover only the tokens after it, the prefill learns
+        the length through ``pop_decode_prefix_len`` and sends only those tokens' pages, so
+        both page lists count from the same token."""
+        if self.conclude_state is not None:
+            return
+        try:
+            if str(getattr(destination, "value", destination)) != "device":
+                raise ValueError(f"destination={destination!r}: only device KV destinations are supported")
+            page_size = self.kv_mgr.layout.geometry.page_size
+            prefix = prefix_tokens(decode_prefix_len, page_size, "decode")
+            if state_indices and any(s is not None and len(s) for s in state_indices):
+                raise ValueError("state_indices were given, but this backend transfers no per-request state")
+            if kwargs:
+                raise ValueError(f"unsupported argument(s) {sorted(kwargs)}")
+            if aux_index is not None:
+                self.kv_mgr.layout.aux.check_slot(aux_index)
+            pages = page_array(kv_indices)
+            if not self._rxs:
+                raise KVXferError(f"kvxfer room {self.bootstrap_room} has no engine request: {self._reason}")
+            for part in self._rxs:  # the draft's: the same page ids in the draft model's pool
+                slot = -1 if aux_index is None or part.label == DRAFT else int(aux_index)
+                part.rx.send_metadata(pages, aux_slot=slot, num_tokens=len(pages) * page_size, prefix_tokens=prefix)
+            self.aux_index, self._pages = aux_index, pages
+        except Exception as exc:
+            self._fail_from("send_metadata()", exc)
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if not self._rxs or self._engine is None:
+            return self._observe(KVPoll.Bootstrapping)  # init() has not routed it yet
+        state = self._engine.poll()
+        if state == KVPoll.Success and not self._landed():
+            return KVPoll.Failed
+        if not self._inited and state in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            state = KVPoll.Bootstrapping  # SGLang sends metadata only after init()
+        return self._observe(state)
+
+    def _landed(self) -> bool:
+        """Every writer of every part is done: verify the KV checksums (when on), then write
+        the prefill's aux slot into ours, before Success is reported. False: it failed."""
+        hook = seam("after_kv_landed")
+        if hook is not None:
+            hook(self)
+        try:
+            problem = self._verify_checksums()
+        except (ValueError, KVXferError) as exc:
+            problem = f"KV checksum (--disaggregation-enable-kv-checksum): {exc}"
+        if problem:
+            self._fail(problem)
+            return False
+        return self._deliver_aux()
+
+    def _verify_checksums(self) -> str:
+        """Why the landed KV differs from what its writers digested ("" if it does not, or
+        when no digests are expected or came)."""
+        mgr = self.kv_mgr
+        if not mgr.kv_checksum or not self._rxs or self._pages is None:
+            return ""
+        for part in self._rxs:
+            writers = {p: checksum.detach(b)[0] for p, b in part.rx.writer_aux.items()}
+            if all(d is None for d in writers.values()):
+                if self.bootstrap_addr not in mgr._unverified:
+                    mgr._unverified.add(self.bootstrap_addr)
+                    log.warning(
+                        "kvxfer: the prefill at %s sends no KV checksums (its pools are not CPU memory, or it "
+                        "runs without --disaggregation-enable-kv-checksum): its requests are not verified",
+                        self.bootstrap_addr,
+                    )
+                return ""
+            mine = checksum.head_digests(part.config.placement, part.ptrs, self._pages)
+            self.kv_checksum_heads += sum(len(set(d) & set(mine)) for d in writers.values() if d is not None)
+            bad = checksum.mismatches(writers, mine)
+            if bad:
+                rank, head, theirs, ours = bad[0]
+                more = f"; {len(bad)} heads differ" if len(bad) > 1 else ""
+                where = f" in the {part.label}" if part.label else ""
+                return (
+                    f"KV checksum mismatch (--disaggregation-enable-kv-checksum){where}: "
+                    f"KV head {head} written by prefill rank {rank}: prefill crc32={theirs:#010x}, decode "
+                    f"crc32={ours:#010x} (the KV that landed on decode rank {mgr.layout.tp_rank} is not what the "
+                    f"prefill sent){more}"
+                )
+        return ""
+
+    def _deliver_aux(self) -> bool:
+        """Write the prefill's aux slot into ours before Success is reported."""
+        if self.aux_index is None:
+            return True
+        try:
+            _, payload = checksum.detach(self._rx.aux_payload)
+            if not payload:
+                raise ValueError("the prefill sent no aux data")
+            self.kv_mgr.layout.aux.write(self.aux_index, payload)
+        except ValueError as exc:
+            self._fail(f"aux slot {self.aux_index}: {exc}")
+            return False
+        return True
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """Tell the prefill ranks once (the engine already did if the request failed)."""
+        if not self.abort_notified:
+            self.abort_notified = True
+            self._fail("aborted by the decode scheduler")
+
+    def abort(self) -> None:
+        self.abort_notified = True
+        super().abort()

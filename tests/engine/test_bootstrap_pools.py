@@ -1,0 +1,111 @@
+"""The bootstrap's KV pools (protocol 6): a prefill rank that serves a draft model's KV
+registers it apart (``kv_pool="draft"``) and announces its geometry with the model's pool;
+registrations, conflicts and queries are per pool. And the engine config fields behind it."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_kvxfer.engine import bootstrap
+from sglang_kvxfer.engine.bootstrap import BootstrapServer
+from sglang_kvxfer.engine.config import EngineConfig
+from sglang_kvxfer.geometry import KVGeometry
+from sglang_kvxfer.protocol.messages import BootstrapQuery, PrefillRegister
+
+GEO = KVGeometry(num_layers=2, total_kv_heads=4, head_dim=16, num_pages=8)
+DRAFT = KVGeometry(num_layers=1, total_kv_heads=2, head_dim=8, num_pages=8)
+
+
+def _register(addr: str, tp: int, *, pool="", geometry=GEO, draft=None, tp_size=2, session=None):
+    msg = PrefillRegister(
+        engine_version="t",
+        session=session or f"p{pool}{tp}",
+        tp_size=tp_size,
+        tp_rank=tp,
+        endpoint=f"tcp://127.0.0.1:{4000 + tp + (100 if pool else 0)}",
+        geometry=geometry,
+        transport="local",
+        kv_pool=pool,
+        draft_geometry=draft,
+    )
+    return bootstrap.request(addr, msg, timeout_s=5.0, key=b"")
+
+
+def _query(addr: str, pool: str = ""):
+    return bootstrap.request(addr, BootstrapQuery(session="d", tp_rank=0, kv_pool=pool), timeout_s=5.0, key=b"")
+
+
+def test_each_pool_is_registered_and_looked_up_apart():
+    with BootstrapServer("127.0.0.1", 0, key="off") as srv:
+        addr = srv.address
+        _register(addr, 0, pool="draft", geometry=DRAFT)
+        assert not _query(addr).ready  # a draft pool's ranks are not the model's
+        assert _query(addr).draft_geometry is None  # no model-pool rank has announced one yet
+        for tp in (0, 1):
+            _register(addr, tp, draft=DRAFT)
+        model = _query(addr)
+        assert model.ready and model.geometry == GEO and model.draft_geometry == DRAFT and model.kv_pool == ""
+        assert [r.session for r in model.ranks] == ["p0", "p1"]
+        draft = _query(addr, "draft")
+        assert not draft.ready and draft.kv_pool == "draft" and draft.draft_geometry is None
+        assert draft.reason == "1 of 2 prefill rank(s) registered (kv_pool='draft')"
+        _register(addr, 1, pool="draft", geometry=DRAFT)
+        draft = _query(addr, "draft")
+        assert draft.ready and draft.geometry == DRAFT and [r.session for r in draft.ranks] == ["pdraft0", "pdraft1"]
+        assert srv.registered(kv_pool="draft") == {0: "pdraft0", 1: "pdraft1"} and srv.registered() == {
+            0: "p0",
+            1: "p1",
+        }
+
+
+def test_conflicts_are_per_pool_and_name_it():
+    with BootstrapServer("127.0.0.1", 0, key="off") as srv:
+        addr = srv.address
+        _register(addr, 0, draft=DRAFT)
+        _register(addr, 0, pool="draft", geometry=DRAFT)
+        # another geometry in the other pool is fine; in the same pool it is refused
+        refused = _register(addr, 1, pool="draft", geometry=GEO)
+        assert not refused.ready
+        assert refused.reason.startswith("prefill rank 1 of DP group 0 registers geometry=KVGeometry(num_layers=2")
+        assert (
+            "for kv_pool='draft' but rank 0 of DP group 0 registered geometry=KVGeometry(num_layers=1" in refused.reason
+        )
+        refused = _register(addr, 1, draft=None)
+        assert "registers draft_geometry=None but rank 0 of DP group 0 registered draft_geometry=KVGeometry(" in (
+            refused.reason
+        )
+        # the draft pool is served by the same TP group
+        refused = _register(addr, 1, pool="draft", geometry=DRAFT, tp_size=4)
+        assert "registers tp_size=4 for kv_pool='draft' but rank 0 of DP group 0 registered tp_size=2" in refused.reason
+
+
+def test_engine_config_names_its_pool():
+    base = dict(role="prefill", geometry=GEO, tp_size=2, tp_rank=0, bootstrap="127.0.0.1:1", auth_key="off")
+    assert EngineConfig(**base, kv_pool="draft").kv_pool == "draft"
+    assert EngineConfig(**base, draft_geometry=DRAFT).draft_geometry == DRAFT
+    with pytest.raises(ValueError, match=r"kv_pool='mtp' must be '' \(the model's KV\) or 'draft'"):
+        EngineConfig(**base, kv_pool="mtp")
+    with pytest.raises(ValueError, match=r"draft_geometry .*only for a prefill manager of the model's pool"):
+        EngineConfig(**{**base, "role": "decode"}, draft_geometry=DRAFT)
+    with pytest.raises(ValueError, match=r"\(role='prefill', kv_pool='draft'\)"):
+        EngineConfig(**base, kv_pool="draft", draft_geometry=DRAFT)
+
+
+def test_a_prefill_rank_whose_registration_is_refused_fails_to_start_with_the_reason():
+    """The bootstrap refuses a rank whose settings conflict with its group (the refusal's
+    reason names what the other rank "registered"): the rank must not count itself as
+    registered."""
+    from sglang_kvxfer.engine import KVManager
+    from sglang_kvxfer.errors import TransferFailedError
+
+    from .harness import FAST
+
+    with BootstrapServer("127.0.0.1", 0, key="off") as srv:
+        _register(srv.address, 1, tp_size=2)  # a TP 2 group is registering
+        cfg = EngineConfig("prefill", GEO, 1, 0, srv.address, "local", auth_key="off", **FAST)
+        with KVManager(cfg) as mgr:
+            with pytest.raises(
+                TransferFailedError, match="registers tp_size=1 but rank 1 of DP group 0 registered tp_size=2"
+            ):
+                mgr.wait_registered(10)
+        assert srv.registered() == {1: "p1"}  # the refused rank was not added

@@ -1,0 +1,502 @@
+"""Pipeline-parallel deployments for the scripted scheduler: a prefill of several PP stages,
+each stage in its own process (all of its TP ranks, of every attention-DP group), and a
+decode of PP 1 (one process) or of the prefill's PP size (one process per stage), driving our
+SGLang classes in SGLang 0.5.23's call order (see ``sglang_sides`` for the per-request order).
+
+What PP adds to that order, from SGLang's own code:
+
+* prefill (``--pp-size P``): every stage's ``KVArgs`` carry only its layers' buffers, with
+  ``pp_rank`` and ``prefill_start_layer`` (``disaggregation/prefill.py``); each stage builds its
+  transfer manager at start-up, where the PP group's broadcast from stage 0 happens (here a
+  file per PP group stands in for ``pp_group.broadcast_object``). The bootstrap queue is polled
+  on stage 0 only, through ``poll_pp_consensus()`` (MIN over its attention-TP ranks), and that
+  status is handed to the later stages (``poll_and_all_reduce_prefill_pp``; here a queue per
+  stage): on WaitingForInput every stage pops the decode's prefix and inits its senders, then
+  sends its layers' pages chunk by chunk; each stage polls its own senders until Success
+  (``_pp_pd_get_prefill_transferred_ids``).
+* decode: PP 1 holds every layer; PP equal to the prefill's gives each decode stage its own
+  layers (``kv_args.pp_rank``), and it receives from the prefill stage of its rank.
+
+The oracle (``PpOracle``) is independent of the engine: every (room, DP group, layer, K/V)
+has its own random rows; the unused rows of a request's last page hold the poison byte of the
+prefill stage that holds the layer, so every decode byte says which stage it came from. What a
+decode rank must hold is computed here from its owned heads, and every byte of every decode
+buffer is compared (rows no request used must still hold the sentinel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tests.integrations import sglang_sides as sides
+from tests.integrations.sglang_dp_sides import heads_of
+from tests.integrations.sglang_env import Model, rank_memory, server_args
+
+FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
+SENTINEL = 0xA5  # decode bytes no request may touch
+CHUNK_TOKENS = 16
+
+
+def poison(stage: int) -> int:
+    return 0x30 + stage
+
+
+def pp_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """SGLang's default split (``get_pp_indices``): even, the last stages one layer more."""
+    base, extra = divmod(num_layers, pp_size)
+    out, at = [], 0
+    for s in range(pp_size):
+        n = base + (1 if s >= pp_size - extra else 0)
+        out.append((at, at + n))
+        at += n
+    return out
+
+
+@dataclass
+class PpSpec:
+    role: str  # "prefill" or "decode"
+    name: str  # the report's key
+    model: Model  # the whole model (every layer)
+    tp: int  # attention-TP ranks of each DP group of each stage
+    dp: int
+    pp_size: int
+    pp_rank: int
+    layers: tuple[int, int]  # this process's layers
+    port: int
+    requests: list  # [(room, tokens)]
+    exchange_dir: str
+    env: dict = field(default_factory=dict)
+    timeout_s: float = 60.0
+    stage_layers: list = field(default_factory=list)  # prefill: every stage's layers (the oracle's poison)
+    decisions: Any = None  # prefill: stage 0 gets every later stage's queue, a later stage its own
+    die: bool = False  # prefill stage > 0: exit once the first request is bootstrapped, before sending
+    kv_checksum: bool = False  # --disaggregation-enable-kv-checksum on this side
+    corrupt_stage: int | None = None  # decode: flip a landed byte of this prefill stage's first layer
+
+
+def stage_of(stage_layers, layer: int) -> int:
+    return next(s for s, (a, b) in enumerate(stage_layers) if a <= layer < b)
+
+
+class PpOracle:
+    """The full KV of one request as prefilled on one DP group, one buffer at a time:
+    ``rows(layer, kind)`` is ``uint8 [pages * page_size, heads, dim_bytes]``."""
+
+    def __init__(self, model: Model, room: int, group: int, tokens: int, stage_layers):
+        self.model, self.room, self.group, self.tokens = model, room, group, tokens
+        self.stage_layers = stage_layers
+        self.rows_n = -(-tokens // model.page_size) * model.page_size
+
+    def rows(self, layer: int, kind: int) -> np.ndarray:
+        m = self.model
+        heads = 1 if m.mla else m.total_kv_heads
+        dim = (m.head_dim if kind == 0 else m.v_head_dim) * 2  # bfloat16
+        rng = np.random.default_rng([self.room & 0xFFFFFFFF, self.room >> 32, self.group, layer, kind])
+        full = rng.integers(0, 256, size=(self.rows_n, heads, dim), dtype=np.uint8)
+        full[self.tokens :] = poison(stage_of(self.stage_layers, layer))
+        return full
+
+
+def buffers_of(model: Model, layers: tuple[int, int]) -> list[tuple[int, int]]:
+    """(layer, K|V) of each buffer of a pool holding ``layers`` (K of every layer, then V)."""
+    a, b = layers
+    return [(layer, 0) for layer in range(a, b)] + ([] if model.mla else [(layer, 1) for layer in range(a, b)])
+
+
+def byte_views(mem) -> list:
+    import torch
+
+    return [t.view(torch.uint8) for t in mem.buffers]
+
+
+def page_rows(model: Model, pages) -> np.ndarray:
+    ps = model.page_size
+    return (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)
+
+
+def file_exchange(directory: str, timeout_s: float = 30.0):
+    """Stands in for ``_pp_exchange``: the PP group of a rank (one rank of every stage with
+    the same ``engine_rank``) shares stage 0's value through a file."""
+
+    def make(server_args, kv_args):
+        path = os.path.join(directory, f"pp-group-{kv_args.engine_rank}.json")
+
+        def exchange(value):
+            if value is not None:
+                with open(path + ".tmp", "w") as f:
+                    json.dump(value, f)
+                os.replace(path + ".tmp", path)
+                return value
+            deadline = time.monotonic() + timeout_s
+            while not os.path.exists(path):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"PP stage 0 never published {path}")
+                time.sleep(0.01)
+            with open(path) as f:
+                return json.load(f)
+
+        return exchange
+
+    return make
+
+
+def run_pp(specs: list[PpSpec], timeout_s: float) -> dict:
+    """Test side: each spec in a spawned process of its own (``sides.run_named_processes``),
+    reports by spec name; the later prefill stages get the queues they tell stage 0 their
+    requests' status on."""
+    ctx = mp.get_context("spawn")
+    later = [s for s in specs if s.role == "prefill" and s.pp_rank > 0]
+    queues = {s.pp_rank: ctx.Queue() for s in later}
+    for s in specs:
+        if s.role == "prefill":
+            s.decisions = queues if s.pp_rank == 0 else queues[s.pp_rank]
+    return sides.run_named_processes(_main, specs, timeout_s, name=lambda spec: spec.name)
+
+
+def _main(spec: PpSpec, out, release) -> None:
+    closers: list = []
+    try:
+        run = _prefill if spec.role == "prefill" else _decode
+        out.put((spec.name, run(spec, closers, out)))
+    except BaseException:
+        out.put((spec.name, {"error": traceback.format_exc()}))
+    finally:
+        release.wait(spec.timeout_s)
+        for close in reversed(closers):
+            close()
+
+
+def _server_args(spec: PpSpec, port: int):
+    extra: dict = dict(
+        pp_size=spec.pp_size, disable_overlap_schedule=True, disaggregation_enable_kv_checksum=spec.kv_checksum
+    )
+    if spec.dp > 1:
+        extra.update(dp_size=spec.dp, enable_dp_attention=True)
+    return server_args(sides.MODEL_PATH, spec.role, spec.tp * spec.dp, port, **extra)
+
+
+def _memories(spec: PpSpec, fill: int):
+    """Every rank of this process (DP group by DP group): its memory over this process's
+    layers, as SGLang's ``_init_kv_manager`` fills KVArgs for a PP stage."""
+    a, b = spec.layers
+    stage_model = dataclasses.replace(spec.model, num_layers=b - a)
+    groups = []
+    for g in range(spec.dp):
+        mems = []
+        for r in range(spec.tp):
+            mem = rank_memory(stage_model, spec.tp, r, spec.role)
+            args = mem.kv_args
+            args.engine_rank = g * spec.tp + r if spec.role == "prefill" else r
+            args.pp_rank = spec.pp_rank
+            args.prefill_start_layer, args.prefill_end_layer = (a, b) if spec.role == "prefill" else (0, b - a)
+            for view in byte_views(mem):
+                view.fill_(fill)
+            mems.append(mem)
+        groups.append(mems)
+    return groups
+
+
+def _prefill(spec: PpSpec, closers: list, out) -> dict:
+    backend, defs = sides.setup(spec)
+    backend._pp_exchange = file_exchange(spec.exchange_dir)
+    m, deadline = spec.model, time.monotonic() + spec.timeout_s
+    sa = _server_args(spec, spec.port)
+    if spec.pp_rank == 0:  # the prefill server's bootstrap (one per server)
+        boot = backend.KVXferKVBootstrapServer(sa.host, sa.disaggregation_bootstrap_port)
+        closers.append(boot.close)
+    groups = _memories(spec, poison(spec.pp_rank))
+    mgrs = []
+    for mems in groups:
+        mgrs.append([backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.PREFILL, sa, m.mla) for mem in mems])
+        closers.extend(mgr.close for mgr in mgrs[-1])
+    for row in mgrs:
+        for mgr in row:
+            mgr.register_to_bootstrap()
+    pages = sides._allocate(m, spec.requests, seed=1)
+    work = []
+    for slot, (room, tokens) in enumerate(spec.requests):
+        g = room % spec.dp
+        senders = [backend.KVXferKVSender(mgr, f"{sa.host}:{spec.port}", room) for mgr in mgrs[g]]
+        work.append(
+            {"room": room, "tokens": tokens, "group": g, "slot": slot, "senders": senders, "pages": pages[slot]}
+        )
+    results: dict = {}
+
+    def failed(w):
+        results[w["room"]] = {"status": "Failed", "reasons": sides._failure(w["senders"])}
+
+    def bootstrapped(w):  # finalize_bootstrap on every stage, then this stage's forward
+        w["prefixes"] = [s.pop_decode_prefix_len() for s in w["senders"]]
+        for s in w["senders"]:
+            s.init(len(w["pages"]), w["slot"])
+        _forward_and_send(spec, w, groups[w["group"]])
+
+    bootstrapping, inflight = list(work), []
+    while bootstrapping or inflight:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rooms {[w['room'] for w in bootstrapping + inflight]} never concluded")
+        for w in list(bootstrapping):
+            if spec.pp_rank == 0:  # poll_and_all_reduce_prefill_pp: stage 0 decides for every stage
+                poll = min(int(s.poll_pp_consensus()) for s in w["senders"])
+                if poll not in (FAILED, WAITING):
+                    continue
+                for q in spec.decisions.values():
+                    q.put((w["room"], poll))
+            else:
+                try:
+                    room, poll = spec.decisions.get(timeout=0.001)
+                except queue.Empty:
+                    break
+                w = next(x for x in bootstrapping if x["room"] == room)
+            bootstrapping.remove(w)
+            if poll == FAILED:
+                failed(w)
+                continue
+            if spec.die:  # this stage's process dies before it sends anything
+                out.put((spec.name, {"died": w["room"]}))
+                out.close()
+                out.join_thread()  # the report is out before the process ends
+                os._exit(0)
+            bootstrapped(w)
+            inflight.append(w)
+        for w in list(inflight):
+            poll = sides._min_poll(w["senders"])
+            if poll in (FAILED, SUCCESS):
+                inflight.remove(w)
+                if poll == FAILED:
+                    failed(w)
+                else:
+                    results[w["room"]] = {"status": "Success", "prefixes": w["prefixes"]}
+                    results[w["room"]]["bytes"] = [s.get_transfer_metric().transfer_total_bytes for s in w["senders"]]
+                    for s in w["senders"]:
+                        s.clear()
+        time.sleep(0.002)
+    return results
+
+
+def _forward_and_send(spec: PpSpec, w: dict, mems) -> None:
+    """This stage's forward of each chunk writes its layers' rows of the group's KV (each
+    rank its heads), then ``send_kv_chunk`` hands the chunk's pages to every rank's sender."""
+    import torch
+
+    m = spec.model
+    oracle = PpOracle(m, w["room"], w["group"], w["tokens"], spec.stage_layers)
+    full = [oracle.rows(layer, kind) for layer, kind in buffers_of(m, spec.layers)]
+    ps = m.page_size
+    for a in range(0, w["tokens"], CHUNK_TOKENS):
+        b = min(w["tokens"], a + CHUNK_TOKENS)
+        last = b == w["tokens"]
+        chunk = w["pages"][a // ps : -(-b // ps)]
+        rows = torch.from_numpy(page_rows(m, chunk))
+        lo = (a // ps) * ps
+        for r, mem in enumerate(mems):
+            heads = heads_of(m, spec.tp, r)
+            for view, want in zip(byte_views(mem), full):
+                view[rows] = torch.from_numpy(np.ascontiguousarray(want[lo : lo + len(chunk) * ps][:, heads, :]))
+            if last:  # set_buf on every stage (the outputs reach every stage's scheduler)
+                for name, row in sides.aux_rows(m, w["room"]).items():
+                    mem.meta[name][w["slot"]] = row
+        for s in w["senders"]:
+            if s.should_send_kv_chunk(len(chunk), last):
+                s.send(np.asarray(chunk, dtype=np.int32), [] if last else None, num_kv_tokens=b - a)
+
+
+def _decode(spec: PpSpec, closers: list, out) -> dict:
+    backend, defs = sides.setup(spec)
+    backend._model_total_kv_heads = sides._model_heads(spec.model)
+    m, deadline = spec.model, time.monotonic() + spec.timeout_s
+    sa = _server_args(spec, spec.port + 1 + spec.pp_rank)
+    addr = f"127.0.0.1:{spec.port}"
+    groups = _memories(spec, SENTINEL)
+    mgrs = []
+    for mems in groups:
+        mgrs.append([backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.DECODE, sa, m.mla) for mem in mems])
+        closers.extend(mgr.close for mgr in mgrs[-1])
+    every = [mgr for row in mgrs for mgr in row]
+    pages = sides._allocate(m, spec.requests, seed=2)
+    if spec.corrupt_stage is not None:
+        _corrupt_first_landing(backend, spec, groups[0][0], every[0], spec.requests[0][0], pages[0])
+    work = []
+    for slot, (room, tokens) in enumerate(spec.requests):
+        g = slot % spec.dp  # the decode DP group serving it
+        rxs = [backend.KVXferKVReceiver(mgr, addr, room) for mgr in mgrs[g]]
+        work.append({"room": room, "tokens": tokens, "group": g, "slot": slot, "rxs": rxs, "pages": pages[slot]})
+    while not all(mgr.try_ensure_parallel_info(addr) for mgr in every):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"prefill parallel info for {addr} never arrived")
+        time.sleep(0.02)
+    info = every[0].prefill_info_table[addr]
+    results: dict = {
+        "info": {
+            "attn_tp_size": info.attn_tp_size,
+            "dp_size": info.dp_size,
+            "pp_size": info.pp_size,
+            "pp_layers": [[r.start, r.stop] for r in info.pp_layers],
+            "problem": info.problem,
+        }
+    }
+    for w in work:  # _resolve_prefill_dp_rank, then init
+        w["route"] = 0 if info.dp_size == 1 else w["room"] % info.dp_size
+        for rx in w["rxs"]:
+            rx.init(w["route"])
+
+    def failed(w):
+        results[w["room"]] = {"status": "Failed", "reasons": sides._failure(w["rxs"])}
+
+    served = []
+    waiting, transferring = list(work), []
+    while waiting or transferring:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rooms {[w['room'] for w in waiting + transferring]} never concluded")
+        for w in list(waiting):
+            poll = sides._min_poll(w["rxs"])
+            if poll == FAILED:
+                waiting.remove(w)
+                failed(w)
+            elif poll >= WAITING:
+                waiting.remove(w)
+                transferring.append(w)
+                for rx in w["rxs"]:
+                    rx.send_metadata(np.asarray(w["pages"], dtype=np.int32), w["slot"], [], decode_prefix_len=0)
+        for w in list(transferring):
+            poll = sides._min_poll(w["rxs"])
+            if poll == FAILED:
+                transferring.remove(w)
+                failed(w)
+            elif poll == SUCCESS:
+                transferring.remove(w)
+                mems = groups[w["group"]]
+                aux = [
+                    f"rank {r}: metadata {name} differs"
+                    for r, mem in enumerate(mems)
+                    for name, row in sides.aux_rows(m, w["room"]).items()
+                    if not bool((mem.meta[name][w["slot"]] == row).all())
+                ]
+                verified = [rx.kv_checksum_heads for rx in w["rxs"]]
+                results[w["room"]] = {"status": "Success", "problems": aux, "route": w["route"], "verified": verified}
+                served.append(w)
+                for rx in w["rxs"]:
+                    rx.clear()
+        time.sleep(0.002)
+    # Every byte of every decode buffer against the oracle of what it must hold (the rows of
+    # a failed request may hold what landed before it failed: they are not compared).
+    failed_rows = np.concatenate([page_rows(m, w["pages"]) for w in work if w not in served] or [np.zeros(0, int)])
+    problems = []
+    for g, mems in enumerate(groups):
+        for r, mem in enumerate(mems):
+            views = byte_views(mem)
+            expected = [np.full(tuple(v.shape), SENTINEL, dtype=np.uint8) for v in views]
+            heads = heads_of(m, spec.tp, r)
+            for w in served:
+                if w["group"] != g:
+                    continue
+                oracle = PpOracle(m, w["room"], w["route"], w["tokens"], spec.stage_layers)
+                rows = page_rows(m, w["pages"])
+                for want, (layer, kind) in zip(expected, buffers_of(m, spec.layers)):
+                    want[rows] = oracle.rows(layer, kind)[:, heads, :]
+            for b, (view, want, (layer, kind)) in enumerate(zip(views, expected, buffers_of(m, spec.layers))):
+                got = view.numpy()
+                want[failed_rows] = got[failed_rows]
+                if not np.array_equal(got, want):
+                    row, head, byte = (int(x) for x in np.argwhere(got != want)[0])
+                    problems.append(
+                        f"decode DP group {g} rank {r} buffer {b} ({'KV'[kind]} of layer {layer}): page "
+                        f"{row // m.page_size} row {row % m.page_size} local head {head} byte {byte} is "
+                        f"{int(got[row, head, byte])}, expected {int(want[row, head, byte])}"
+                    )
+    results["pool_problems"] = problems
+    return results
+
+
+def _corrupt_first_landing(backend, spec: PpSpec, mem, mgr, room: int, pages) -> None:
+    """Flip one byte of decode rank 0's first token row of ``room`` in the K buffer of the
+    first layer of prefill stage ``corrupt_stage``, after every writer reported done and
+    before the KV checksum is checked."""
+    import torch
+
+    first_layer = spec.stage_layers[spec.corrupt_stage][0]
+    index = first_layer - spec.layers[0]
+
+    def corrupt(rx) -> None:
+        if rx.bootstrap_room == room and rx.kv_mgr is mgr:
+            mem.k[index].view(torch.uint8)[int(pages[0]) * spec.model.page_size, 0, 0] ^= 0x5A
+
+    backend.after_kv_landed = corrupt
+
+
+def deployment(
+    model: Model,
+    prefill: tuple,  # (attn tp, dp, pp)
+    decode: tuple,  # (attn tp, dp, pp)
+    requests: list,
+    exchange_dir: str,
+    port: int,
+    *,
+    env: dict | None = None,
+    timeout_s: float = 60.0,
+    prefill_layers: list | None = None,  # every prefill stage's layers (default: SGLang's split)
+    decode_model: Model | None = None,
+    die_stage: int | None = None,
+    kv_checksum: bool = False,
+    corrupt_stage: int | None = None,
+) -> list[PpSpec]:
+    """The specs of one deployment: a process per prefill stage and per decode stage."""
+    env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": "local", **(env or {})}
+    p_tp, p_dp, p_pp = prefill
+    d_tp, d_dp, d_pp = decode
+    stages = prefill_layers or pp_layers(model.num_layers, p_pp)
+    dm = decode_model or model
+    d_stages = pp_layers(dm.num_layers, d_pp)
+    specs = [
+        PpSpec(
+            "prefill",
+            f"prefill pp{s}",
+            model,
+            p_tp,
+            p_dp,
+            p_pp,
+            s,
+            tuple(stages[s]),
+            port,
+            requests,
+            exchange_dir,
+            env,
+            timeout_s,
+            stage_layers=stages,
+            die=s == die_stage,
+            kv_checksum=kv_checksum,
+        )
+        for s in range(p_pp)
+    ]
+    specs += [
+        PpSpec(
+            "decode",
+            f"decode pp{s}",
+            dm,
+            d_tp,
+            d_dp,
+            d_pp,
+            s,
+            tuple(d_stages[s]),
+            port,
+            requests,
+            exchange_dir,
+            env,
+            timeout_s,
+            stage_layers=stages,
+            kv_checksum=kv_checksum,
+            corrupt_stage=corrupt_stage,
+        )
+        for s in range(d_pp)
+    ]
+    return specs

@@ -1,0 +1,104 @@
+"""KV checksums per writer (``integrations/sglang_checksum``): digests keyed by global head
+agree wherever a head lives (any TP, any page ids), see a single flipped byte, travel in
+front of the aux payload; and SGLang's CUDA-only digest stands aside on CPU pools."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from sglang_kvxfer.geometry import KVGeometry
+from sglang_kvxfer.integrations import sglang_checksum as checksum
+from tests.integrations.sglang_env import import_sglang_base
+
+GEO = KVGeometry(num_layers=2, total_kv_heads=4, head_dim=8, v_head_dim=4, dtype="bfloat16", page_size=4, num_pages=6)
+
+
+def pool(place, seed: int) -> list[np.ndarray]:
+    """A rank's NHD buffers (K of every layer, then V) filled with noise."""
+    rng = np.random.default_rng(seed)
+    return [
+        rng.integers(0, 256, size=place.buffer_nbytes(b), dtype=np.uint8).reshape(
+            place.buffer_shape(b)[0], place.buffer_shape(b)[1], -1
+        )
+        for b in range(GEO.num_buffers)
+    ]
+
+
+def copy_heads(src_place, src, src_pages, dst_place, dst, dst_pages) -> None:
+    """What a transfer does: the heads both ranks hold, row by row, into other page ids."""
+    ps = GEO.page_size
+    for h in set(src_place.heads) & set(dst_place.heads):
+        i, j = src_place.heads.index(h), dst_place.heads.index(h)
+        for s, d in zip(src_pages, dst_pages):
+            for b in range(GEO.num_buffers):
+                dst[b][d * ps : (d + 1) * ps, j] = src[b][s * ps : (s + 1) * ps, i]
+
+
+def ptrs(bufs) -> list[int]:
+    return [b.ctypes.data for b in bufs]
+
+
+def test_a_head_digests_the_same_on_any_rank_at_any_pages_and_sees_one_byte():
+    p, d = GEO.placement(1, 0), GEO.placement(2, 1)  # prefill TP 1 (heads 0-3) -> decode rank 1 of 2 (2, 3)
+    src, dst = pool(p, 1), pool(d, 2)
+    src_pages, dst_pages = [4, 1, 2], [0, 5, 3]
+    copy_heads(p, src, src_pages, d, dst, dst_pages)
+    theirs = checksum.head_digests(p, ptrs(src), src_pages)
+    mine = checksum.head_digests(d, ptrs(dst), dst_pages)
+    assert sorted(theirs) == [0, 1, 2, 3] and sorted(mine) == [2, 3]
+    assert checksum.mismatches({0: theirs}, mine) == []
+    dst[GEO.num_layers][dst_pages[2] * GEO.page_size + 3, 1, 7] ^= 1  # V of layer 0, last row, head 3
+    bad = checksum.mismatches({0: theirs}, checksum.head_digests(d, ptrs(dst), dst_pages))
+    assert [(rank, head) for rank, head, _, _ in bad] == [(0, 3)] and bad[0][2] == theirs[3] != bad[0][3]
+    assert checksum.mismatches({0: None}, {}) == []  # a writer that sent no digests is not compared
+
+
+def test_head_digests_refuse_what_they_cannot_read():
+    p = GEO.placement(1, 0)
+    bufs = pool(p, 3)
+    with pytest.raises(ValueError, match=r"3 buffer addresses for a geometry of 4 buffers"):
+        checksum.head_digests(p, ptrs(bufs)[:3], [0])
+    with pytest.raises(ValueError, match=r"page ids must lie in \[0, 6\), got 0..6"):
+        checksum.head_digests(p, ptrs(bufs), [0, 6])
+    hnd = KVGeometry(num_layers=1, total_kv_heads=1, head_dim=8, layout="HND")
+    with pytest.raises(ValueError, match="KV checksums read NHD pools; this pool is HND"):
+        checksum.head_digests(hnd.placement(1, 0), [1, 2], [0])
+
+
+def test_digests_ride_in_front_of_the_aux_payload():
+    aux = b"KVXA" + bytes(range(20))
+    digests = {3: 0xDEADBEEF, 0: 1}
+    assert checksum.detach(checksum.attach(aux, digests)) == (digests, aux)
+    assert checksum.detach(checksum.attach(b"", {})) == ({}, b"")
+    assert checksum.detach(aux) == (None, aux) and checksum.detach(b"") == (None, b"")
+    with pytest.raises(ValueError, match=r"version 2 with 1 digests in 16 bytes \(expected version 1"):
+        checksum.detach(b"KVXD\x02\x00\x01\x00" + bytes(8))
+    with pytest.raises(ValueError, match="version 1 with 2 digests in 16 bytes"):
+        checksum.detach(checksum.attach(b"", {1: 2})[:6] + b"\x02\x00" + bytes(8))
+
+
+_base, _reason = import_sglang_base()
+
+
+@pytest.mark.skipif(_base is None, reason=_reason)
+def test_sglangs_cuda_digest_stands_aside_for_cpu_index_tensors(monkeypatch):
+    from sglang_kvxfer.integrations import sglang as backend
+
+    class KvChecksumComputer:  # SGLang 0.5.23's compute() asserts CUDA index tensors
+        def compute(self, kv_page_indices_gpu, state_indices_gpu=None):
+            assert kv_page_indices_gpu.is_cuda
+            return 0x1234
+
+    module = types.ModuleType("sglang.srt.disaggregation.checksum")
+    module.KvChecksumComputer = KvChecksumComputer
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    backend._defer_sglang_cpu_checksum()
+    backend._defer_sglang_cpu_checksum()  # once
+    assert KvChecksumComputer.compute.__kvxfer_original__.__name__ == "compute"
+    computer = KvChecksumComputer()
+    assert computer.compute(types.SimpleNamespace(is_cuda=False)) == 0  # "no digest": SGLang's decode skips it
+    assert computer.compute(types.SimpleNamespace(is_cuda=True)) == 0x1234  # CUDA: SGLang's own digest

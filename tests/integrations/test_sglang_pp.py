@@ -1,0 +1,152 @@
+"""Pipeline parallelism on the prefill (SGLang ``--pp-size``) through kvxfer, driven by the
+scripted scheduler (``sglang_pp_sides``): every prefill PP stage in its own process, a writer
+of its layers; a decode of PP 1 receives every stage into its one pool, a decode of the same
+PP size receives each stage on the stage of its rank. Every byte of every decode buffer is
+compared against the PP oracle (which layer came from which stage, each head from its TP
+writer), for MHA and MLA, with prefill and decode TP, DP and PP sizes that differ. Stages whose
+layers do not tile the decode's, a decode PP that is neither 1 nor the prefill's, and a stage
+rank that dies are each refused or failed with a message naming them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integrations import sglang_pp_sides as pps
+from tests.integrations.sglang_env import Model, import_sglang_base
+from tests.ports import free_port
+
+_base, _reason = import_sglang_base()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_base is None, reason=_reason)]
+
+# Rooms of both parities (room % 2 picks a prefill DP group), partial last pages, several chunks.
+ROOMS = [(0x5EED_0000_F00D, 37), (0x5EED_0001_F00D, 9), (0x7A11_0002_CAFE, 20)]
+
+
+def run(tmp_path, model, prefill, decode, requests=ROOMS, **kw):
+    specs = pps.deployment(model, prefill, decode, requests, str(tmp_path), free_port(), **kw)
+    return pps.run_pp(specs, kw.get("timeout_s", 60.0))
+
+
+def _check_success(reports, model, prefill, decode, requests=ROOMS):
+    p_tp, p_dp, p_pp = prefill
+    for s in range(decode[2]):
+        dec = reports[f"decode pp{s}"]
+        assert dec["info"]["pp_size"] == p_pp, dec["info"]
+        assert dec["info"]["pp_layers"] == [list(r) for r in pps.pp_layers(model.num_layers, p_pp)], dec["info"]
+        for room, _ in requests:
+            assert dec[room]["status"] == "Success", dec[room]
+            assert dec[room]["problems"] == [], dec[room]["problems"]
+        assert dec["pool_problems"] == [], dec["pool_problems"]
+    for s in range(p_pp):
+        pre = reports[f"prefill pp{s}"]
+        for room, _ in requests:
+            assert pre[room]["status"] == "Success", (s, pre[room])
+
+
+@pytest.mark.parametrize(
+    "prefill, decode, mla",
+    [
+        ((1, 1, 2), (1, 1, 1), False),  # prefill PP 2 x TP 1 -> decode TP 1 (PP 1): two stages into one pool
+        ((2, 1, 2), (1, 1, 1), False),  # PP 2 x TP 2 -> TP 1: each stage's two writers gathered
+        ((1, 1, 2), (2, 1, 1), False),  # PP 2 x TP 1 -> TP 2: each stage's heads split over two ranks
+        ((1, 1, 2), (1, 1, 2), False),  # PP 2 -> decode PP 2: stage s to decode stage s only
+        ((1, 1, 3), (2, 1, 1), True),  # MLA, PP 3 (an uneven split) -> TP 2: the latent to every rank
+        ((1, 2, 2), (1, 1, 1), False),  # attention DP 2 x PP 2 -> TP 1: the routed group's stages
+    ],
+    ids=["pp2-to-tp1", "pp2xtp2-to-tp1", "pp2-to-tp2", "pp2-to-pp2", "mla-pp3-to-tp2", "dp2xpp2-to-tp1"],
+)
+def test_every_stage_writes_its_layers_and_every_decode_byte_is_exact(tmp_path, prefill, decode, mla):
+    layers = 5 if mla else 4
+    if mla:
+        model = Model(mla=True, head_dim=24, num_layers=layers, pool_tokens=192)
+    else:
+        model = Model(total_kv_heads=4, num_layers=layers, pool_tokens=192)
+    reports = run(tmp_path, model, prefill, decode)
+    _check_success(reports, model, prefill, decode)
+
+
+def test_kv_checksum_is_verified_per_stage_and_a_corrupted_stage_fails_by_name(tmp_path):
+    """--disaggregation-enable-kv-checksum: each stage's writers digest their layers' heads and
+    the decode compares each stage's part; a byte of stage 1's layers flipped after landing
+    fails that request naming the stage, the other requests succeed."""
+    model = Model(total_kv_heads=4, num_layers=4, pool_tokens=192)
+    reports = run(tmp_path, model, (2, 1, 2), (1, 1, 1), kv_checksum=True, corrupt_stage=1)
+    dec = reports["decode pp0"]
+    first, *rest = ROOMS
+    (reason,) = dec[first[0]]["reasons"]
+    assert dec[first[0]]["status"] == "Failed", dec[first[0]]
+    assert "KV checksum mismatch (--disaggregation-enable-kv-checksum) in the PP stage 1 (layers [2, 4)): " in reason
+    assert "written by prefill rank " in reason, reason
+    for room, _ in rest:
+        assert dec[room]["status"] == "Success", dec[room]
+        assert dec[room]["verified"] == [2 * model.total_kv_heads], dec[room]  # every head of both stages
+    assert dec["pool_problems"] == [], dec["pool_problems"]
+
+
+def test_stages_whose_layers_do_not_tile_the_decode_fail_naming_the_ranges(tmp_path):
+    model = Model(total_kv_heads=4, num_layers=4, pool_tokens=192)
+    env = {"KVXFER_BOOTSTRAP_TIMEOUT_S": "5"}
+    reports = run(tmp_path, model, (1, 1, 2), (1, 1, 1), requests=ROOMS[:1], env=env, prefill_layers=[(0, 2), (3, 4)])
+    dec = reports["decode pp0"]
+    assert dec["info"]["pp_layers"] == [[0, 2], [3, 4]]
+    (reason,) = dec[ROOMS[0][0]]["reasons"]
+    assert (
+        "the prefill's 2 PP stages hold layers [0, 2), [3, 4) (3 layers in all), which do not tile this decode's "
+        "4 layers [0, 4)" in reason
+    ), reason
+    assert dec["pool_problems"] == [], dec["pool_problems"]  # nothing landed
+
+
+def test_a_decode_pp_size_neither_1_nor_the_prefills_is_refused_by_sglangs_rule(tmp_path):
+    model = Model(total_kv_heads=4, num_layers=6, pool_tokens=192)
+    env = {"KVXFER_BOOTSTRAP_TIMEOUT_S": "5"}
+    specs = pps.deployment(model, (1, 1, 2), (1, 1, 3), ROOMS[:1], str(tmp_path), free_port(), env=env)
+    specs = [s for s in specs if s.name != "decode pp1" and s.name != "decode pp2"]  # one decode stage shows it
+    reports = pps.run_pp(specs, 60.0)
+    dec = reports["decode pp0"]
+    (reason,) = dec[ROOMS[0][0]]["reasons"]
+    assert "decode pp size (3) must be equal to the prefill pp size (2) or 1" in reason, reason
+    assert "start the decode with --pp-size 2 or --pp-size 1" in reason, reason
+
+
+def test_a_dead_stage_rank_fails_the_request_within_the_heartbeat_bound(tmp_path):
+    """Stage 1's process ends once the request is bootstrapped, before it sends: the decode's
+    part for stage 1 fails on the missing heartbeats (every other deadline is far away), and
+    the request fails naming the stage."""
+    model = Model(total_kv_heads=4, num_layers=4, pool_tokens=192)
+    far = {"KVXFER_WAITING_TIMEOUT_S": "120", "KVXFER_TRANSFER_TIMEOUT_S": "120"}
+    reports = run(tmp_path, model, (1, 1, 2), (1, 1, 1), requests=ROOMS[:1], env=far, die_stage=1, timeout_s=40.0)
+    assert reports["prefill pp1"] == {"died": ROOMS[0][0]}
+    dec = reports["decode pp0"]
+    (reason,) = dec[ROOMS[0][0]]["reasons"]
+    assert dec[ROOMS[0][0]]["status"] == "Failed"
+    assert reason.startswith("KVXferTransferError: PP stage 1 (layers [2, 4)): prefill rank 0 is gone: "), reason
+    assert "KVXFER_HEARTBEAT_TIMEOUT_S=3.0" in reason, reason
+
+
+def test_a_draft_models_kv_with_pp_and_a_bad_stage_are_refused_at_construction(monkeypatch):
+    """A draft model's pool with --pp-size > 1 is refused naming both; so is a KVArgs.pp_rank
+    outside --pp-size and a prefill stage without its first layer."""
+    from sglang_kvxfer.errors import KVXferError
+    from tests.integrations import sglang_sides as sides
+    from tests.integrations.sglang_env import Draft, load_utils_defs, rank_memory, server_args
+
+    monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")
+    monkeypatch.setenv("KVXFER_SGLANG_TRANSPORT", "local")
+    from sglang_kvxfer.integrations import sglang as backend
+
+    monkeypatch.setattr(backend, "_draft_model_kv", sides._draft_heads(Model(draft=Draft())))
+    mode = load_utils_defs().DisaggregationMode.PREFILL
+    sa = server_args(sides.MODEL_PATH, "prefill", 1, free_port(), pp_size=2, disable_overlap_schedule=True)
+    mem = rank_memory(Model(draft=Draft()), 1, 0, "prefill")
+    with pytest.raises(
+        KVXferError, match=r"does not support a draft-model KV \(speculative decoding\) with --pp-size=2"
+    ):
+        backend.KVXferKVManager(mem.kv_args, mode, sa, False)
+    mem = rank_memory(Model(), 1, 0, "prefill")
+    mem.kv_args.pp_rank = 2
+    with pytest.raises(KVXferError, match=r"KVArgs.pp_rank=2 must be an int in \[0, --pp-size=2\)"):
+        backend.KVXferKVManager(mem.kv_args, mode, sa, False)
+    mem.kv_args.pp_rank, mem.kv_args.prefill_start_layer = 1, None
+    with pytest.raises(KVXferError, match=r"KVArgs.prefill_start_layer=None must be an int >= 0 \(PP stage 1\)"):
+        backend.KVXferKVManager(mem.kv_args, mode, sa, False)
