@@ -50,6 +50,7 @@ class Worker:
         self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._count = threading.Lock()
         self.pending = 0
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -64,16 +65,21 @@ class Worker:
             if fn is None:
                 return
             try:
-                fn()
+                if not self._closing:  # a closing rank starts nothing: its memory is about to go
+                    fn()
             except Exception:
                 log.exception("worker task failed")
             finally:
                 with self._count:
                     self.pending -= 1
 
-    def close(self, timeout_s: float) -> None:
+    def close(self, timeout_s: float) -> bool:
+        """Stop after the task running now (queued ones are dropped). True once the thread
+        has ended; False if that task still runs after ``timeout_s``."""
+        self._closing = True
         self._q.put(None)
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
 
 class Peer:
@@ -327,16 +333,28 @@ class RankBase(abc.ABC, Generic[R]):
         if self.control is not None:
             self.control.close(timeout_s)
             self.control = None
-        for w in self._workers:
-            w.close(timeout_s)
+        # Nothing may write into memory after it is freed: workers stop first, then the
+        # regions are deregistered while the transport runs (a receive into one is waited
+        # for, or stopped), then the transport closes, and only then is memory released.
+        # Memory a writer might still touch stays mapped for the life of the process.
+        stuck = [w for w in self._workers if not w.close(timeout_s)]
         self._workers = []
-        for res in (self.pool, self.staging):
-            if res is not None:
-                res.close()
-        self.pool = self.staging = None
+        if stuck:
+            log.error(
+                "%s rank %d: %d worker(s) still running after %.0f s; its KV pool and staging memory stay mapped",
+                self.side.value,
+                self.tp_rank,
+                len(stuck),
+                timeout_s,
+            )
+        clean = [res.deregister() for res in (self.pool, self.staging) if res is not None]
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+        for res in (self.pool, self.staging):
+            if res is not None:
+                res.release(free=not stuck and all(clean))
+        self.pool = self.staging = None
 
     def __enter__(self: RankT) -> RankT:
         return self

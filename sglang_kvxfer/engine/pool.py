@@ -10,20 +10,23 @@ protocol or move bytes between processes.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from sglang_kvxfer.errors import KVXferError
+from sglang_kvxfer.errors import KVXferError, TransportError
 from sglang_kvxfer.geometry import Layout, RankPlacement
 
 if TYPE_CHECKING:
     from sglang_kvxfer.transports.base import Region, Transport
 
 __all__ = ["BufferLoc", "KVPool", "StagingArena", "StagingLoc", "PageAllocator", "torch_dtype"]
+
+log = logging.getLogger("sglang_kvxfer.pool")
 
 _ALIGN = 256  # buffer and staging offsets: keeps 16-byte vector copies aligned
 MIN_SEGMENT_BYTES = 1 << 20  # the smallest segment a staging arena adds
@@ -242,19 +245,26 @@ class KVPool:
         self.regions, self._transport = regions, transport
         return [r.descriptor for r in regions]
 
-    def close(self) -> None:
-        """Deregister and release the memory (idempotent)."""
-        if self._transport is not None:
-            for r in self.regions:
-                try:
-                    self._transport.deregister(r)
-                except Exception:  # the transport may already be closed
-                    pass
-            self._transport, self.regions = None, []
+    def deregister(self) -> bool:
+        """Deregister every region (idempotent). False when one could not be, because
+        transfers into it were still in flight: its memory must then not be freed."""
+        clean = _deregister_all(self._transport, self.regions, "KV pool")
+        self._transport, self.regions = None, []
+        return clean
+
+    def release(self, free: bool = True) -> None:
+        """Drop the buffers and, with ``free``, release the memory this pool owns; without,
+        keep it mapped for the life of the process (a writer may still touch it)."""
         self.buffers, self._blocks = [], []
-        for owner in self._owners:
-            owner.close()
-        self._owners = []
+        owners, self._owners = self._owners, []
+        _release(owners, free)
+
+    def close(self) -> bool:
+        """``deregister``, then ``release`` unless a region still had transfers in flight
+        (idempotent); returns whether the memory was released."""
+        clean = self.deregister()
+        self.release(free=clean)
+        return clean
 
 
 class StagingLoc(NamedTuple):
@@ -417,20 +427,30 @@ class StagingArena:
             raise ValueError(f"staging [{offset}, {offset + nbytes}) crosses the end of its segment")
         return seg.tensor[local : local + nbytes]
 
-    def close(self) -> None:
+    def deregister(self) -> bool:
+        """Deregister every segment (see ``KVPool.deregister``)."""
+        with self._lock:
+            regions = [seg.region for seg in self._segments if seg.region is not None]
+            for seg in self._segments:
+                seg.region = None
+        clean = _deregister_all(self._transport, regions, "staging")
+        self._transport = None
+        return clean
+
+    def release(self, free: bool = True) -> None:
+        """Drop the segments and, with ``free``, release their memory (see ``KVPool.release``)."""
         with self._lock:
             segments, self._segments = self._segments, []
             self._used = {}
         for seg in segments:
-            if self._transport is not None and seg.region is not None:
-                try:
-                    self._transport.deregister(seg.region)
-                except Exception:  # the transport may already be closed
-                    pass
             seg.tensor = None
-            if seg.owner is not None:
-                seg.owner.close()
-        self._transport = None
+        _release([seg.owner for seg in segments if seg.owner is not None], free)
+
+    def close(self) -> bool:
+        """``deregister``, then ``release`` unless a segment still had transfers in flight."""
+        clean = self.deregister()
+        self.release(free=clean)
+        return clean
 
 
 class PageAllocator:
@@ -457,3 +477,36 @@ class PageAllocator:
     def free(self, pages) -> None:
         with self._lock:
             self._free.extend(int(p) for p in pages)
+
+
+# Memory a closing rank could not prove idle (a transfer into it was still in flight, or a
+# worker was still running): kept mapped until the process exits, never freed under a writer.
+_KEPT_MAPPED: list[Any] = []
+
+
+def _deregister_all(transport: Transport | None, regions: list[Region], what: str) -> bool:
+    """Deregister ``regions``; False if one still had transfers in flight. A region the
+    transport no longer knows (it was closed, or never registered it) counts as released."""
+    clean = True
+    if transport is None:
+        return clean
+    for r in regions:
+        try:
+            transport.deregister(r)
+        except ValueError:
+            pass  # not registered there (any more)
+        except TransportError as exc:
+            if getattr(transport, "_closed", False):
+                continue  # closed: its threads were stopped when it closed
+            clean = False
+            log.error("%s region %s: %s; its memory stays mapped until the process exits", what, r.region_id, exc)
+    return clean
+
+
+def _release(owners: list[Any], free: bool) -> None:
+    """Close what owns the memory, or keep it mapped (``free`` False)."""
+    if free:
+        for owner in owners:
+            owner.close()
+    else:
+        _KEPT_MAPPED.extend(owners)
