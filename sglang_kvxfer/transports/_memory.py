@@ -92,7 +92,8 @@ _RATE_BYTES = 8 << 20
 def memmove_rate() -> tuple[float, float]:
     """``(seconds per entry, bytes per second)`` of ``copy_entries`` on this host: the
     per-entry cost from 256 64-byte entries, the rate from 8 MiB copies, best of 3 each.
-    Measured once per process (about 15 ms on a 2-vCPU VM, on the first call) and cached;
+    Measured once per process (about 15 ms on a 2-vCPU VM, on the first call: ``local``
+    makes it when the first transport is created) and cached;
     clamped to [0.05, 50] us and [0.5, 500] GB/s so that a stalled measurement cannot
     mislead."""
     global _rate

@@ -138,6 +138,11 @@ class LocalTransport(Transport):
         self._targets = UseTable()  # (peer_id, region_id) -> _Target
         self._peers: dict[str, _Peer] = {}
         self._grants: dict[str, frozenset] = {}  # recorded only: see the module docstring
+        # The copy cost ``path_cost`` reports, measured now, in the creating thread, once per
+        # process: measured later it would run on a rank's I/O thread at its first request,
+        # where a host process spinning on the GIL (vLLM's workers busy-poll) once stretched
+        # its ~800 GIL hand-overs to 27 s without heartbeats.
+        _memory.memmove_rate()
         self._failures: list[PeerFailure] = []
         self._cuda: CudaCopier | None = None  # created on first CUDA write
 
