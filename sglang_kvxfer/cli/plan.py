@@ -16,6 +16,10 @@ prefill's layers are split over its stages as SGLang splits them (``--pp-layers`
 ``SGLANG_PP_LAYER_PARTITION``); every stage writes its layers with the same TP plan, to the
 decode stage of its rank (decode PP equal) or all into the one decode pool (decode PP 1), so
 each (stage, writer, reader) is a row with the stage's layers and bytes.
+
+Extra per-request state (``--swa-layers``, ``--mamba-layers``, ``--dsa-layers``; SGLang's
+``KVArgs.state_types``) is planned per pool with its own geometry (``plan_state``) and listed
+under ``state`` after the KV.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import numpy as np
 
 from sglang_kvxfer import envs
+from sglang_kvxfer.cli import plan_state
 from sglang_kvxfer.geometry import KVGeometry, owned_heads
 from sglang_kvxfer.integrations.sglang_args import pp_layer_split
 from sglang_kvxfer.planning import plan_pair, plan_tp
@@ -81,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="decode page ids of the example request (default scattered: every other page)",
     )
     p.add_argument("--room", type=int, default=0, help="request id; rotates writer election among replicas")
+    plan_state.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -191,6 +197,7 @@ def build_report(args: argparse.Namespace) -> dict:
             "decode_pages": args.pages,
         },
         "transfers": transfers,
+        "state": plan_state.build(args, p_attn, d_attn, ps),
         "decode_ranks": [
             {
                 "rank": d,
@@ -313,6 +320,7 @@ def render(report: dict) -> str:
             else f"layers [{a}, {b}) of the decode pool"
         )
         lines.append(f"prefill PP stage {st['pp_rank']}: layers [{a}, {b}), written to {dst}")
+    lines += plan_state.render(report["state"], _fmt_bytes)
     reasons = sorted({(t["path"], t["reason"]) for t in report["transfers"]})
     lines.append("")
     lines += [f"{path}: {reason}" for path, reason in reasons]

@@ -24,9 +24,11 @@ register the same first layer; stages hold disjoint layer ranges in stage order.
 
 KV pools (protocol 6): a rank that serves a speculative draft model's KV as well registers it
 separately, with ``kv_pool="draft"`` and the draft's geometry, and announces that geometry in
-its registration of the model's pool (``draft_geometry``). Registrations, conflicts and
-queries are per pool; a reply about the model's pool carries the announced draft geometry, so a
-decode learns whether the prefill has a draft before any draft rank is asked about.
+its registration of the model's pool (``draft_geometry``); likewise each component of the
+model's extra per-request state (``kv_pool="state:<kind>[.<n>]"``, announced in
+``state_pools``). Registrations, conflicts and queries are per pool; a reply about the model's
+pool carries the announced draft geometry and state pools, so a decode learns whether the
+prefill has a draft or state pools before any of their ranks is asked about.
 Requests and replies travel in the authenticated envelope (``protocol/envelope.py``): a
 request must carry a valid tag, be fresh (time-stamped sequence within the window, never
 seen before) and name its envelope's sender as its session; anything else is dropped
@@ -211,7 +213,8 @@ class BootstrapServer:
                 continue  # a restart of the same rank replaces it
             names: tuple[str, ...] = ("tp_size", "dp_size", "pp_size", "transport")
             if pool == msg.kv_pool:
-                names += ("geometry", "draft_geometry") if pp == msg.pp_rank else ("draft_geometry",)
+                names += ("geometry",) if pp == msg.pp_rank else ()
+                names += ("draft_geometry", "state_pools")
             theirs = f"rank {tp} of DP group {dp}" + (f", PP stage {pp}," if other.pp_size > 1 else "")
             for name in names:
                 a, b = getattr(other, name), getattr(msg, name)
@@ -304,6 +307,7 @@ class BootstrapServer:
             dp_groups=tuple(groups),
             kv_pool=kv_pool,
             draft_geometry=ranks[0].draft_geometry if ranks and not kv_pool else None,
+            state_pools=ranks[0].state_pools if ranks and not kv_pool else (),
             pp_rank=pp_rank,
             pp_size=pp_size,
             layer_start=ranks[0].layer_start if ranks else 0,

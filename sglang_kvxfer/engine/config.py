@@ -7,15 +7,18 @@ start anything.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_kvxfer import auth, envs
 from sglang_kvxfer.geometry import KVGeometry, RankPlacement
+from sglang_kvxfer.protocol.messages import STATE_POOL_PATTERN
 
 __all__ = ["EngineConfig", "parse_host_port"]
 
 ENGINE_VERSION = "sglang_kvxfer-0.1"
+_STATE_POOL = re.compile(STATE_POOL_PATTERN)
 
 
 def parse_host_port(text: str, name: str = "bootstrap") -> tuple[str, int]:
@@ -73,10 +76,13 @@ class EngineConfig:
         auth_key: the shared secret that authenticates control frames (see ``auth.py``);
             None takes it from the environment or the per-user key file.
         kv_pool: which of the rank's KV pools this manager moves: ``""`` the model's,
-            ``"draft"`` a speculative decoding draft model's (its own geometry; registered
-            and looked up at the bootstrap separately, by a manager of its own).
+            ``"draft"`` a speculative decoding draft model's, ``"state:<kind>[.<n>]"`` a
+            component of the model's extra per-request state (each its own geometry;
+            registered and looked up at the bootstrap separately, by a manager of its own).
         draft_geometry: a prefill manager of the model's pool: the geometry of the draft
             pool the same rank serves (announced with its registration), None if none.
+        state_pools: a prefill manager of the model's pool: the names of the state pools
+            the same rank serves (announced with its registration), empty if none.
         pp_rank, pp_size, layer_start: a prefill rank's pipeline-parallel stage, the number
             of stages, and the first model layer its pool holds (the geometry's
             ``num_layers`` is the stage's layer count). Registered with the bootstrap; 0, 1
@@ -109,6 +115,7 @@ class EngineConfig:
     dp_size: int = 1
     kv_pool: str = ""
     draft_geometry: KVGeometry | None = None
+    state_pools: tuple[str, ...] = ()
     pp_rank: int = 0
     pp_size: int = 1
     layer_start: int = 0
@@ -156,8 +163,16 @@ class EngineConfig:
                 raise ValueError(f"{kind}_rank={rank} must be < {kind}_size={size}")
         if self.pp_size == 1 and self.layer_start:
             raise ValueError(f"layer_start={self.layer_start} must be 0 without pipeline parallelism (pp_size=1)")
-        if self.kv_pool not in ("", "draft"):
-            raise ValueError(f"kv_pool={self.kv_pool!r} must be '' (the model's KV) or 'draft'")
+        if self.kv_pool not in ("", "draft") and not _STATE_POOL.fullmatch(self.kv_pool):
+            raise ValueError(f"kv_pool={self.kv_pool!r} must be '' (the model's KV), 'draft' or 'state:<kind>[.<n>]'")
+        if self.state_pools and (self.kv_pool or self.role != "prefill"):
+            raise ValueError(
+                "state_pools are announced by a prefill manager of the model's pool only "
+                f"(role={self.role!r}, kv_pool={self.kv_pool!r})"
+            )
+        bad = [p for p in self.state_pools if not isinstance(p, str) or not _STATE_POOL.fullmatch(p)]
+        if bad or len(set(self.state_pools)) != len(self.state_pools):
+            raise ValueError(f"state_pools={self.state_pools!r} must be distinct 'state:<kind>[.<n>]' names")
         if self.draft_geometry is not None and (
             not isinstance(self.draft_geometry, KVGeometry) or self.kv_pool or self.role != "prefill"
         ):

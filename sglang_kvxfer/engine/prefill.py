@@ -112,6 +112,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             dp_size=self.config.dp_size,
             kv_pool=self.config.kv_pool,
             draft_geometry=self.config.draft_geometry,
+            state_pools=self.config.state_pools,
             pp_rank=self.config.pp_rank,
             pp_size=self.config.pp_size,
             layer_start=self.config.layer_start,

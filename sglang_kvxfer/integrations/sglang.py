@@ -35,13 +35,23 @@ pages; it succeeds only when both did, and fails with the first failure (the oth
 aborted). Whether the prefill has a draft pool, and its geometry, comes with the parallel
 info; a difference fails the decode's requests naming both sides.
 
+Extra per-request state (``KVArgs.state_types``: mamba, swa, dsa; ``sglang_state``): each
+pool of it has a geometry of its own and an engine manager per rank
+(``kv_pool="state:<kind>[.<n>]"``, announced with the model pool's registration, geometry
+checked at registration). A request's last chunk hands each pool its own indices
+(``state_indices``), the decode's ``send_metadata`` its own; the request succeeds only when its
+KV and every state pool's rows are in place. A server pair whose state pools differ, or a
+pool that needs one attention TP size meeting two, fails the requests naming both sides; any
+other state type is refused at manager construction, naming it.
+
 ``--disaggregation-enable-kv-checksum`` on CPU pools: each prefill rank digests the heads it
 owns over the pages it sent (``sglang_checksum``) and sends the digests with its
 ``TransferDone``; the decode digests the heads it owns once every writer is done and compares
 each writer's share before it reports Success (per PP stage).
 
 The test seams (replaced here by tests, read by the other modules at call time):
-``after_kv_landed``, ``_model_total_kv_heads``, ``_draft_model_kv``, ``_pp_exchange``.
+``after_kv_landed``, ``_model_total_kv_heads``, ``_model_swa_kv_heads``, ``_draft_model_kv``,
+``_pp_exchange``.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ from sglang_kvxfer.integrations.sglang_common import (  # noqa: F401  (the under
 )
 from sglang_kvxfer.integrations.sglang_common import defer_sglang_cpu_checksum as _defer_sglang_cpu_checksum  # noqa: F401
 from sglang_kvxfer.integrations.sglang_common import draft_model_kv as _draft_model_kv  # noqa: F401
+from sglang_kvxfer.integrations.sglang_common import model_swa_kv_heads as _model_swa_kv_heads  # noqa: F401
 from sglang_kvxfer.integrations.sglang_common import model_total_kv_heads as _model_total_kv_heads  # noqa: F401
 from sglang_kvxfer.integrations.sglang_common import pp_exchange as _pp_exchange  # noqa: F401
 from sglang_kvxfer.integrations.sglang_manager import KVXferKVBootstrapServer, KVXferKVManager

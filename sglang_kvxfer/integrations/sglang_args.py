@@ -3,8 +3,9 @@
 Owns the translation of the attribute bag SGLang hands every transfer backend into a full ``KVGeometry`` with the buffer addresses, the aux
 (metadata) buffer layout and the packing of one aux slot, and the reading of the few
 ``ServerArgs`` fields that decide the attention TP and DP sizes and the bootstrap address.
-Every feature this backend does not carry (attention CP, plain DP replicas, extra
-per-request state...) is refused here with a message that names the setting.
+Every feature this backend does not carry (attention CP, plain DP replicas, state types
+other than mamba, swa and dsa...) is refused here with a message that names the setting;
+extra per-request state is translated in ``sglang_state``.
 
 Head counts are never inferred from byte lengths: the total comes from
 ``KVArgs.total_kv_head_num`` (or the model config, through the caller), the per-rank count
@@ -22,10 +23,13 @@ import numbers
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang_kvxfer.errors import GeometryError, KVXferError
 from sglang_kvxfer.geometry import DTYPE_ITEMSIZE, KVGeometry, Layout, normalize_dtype, owned_heads
+
+if TYPE_CHECKING:
+    from sglang_kvxfer.integrations.sglang_state import StatePool
 
 __all__ = [
     "KVARGS_FIELDS",
@@ -55,6 +59,10 @@ KVARGS_FIELDS = (
     "aux_data_lens",
     "aux_item_lens",
     "state_types",
+    "state_data_ptrs",
+    "state_data_lens",
+    "state_item_lens",
+    "swa_kv_cache_layout",
     "is_hybrid_mla_backend",
     "kv_head_num",
     "total_kv_head_num",
@@ -390,13 +398,16 @@ class SglangLayout:
     aux: AuxLayout
     num_draft_entries: int  # trailing draft-model entries of kv_data_ptrs (``draft``)
     draft: DraftLayout | None = None  # None without a draft model
+    states: tuple[StatePool, ...] = ()  # extra per-request state (KVArgs.state_types), a pool each
 
 
-def _per_entry_dim(name: str, i: int, item_len: int, page_size: int, heads: int, itemsize: int) -> int:
+def _per_entry_dim(
+    name: str, i: int, item_len: int, page_size: int, heads: int, itemsize: int, field: str = "kv_item_lens"
+) -> int:
     unit = page_size * heads * itemsize
     if item_len <= 0 or item_len % unit:
         raise GeometryError(
-            f"kv_item_lens[{i}]={item_len} ({name}) is not a whole number of heads: one page of "
+            f"{field}[{i}]={item_len} ({name}) is not a whole number of heads: one page of "
             f"{page_size} tokens x {heads} head(s) x {itemsize}-byte elements is {unit} bytes per "
             f"unit of head_dim"
         )
@@ -424,20 +435,28 @@ def _pool_geometry(
     local: int,
     page_size: int,
     dtype: str,
+    items_field: str = "kv_item_lens",
+    lens_field: str = "kv_data_lens",
 ) -> KVGeometry:
     """The geometry of the KV entries ``[first, first + len(items))`` of ``kv_data_ptrs``
-    (K of every layer then V; MLA: one per layer). ``what`` names the pool in errors."""
+    (K of every layer then V; MLA: one per layer). ``what`` names the pool in errors, the
+    ``*_field`` names the KVArgs fields the entries come from."""
     itemsize = DTYPE_ITEMSIZE[dtype]
     n = len(items)
     layers = n if mla else n // 2
-    k_dims = [_per_entry_dim(f"{what}K", first + i, items[i], page_size, local, itemsize) for i in range(layers)]
+    k_dims = [
+        _per_entry_dim(f"{what}K", first + i, items[i], page_size, local, itemsize, items_field) for i in range(layers)
+    ]
     head_dim = _same(f"head_dim ({what}K)", k_dims, first)
     v_head_dim = None
     if not mla:
-        v_dims = [_per_entry_dim(f"{what}V", first + i, items[i], page_size, local, itemsize) for i in range(layers, n)]
+        v_dims = [
+            _per_entry_dim(f"{what}V", first + i, items[i], page_size, local, itemsize, items_field)
+            for i in range(layers, n)
+        ]
         v_head_dim = _same(f"head_dim ({what}V)", v_dims, first + layers)
     pages = [lens[i] // items[i] for i in range(n)]
-    num_pages = _same(f"pages per buffer ({what}kv_data_lens // kv_item_lens)", pages, first)
+    num_pages = _same(f"pages per buffer ({what}{lens_field} // {items_field})", pages, first)
     return KVGeometry(
         num_layers=layers,
         total_kv_heads=heads_total,
@@ -514,6 +533,7 @@ def layout_from_kv_args(
     total_kv_heads: Callable[[], int] | None = None,
     draft_kv: Callable[[], tuple[int, bool]] | None = None,
     draft_dtype: str | None = None,
+    swa_kv_heads: Callable[[], int] | None = None,
 ) -> SglangLayout:
     """Translate ``KVArgs`` into a geometry, this rank's placement and its buffers.
 
@@ -528,16 +548,14 @@ def layout_from_kv_args(
         draft_kv: with ``num_draft_entries > 0``, called for the draft model's
             ``(un-sharded KV heads, MLA)`` (its config; KVArgs carries neither).
         draft_dtype: the draft pool's element type (None: ``dtype``).
+        swa_kv_heads: with a ``swa`` entry in ``state_types``, called for the SWA layers'
+            un-sharded KV head count (the model's config).
+
+    Extra per-request state (``state_types``: mamba, swa, dsa) becomes ``states``, a pool
+    each (``sglang_state``); any other type is refused naming it.
 
     Raises ``GeometryError`` naming the KVArgs field for anything inconsistent.
     """
-    states = _get(args, "state_types", None)
-    if states:
-        raise _not_supported(
-            "KVArgs.state_types",
-            [str(getattr(s, "value", s)) for s in states],
-            "models with extra per-request state (mamba, SWA, DSA...) need state transfer, which is not implemented",
-        )
     if _get(args, "is_hybrid_mla_backend", False):
         raise _not_supported("KVArgs.is_hybrid_mla_backend", True, "hybrid MLA pools are not implemented")
     if _get(args, "kv_layout", None) is not None:
@@ -605,9 +623,16 @@ def layout_from_kv_args(
             dtype=draft_dtype or dtype,
             draft_kv=draft_kv,
         )
+    from sglang_kvxfer.integrations.sglang_state import states_from_kv_args  # it builds on this module
+
+    states = states_from_kv_args(
+        args, tp_size=tp_size, rank=rank, mla=mla, dtype=dtype, page_size=page_size, swa_kv_heads=swa_kv_heads
+    )
     aux = AuxLayout(
         tuple(_get(args, "aux_data_ptrs", None) or ()),
         tuple(_get(args, "aux_data_lens", None) or ()),
         tuple(_get(args, "aux_item_lens", None) or ()),
     )
-    return SglangLayout(geometry, tp_size, rank, tuple(ptrs[:main]), tuple(lens[:main]), aux, draft, draft_layout)
+    return SglangLayout(
+        geometry, tp_size, rank, tuple(ptrs[:main]), tuple(lens[:main]), aux, draft, draft_layout, states
+    )

@@ -5,7 +5,7 @@ Owns the import of SGLang's base module (``sglang.srt.disaggregation.base.conn``
 this raises ``TransportUnavailableError`` naming the package to install),
 ``KVXferTransferError``, ``PrefillInfo``, the translation of SGLang's environment and server
 arguments this backend reads at run time (deadlines, the advertised address, the transport,
-the model's and the draft model's KV heads), the draft-pool comparison, the CPU checksum
+the model's, its SWA layers' and the draft model's KV heads), the draft-pool comparison, the CPU checksum
 hand-over, and ``seam``: how the other modules find the test seams that tests replace on the
 public module ``integrations.sglang``. Must not build managers or requests (``sglang_manager``,
 ``sglang_requests``).
@@ -107,6 +107,7 @@ class PrefillInfo:
     # False when ``problem`` is about the prefill's stages themselves (unknown, refused by the
     # PP rule, not tiling this decode's layers): no engine request can be made toward them
     routable: bool = True
+    state_pools: tuple[str, ...] = ()  # the prefill's extra per-request state pools (sglang_state)
 
 
 def role_of(mode: Any) -> str:
@@ -204,6 +205,18 @@ def model_total_kv_heads(server_args: Any) -> int:
     from sglang.srt.configs.model_config import ModelConfig
 
     return ModelConfig.from_server_args(server_args).get_total_num_kv_heads()
+
+
+def model_swa_kv_heads(server_args: Any) -> int:
+    """The un-sharded KV head count SGLang sizes a hybrid model's SWA sub-pool with (its
+    ``kv_cache_configurator``: ``swa_num_key_value_heads`` for the models it builds with their
+    own SWA heads, ``is_hybrid_swa_compress``; otherwise the model's)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    cfg = ModelConfig.from_server_args(server_args)
+    if getattr(cfg, "is_hybrid_swa_compress", False):
+        return int(cfg.hf_text_config.swa_num_key_value_heads)
+    return cfg.get_total_num_kv_heads()
 
 
 def draft_model_kv(server_args: Any) -> tuple[int, bool]:

@@ -1,9 +1,10 @@
 """SGLang's transfer manager and bootstrap server for the kvxfer backend.
 
 Owns ``KVXferKVManager`` (one SGLang rank's manager: an engine manager over SGLang's own KV
-pool memory, no copy; a second one over a draft model's pool; on a decode rank facing a
-prefill of several PP stages, one per stage's layer range over a layer-slice view of the same
-pool) and ``KVXferKVBootstrapServer``. The decode side's parallel info
+pool memory, no copy; a second one over a draft model's pool; one per pool of the model's extra
+per-request state (``sglang_state``); on a decode rank facing a prefill of several PP stages,
+one per stage's layer range over a layer-slice view of the same pool) and
+``KVXferKVBootstrapServer``. The decode side's parallel info
 (``try_ensure_parallel_info``, ``prefill_info_table``) and which engine manager serves which
 part of a request (``receive_parts``) are decided here; the requests themselves are
 ``sglang_requests``. Must not: drive a request, or read a pool's bytes.
@@ -45,6 +46,7 @@ from sglang_kvxfer.integrations.sglang_pp import (
     stage_label,
     tiling_problem,
 )
+from sglang_kvxfer.integrations.sglang_state import StatePool, state_problem
 
 if TYPE_CHECKING:
     from sglang_kvxfer.engine.decode import DecodeManager
@@ -101,6 +103,7 @@ class KVXferKVManager(BaseKVManager):
             total_kv_heads=lambda: seam("_model_total_kv_heads")(server_args),
             draft_kv=lambda: seam("_draft_model_kv")(server_args),
             draft_dtype=None if str(draft_dtype or "auto").lower() == "auto" else kv_dtype(draft_dtype),
+            swa_kv_heads=lambda: seam("_model_swa_kv_heads")(server_args),
         )
         lay = self.layout
         self.pp_size, self.pp_rank, layer_start = self._pp_stage(args)
@@ -126,6 +129,7 @@ class KVXferKVManager(BaseKVManager):
             dp_rank=self.dp_rank,
             dp_size=self.plan.attn_dp_size if prefill else 1,
             draft_geometry=draft.geometry if draft is not None and prefill else None,
+            state_pools=tuple(p.name for p in lay.states) if prefill else (),
             pp_rank=self.pp_rank if prefill else 0,
             pp_size=self.pp_size if prefill else 1,
             layer_start=layer_start,
@@ -141,10 +145,18 @@ class KVXferKVManager(BaseKVManager):
         self.engine: RankBase = KVManager(self.config, pool)
         self.draft_engine: RankBase | None = None
         self.stage_status: StageStatus | None = None
+        # Extra per-request state: a manager per pool, registered under kv_pool=pool.name.
+        self.state_engines: list[tuple[StatePool, RankBase]] = []
         try:
             if draft is not None and self.draft_config is not None:
                 draft_pool = KVPool.from_pointers(self.draft_config.placement, draft.kv_ptrs, draft.kv_lens, device)
                 self.draft_engine = KVManager(self.draft_config, draft_pool)
+            for state in lay.states:
+                config = dataclasses.replace(
+                    self.config, geometry=state.geometry, kv_pool=state.name, draft_geometry=None, state_pools=()
+                )
+                state_pool = KVPool.from_pointers(config.placement, state.ptrs, state.lens, device)
+                self.state_engines.append((state, KVManager(config, state_pool)))
             if prefill and self.pp_size > 1:
                 # SGLang's PP prefill asks stage 0 whether a request is bootstrapped on every stage.
                 self.stage_status = StageStatus(
@@ -189,6 +201,8 @@ class KVXferKVManager(BaseKVManager):
             f" and draft-model KV {draft.geometry}" if draft is not None else "",
             self.config.transport,
         )
+        for state, _ in self.state_engines:
+            log.info("kvxfer %s rank %d/%d: %s: %s", self.role, lay.tp_rank, lay.tp_size, state.label, state.geometry)
 
     def _pp_stage(self, args: KVArgs) -> tuple[int, int, int]:
         """``(pp_size, pp_rank, first layer of this rank's pool)`` from SGLang's ``--pp-size``
@@ -203,6 +217,12 @@ class KVXferKVManager(BaseKVManager):
                 f"the kvxfer transfer backend does not support a {DRAFT} with --pp-size={size}: which PP stage "
                 "holds the draft model's pool is not implemented; use another --disaggregation-transfer-backend "
                 "for speculative decoding with pipeline parallelism"
+            )
+        if size > 1 and self.layout.states:
+            raise KVXferError(
+                f"the kvxfer transfer backend does not support extra per-request state ({self.layout.states[0].label}) "
+                f"with --pp-size={size}: pairing a PP stage's state entries with the other server's is not "
+                "implemented; use another --disaggregation-transfer-backend for hybrid models with pipeline parallelism"
             )
         if self.role != "prefill" or size == 1:
             return size, rank, 0
@@ -242,6 +262,26 @@ class KVXferKVManager(BaseKVManager):
         return engine
 
     @property
+    def prefill_state_engines(self) -> list[tuple[StatePool, PrefillManager]]:
+        """``(pool, prefill engine)`` of every state pool (empty without state)."""
+        from sglang_kvxfer.engine.prefill import PrefillManager
+
+        out = [(p, e) for p, e in self.state_engines if isinstance(e, PrefillManager)]
+        if len(out) != len(self.state_engines):
+            raise TypeError(f"the kvxfer {self.role} manager has no prefill state engines")
+        return out
+
+    @property
+    def decode_state_engines(self) -> list[tuple[StatePool, DecodeManager]]:
+        """``(pool, decode engine)`` of every state pool (empty without state)."""
+        from sglang_kvxfer.engine.decode import DecodeManager
+
+        out = [(p, e) for p, e in self.state_engines if isinstance(e, DecodeManager)]
+        if len(out) != len(self.state_engines):
+            raise TypeError(f"the kvxfer {self.role} manager has no decode state engines")
+        return out
+
+    @property
     def decode_draft_engine(self) -> DecodeManager | None:
         """The decode engine of the draft model's pool (None without a draft model)."""
         from sglang_kvxfer.engine.decode import DecodeManager
@@ -260,6 +300,8 @@ class KVXferKVManager(BaseKVManager):
             draft = self.prefill_draft_engine
             if draft is not None:
                 draft.wait_registered(self.config.bootstrap_timeout_s)
+            for _, engine in self.prefill_state_engines:
+                engine.wait_registered(self.config.bootstrap_timeout_s)
 
     # -- what SGLang's decode scheduler calls beyond the base class ------------------------------
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
@@ -303,9 +345,10 @@ class KVXferKVManager(BaseKVManager):
         dp_size = 1
         dp_groups: tuple[int, ...] = (0,)  # a prefill without attention DP
         draft: KVGeometry | None = None
+        states: tuple[str, ...] = ()
         if status == "ready":  # DP group 0 is registered: ask how many groups there are
             try:
-                dp_size, dp_groups, draft = self._prefill_dp_groups(bootstrap_addr)
+                dp_size, dp_groups, draft, states = self._prefill_dp_groups(bootstrap_addr)
             except KVXferError as exc:
                 log.warning("kvxfer: the DP groups behind bootstrap %s: %s (asking again)", bootstrap_addr, exc)
                 return False
@@ -318,6 +361,8 @@ class KVXferKVManager(BaseKVManager):
             )
         if status == "ready" and not problem:
             problem = draft_problem(draft, self.layout.draft.geometry if self.layout.draft else None)
+        if status == "ready" and not problem:
+            problem = state_problem(states, self.layout.states, tp_size, self.layout.tp_size)
         self.prefill_info_table[bootstrap_addr] = PrefillInfo(
             attn_tp_size=tp_size,
             dp_size=dp_size,
@@ -326,6 +371,7 @@ class KVXferKVManager(BaseKVManager):
             draft_geometry=draft,
             pp_size=topo.pp_size,
             pp_layers=topo.pp_layers,
+            state_pools=states,
         )
         return True
 
@@ -417,17 +463,19 @@ class KVXferKVManager(BaseKVManager):
         topo = lookup.result if lookup is not None else None
         return [part for _, part in self._stage_parts(bootstrap_addr, topo, dp_rank)]
 
-    def _prefill_dp_groups(self, bootstrap_addr: str) -> tuple[int, tuple[int, ...], KVGeometry | None]:
-        """``(dp_size, registered DP groups, draft-model pool geometry)`` of the prefill
-        behind ``bootstrap_addr``: one query (the bootstrap just answered this rank's engine),
-        under a session of its own."""
+    def _prefill_dp_groups(
+        self, bootstrap_addr: str
+    ) -> tuple[int, tuple[int, ...], KVGeometry | None, tuple[str, ...]]:
+        """``(dp_size, registered DP groups, draft-model pool geometry, state pools)`` of the
+        prefill behind ``bootstrap_addr``: one query (the bootstrap just answered this rank's
+        engine), under a session of its own."""
         from sglang_kvxfer.engine import bootstrap
         from sglang_kvxfer.protocol.messages import BootstrapQuery
 
         eng = self.decode_engine
         query = BootstrapQuery(session=f"{eng.session}.dp", tp_rank=eng.tp_rank)
         reply = bootstrap.request(bootstrap_addr, query, timeout_s=2.0, key=self.config.key)
-        return max(reply.dp_size, 1), tuple(reply.dp_groups) or (0,), reply.draft_geometry
+        return max(reply.dp_size, 1), tuple(reply.dp_groups) or (0,), reply.draft_geometry, tuple(reply.state_pools)
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         # A decode rank of another TP width receives a slice of what the prefill digested; a
@@ -448,6 +496,8 @@ class KVXferKVManager(BaseKVManager):
             engine.close()
         if self.stage_status is not None:
             self.stage_status.close()
+        for _, engine in getattr(self, "state_engines", []):
+            engine.close()
         if self.draft_engine is not None:
             self.draft_engine.close()
         self.engine.close()

@@ -3,9 +3,10 @@
 Owns ``KVXferKVSender`` (prefill) and ``KVXferKVReceiver`` (decode), what they share
 (``_Request``: the monotonic status and the failure record) and ``_Parts``: the engine
 requests one SGLang request drives. A request is one engine request per part: the model's KV,
-a draft model's KV over the same pages, and on a decode of PP 1 facing a prefill of several
-PP stages, one per stage over the layers it holds. It succeeds only when every part did; the
-first failure fails it and aborts the others.
+a draft model's KV over the same pages, one per pool of the model's extra per-request state
+over that pool's own indices (``state_indices``, ``sglang_state``), and on a decode of PP 1
+facing a prefill of several PP stages, one per stage over the layers it holds. It succeeds
+only when every part did; the first failure fails it and aborts the others.
 
 SGLang's contract kept here: polls return ``KVPoll`` ints, move forward only, and ``Failed``
 is terminal; ``failure_exception()`` raises an error with ``failure_reason`` and
@@ -42,6 +43,7 @@ from sglang_kvxfer.integrations.sglang_common import (
     seam,
 )
 from sglang_kvxfer.integrations.sglang_manager import KVXferKVManager
+from sglang_kvxfer.integrations.sglang_state import StatePool, state_pages
 
 if TYPE_CHECKING:
     from sglang_kvxfer.engine import KVReceiver, KVSender
@@ -101,25 +103,33 @@ class _Parts:
 class _PartsRecord:
     """The transfer record of a request: its first part's, with every part's bytes and ops
     added; a draft model's also shown apart (``draft_bytes``/``draft_ops``), each PP stage's
-    in ``pp_stages``."""
+    in ``pp_stages``, each state pool's in ``state``."""
 
     parts: tuple[tuple[str, RequestRecord], ...]
 
     def to_dict(self) -> dict:
         (first_label, first), rest = self.parts[0], self.parts[1:]
         line = first.to_dict()
-        stages = [] if first_label in ("", DRAFT) else [(first_label, first)]
+        stages = [(first_label, first)] if first_label.startswith(STAGE) else []
+        states: list[dict[str, Any]] = []
         for what, d in rest:
             line.update(bytes=line["bytes"] + d.bytes, ops=line["ops"] + d.ops)
             if what == DRAFT:
                 line.update(draft_bytes=d.bytes, draft_ops=d.ops)
-            else:
+            elif what.startswith(STAGE):
                 stages.append((what, d))
+            else:  # a state pool
+                states.append({"pool": what, "bytes": d.bytes, "ops": d.ops, "ok": d.ok})
             if not d.ok and line.get("ok"):
                 line.update(ok=False, reason=f"{what}: {d.reason}")
         if stages:
             line["pp_stages"] = [{"stage": what, "bytes": d.bytes, "ops": d.ops, "ok": d.ok} for what, d in stages]
+        if states:
+            line.update(state=states, state_bytes=sum(x["bytes"] for x in states))
         return line
+
+
+STAGE = "PP stage "  # how sglang_pp.stage_label starts
 
 
 class _Request:
@@ -229,6 +239,9 @@ class KVXferKVSender(_Request, BaseKVSender):
         if draft is not None:
             self._draft = KVSender(draft, self.bootstrap_room)
             parts.append((DRAFT, self._draft))
+        # extra per-request state: one engine request per pool, sent with the last chunk
+        self._states = [(pool, KVSender(engine, self.bootstrap_room)) for pool, engine in mgr.prefill_state_engines]
+        parts += [(pool.label, sender) for pool, sender in self._states]
         self._engine = self._pair = _Parts(parts)
         self._pages: list[np.ndarray] = []  # the pages of every chunk sent, in order (KV checksum)
         dp_size = mgr.plan.attn_dp_size
@@ -294,7 +307,8 @@ class KVXferKVSender(_Request, BaseKVSender):
         ``[curr_idx, curr_idx + len(kv_indices))`` (SGLang's ``index_slice``); the one that
         reaches ``num_kv_indices`` is the last and carries the aux slot (every PP stage sends
         its own: a decode stage takes it from the prefill stage of its rank, a decode of PP 1
-        from the last stage)."""
+        from the last stage) and ``state_indices``: each state pool's indices (SGLang's payload
+        per ``state_types`` entry), moved by that pool's engine request."""
         wait, self._early_send_wait_event = self._early_send_wait_event, None
         if self.conclude_state is not None:
             return
@@ -310,9 +324,10 @@ class KVXferKVSender(_Request, BaseKVSender):
                     f"pages [{index_slice.start}, {index_slice.stop}) run past "
                     f"num_kv_indices={self.num_kv_indices} given to init()"
                 )
-            if state_indices and any(s is not None and len(s) for s in state_indices):
-                raise ValueError("state_indices were given, but this backend transfers no per-request state")
             last = index_slice.stop == self.num_kv_indices
+            if not last and state_indices and any(s is not None for s in state_indices):
+                raise ValueError("state_indices came with a chunk that is not the request's last")
+            state = state_pages([pool for pool, _ in self._states], state_indices) if last else []
             aux = self.kv_mgr.layout.aux.read(self.aux_index) if last and self.aux_index is not None else b""
             self._started = self._started or time.perf_counter()
             self._pages.append(pages)
@@ -324,6 +339,8 @@ class KVXferKVSender(_Request, BaseKVSender):
             self._sender.send(pages, last_chunk=last, aux=aux, ready=wait)
             if self._draft is not None:
                 self._draft.send(pages, last_chunk=last, aux=draft_aux, ready=wait)
+            for (_, sender), rows in zip(self._states, state):
+                sender.send(rows, last_chunk=True, ready=wait)
             self.curr_idx = index_slice.stop
         except Exception as exc:
             self._fail_from("send()", exc)
@@ -364,6 +381,7 @@ class KVXferKVSender(_Request, BaseKVSender):
 
     def get_transfer_metric(self) -> KVTransferMetric:
         total = self._sender.bytes_sent + (self._draft.bytes_sent if self._draft is not None else 0)
+        total += sum(sender.bytes_sent for _, sender in self._states)
         return KVTransferMetric(transfer_latency_s=self._latency, transfer_total_bytes=total)
 
     def clear(self) -> None:
@@ -403,6 +421,7 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         # The engine's requests, made by init() once the prefill DP group is known; empty
         # before that, or when the request failed first.
         self._rxs: list[_Rx] = []
+        self._states: list[tuple[StatePool, KVReceiver]] = []  # one per state pool, made by init()
         self._pages: np.ndarray | None = None  # this rank's pages of the request (KV checksum)
         self.kv_checksum_heads = 0  # heads (of every part) whose checksum was compared on landing
         try:
@@ -450,14 +469,22 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
                     group = bootstrap.group_address(self.bootstrap_addr, self.prefill_dp_rank)
                     rx = KVReceiver(draft, self.bootstrap_room, group)
                     self._rxs.append(_Rx(DRAFT, rx, draft_config, draft_layout.kv_ptrs, False))
+            if not (info is not None and info.problem):
+                group = bootstrap.group_address(self.bootstrap_addr, self.prefill_dp_rank)
+                for pool, engine in mgr.decode_state_engines:
+                    self._states.append((pool, KVReceiver(engine, self.bootstrap_room, group)))
         except Exception as exc:
             if self._rxs:
-                self._engine = _Parts([(p.label, p.rx) for p in self._rxs])
+                self._engine = self._parts()
             return self._fail_from("init()", exc)
-        self._engine = _Parts([(p.label, p.rx) for p in self._rxs])
+        self._engine = self._parts()
         if info is not None and info.problem:  # after the engine's requests: their groups hear it
             return self._fail(info.problem)
         self._inited = True
+
+    def _parts(self) -> _Parts:
+        parts: list[tuple[str, KVSender | KVReceiver]] = [(p.label, p.rx) for p in self._rxs]
+        return _Parts(parts + [(pool.label, rx) for pool, rx in self._states])
 
     def failure_exception(self):
         try:
@@ -488,7 +515,11 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         ``decode_prefix_len`` (decode radix cache): the page-aligned prefix this decode
         already holds. ``kv_indices`` then cover only the tokens after it, the prefill learns
         the length through ``pop_decode_prefix_len`` and sends only those tokens' pages, so
-        both page lists count from the same token."""
+        both page lists count from the same token.
+
+        ``state_indices`` (one entry per ``state_types`` entry): where each state pool's rows
+        go (SWA: the window's pages after the prefix; mamba: the request's slot), each pool's
+        engine request told with its own indices."""
         if self.conclude_state is not None:
             return
         try:
@@ -496,8 +527,7 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
                 raise ValueError(f"destination={destination!r}: only device KV destinations are supported")
             page_size = self.kv_mgr.layout.geometry.page_size
             prefix = prefix_tokens(decode_prefix_len, page_size, "decode")
-            if state_indices and any(s is not None and len(s) for s in state_indices):
-                raise ValueError("state_indices were given, but this backend transfers no per-request state")
+            state = state_pages(self.kv_mgr.layout.states, state_indices)
             if kwargs:
                 raise ValueError(f"unsupported argument(s) {sorted(kwargs)}")
             if aux_index is not None:
@@ -508,6 +538,8 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             for part in self._rxs:  # the draft's: the same page ids in the draft model's pool
                 slot = -1 if aux_index is None or part.label == DRAFT else int(aux_index)
                 part.rx.send_metadata(pages, aux_slot=slot, num_tokens=len(pages) * page_size, prefix_tokens=prefix)
+            for (pool, rx), rows in zip(self._states, state):  # the indices already skip the prefix
+                rx.send_metadata(rows, aux_slot=-1, num_tokens=len(rows) * pool.geometry.page_size, prefix_tokens=0)
             self.aux_index, self._pages = aux_index, pages
         except Exception as exc:
             self._fail_from("send_metadata()", exc)

@@ -66,9 +66,10 @@ __all__ = [
 # 5: RegisterReply says whether the prefill maps the decode's KV pool (pool_mapped,
 # pool_note) and RequestMeta whether the writer writes it with one fused copy (fused);
 # 6: PrefillRegister, BootstrapQuery and BootstrapReply name a KV pool (kv_pool: "" or
-# "draft"), and the model's pool registration and reply carry draft_geometry; prefill
-# registrations name their pipeline-parallel stage (pp_rank, pp_size, layer_start), queries
-# the stage they ask about and replies the stage's layers and the registered stages.
+# "draft" or "state:<kind>[.<n>]"), and the model's pool registration and reply carry
+# draft_geometry and state_pools; prefill registrations name their pipeline-parallel stage
+# (pp_rank, pp_size, layer_start), queries the stage they ask about and replies the stage's
+# layers and the registered stages.
 PROTOCOL_VERSION = 6
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name

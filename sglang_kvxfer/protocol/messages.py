@@ -92,8 +92,21 @@ ErrorText = Annotated[str, Text(MAX_REASON_CHARS, cut=True)]
 GeometryField = Annotated[KVGeometry, Geometry()]
 MaybeGeometry = Annotated[KVGeometry | None, Maybe(Geometry())]
 # Which of a rank's KV pools (protocol 6): "" the model's own, "draft" a speculative
-# decoding draft model's (its own geometry, moved by a manager of its own)
-KVPoolName = Annotated[str, Text(16, r"(draft)?", "'' (the model's KV pool) or 'draft' (a draft model's)")]
+# decoding draft model's, "state:<kind>[.<n>]" a component of the model's extra per-request
+# state (SGLang's KVArgs.state_types: "state:swa", "state:mamba.1"); each has its own
+# geometry and is moved by a manager of its own
+STATE_POOL_PATTERN = r"state:[a-z][a-z0-9_]{0,15}(\.[0-9]{1,3})?"
+KVPoolName = Annotated[
+    str,
+    Text(
+        32,
+        rf"(draft|{STATE_POOL_PATTERN})?",
+        "'' (the model's KV pool), 'draft' (a draft model's) or 'state:<kind>[.<n>]' (extra per-request state)",
+    ),
+]
+# the state pools a rank serves beside the model's (protocol 6: announced with its
+# registration of the model's pool, like draft_geometry)
+StatePools = Annotated[tuple[str, ...], ListOf(Text(32, STATE_POOL_PATTERN, "a state pool name like 'state:swa'"), 64)]
 PageIdArray = Annotated[np.ndarray, PageIds()]
 AgentDescriptor = Annotated[bytes, Blob(MAX_AGENT_DESCRIPTOR_BYTES, min_bytes=1)]
 RegionDescriptor = Blob(MAX_REGION_DESCRIPTOR_BYTES, min_bytes=1)
@@ -138,6 +151,15 @@ def _layers_fit(msg: Record) -> None:
         msg._bad("layer_start", f"={start} must be 0 when num_layers=0 (every layer)")
 
 
+def _state_pools_valid(msg: Record, what: str) -> None:
+    """``state_pools`` come with the model's pool only, each named once."""
+    pools, pool = list(getattr(msg, "state_pools")), getattr(msg, "kv_pool")  # noqa: B009
+    if pool and pools:
+        msg._bad("state_pools", f"must be empty in {what} kv_pool={pool!r}")
+    if len(set(pools)) != len(pools):
+        msg._bad("state_pools", f"names a pool twice: {pools}")
+
+
 # -- bootstrap ------------------------------------------------------------------------------
 @message
 class PrefillRegister(Message):
@@ -159,6 +181,9 @@ class PrefillRegister(Message):
     # kv_pool="draft" (None: it has none), so a decode knows at once whether one exists.
     kv_pool: KVPoolName = ""
     draft_geometry: MaybeGeometry = None
+    # protocol 6: likewise the state pools (extra per-request state, kv_pool="state:...") the
+    # same rank registers, in the order its requests use them (empty: none)
+    state_pools: StatePools = ()
     # protocol 6, pipeline parallelism (SGLang --pp-size): this rank's PP stage and the first
     # model layer its pool holds; the geometry's num_layers is the stage's layer count, so the
     # stage holds layers [layer_start, layer_start + geometry.num_layers)
@@ -172,6 +197,7 @@ class PrefillRegister(Message):
         _rank_below_size(self, "pp_rank", "pp_size")
         if self.kv_pool and self.draft_geometry is not None:
             self._bad("draft_geometry", f"must be None in a registration of kv_pool={self.kv_pool!r}")
+        _state_pools_valid(self, "a registration of")
         if self.pp_size == 1 and self.layer_start:
             self._bad("layer_start", f"={self.layer_start} must be 0 without pipeline parallelism (pp_size=1)")
 
@@ -216,6 +242,7 @@ class BootstrapReply(Message):
     # geometry the group's ranks announced (None: no draft model, or no rank registered yet)
     kv_pool: KVPoolName = ""
     draft_geometry: MaybeGeometry = None
+    state_pools: StatePools = ()  # for the model's pool: the state pools the group's ranks announced
     # protocol 6, pipeline parallelism: the PP stage asked about, the stages behind the
     # bootstrap (0: no rank registered yet), the first layer of the asked stage's pool (its
     # geometry's num_layers is the stage's count) and the stages of the asked DP group that
@@ -228,6 +255,7 @@ class BootstrapReply(Message):
     def _validate(self) -> None:
         if self.kv_pool and self.draft_geometry is not None:
             self._bad("draft_geometry", f"must be None in a reply about kv_pool={self.kv_pool!r}")
+        _state_pools_valid(self, "a reply about")
         for name, size in (("dp_groups", self.dp_size), ("pp_stages", self.pp_size)):
             listed = list(getattr(self, name))
             if len(set(listed)) != len(listed) or listed != sorted(listed):

@@ -209,3 +209,49 @@ def test_pipeline_parallel_stages_in_json_and_table(capsys):
 def test_pipeline_parallel_errors_name_the_flags(extra, words):
     bad = run_cli("plan", "--total-kv-heads", "8", "--prefill-tp", "1", "--decode-tp", "1", "--layers", "4", *extra)
     assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_extra_per_request_state_pools_in_json_and_table(capsys):
+    base = ["plan", "--total-kv-heads", "8", "--prefill-tp", "2", "--decode-tp", "1", "--layers", "4"]
+    state = ["--tokens", "100", "--page-size", "16", "--swa-layers", "3", "--swa-kv-heads", "4", "--swa-window", "40"]
+    state += ["--dsa-layers", "2", "--dsa-row-bytes", "528"]
+    assert main([*base, *state, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    swa, dsa = out["state"]
+    # SGLang's window: from the page-aligned max(0, 100 - 40) = 48, so 52 tokens in 4 pages
+    assert (swa["pool"], swa["layers"], swa["total_kv_heads"], swa["tokens"], swa["indices"]) == (
+        "state:swa",
+        3,
+        4,
+        52,
+        4,
+    )
+    assert [(t["prefill_rank"], t["decode_rank"], t["global_heads"]) for t in swa["transfers"]] == [
+        (0, 0, [0, 2]),
+        (1, 0, [2, 4]),
+    ]
+    assert all(t["bytes"] == 3 * 2 * 52 * 2 * 128 * 2 for t in swa["transfers"])  # layers x K,V x tokens x heads x dim
+    assert (dsa["pool"], dsa["row_bytes"], dsa["indices"]) == ("state:dsa", 528, 7)  # one row per KV page
+    (writer,) = dsa["transfers"]  # replicated: one writer for the one decode rank
+    assert writer["bytes"] == 2 * 7 * 528
+    assert main([*base, *state]) == 0
+    table = capsys.readouterr().out
+    assert "state pool state:swa (3 layers, 4 KV head(s), the last 52 tokens):" in table
+    assert "  prefill 1 -> decode 0 heads [2, 4): 156.0 KiB, staged, 1 op(s)" in table
+    assert "state pool state:dsa (2 layers, rows of 528 bytes, 7 row(s) per layer):" in table
+    assert main([*base, "--json"]) == 0 and json.loads(capsys.readouterr().out)["state"] == []
+
+
+def test_mamba_state_is_planned_rank_to_rank_and_refused_between_tp_sizes(capsys):
+    base = ["plan", "--total-kv-heads", "8", "--decode-tp", "2", "--mamba-layers", "3", "--mamba-row-bytes", "64,256"]
+    assert main([*base, "--prefill-tp", "2", "--json"]) == 0
+    conv, ssm = json.loads(capsys.readouterr().out)["state"]
+    assert (conv["pool"], ssm["pool"], conv["indices"]) == ("state:mamba.0", "state:mamba.1", 1)
+    for pool, row in ((conv, 64), (ssm, 256)):
+        assert [(t["prefill_rank"], t["decode_rank"], t["bytes"]) for t in pool["transfers"]] == [
+            (0, 0, 3 * row),
+            (1, 1, 3 * row),
+        ]
+    done = run_cli(*base, "--prefill-tp", "1")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "prefill attention TP 1 and decode attention TP 2 differ; mamba state rows are sharded" in done.stderr

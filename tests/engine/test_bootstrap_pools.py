@@ -1,6 +1,8 @@
 """The bootstrap's KV pools (protocol 6): a prefill rank that serves a draft model's KV
 registers it apart (``kv_pool="draft"``) and announces its geometry with the model's pool;
-registrations, conflicts and queries are per pool. And the engine config fields behind it."""
+likewise each pool of extra per-request state (``kv_pool="state:swa"``, announced in
+``state_pools``); registrations, conflicts and queries are per pool. And the engine config
+fields behind it."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ GEO = KVGeometry(num_layers=2, total_kv_heads=4, head_dim=16, num_pages=8)
 DRAFT = KVGeometry(num_layers=1, total_kv_heads=2, head_dim=8, num_pages=8)
 
 
-def _register(addr: str, tp: int, *, pool="", geometry=GEO, draft=None, tp_size=2, session=None):
+def _register(addr: str, tp: int, *, pool="", geometry=GEO, draft=None, tp_size=2, session=None, states=()):
     msg = PrefillRegister(
         engine_version="t",
         session=session or f"p{pool}{tp}",
@@ -27,6 +29,7 @@ def _register(addr: str, tp: int, *, pool="", geometry=GEO, draft=None, tp_size=
         transport="local",
         kv_pool=pool,
         draft_geometry=draft,
+        state_pools=states,
     )
     return bootstrap.request(addr, msg, timeout_s=5.0, key=b"")
 
@@ -83,8 +86,14 @@ def test_engine_config_names_its_pool():
     base = dict(role="prefill", geometry=GEO, tp_size=2, tp_rank=0, bootstrap="127.0.0.1:1", auth_key="off")
     assert EngineConfig(**base, kv_pool="draft").kv_pool == "draft"
     assert EngineConfig(**base, draft_geometry=DRAFT).draft_geometry == DRAFT
-    with pytest.raises(ValueError, match=r"kv_pool='mtp' must be '' \(the model's KV\) or 'draft'"):
+    with pytest.raises(ValueError, match=r"kv_pool='mtp' must be '' \(the model's KV\), 'draft' or 'state:<kind>"):
         EngineConfig(**base, kv_pool="mtp")
+    assert EngineConfig(**base, kv_pool="state:mamba.1").kv_pool == "state:mamba.1"
+    assert EngineConfig(**base, state_pools=("state:swa",)).state_pools == ("state:swa",)
+    with pytest.raises(ValueError, match=r"state_pools are announced by a prefill manager of the model's pool only"):
+        EngineConfig(**base, kv_pool="state:swa", state_pools=("state:swa",))
+    with pytest.raises(ValueError, match=r"state_pools=\('swa',\) must be distinct 'state:<kind>\[.<n>\]' names"):
+        EngineConfig(**base, state_pools=("swa",))
     with pytest.raises(ValueError, match=r"draft_geometry .*only for a prefill manager of the model's pool"):
         EngineConfig(**{**base, "role": "decode"}, draft_geometry=DRAFT)
     with pytest.raises(ValueError, match=r"\(role='prefill', kv_pool='draft'\)"):
@@ -109,3 +118,19 @@ def test_a_prefill_rank_whose_registration_is_refused_fails_to_start_with_the_re
             ):
                 mgr.wait_registered(10)
         assert srv.registered() == {1: "p1"}  # the refused rank was not added
+
+
+def test_state_pools_are_announced_with_the_models_pool_and_registered_apart():
+    swa = KVGeometry(num_layers=2, total_kv_heads=2, head_dim=8, num_pages=12)
+    with BootstrapServer("127.0.0.1", 0, key="off") as srv:
+        addr = srv.address
+        for tp in (0, 1):
+            _register(addr, tp, states=("state:swa",))
+            _register(addr, tp, pool="state:swa", geometry=swa)
+        model, state = _query(addr), _query(addr, "state:swa")
+        assert model.ready and model.state_pools == ("state:swa",)
+        assert state.ready and state.geometry == swa and state.state_pools == () and state.kv_pool == "state:swa"
+        refused = _register(addr, 1, session="p-again")  # the same rank announcing no state pool
+        assert "registers state_pools=() but rank 0 of DP group 0 registered state_pools=('state:swa',)" in (
+            refused.reason
+        )

@@ -25,6 +25,7 @@ import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 BASE = "sglang.srt.disaggregation.base.conn"
 
@@ -112,6 +113,8 @@ class Model:
     # a speculative decoding draft model (EAGLE-like: its own layers, heads and dims; the
     # pool's page size, rows and dtype are the model's): its KV entries follow the model's
     draft: Draft | None = None
+    # extra per-request state (KVArgs.state_types): a sglang_state_env.StateModel
+    state: Any = None
 
 
 @dataclass
@@ -243,7 +246,13 @@ def rank_memory(model: Model, tp: int, rank: int, role: str) -> RankMemory:
     args.state_conv_shard_groups = []
     args.is_hybrid_mla_backend = False
     args.swa_kv_cache_layout = None
-    return RankMemory(k, v, meta, args, draft_k=draft_k, draft_v=draft_v)
+    mem = RankMemory(k, v, meta, args, draft_k=draft_k, draft_v=draft_v)
+    if model.state is not None:  # setup_state_kv_args of a hybrid pool
+        from tests.integrations import sglang_state_env
+
+        defs = load_utils_defs(("append_state_component",))
+        mem.extra["state"] = sglang_state_env.attach(model, tp, rank, args, defs)
+    return mem
 
 
 def model_geometry(model: Model):

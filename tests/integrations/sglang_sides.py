@@ -31,6 +31,11 @@ forward writes the draft's KV into the same pages (content of its own), and the 
 every byte of both pools. ``Spec.kv_checksum`` runs both sides with
 ``--disaggregation-enable-kv-checksum``; ``Spec.corrupt`` ("kv" or "draft") flips one landed
 byte of decode rank 0 in the first request (the backend's ``after_kv_landed`` hook).
+
+With extra per-request state (``Model.state``, ``sglang_state_env``), every rank's KVArgs carry
+the state components, the last chunk's forward writes each request's state rows and
+``send(..., state_indices)`` carries SGLang's payloads; the decode sends its own with
+``send_metadata`` and checks every state row it must hold, and that no other row changed.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from tests.integrations import sglang_state_env as state_env
 from tests.integrations.sglang_env import (
     Model,
     import_sglang_base,
@@ -221,6 +227,8 @@ def setup(spec):
     from sglang_kvxfer.integrations import sglang as backend
 
     backend._draft_model_kv = _draft_heads(spec.model)
+    if spec.model.state is not None:  # stands in for the model config's swa_num_key_value_heads
+        backend._model_swa_kv_heads = lambda server_args, heads=spec.model.state.swa_heads: heads
     return backend, load_utils_defs()
 
 
@@ -294,12 +302,14 @@ def _prefill(spec: Spec, closers: list) -> dict:
     results: dict = {}
     reqs = []
     pages = _allocate(m, spec.requests, seed=1)
+    states = state_env.allocate(m, spec.requests, seed=11) if m.state is not None else None
     for slot, (room, tokens, *_) in enumerate(spec.requests):
         senders = [
             backend.KVXferKVSender(mgr=mgr, bootstrap_addr=f"{sa.host}:{spec.port}", bootstrap_room=room)
             for mgr in mgrs
         ]
         reqs.append({"room": room, "tokens": tokens, "slot": slot, "senders": senders, "pages": pages[slot]})
+        reqs[-1]["state"] = states[slot] if states is not None else None
 
     def failed(req):
         results[req["room"]] = {"status": "Failed", "reasons": _failure(req["senders"])}
@@ -355,15 +365,20 @@ def _forward_and_send(req: dict, m: Model, mems, places) -> None:
 
         if early is None:
             forward()
+        state_indices: list | None = [] if last else None
         if last:  # set_buf: the first output token & co. go into the metadata slot
             for mem in mems:
                 for name, row in aux_rows(m, req["room"]).items():
                     mem.meta[name][req["slot"]] = row
+            if m.state is not None:  # the state rows are final once the last chunk's forward ran
+                for r, mem in enumerate(mems):
+                    state_env.fill(m, len(mems), r, mem.extra["state"], req["room"], req["state"], pages, first)
+                state_indices = state_env.payload(m, req["state"], pages, first)
         for s in req["senders"]:
             if early is not None:
                 s._early_send_wait_event = early
             if s.should_send_kv_chunk(len(chunk_pages), last):
-                s.send(chunk_pages, [] if last else None, num_kv_tokens=b - a)
+                s.send(chunk_pages, state_indices, num_kv_tokens=b - a)
         if early is not None:  # the forward was still running when the chunk was sent
             time.sleep(FORWARD_S)
             forward()
@@ -397,10 +412,12 @@ def _decode(spec: Spec, closers: list) -> dict:
     results: dict = {}
     reqs = []
     pages = _allocate(m, spec.requests, seed=2)
+    states = state_env.allocate(m, spec.requests, seed=12) if m.state is not None else None
     for slot, (room, tokens, *rest) in enumerate(spec.requests):
         rxs = [backend.KVXferKVReceiver(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room) for mgr in mgrs]
         prefix = rest[0] if rest else 0
         reqs.append({"room": room, "tokens": tokens, "slot": slot, "rxs": rxs, "pages": pages[slot], "prefix": prefix})
+        reqs[-1]["state"] = states[slot] if states is not None else None
     # _resolve_pending_reqs -> _ensure_prefill_info on every rank, retried
     while not all(mgr.try_ensure_parallel_info(addr) for mgr in mgrs):
         if time.monotonic() > deadline:
@@ -429,8 +446,9 @@ def _decode(spec: Spec, closers: list) -> dict:
                     place = dgeo.placement(spec.tp, r)
                     fill_request(place, mem.draft_buffers, draft_room(req["room"]), req["pages"], 0, prefix)
         after = req["pages"][prefix // m.page_size :].astype(np.int32)
+        state_indices = [] if m.state is None else state_env.payload(m, req["state"], req["pages"], prefix)
         for rx in req["rxs"]:
-            rx.send_metadata(after, req["slot"], [], decode_prefix_len=prefix)
+            rx.send_metadata(after, req["slot"], state_indices, decode_prefix_len=prefix)
 
     class Gated:  # _apply_metadata_gate: Success counts once the slot shows the room
         def __init__(self, rx, mem, slot):
@@ -463,10 +481,24 @@ def _decode(spec: Spec, closers: list) -> dict:
             for name, row in aux_rows(m, req["room"]).items():
                 if not bool((mem.meta[name][req["slot"]] == row).all()):
                     problems.append(f"rank {r}: metadata {name} of slot {req['slot']} differs")
+            if m.state is not None:  # every state row of the request, on every rank
+                st = mem.extra["state"]
+                got = state_env.verify(m, spec.tp, r, st, req["room"], req["state"], req["pages"], req["prefix"])
+                problems += [f"rank {r}: {p}" for p in got]
         verified = [rx.kv_checksum_heads for rx in req["rxs"]]
         results[req["room"]] = {"status": "Success", "problems": problems, "verified": verified}
         for rx in req["rxs"]:
             rx.clear()
+    if m.state is not None:  # nothing landed in a state row no request was given
+        allocs, kv = [r["state"] for r in reqs], [r["pages"] for r in reqs]
+        stray = [
+            f"rank {r}: {p}"
+            for r, mem in enumerate(mems)
+            for p in state_env.untouched(m, mem.extra["state"], allocs, kv)
+        ]
+        for report in results.values():
+            if report["status"] == "Success":
+                report["problems"] += stray
     return results
 
 

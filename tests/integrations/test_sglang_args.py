@@ -189,7 +189,7 @@ def test_an_odd_mha_entry_count_is_refused():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("state_types", ["mamba"], r"KVArgs.state_types=\['mamba'\]: models with extra per-request state"),
+        ("state_types", ["dsa_tail"], r"KVArgs.state_types\[0\]='dsa_tail': the backend moves mamba, swa, dsa"),
         ("kv_layout", "dsv4_unified", r"KVArgs.kv_layout='dsv4_unified'"),
         ("is_hybrid_mla_backend", True, r"KVArgs.is_hybrid_mla_backend=True"),
     ],

@@ -197,7 +197,7 @@ def test_bad_scheduler_arguments_fail_the_request_by_name(dep):
     _, tx, rx = dep.pair()
     rx.init(0)
     rx.send_metadata(np.asarray([1, 2], dtype=np.int32), 0, [np.asarray([3])])
-    assert "state_indices were given, but this backend transfers no per-request state" in failure(rx).failure_reason
+    assert "state_indices were given, but this server keeps no per-request state" in failure(rx).failure_reason
     rx = dep.backend.KVXferKVReceiver(dep.dec, "no-port-here", next(_rooms))
     assert int(rx.poll()) == FAILED
     assert "bootstrap_addr='no-port-here' must look like 'host:port'" in failure(rx).failure_reason

@@ -78,7 +78,9 @@ timings = st.dictionaries(
 )
 
 
-kv_pools = st.sampled_from(["", "draft"])  # protocol 6: the model's pool or a draft model's
+# protocol 6: the model's pool, a draft model's, or a pool of extra per-request state
+kv_pools = st.sampled_from(["", "draft", "state:swa", "state:mamba.1"])
+state_pool_lists = st.lists(st.sampled_from(["state:swa", "state:dsa", "state:mamba.0", "state:mamba.1"]), unique=True)
 
 
 @st.composite
@@ -104,6 +106,7 @@ def prefill_registers(draw):
         draw(transports),
         kv_pool=pool,
         draft_geometry=None if pool else draw(st.one_of(st.none(), geometries())),
+        state_pools=() if pool else tuple(draw(state_pool_lists)),
         pp_rank=pp_rank,
         pp_size=pp_size,
         layer_start=layer_start,
@@ -118,6 +121,7 @@ def bootstrap_replies(draw):
     pp_rank, pp_size, layer_start = draw(pp_stages())
     stages = tuple(sorted(draw(st.sets(st.integers(0, pp_size - 1), max_size=pp_size))))
     pp = dict(pp_rank=pp_rank, pp_size=pp_size, layer_start=layer_start, pp_stages=stages)
+    pp["state_pools"] = () if pool else tuple(draw(state_pool_lists))
     if draw(st.booleans()):
         ranks = [PrefillRankInfo(r, draw(endpoints), draw(names)) for r in range(size)]
         return BootstrapReply(

@@ -101,9 +101,26 @@ sys.meta_path.insert(0, _Finder())
 # "landed W/P" zeroes them earlier: once every writer reported done, before the receiver checks
 # the KV checksums (--disaggregation-enable-kv-checksum), through its after_kv_landed hook.
 # "stage S" zeroes every head of the layers prefill PP stage S delivered (a decode of PP 1).
+# "swa" zeroes every row the request's SWA state (KVArgs.state_types 'swa') landed in, in the
+# decode's sliding-window pool.
 CORRUPT_ENV = "KVXFER_TEST_CORRUPT_FILE"
 LANDED = "landed "
 STAGE = "stage "
+SWA = "swa"
+
+
+def _zero_swa(receiver) -> str:
+    mgr = receiver.kv_mgr
+    for pool, engine in mgr.state_engines:
+        if pool.kind != "swa":
+            continue
+        pages = [int(p) for p in receiver._kvxfer_state[pool.index]]
+        ps = pool.geometry.page_size
+        for buf in engine.pool.buffers:
+            for p in pages:
+                buf[p * ps : (p + 1) * ps] = 0
+        return f"decode rank {mgr.layout.tp_rank}: zeroed the SWA state of {len(pages)} pages"
+    return f"decode rank {mgr.layout.tp_rank}: no SWA state pool"
 
 
 def _zero_stage(receiver, stage: int) -> str:
@@ -148,7 +165,9 @@ def _corrupt_spec() -> str:
 
 
 def _zero_and_log(receiver, spec: str) -> None:
-    if spec.startswith(STAGE):
+    if spec == SWA:
+        what = _zero_swa(receiver)
+    elif spec.startswith(STAGE):
         what = _zero_stage(receiver, int(spec[len(STAGE) :]))
     else:
         what = _zero_writer(receiver, spec)
@@ -162,6 +181,7 @@ def _patch_receiver(module) -> None:
 
     def patched_send_metadata(self, kv_indices, *args, **kwargs):
         self._kvxfer_pages = list(kv_indices)
+        self._kvxfer_state = args[1] if len(args) > 1 else kwargs.get("state_indices")
         return send_metadata(self, kv_indices, *args, **kwargs)
 
     def patched_poll(self):

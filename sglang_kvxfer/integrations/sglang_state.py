@@ -1,0 +1,295 @@
+"""SGLang's extra per-request state (``KVArgs.state_types``) as engine pools of their own.
+
+Owns ``StatePool`` (one engine pool of a rank's state: a component of ``state_types``, or a
+run of its entries of one row size), ``states_from_kv_args`` (the translation, every refusal
+naming the KVArgs field), ``state_pages`` (a request's ``state_indices``, checked) and
+``state_problem`` (why two servers' state pools cannot exchange a request). Each pool is moved
+by an engine manager of its own (``kv_pool=StatePool.name``), one engine request per SGLang
+request over the pool's own indices, so validation at registration, deadlines, failures and
+head re-sharding are the engine's. Must not import sglang or torch.
+
+What each type SGLang 0.5.23 hands a backend becomes (``disaggregation/utils.py``
+``setup_state_kv_args``; the indices come from its schedulers' payloads):
+
+- ``swa``: ``SWAKVPool``'s sliding-window sub-pool: K of every SWA layer, then V, paged by
+  SWA page ids (a request's last window, ``_swa_payload``). MHA: a geometry of the SWA heads
+  (the count SGLang sizes the sub-pool with: ``swa_num_key_value_heads`` for the models whose
+  pool uses it, else the model's; from the model config, never from bytes), head dims from
+  ``state_item_lens``, the pool's page size, NHD; so a TP mismatch re-shards its heads
+  exactly as the model's KV. An MLA sub-pool: one latent per layer, replicated.
+- ``dsa``: DSA's indexer buffers (one per layer, one row of bytes per KV page id,
+  ``_dsa_pages_payload``), replicated on every rank like the MLA latent: a replicated
+  geometry with one row per index (``page_size=1``, ``head_dim`` = bytes of a row, ``uint8``).
+  Layers without an indexer buffer (``skip_topk``, empty entries) are left out.
+- ``mamba``: the conv and SSM state of the mamba pool (tensor-major, one entry per layer, one
+  row per request slot, ``_mamba_payload``): one such pool per run of entries with the same
+  row size. The rows are sharded over attention TP; the replicated geometry's rank-to-rank
+  copy at equal TP gives each rank its own shard. A TP mismatch is refused (re-slicing rows
+  along their head dim, with GDN's ``[q|k|v]`` conv sub-blocks, is not implemented).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sglang_kvxfer.errors import GeometryError
+from sglang_kvxfer.geometry import KVGeometry, owned_heads
+from sglang_kvxfer.integrations.sglang_args import _get, _int, _not_supported, _pool_geometry
+
+__all__ = ["HANDLED_STATE_TYPES", "StatePool", "states_from_kv_args", "state_pages", "state_problem", "describe"]
+
+HANDLED_STATE_TYPES = ("mamba", "swa", "dsa")
+
+_MAMBA_TP = (
+    "mamba conv/SSM state rows are sharded over attention TP, and re-slicing them between TP sizes "
+    "(SGLang's compute_mamba_state_slice_byte_blocks, with GDN's [q|k|v] conv sub-blocks) is not "
+    "implemented by the kvxfer backend"
+)
+_DSA_TP = (
+    "the DSA indexer of a non-MLA model is not replicated over attention TP, and SGLang's own backends "
+    "refuse it between TP sizes too ('does NOT support PD different TP sizes for non-MLA DSA hybrid models')"
+)
+
+
+@dataclass(frozen=True)
+class StatePool:
+    """One engine pool of a rank's extra per-request state."""
+
+    name: str  # the kv_pool of its engine manager: "state:swa", "state:mamba.1"
+    kind: str  # "mamba", "swa" or "dsa"
+    index: int  # its component of KVArgs.state_types: its indices are state_indices[index]
+    label: str  # how failures name it
+    geometry: KVGeometry
+    ptrs: tuple[int, ...]  # the geometry's buffers (SWA: K of every layer, then V)
+    lens: tuple[int, ...]
+    equal_tp_only: str = ""  # why the two sides must have one attention TP size ("": any sizes)
+
+
+def _type_name(value: Any) -> str:
+    return str(getattr(value, "value", value))
+
+
+def _component(args: Any, name: str, i: int, count: int) -> list:
+    seq = _get(args, name, None)
+    if seq is None or len(seq) != count:
+        got = "unset" if seq is None else f"{len(seq)} components"
+        raise GeometryError(f"KVArgs.{name} is {got}; KVArgs.state_types has {count}")
+    return list(seq[i] or [])
+
+
+def states_from_kv_args(
+    args: Any,
+    *,
+    tp_size: int,
+    rank: int,
+    mla: bool,
+    dtype: str,
+    page_size: int,
+    swa_kv_heads: Callable[[], int] | None = None,
+) -> tuple[StatePool, ...]:
+    """The state pools of ``KVArgs`` (empty without ``state_types``).
+
+    ``swa_kv_heads`` is called for the un-sharded KV head count of the SWA sub-pool (the
+    model's config; KVArgs carries only the full-attention layers' count). A type this
+    backend does not move, or fields that do not describe whole rows or heads, raise
+    ``KVXferError`` / ``GeometryError`` naming the field.
+    """
+    names = [_type_name(t) for t in (_get(args, "state_types", None) or [])]
+    for i, name in enumerate(names):
+        if name not in HANDLED_STATE_TYPES:
+            raise _not_supported(
+                f"KVArgs.state_types[{i}]",
+                name,
+                f"the backend moves {', '.join(HANDLED_STATE_TYPES)} state only (types {names}); "
+                f"transferring {name!r} state is not implemented",
+            )
+    if len(set(names)) != len(names):
+        raise GeometryError(f"KVArgs.state_types={names} names a type twice")
+    pools: list[StatePool] = []
+    for i, kind in enumerate(names):
+        ptrs, lens, items = (
+            _component(args, f"state_{n}", i, len(names)) for n in ("data_ptrs", "data_lens", "item_lens")
+        )
+        if not ptrs or not len(ptrs) == len(lens) == len(items):
+            raise GeometryError(
+                f"KVArgs.state_data_ptrs[{i}]/state_data_lens[{i}]/state_item_lens[{i}] ({kind}) have "
+                f"{len(ptrs)}/{len(lens)}/{len(items)} entries; they must match and be non-empty"
+            )
+        if kind == "swa":
+            pools.append(_swa_pool(args, i, ptrs, lens, items, tp_size, rank, mla, dtype, page_size, swa_kv_heads))
+        else:
+            pools += _row_pools(i, kind, ptrs, lens, items, mla)
+    return tuple(pools)
+
+
+def _swa_pool(
+    args: Any,
+    i: int,
+    ptrs: list,
+    lens: list,
+    items: list,
+    tp_size: int,
+    rank: int,
+    mla: bool,
+    dtype: str,
+    page_size: int,
+    swa_kv_heads: Callable[[], int] | None,
+) -> StatePool:
+    layout = _get(args, "swa_kv_cache_layout", None)
+    sub_mla = mla and layout is None  # an MLA sub-pool (SGLang sets the layout for MHA ones only)
+    if not sub_mla and layout != "nhd":
+        raise _not_supported(
+            "KVArgs.swa_kv_cache_layout",
+            layout,
+            "the SWA sub-pool is moved as an NHD MHA pool ([tokens, heads, head_dim] per layer, K then V) or an "
+            "MLA one; other SWA layouts (hnd, vectorized_5d, per-entry state lists such as DeepSeek-V4's) are "
+            "not implemented",
+        )
+    if sub_mla:
+        heads_total, local = 1, 1
+    else:
+        if len(ptrs) % 2:
+            raise GeometryError(
+                f"KVArgs.state_data_ptrs[{i}] (swa) has {len(ptrs)} entries; an MHA SWA sub-pool has K and V "
+                "of every SWA layer (an even count)"
+            )
+        if swa_kv_heads is None:
+            raise GeometryError("the SWA sub-pool's KV head count is needed, and no model config was given")
+        try:
+            heads_total = swa_kv_heads()
+        except Exception as exc:
+            raise GeometryError(
+                f"the model config could not supply the SWA layers' KV head count ({type(exc).__name__}: {exc})"
+            ) from exc
+        heads_total = _int("the SWA layers' total KV heads", heads_total, 1)
+        try:
+            local = len(owned_heads(heads_total, tp_size, rank))
+        except GeometryError as exc:
+            raise GeometryError(f"the SWA layers' KV heads on attention TP {tp_size}: {exc}") from None
+    for e, p in enumerate(ptrs):
+        _int(f"KVArgs.state_data_ptrs[{i}][{e}]", p, 1)
+    geometry = _pool_geometry(
+        "SWA ",
+        0,
+        items,
+        lens,
+        mla=sub_mla,
+        heads_total=heads_total,
+        local=local,
+        page_size=page_size,
+        dtype=dtype,
+        items_field=f"state_item_lens[{i}]",
+        lens_field=f"state_data_lens[{i}]",
+    )
+    label = f"SWA state (KVArgs.state_types[{i}]='swa')"
+    return StatePool("state:swa", "swa", i, label, geometry, tuple(ptrs), tuple(lens))
+
+
+def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, mla: bool) -> list[StatePool]:
+    """Pools of one row per index: a run of consecutive non-empty entries of one row size each
+    (entries tensor-major, one per layer: mamba's conv rows, then its SSM rows...)."""
+    runs: list[list[int]] = []
+    for e, item in enumerate(items):
+        _int(f"KVArgs.state_item_lens[{i}][{e}]", item, 0)
+        if item == 0:  # no buffer (a DSA layer reusing another's top-k): nothing to move
+            continue
+        _int(f"KVArgs.state_data_ptrs[{i}][{e}]", ptrs[e], 1)
+        if _int(f"KVArgs.state_data_lens[{i}][{e}]", lens[e], 0) < item:
+            raise GeometryError(
+                f"KVArgs.state_data_lens[{i}][{e}]={lens[e]} ({kind}) holds no row of state_item_lens[{i}][{e}]={item}"
+            )
+        if runs and items[runs[-1][-1]] == item:  # (an empty entry between does not end a run)
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    if not runs:
+        raise GeometryError(f"KVArgs.state_item_lens[{i}] ({kind}) has no non-empty entry: {items}")
+    what = {"mamba": "mamba state", "dsa": "DSA indexer state"}[kind]
+    why = _MAMBA_TP if kind == "mamba" else "" if mla else _DSA_TP
+    out = []
+    for g, run in enumerate(runs):
+        rows = {e: lens[e] // items[e] for e in run}
+        if len(set(rows.values())) > 1:
+            raise GeometryError(
+                f"KVArgs.state_data_lens[{i}] // state_item_lens[{i}] ({kind}): entries {run[0]}..{run[-1]} hold "
+                f"{sorted(set(rows.values()))} rows; the entries of one row size must hold the same rows"
+            )
+        geometry = KVGeometry(
+            num_layers=len(run),
+            total_kv_heads=1,
+            head_dim=items[run[0]],
+            dtype="uint8",
+            page_size=1,
+            mla=True,  # one "head" holding the whole row; rank-to-rank at equal TP
+            num_pages=rows[run[0]],
+        )
+        name = f"state:{kind}" if len(runs) == 1 else f"state:{kind}.{g}"
+        label = f"{what} (KVArgs.state_types[{i}]={kind!r}, entries {run[0]}..{run[-1]}: rows of {items[run[0]]} bytes)"
+        out.append(
+            StatePool(name, kind, i, label, geometry, tuple(ptrs[e] for e in run), tuple(lens[e] for e in run), why)
+        )
+    return out
+
+
+def index_array(raw: Any, name: str) -> np.ndarray:
+    """One type's entry of SGLang's ``state_indices`` (a numpy array, a CPU tensor, or a list
+    of them: mamba's ``[array(slot)]``) as a 1-D int64 array."""
+    parts = raw if isinstance(raw, (list, tuple)) else [raw]
+    arrays = [np.asarray(p.cpu().numpy() if hasattr(p, "cpu") else p) for p in parts]
+    for a in arrays:
+        if a.ndim > 1 or (a.size and a.dtype.kind not in "iu"):
+            raise ValueError(f"{name} must hold integer indices, got shape {a.shape} dtype {a.dtype}")
+    if not arrays:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrays])
+
+
+def state_pages(pools: Sequence[StatePool], state_indices: Any) -> list[np.ndarray]:
+    """Each pool's indices from SGLang's ``state_indices`` (one entry per ``state_types``
+    entry); ``ValueError`` naming the entry when one is missing or malformed."""
+    if not pools:
+        if state_indices and any(s is not None and len(s) for s in state_indices):
+            raise ValueError("state_indices were given, but this server keeps no per-request state (no state_types)")
+        return []
+    kinds = sorted({(p.index, p.kind) for p in pools})
+    if state_indices is None:
+        raise ValueError(f"state_indices are missing: KVArgs.state_types {[k for _, k in kinds]} need one entry each")
+    seq = list(state_indices)
+    out = []
+    for pool in pools:
+        where = f"state_indices[{pool.index}] ({pool.kind})"
+        if pool.index >= len(seq) or seq[pool.index] is None:
+            raise ValueError(f"{where} is missing (state_indices has {len(seq)} entries)")
+        pages = index_array(seq[pool.index], where)
+        if pool.kind == "mamba" and pages.size != 1:
+            raise ValueError(f"{where} must be the request's one mamba slot, got {pages.size} indices")
+        out.append(pages)
+    return out
+
+
+def describe(names: Sequence[str]) -> str:
+    return ", ".join(names) if names else "none"
+
+
+def state_problem(prefill: Sequence[str], decode: Sequence[StatePool], prefill_tp: int, decode_tp: int) -> str:
+    """Why a request between these servers cannot carry its state ("" when it can): the
+    prefill's announced state pools differ from this decode's, or a pool that needs one
+    attention TP size on both sides meets two."""
+    ours = [p.name for p in decode]
+    if list(prefill) != ours:
+        return (
+            f"extra per-request state (KVArgs.state_types): prefill pools [{describe(prefill)}] decode pools "
+            f"[{describe(ours)}]; the servers keep different per-request state (serve the same model with the same "
+            "memory flags on both, e.g. --disable-hybrid-swa-memory on both or neither)"
+        )
+    for p in decode:
+        if p.equal_tp_only and prefill_tp != decode_tp:
+            return (
+                f"{p.label}: prefill attention TP size {prefill_tp} and decode attention TP size {decode_tp} differ; "
+                f"{p.equal_tp_only}; serve both servers with the same attention TP size"
+            )
+    return ""

@@ -1,0 +1,245 @@
+"""Extra per-request state (``KVArgs.state_types``) as the scripted scheduler sees it: the
+state buffers SGLang's hybrid pools allocate, the KVArgs fields ``setup_state_kv_args`` fills
+over them (with SGLang's own ``append_state_component``), the ``state_indices`` its schedulers'
+payloads hand a backend, and an oracle of what every state row must hold.
+
+- ``swa``: ``SWAKVPool.swa_kv_pool``, an NHD MHA pool of its own (the SWA layers' K then V,
+  ``[swa_pool_tokens + page_size, swa heads on the rank, dim]``), paged by SWA page ids; a
+  request's payload is the pages of its last window (``_swa_payload``: from the page-aligned
+  ``max(prefix, seq_len - window)``). Its content is a function of (room, layer, K/V, global
+  SWA head, window position), so a head re-sharded into the wrong slot is caught.
+- ``mamba``: ``MambaPool``'s conv ``[layers, slots + 1, conv_dim / tp, k - 1]`` (bf16) and SSM
+  ``[layers, slots + 1, heads / tp, head_dim, state]`` (fp32) tensors, one entry per layer
+  (tensor-major); the payload is the request's slot. Each rank's rows are its own shard: their
+  content is a function of the rank, so a decode rank holding another rank's rows is caught.
+- ``dsa``: the DSA indexer's uint8 buffers, one per layer, one row of ``page_size *
+  index_bytes`` per KV page (a layer in ``dsa_skip`` has an empty buffer); the payload is the
+  request's KV pages after the decode's prefix (``_dsa_pages_payload``). Replicated: every rank
+  holds the same rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sglang_kvxfer.engine.synthetic import fill_request, row_bytes, verify_request
+from sglang_kvxfer.geometry import KVGeometry
+
+SALT = {"swa": 0x5A5A_0001, "mamba": 0x3A3B_0002, "dsa": 0xD5A0_0003}
+
+
+@dataclass
+class StateModel:
+    """The hybrid pools of the test model (``Model.state``); ``kinds`` in state_types order
+    (a kind this file does not lay out is registered with one small row buffer)."""
+
+    kinds: tuple[str, ...] = ("swa",)
+    swa_layers: int = 2
+    swa_heads: int = 2  # swa_num_key_value_heads
+    swa_head_dim: int = 8
+    swa_v_head_dim: int = 4
+    swa_pool_tokens: int = 64
+    window: int = 10  # sliding_window_size
+    mamba_layers: int = 2
+    mamba_conv_dim: int = 12  # un-sharded conv channels
+    mamba_conv_k: int = 4
+    mamba_heads: int = 4
+    mamba_head_dim: int = 2
+    mamba_state: int = 3
+    mamba_slots: int = 6
+    dsa_layers: int = 3
+    dsa_index_bytes: int = 20  # per token: index_head_dim + its scale bytes
+    dsa_skip: tuple[int, ...] = (1,)
+
+    def swa_geometry(self, model) -> KVGeometry:
+        return KVGeometry(
+            num_layers=self.swa_layers,
+            total_kv_heads=self.swa_heads,
+            head_dim=self.swa_head_dim,
+            v_head_dim=self.swa_v_head_dim,
+            dtype=model.dtype,
+            page_size=model.page_size,
+            num_pages=(self.swa_pool_tokens + model.page_size) // model.page_size,
+        )
+
+
+@dataclass
+class StateMemory:
+    """One rank's state buffers by kind (SWA: K of every layer, then V)."""
+
+    buffers: dict = field(default_factory=dict)
+
+
+def attach(model, tp: int, rank: int, args, utils_defs) -> StateMemory:
+    """Allocate ``model.state``'s buffers for ``rank`` of ``tp`` and fill ``args``'s state
+    fields as ``setup_state_kv_args`` does."""
+    import torch
+
+    from tests.integrations.sglang_env import import_sglang_base
+
+    base, _ = import_sglang_base()
+    s, mem = model.state, StateMemory()
+    dtype = getattr(torch, model.dtype)
+    for name in ("state_types", "state_data_ptrs", "state_data_lens", "state_item_lens", "state_dim_per_tensor"):
+        setattr(args, name, [])
+    args.state_conv_shard_groups, args.state_slice_outer_counts, args.state_layer_ids = [], [], []
+    for kind in s.kinds:
+        if kind == "swa":
+            heads = max(1, s.swa_heads // tp)
+            rows = s.swa_pool_tokens + model.page_size
+            bufs = [torch.zeros((rows, heads, s.swa_head_dim), dtype=dtype) for _ in range(s.swa_layers)]
+            bufs += [torch.zeros((rows, heads, s.swa_v_head_dim), dtype=dtype) for _ in range(s.swa_layers)]
+            items = [b[0].nbytes * model.page_size for b in bufs]  # MHATokenToKVPool item_len: one page
+            args.swa_kv_cache_layout = "nhd"
+            extra: dict = {}
+        elif kind == "mamba":
+            conv = torch.zeros(
+                (s.mamba_layers, s.mamba_slots + 1, s.mamba_conv_dim // tp, s.mamba_conv_k - 1), dtype=torch.bfloat16
+            )
+            ssm = torch.zeros(
+                (s.mamba_layers, s.mamba_slots + 1, s.mamba_heads // tp, s.mamba_head_dim, s.mamba_state),
+                dtype=torch.float32,
+            )
+            bufs = [conv[i] for i in range(s.mamba_layers)] + [ssm[i] for i in range(s.mamba_layers)]
+            items = [b[0].nbytes for b in bufs]  # MambaPool: state_tensor[0].nbytes, one slot
+            dims = [conv.shape[2]] * s.mamba_layers + [ssm.shape[2]] * s.mamba_layers
+            extra = dict(dim_per_tensor=dims, layer_ids=list(range(s.mamba_layers)) * 2)
+        elif kind == "dsa":
+            pages = (model.pool_tokens + model.page_size) // model.page_size
+            width = model.page_size * s.dsa_index_bytes
+            bufs = [
+                torch.zeros((0 if i in s.dsa_skip else pages, width), dtype=torch.uint8) for i in range(s.dsa_layers)
+            ]
+            items = [0 if b.shape[0] == 0 else b[0].nbytes for b in bufs]  # IndexKeyCache._item_len
+            extra = {}
+        else:  # a type this backend refuses: one row buffer, enough to register
+            bufs = [torch.zeros((4, 16), dtype=torch.uint8)]
+            items, extra = [16], {}
+        mem.buffers[kind] = bufs
+        utils_defs.append_state_component(
+            args,
+            base.StateType(kind),
+            [b.data_ptr() for b in bufs],
+            [b.nbytes for b in bufs],
+            items,
+            **extra,
+        )
+    return mem
+
+
+def swa_window(model, tokens: int, prefix: int) -> tuple[int, int]:
+    """``(window_start, window tokens)`` of ``_swa_payload`` for a prompt of ``tokens``."""
+    start = max(prefix, tokens - model.state.window)
+    start = (start // model.page_size) * model.page_size
+    return start, tokens - start
+
+
+def allocate(model, requests, seed: int) -> list[dict]:
+    """Per request, this side's state indices: SWA pages of its window (and its token count),
+    a mamba slot (disjoint and scattered, as a long-running server's allocators hand them out)."""
+    s, ps = model.state, model.page_size
+    rng = np.random.default_rng(seed)
+    swa_free = rng.permutation(np.arange(1, (s.swa_pool_tokens + ps) // ps))
+    slots = rng.permutation(np.arange(s.mamba_slots + 1))
+    out, at = [], 0
+    for i, (_, tokens, *rest) in enumerate(requests):
+        _, n = swa_window(model, tokens, rest[0] if rest else 0)
+        need = -(-n // ps)
+        out.append({"swa": swa_free[at : at + need], "swa_tokens": n, "mamba": int(slots[i])})
+        at += need
+    return out
+
+
+def payload(model, alloc: dict, kv_pages: np.ndarray, prefix: int) -> list:
+    """``state_indices`` as SGLang's scheduler builds them, one entry per ``state_types``
+    entry (None for a type without a payload here)."""
+    ps, out = model.page_size, []
+    for kind in model.state.kinds:
+        if kind == "swa":  # kv_to_page_indices(window slots): the window's first slot of each page
+            slots = np.repeat(alloc["swa"] * ps, ps) + np.tile(np.arange(ps), len(alloc["swa"]))
+            out.append((slots[::ps] // ps).astype(np.int32))
+        elif kind == "mamba":  # [translate_mamba_indices(mapping[req_pool_idx]).cpu().numpy()]: a 0-d array
+            out.append([np.asarray(alloc["mamba"], dtype=np.int64)])
+        elif kind == "dsa":  # suffix_page_indices: the KV pages after the decode's prefix
+            out.append(np.asarray(kv_pages[prefix // ps :], dtype=np.int32))
+        else:
+            out.append(np.array([1], dtype=np.int32))
+    return out
+
+
+def _row(room: int, kind: str, entry: int, who: int, position: int, nbytes: int) -> np.ndarray:
+    return row_bytes(room ^ SALT[kind], entry, 0, [who], position, 1, nbytes).reshape(-1)
+
+
+def _view(t):
+    import torch
+
+    return t.view(torch.uint8).reshape(t.shape[0], -1)
+
+
+def fill(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, kv_pages, prefix: int) -> None:
+    """A prefill rank's forward: the request's state rows in its state buffers."""
+    import torch
+
+    s = model.state
+    if "swa" in mem.buffers:  # window positions [0, swa_tokens) over the window's pages
+        place = s.swa_geometry(model).placement(tp, rank)
+        fill_request(place, mem.buffers["swa"], room ^ SALT["swa"], alloc["swa"], 0, alloc["swa_tokens"])
+    if "mamba" in mem.buffers:
+        for e, buf in enumerate(mem.buffers["mamba"]):
+            row = _view(buf)[alloc["mamba"]]
+            row[:] = torch.from_numpy(_row(room, "mamba", e, rank, 0, row.numel()))
+    if "dsa" in mem.buffers:
+        for e, buf in enumerate(mem.buffers["dsa"]):
+            if buf.shape[0]:
+                for j, page in enumerate(kv_pages[prefix // model.page_size :]):
+                    _view(buf)[int(page)] = torch.from_numpy(_row(room, "dsa", e, 0, j, buf.shape[1]))
+
+
+def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, kv_pages, prefix: int) -> list[str]:
+    """What a decode rank must hold for a request, row by row: its window of every SWA head
+    it owns (every byte), the mamba rows of the prefill rank of its own rank (equal TP), the
+    DSA rows of every KV page after the prefix."""
+    s, problems = model.state, []
+    if "swa" in mem.buffers:
+        place = s.swa_geometry(model).placement(tp, rank)
+        problems += [
+            f"SWA {p}"
+            for p in verify_request(place, mem.buffers["swa"], room ^ SALT["swa"], alloc["swa"], alloc["swa_tokens"])
+        ]
+    if "mamba" in mem.buffers:
+        for e, buf in enumerate(mem.buffers["mamba"]):
+            got = _view(buf)[alloc["mamba"]].numpy()
+            if not np.array_equal(got, _row(room, "mamba", e, rank, 0, got.size)):
+                problems.append(f"mamba entry {e}: slot {alloc['mamba']} does not hold prefill rank {rank}'s row")
+    if "dsa" in mem.buffers:
+        for e, buf in enumerate(mem.buffers["dsa"]):
+            for j, page in enumerate(kv_pages[prefix // model.page_size :] if buf.shape[0] else []):
+                if not np.array_equal(_view(buf)[int(page)].numpy(), _row(room, "dsa", e, 0, j, buf.shape[1])):
+                    problems.append(f"DSA entry {e}: page {int(page)} (position {j}) differs")
+    return problems
+
+
+def untouched(model, mem: StateMemory, allocs: list[dict], kv_pages: list) -> list[str]:
+    """Every state row no request was given must still be zero (nothing landed elsewhere)."""
+    ps, problems = model.page_size, []
+    for kind, bufs in mem.buffers.items():
+        if kind == "swa":
+            used = {int(p) * ps + t for a in allocs for p in a["swa"] for t in range(ps)}
+        elif kind == "mamba":
+            used = {a["mamba"] for a in allocs}
+        elif kind == "dsa":
+            used = {int(p) for pages in kv_pages for p in pages}
+        else:
+            continue
+        for e, buf in enumerate(bufs):
+            if buf.numel() == 0:  # a DSA layer without an indexer buffer
+                continue
+            view = _view(buf).numpy()
+            free = np.setdiff1d(np.arange(view.shape[0]), sorted(used))
+            if free.size and view[free].any():
+                bad = int(free[np.flatnonzero(view[free].any(axis=1))[0]])
+                problems.append(f"{kind} entry {e}: row {bad}, given to no request, is not zero")
+    return problems

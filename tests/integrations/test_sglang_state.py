@@ -1,0 +1,154 @@
+"""Extra per-request state (``KVArgs.state_types``: SWA, mamba, DSA) through our SGLang classes,
+driven by the scripted scheduler in SGLang's call order (``sglang_sides``: prefill and decode
+in separate processes, SGLang's real base classes, the KVArgs state fields filled by SGLang's
+own ``append_state_component``, ``state_indices`` in the shapes its schedulers' payloads have).
+
+Every byte of every state row a decode rank must hold is compared with an oracle
+(``sglang_state_env``): the SWA window's pages of every SWA head the rank owns (TP 1 -> 1,
+2 -> 1, 1 -> 2, and one SWA head replicated on two decode ranks), each rank's own mamba slot
+rows (equal TP), every DSA indexer row of the request's pages (equal TP and, replicated under
+MLA, across TP sizes), and no state row any request was not given may change. A state
+geometry that differs between the servers fails at registration naming the field and both
+values; state pools on one side only, or mamba state between TP sizes, fail naming both sides.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integrations import sglang_sides as sides
+from tests.integrations.sglang_env import Model, import_sglang_base
+from tests.integrations.sglang_state_env import StateModel
+from tests.ports import free_port
+
+_base, _reason = import_sglang_base()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_base is None, reason=_reason)]
+
+# (room, prompt tokens): a window inside a prompt of several chunks; a prompt shorter than the window
+REQUESTS = [(0x5A7E_0001_F00D, 37), (0x5A7E_0002_CAFE, 9)]
+
+
+def run(p, d, prefill_model, decode_model=None, *, transport="local", timeout_s=60.0):
+    port = free_port()
+    env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": transport}
+    prefill = sides.Spec("prefill", prefill_model, p, port, REQUESTS, env, timeout_s)
+    decode = sides.Spec("decode", decode_model or prefill_model, d, port, REQUESTS, env, timeout_s)
+    return sides.run_in_processes(sides.main, [prefill, decode], timeout_s)
+
+
+def model(*kinds, mla=False, **state) -> Model:
+    return Model(total_kv_heads=4, kv_cache_dtype_str="bfloat16", mla=mla, state=StateModel(kinds=kinds, **state))
+
+
+def succeeded(prefill, decode):
+    for room, _ in REQUESTS:
+        assert decode[room]["status"] == "Success", decode[room]
+        # sglang_sides checks every byte of the KV, the metadata slot and the state rows
+        assert decode[room]["problems"] == [], decode[room]["problems"]
+        assert prefill[room]["status"] == "Success", prefill[room]
+
+
+def failed_on_both_sides(prefill, decode, *wanted):
+    for room, _ in REQUESTS:
+        for side, report in (("decode", decode[room]), ("prefill", prefill[room])):
+            assert report["status"] == "Failed", (side, report)
+            for reason in report["reasons"]:
+                for want in wanted:
+                    assert want in reason, (side, want, reason)
+
+
+@pytest.mark.parametrize(
+    "p, d, swa_heads, transport",
+    [
+        (1, 1, 2, "local"),
+        (2, 1, 2, "tcp"),  # a decode rank gathers the SWA heads of two writers
+        (1, 2, 2, "local"),  # a prefill rank's SWA heads split over two decode ranks
+        (1, 2, 1, "local"),  # one SWA head, replicated on both decode ranks
+        (2, 2, 2, "local"),
+    ],
+)
+def test_swa_window_pages_land_byte_exact_with_heads_resharded(p, d, swa_heads, transport):
+    m = model("swa", swa_heads=swa_heads)
+    succeeded(*run(p, d, m, transport=transport))
+
+
+@pytest.mark.parametrize("p, d", [(1, 1), (2, 2), (2, 1), (1, 2)])
+def test_dsa_indexer_rows_land_byte_exact_replicated_under_mla(p, d):
+    succeeded(*run(p, d, model("dsa", mla=True)))
+
+
+@pytest.mark.parametrize("p, d", [(1, 1), (2, 2)])
+def test_mamba_slot_rows_land_byte_exact_each_rank_its_own_shard(p, d):
+    succeeded(*run(p, d, model("mamba")))
+
+
+def test_every_state_pool_of_a_request_lands_beside_its_kv():
+    succeeded(*run(2, 2, model("mamba", "swa", "dsa"), transport="tcp"))
+
+
+def test_mamba_state_between_tp_sizes_is_refused_naming_both_sizes():
+    prefill, decode = run(2, 1, model("mamba"), timeout_s=30.0)
+    failed_on_both_sides(
+        prefill,
+        decode,
+        "mamba state (KVArgs.state_types[0]='mamba', entries 0..1",
+        "prefill attention TP size 2 and decode attention TP size 1 differ; mamba conv/SSM state rows are sharded",
+    )
+
+
+def test_dsa_of_a_non_mla_model_between_tp_sizes_is_refused_as_sglang_refuses_it():
+    prefill, decode = run(1, 2, model("dsa"), timeout_s=30.0)
+    failed_on_both_sides(prefill, decode, "prefill attention TP size 1 and decode attention TP size 2 differ")
+
+
+@pytest.mark.parametrize(
+    "kinds, prefill_state, decode_state, field",
+    [
+        (("swa",), dict(swa_head_dim=8), dict(swa_head_dim=16), "head_dim: prefill=8 decode=16"),
+        (("swa",), dict(swa_v_head_dim=4), dict(swa_v_head_dim=8), "v_head_dim: prefill=4 decode=8"),
+        (("mamba",), dict(mamba_state=3), dict(mamba_state=5), "head_dim: prefill=96 decode=160"),
+    ],
+)
+def test_a_state_geometry_mismatch_fails_at_registration_naming_the_field_and_both_values(
+    kinds, prefill_state, decode_state, field
+):
+    prefill, decode = run(1, 1, model(*kinds, **prefill_state), model(*kinds, **decode_state), timeout_s=30.0)
+    label = "SWA state (KVArgs.state_types[0]='swa')" if kinds == ("swa",) else "mamba state ("
+    failed_on_both_sides(prefill, decode, label, field)
+
+
+@pytest.mark.parametrize("side_with_state", ["prefill", "decode"])
+def test_state_on_one_side_only_fails_the_request_naming_both_sides(side_with_state):
+    with_state, without = model("swa"), Model(total_kv_heads=4, kv_cache_dtype_str="bfloat16")
+    pm, dm = (with_state, without) if side_with_state == "prefill" else (without, with_state)
+    prefill, decode = run(1, 1, pm, dm, timeout_s=30.0)
+    pools = ("[state:swa]", "[none]") if side_with_state == "prefill" else ("[none]", "[state:swa]")
+    failed_on_both_sides(
+        prefill,
+        decode,
+        f"extra per-request state (KVArgs.state_types): prefill pools {pools[0]} decode pools {pools[1]}",
+    )
+
+
+def test_a_state_type_the_backend_does_not_move_is_refused_at_manager_construction():
+    from tests.integrations.sglang_env import rank_memory, server_args
+
+    backend, defs = sides.setup(sides.Spec("prefill", model("swa", "dsa_tail"), 1, free_port(), []))
+    m = model("swa", "dsa_tail")
+    sa = server_args(sides.MODEL_PATH, "prefill", 1, free_port())
+    with pytest.raises(Exception, match=r"KVArgs.state_types\[1\]='dsa_tail': the backend moves mamba, swa, dsa"):
+        backend.KVXferKVManager(rank_memory(m, 1, 0, "prefill").kv_args, defs.DisaggregationMode.PREFILL, sa, False)
+
+
+def test_swa_index_lists_of_different_lengths_fail_the_request_instead_of_truncating():
+    # the decode's window is longer: its SWA page list for the long prompt has 6 pages, the
+    # prefill's 4 (SGLang's mooncake would truncate the longer list); the short prompt lies
+    # inside both windows and lands
+    prefill, decode = run(1, 1, model("swa", window=10), model("swa", window=20), timeout_s=30.0)
+    (long_room, _), (short_room, _) = REQUESTS
+    want = "SWA state (KVArgs.state_types[0]='swa'): "
+    for side, report in (("prefill", prefill[long_room]), ("decode", decode[long_room])):
+        assert report["status"] == "Failed", (side, report)
+        (reason,) = report["reasons"]
+        assert want in reason and "last chunk leaves 4 pages for a 24-token request (page_size 4 needs 6)" in reason
+    assert decode[short_room]["status"] == "Success" and decode[short_room]["problems"] == [], decode[short_room]

@@ -1,0 +1,184 @@
+"""Extra per-request state (``KVArgs.state_types``) translated into engine pools (no SGLang
+needed): the SWA sub-pool's head geometry, mamba's and DSA's one-row-per-index pools, each
+refusal with the field it names, SGLang's ``state_indices`` shapes, and why two servers'
+state pools cannot exchange a request."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sglang_kvxfer.errors import GeometryError, KVXferError
+from sglang_kvxfer.integrations.sglang_args import layout_from_kv_args
+from sglang_kvxfer.integrations.sglang_state import state_pages, state_problem
+from tests.integrations.test_sglang_args import kv_args
+
+PS = 4  # page size of kv_args()
+
+
+def swa(heads_local=1, head_dim=8, v_head_dim=4, layers=2, rows=40, itemsize=2):
+    items = [PS * heads_local * d * itemsize for d in [head_dim] * layers + [v_head_dim] * layers]
+    return dict(
+        ptrs=[0x900000 + 0x1000 * i for i in range(len(items))],
+        lens=[it * (rows // PS) for it in items],
+        items=items,
+    )
+
+
+def rows(items, slots=7):
+    return dict(ptrs=[0x700000 + 0x10000 * i for i in range(len(items))], lens=[i * slots for i in items], items=items)
+
+
+def with_state(*components, layout="nhd", **over):
+    """kv_args() with ``components`` [(type, dict(ptrs, lens, items))] as setup_state_kv_args
+    appends them."""
+    fields = dict(
+        state_types=[t for t, _ in components],
+        state_data_ptrs=[c["ptrs"] for _, c in components],
+        state_data_lens=[c["lens"] for _, c in components],
+        state_item_lens=[c["items"] for _, c in components],
+    )
+    if layout is not None:  # None: left unset (KVArgs declares it without a value)
+        fields["swa_kv_cache_layout"] = layout
+    return kv_args(**fields, **over)
+
+
+def layout(args, tp_size=2, mla=False, swa_heads=2):
+    return layout_from_kv_args(args, tp_size=tp_size, mla=mla, dtype="bfloat16", swa_kv_heads=lambda: swa_heads)
+
+
+def test_the_swa_sub_pool_is_a_head_geometry_of_its_own():
+    (pool,) = layout(with_state(("swa", swa()))).states  # engine_rank 1 of TP 2: 1 of 2 SWA heads
+    g = pool.geometry
+    assert (pool.name, pool.kind, pool.index) == ("state:swa", "swa", 0)
+    assert (g.num_layers, g.total_kv_heads, g.head_dim, g.v_head_dim, g.page_size, g.num_pages) == (2, 2, 8, 4, 4, 10)
+    assert (g.mla, str(g.layout), g.dtype, pool.equal_tp_only) == (False, "NHD", "bfloat16", "")
+    assert len(pool.ptrs) == 4 and pool.label == "SWA state (KVArgs.state_types[0]='swa')"
+    # one SWA head on TP 4: replicated, as the ownership rule gives it
+    four = with_state(("swa", swa()), kv_head_num=1, total_kv_head_num=4)
+    assert layout(four, tp_size=4, swa_heads=1).states[0].geometry.total_kv_heads == 1
+
+
+def test_mamba_rows_become_one_pool_per_run_of_one_row_size_equal_tp_only():
+    conv, ssm = 2 * 24 * 3, 4 * 2 * 4 * 4  # per slot: [conv_dim/tp, k-1] bf16, [heads/tp, hd, state] fp32
+    pools = layout(with_state(("mamba", rows([conv, conv, ssm, ssm])))).states
+    assert [p.name for p in pools] == ["state:mamba.0", "state:mamba.1"]
+    for p, item in zip(pools, (conv, ssm)):
+        g = p.geometry
+        assert (g.num_layers, g.head_dim, g.page_size, g.num_pages, g.dtype, g.mla) == (2, item, 1, 7, "uint8", True)
+        assert "re-slicing them between TP sizes" in p.equal_tp_only
+    assert pools[1].label == "mamba state (KVArgs.state_types[0]='mamba', entries 2..3: rows of 128 bytes)"
+
+
+def test_dsa_indexer_rows_skip_empty_layers_and_are_replicated_under_mla():
+    dsa = rows([132 * PS, 0, 132 * PS], slots=17)
+    dsa["ptrs"][1], dsa["lens"][1] = 0, 0  # a layer that reuses another's top-k has no buffer
+    (pool,) = layout(with_state(("dsa", dsa), mla=True), mla=True).states
+    assert (pool.name, pool.geometry.num_layers, pool.geometry.head_dim, pool.equal_tp_only) == (
+        "state:dsa",
+        2,
+        528,
+        "",
+    )
+    assert pool.ptrs == (dsa["ptrs"][0], dsa["ptrs"][2])
+    (mha,) = layout(with_state(("dsa", dsa))).states  # not replicated on an MHA model: SGLang refuses a TP mismatch too
+    assert "non-MLA DSA hybrid models" in mha.equal_tp_only
+
+
+def test_several_types_keep_state_types_order():
+    args = with_state(("mamba", rows([64, 64])), ("swa", swa()), ("dsa", rows([16])))
+    assert [(p.name, p.index) for p in layout(args).states] == [("state:mamba", 0), ("state:swa", 1), ("state:dsa", 2)]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (with_state(("swa", swa()), ("dsa_tail", rows([8]))), r"KVArgs.state_types\[1\]='dsa_tail': the backend moves"),
+        (with_state(("qsa_pending", rows([8]))), r"transferring 'qsa_pending' state is not implemented"),
+        (with_state(("swa", swa()), layout="hnd"), r"KVArgs.swa_kv_cache_layout='hnd'"),
+        (with_state(("swa", swa()), layout=None), r"KVArgs.swa_kv_cache_layout=None"),
+    ],
+)
+def test_state_the_backend_does_not_move_is_refused_naming_the_field(args, message):
+    with pytest.raises(KVXferError, match=message):
+        layout(args)
+
+
+def _bad(component, **change):
+    c = {k: list(v) for k, v in component.items()}
+    for key, (i, value) in change.items():
+        c[key][i] = value
+    return c
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (with_state(("swa", swa()), ("swa", swa())), r"KVArgs.state_types=\['swa', 'swa'\] names a type twice"),
+        (with_state(("swa", _bad(swa(), items=(1, 100)))), r"state_item_lens\[0\]\[1\]=100 \(SWA K\) is not a whole"),
+        (
+            with_state(("swa", dict(swa(), ptrs=swa()["ptrs"][:3]))),
+            r"state_data_ptrs\[0\]/state_data_lens\[0\]/state_item_lens\[0\] \(swa\) have 3/4/4 entries",
+        ),
+        (
+            with_state(("swa", {k: v[:3] for k, v in swa().items()})),
+            r"state_data_ptrs\[0\] \(swa\) has 3 entries; an MHA SWA sub-pool has K and V",
+        ),
+        (
+            with_state(("mamba", _bad(rows([64, 64]), lens=(1, 32)))),
+            r"state_data_lens\[0\]\[1\]=32 \(mamba\) holds no row",
+        ),
+        (with_state(("mamba", _bad(rows([64, 64]), lens=(1, 64 * 3)))), r"entries 0..1 hold \[3, 7\] rows"),
+        (with_state(("dsa", rows([0, 0]))), r"KVArgs.state_item_lens\[0\] \(dsa\) has no non-empty entry"),
+        (with_state(("mamba", _bad(rows([64]), ptrs=(0, 0)))), r"KVArgs.state_data_ptrs\[0\]\[0\]=0 must be"),
+        (kv_args(state_types=["mamba"], state_data_ptrs=[]), r"KVArgs.state_data_ptrs is 0 components"),
+    ],
+)
+def test_inconsistent_state_fields_are_refused_naming_the_field(args, message):
+    with pytest.raises(GeometryError, match=message):
+        layout(args)
+
+
+def test_the_swa_head_count_comes_from_the_model_config_or_the_error_says_why():
+    def broken():
+        raise OSError("no config.json")
+
+    with pytest.raises(GeometryError, match=r"could not supply the SWA layers' KV head count \(OSError: no config"):
+        layout_from_kv_args(with_state(("swa", swa())), tp_size=2, mla=False, dtype="bfloat16", swa_kv_heads=broken)
+    with pytest.raises(GeometryError, match=r"SWA layers' KV heads on attention TP 2: invalid TP layout"):
+        layout(with_state(("swa", swa())), swa_heads=3)
+
+
+def test_state_indices_in_sglangs_shapes():
+    args = with_state(("mamba", rows([64, 128])), ("swa", swa()))
+    pools = layout(args).states  # mamba.0, mamba.1, swa
+    # _mamba_payload: [translate(...).cpu().numpy()], a 0-d array in a list; _swa_payload: int32 pages
+    got = state_pages(pools, [[np.asarray(5)], np.array([3, 9], dtype=np.int32)])
+    assert [g.tolist() for g in got] == [[5], [5], [3, 9]] and all(g.dtype == np.int64 for g in got)
+    with pytest.raises(ValueError, match=r"state_indices\[1\] \(swa\) is missing \(state_indices has 1 entries\)"):
+        state_pages(pools, [[np.asarray(5)]])
+    with pytest.raises(ValueError, match=r"state_indices are missing: KVArgs.state_types \['mamba', 'swa'\]"):
+        state_pages(pools, None)
+    with pytest.raises(ValueError, match=r"state_indices\[0\] \(mamba\) must be the request's one mamba slot, got 2"):
+        state_pages(pools, [np.array([1, 2]), np.array([3])])
+    with pytest.raises(ValueError, match=r"state_indices\[1\] \(swa\) must hold integer indices"):
+        state_pages(pools, [[np.asarray(5)], np.array([0.5])])
+    with pytest.raises(ValueError, match=r"this server keeps no per-request state"):
+        state_pages((), [np.array([1])])
+    assert state_pages((), []) == [] and state_pages((), None) == []
+
+
+def test_why_two_servers_state_pools_cannot_exchange_a_request():
+    pools = layout(with_state(("mamba", rows([64])), ("swa", swa()))).states
+    assert state_problem(["state:swa"], pools[1:], 2, 1) == ""  # SWA re-shards its heads
+    assert state_problem(["state:mamba", "state:swa"], pools, 2, 2) == ""
+    one_side = state_problem([], pools, 2, 2)
+    assert one_side.startswith(
+        "extra per-request state (KVArgs.state_types): prefill pools [none] decode pools [state:mamba, state:swa]"
+    )
+    assert "--disable-hybrid-swa-memory on both or neither" in one_side
+    tp = state_problem(["state:mamba", "state:swa"], pools, 2, 1)
+    assert tp.startswith(
+        "mamba state (KVArgs.state_types[0]='mamba', entries 0..0: rows of 64 bytes): prefill attention TP size 2 "
+        "and decode attention TP size 1 differ; mamba conv/SSM state rows are sharded"
+    ), tp
