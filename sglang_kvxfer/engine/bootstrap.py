@@ -56,7 +56,14 @@ from sglang_kvxfer.protocol.messages import (
     PrefillRegister,
 )
 
-__all__ = ["BootstrapServer", "request", "group_address", "split_group_address", "split_stage_address"]
+__all__ = [
+    "BootstrapServer",
+    "request",
+    "attempt_timeout",
+    "group_address",
+    "split_group_address",
+    "split_stage_address",
+]
 
 log = logging.getLogger("sglang_kvxfer.bootstrap")
 
@@ -329,6 +336,22 @@ class BootstrapServer:
         self.close()
 
 
+FIRST_ATTEMPT_S = 0.5
+LAST_ATTEMPT_S = 4.0
+
+
+def attempt_timeout(unanswered: int, deadline: float) -> float:
+    """How long the next ``request`` of a retry loop waits, after ``unanswered`` requests in a
+    row got no reply: 0.5 s, doubling up to 4 s, and never past ``deadline`` (monotonic; at
+    least 0.1 s). A service that is down is asked again twice a second at first; one in a
+    process starved of CPU (an engine busy-polling on a crowded host, whose threads wait
+    seconds for the GIL) still gets windows long enough to answer in."""
+    if isinstance(unanswered, bool) or not isinstance(unanswered, int) or unanswered < 0:
+        raise ValueError(f"unanswered={unanswered!r} must be an int >= 0")
+    window = min(LAST_ATTEMPT_S, FIRST_ATTEMPT_S * 2 ** min(unanswered, 8))
+    return max(0.1, min(window, deadline - time.monotonic()))
+
+
 def request(address: str, message, timeout_s: float, key: bytes | None = None) -> BootstrapReply:
     """Send ``message`` (its ``session`` is the sender) to the bootstrap at ``address`` and
     return its reply. ``key``: the shared key (None: from the environment).
@@ -368,12 +391,14 @@ def request(address: str, message, timeout_s: float, key: bytes | None = None) -
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
-            if left <= 0:
+            # Past the deadline, one last look: a thread that waited long for the GIL or a
+            # core takes a reply that came meanwhile rather than calling it a timeout.
+            if left <= 0 and not sock.poll(0):
                 raise TransferTimeoutError(
                     f"bootstrap {address} did not answer within {timeout_s:.1f} s (down, unreachable, "
                     f"or using another key: set the same KVXFER_AUTH_KEY on every process)"
                 )
-            if sock.poll(int(min(left, 0.2) * 1000)):  # pyzmq truncates a float the same way
+            if left <= 0 or sock.poll(int(min(left, 0.2) * 1000)):  # pyzmq truncates a float the same way
                 parts = sock.recv_multipart()
                 try:
                     sender, got_seq, payload = envelope.open_frame(key, parts[-1])

@@ -44,6 +44,7 @@ from sglang_kvxfer.errors import (
     LocalProtocolError,
     RemoteProtocolError,
     TransferFailedError,
+    TransferTimeoutError,
 )
 from sglang_kvxfer.geometry import check_compatible
 from sglang_kvxfer.metrics import note_writer_done
@@ -119,16 +120,21 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
     def _resolve(self, group: PrefillGroup) -> None:
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         query = BootstrapQuery(session=self.session, tp_rank=self.tp_rank, kv_pool=self.config.kv_pool)
-        reply, last = None, "no answer"
+        reply, last, unanswered = None, "no answer", 0
         while not self._closed and time.monotonic() < deadline:
+            wait_s = bootstrap.attempt_timeout(unanswered, deadline)
             try:
-                reply = bootstrap.request(group.address, query, timeout_s=0.5, key=self.config.key)
+                reply = bootstrap.request(group.address, query, timeout_s=wait_s, key=self.config.key)
+            except TransferTimeoutError as exc:
+                last, unanswered = str(exc), unanswered + 1
             except KVXferError as exc:
                 last = str(exc)
             else:
+                unanswered = 0
                 if reply.ready:
                     break
-                last = reply.reason
+                last = reply.reason or "the prefill group is not complete yet"
+            group.last = last
             reply = None
             time.sleep(0.1)
         if self._closed:
@@ -198,6 +204,17 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
                 )
             if every:  # every live writer may now write into num_segments segments
                 self._exported_segments = num_segments
+
+    def _waiting_for(self, rec: DecodeRoom, poll: KVPoll) -> str:
+        group = self._groups.get(rec.group)
+        if poll is not KVPoll.Bootstrapping or group is None:
+            return ""
+        if group.status is GroupStatus.RESOLVING:
+            return f"bootstrap {group.address}: {group.last or 'no answer yet'}"
+        if group.status is GroupStatus.REGISTERING:
+            waiting = sorted(set(group.peers) - set(group.acks))
+            return f"prefill ranks {waiting} of {group.address} have not answered this rank's registration"
+        return ""
 
     def _group_failed(self, group: PrefillGroup, reason: str) -> None:
         log.error("decode rank %d: %s", self.tp_rank, reason)

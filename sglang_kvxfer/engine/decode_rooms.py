@@ -43,6 +43,7 @@ class PrefillGroup:
         self.address = address
         self.status = GroupStatus.RESOLVING  # -> REGISTERING -> READY | FAILED
         self.error = ""
+        self.last = ""  # while resolving: why the latest lookup got no ready group
         self.reply: BootstrapReply | None = None
         self.placements: dict[int, RankPlacement] = {}
         self.peers: dict[int, Peer] = {}  # prefill tp_rank -> peer (its endpoint and session)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import functools
 import logging
 import queue
 import secrets
@@ -313,10 +314,15 @@ class RankBase(abc.ABC, Generic[R]):
             deadline = state.deadline  # None only once terminal
             if not state.is_terminal and deadline is not None and now >= deadline:
                 with self._lock:
-                    expired = state.check_deadline(now)
+                    expired = state.check_deadline(now, functools.partial(self._waiting_for, rec))
                 if expired:
                     # check_deadline() failed the room, which always sets a reason
                     self._fail_room(rec, cast(str, state.reason), notify=True, already_failed=True)
+
+    def _waiting_for(self, rec: R, poll: KVPoll) -> str:
+        """What room ``rec`` in state ``poll`` waits for, for its timeout's reason (under
+        ``_lock``; "" when nothing more than the state is known)."""
+        return ""
 
     def poll(self, room: int) -> KVPoll:
         rec = self.room(room)

@@ -118,12 +118,14 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             layer_start=self.config.layer_start,
         )
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
-        last = "no answer"
+        last, unanswered = "no answer", 0
         while not self._closed and time.monotonic() < deadline:
+            wait_s = bootstrap.attempt_timeout(unanswered, deadline)
             try:
-                reply = bootstrap.request(self.config.bootstrap, msg, timeout_s=0.5, key=self.config.key)
+                reply = bootstrap.request(self.config.bootstrap, msg, timeout_s=wait_s, key=self.config.key)
             except KVXferError as exc:
                 last = str(exc)
+                unanswered += isinstance(exc, TransferTimeoutError)
                 time.sleep(0.2)
                 continue
             # Registered means the bootstrap now lists this session in its group; a refusal

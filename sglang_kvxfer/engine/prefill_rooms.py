@@ -117,6 +117,16 @@ class PrefillRoomTable(RankBase[PrefillRoom]):
     MAX_FAILED_ROOMS = 4096  # failed rooms remembered after they were forgotten (their reason)
 
     _num_unattached: int  # set by PrefillManager.__init__
+
+    def _waiting_for(self, rec: PrefillRoom, poll: KVPoll) -> str:
+        if poll is not KVPoll.Bootstrapping:
+            return ""
+        if not rec.metas:
+            return "no decode rank sent this room's metadata"
+        if rec.expected is not None:
+            return f"metadata from decode ranks {sorted(rec.metas)} of {list(rec.expected)}"
+        return f"metadata from decode ranks {sorted(rec.metas)}"
+
     # Failed rooms already forgotten: room -> (reason, when). A decode whose metadata comes
     # after the room failed and was released here is told the reason at once instead of
     # waiting for its own deadline (kept for the decode's waiting deadline, at most

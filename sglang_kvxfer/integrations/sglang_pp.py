@@ -34,7 +34,7 @@ from typing import Any
 import zmq
 
 from sglang_kvxfer.engine import bootstrap
-from sglang_kvxfer.errors import AuthenticationError, KVXferError
+from sglang_kvxfer.errors import AuthenticationError, KVXferError, TransferTimeoutError
 from sglang_kvxfer.geometry import KVGeometry
 from sglang_kvxfer.protocol import envelope
 from sglang_kvxfer.protocol.messages import BootstrapQuery, BootstrapReply
@@ -306,13 +306,16 @@ class TopologyLookup:
         return self.result is not None or bool(self.error)
 
     def _ready(self, address: str, deadline: float) -> BootstrapReply | None:
-        last = "no answer"
+        last, unanswered = "no answer", 0
         while not self._stop.is_set():
+            wait_s = bootstrap.attempt_timeout(unanswered, deadline)
             try:
-                reply = bootstrap.request(address, self._query, timeout_s=0.5, key=self._key)
+                reply = bootstrap.request(address, self._query, timeout_s=wait_s, key=self._key)
             except KVXferError as exc:
                 last = str(exc)
+                unanswered = unanswered + 1 if isinstance(exc, TransferTimeoutError) else 0
             else:
+                unanswered = 0
                 if reply.ready:
                     return reply
                 last = reply.reason

@@ -234,14 +234,17 @@ class RequestState:
     def abort(self, reason: str, now: float) -> KVPoll:
         return self.handle(Event.ABORT, now, reason)
 
-    def check_deadline(self, now: float) -> bool:
-        """Fail the request if its current state's deadline has passed; True if it did."""
+    def check_deadline(self, now: float, detail: Callable[[KVPoll], str] | None = None) -> bool:
+        """Fail the request if its current state's deadline has passed; True if it did.
+        ``detail(state)``: what the request was waiting for, appended to the reason."""
         now = _check_seconds("now", now, False)
         deadline = self.deadline  # None exactly when terminal
         if self.is_terminal or deadline is None or now < deadline:
             return False
         limit = self.deadlines.for_state(self.poll)
         extra = " without progress" if self.poll is _T else ""
+        why = detail(self.poll) if detail is not None else ""
+        extra += f" ({why})" if why else ""
         self._apply(Event.TIMEOUT, now, f"timed out after {limit:.1f} s in {self.poll.name}{extra}")
         return True
 

@@ -296,6 +296,33 @@ def process_tree(root: int) -> list[int]:
     return sorted(p for p, (_, pgid) in table.items() if pgid in groups or p in found)
 
 
+def machine_snapshot(window_s: float = 0.5, top: int = 8) -> str:
+    """The load average and the ``top`` processes using the most CPU over ``window_s``
+    (for a failure's report: a starved engine looks like a broken one)."""
+
+    def cpu_ticks() -> dict[int, int]:
+        ticks = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    ticks[int(entry)] = int(fields[11]) + int(fields[12])  # utime + stime
+                except (OSError, IndexError, ValueError):
+                    pass
+        return ticks
+
+    before = cpu_ticks()
+    time.sleep(window_s)
+    after = cpu_ticks()
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = sorted(((after[p] - before.get(p, after[p])) / hz / window_s, p) for p in after)[::-1][:top]
+    one, five, _ = os.getloadavg()
+    lines = [f"load average {one:.1f} (1 min), {five:.1f} (5 min) on {os.cpu_count()} CPUs; busiest processes:"]
+    lines += [f"  {100 * share:5.0f}% pid {pid}: {process_title(pid)[:160]}" for share, pid in busy if share > 0]
+    return "\n".join(lines)
+
+
 def _process_table() -> dict[int, tuple[int, int]]:
     """pid -> (ppid, pgid) of every live (not zombie) process."""
     table = {}

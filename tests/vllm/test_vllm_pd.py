@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.realserver.harness import machine_snapshot
 from tests.vllm import harness as h
 
 # A module's deadline covers its fixture: two engines start (1-2 minutes on 2 cores).
@@ -114,7 +115,10 @@ class Pair:
             ), r
 
     def logs(self) -> str:
-        return f"--- producer:\n{self.producer.log_tail()}\n--- consumer:\n{self.consumer.log_tail()}"
+        return (
+            f"--- producer:\n{self.producer.log_tail()}\n--- consumer:\n{self.consumer.log_tail()}\n"
+            f"--- machine:\n{machine_snapshot()}"
+        )
 
     def reference(self, ids: list[int]) -> list[int]:
         key = tuple(ids)
