@@ -27,6 +27,11 @@ prefill stage of its own rank; a decode of PP 1 receives every stage, each into 
 view of its pool by an engine manager of its own, and one request is one engine request per
 stage. Any other PP size is refused with SGLang's rule.
 
+Attention CP on the prefill (``--attn-cp-size``): CP rank 0 of each attention-TP rank sends
+every page, as SGLang's backends do by default (CP materializes the KV on every CP rank);
+the other CP ranks build no engine manager, register nothing, and their senders
+(``CPReplicaSender``) only join the poll consensus. Sharded CP is refused by name.
+
 Speculative decoding: a draft model's KV (``KVArgs.num_draft_entries`` trailing entries,
 same page ids as the model's pool) has a geometry of its own and a second engine manager per
 rank (``kv_pool="draft"``, registered and looked up separately, geometry checked at

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import json
 import numbers
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +80,10 @@ SERVER_ARGS_FIELDS = (
     "dp_size",
     "pp_size",
     "dcp_size",
+    "enable_cp_tp_group_sharing",
+    "enable_dsa_cache_layer_split",
+    "enable_kv_cache_sharding",
+    "enable_prefill_cp",
     "device",
     "host",
     "dist_init_addr",
@@ -128,13 +133,20 @@ class ServerPlan:
     attn_dp_size: int = 1  # attention-DP groups (--dp-size with --enable-dp-attention)
     kv_checksum: bool = False  # --disaggregation-enable-kv-checksum
     pp_size: int = 1  # pipeline-parallel stages (--pp-size); each stage's ranks hold its layers
+    attn_cp_size: int = 1  # prefill attention context parallel (--attn-cp-size)
 
     def dp_rank(self, engine_rank: int) -> int:
         """The attention-DP group of the rank with ``KVArgs.engine_rank``. SGLang's prefill
-        passes its global TP rank there, laid out (dp, tp) with tp fastest, so the group is
-        ``engine_rank // attn_tp_size`` (SGLang's ``derive_attention_ranks``). SGLang's decode
-        passes ``tp_rank % attn_tp_size``: its group is not needed for a transfer."""
-        return engine_rank // self.attn_tp_size if self.role == "prefill" else 0
+        passes its global TP rank there, laid out (dp, cp, tp) with tp fastest, so the group
+        is ``engine_rank // (attn_tp_size * attn_cp_size)`` (SGLang's
+        ``derive_attention_ranks``). SGLang's decode passes ``tp_rank % attn_tp_size``: its
+        group is not needed for a transfer."""
+        return engine_rank // (self.attn_tp_size * self.attn_cp_size) if self.role == "prefill" else 0
+
+    def cp_rank(self, engine_rank: int) -> int:
+        """The attention-CP rank of the prefill rank with ``KVArgs.engine_rank`` (0 on a
+        decode, whose attention CP is 1)."""
+        return (engine_rank // self.attn_tp_size) % self.attn_cp_size if self.role == "prefill" else 0
 
 
 def _not_supported(flag: str, value: Any, why: str) -> KVXferError:
@@ -156,7 +168,7 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
     attn_dp = _get(server_args, "attn_dp_size", 1) or 1
     if attn_dp == 1 and dp > 1 and _get(server_args, "enable_dp_attention", False):
         attn_dp = dp  # not yet resolved: SGLang turns --enable-dp-attention into attn_dp_size=dp_size
-    attn_cp = _get(server_args, "attn_cp_size", 1) or 1
+    attn_cp = _int("ServerArgs.attn_cp_size", _get(server_args, "attn_cp_size", 1) or 1, 1)
     checks = (
         (
             "--dp-size",
@@ -164,12 +176,22 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
             "data-parallel replicas without --enable-dp-attention (full TP groups behind one "
             "bootstrap) are not implemented; attention DP (--enable-dp-attention) is",
         ),
-        ("--attn-cp-size", attn_cp, "context-parallel KV transfer is not implemented"),
-        ("--dcp-size", _get(server_args, "dcp_size", 1) or 1, "decode context parallel is not implemented"),
+        (
+            "--attn-cp-size",
+            attn_cp if role == "decode" else 1,
+            "a decode's attention CP must be 1 (SGLang's own backends assert the same)",
+        ),
+        (
+            "--dcp-size",
+            _get(server_args, "dcp_size", 1) or 1,
+            "decode context parallel (MLA pages interleaved over DCP ranks, relaid out on the way) is not implemented",
+        ),
     )
     for flag, value, why in checks:
         if value != 1:
             raise _not_supported(flag, value, why)
+    if attn_cp > 1:
+        _check_cp_replicated(server_args, attn_cp)
     if dp not in (1, attn_dp):
         raise _not_supported("--dp-size", dp, f"it must equal the attention-DP size {attn_dp} or be 1")
     lb = _get(server_args, "load_balance_method", "auto") or "auto"
@@ -194,7 +216,8 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
     attn_dp = _int("ServerArgs.attn_dp_size", attn_dp, 1)
     pp = _int("ServerArgs.pp_size", _get(server_args, "pp_size", 1) or 1, 1)
     if tp % (attn_dp * attn_cp):
-        raise GeometryError(f"ServerArgs.tp_size={tp} is not a multiple of the attention-DP size {attn_dp}")
+        cp = f" times the attention-CP size {attn_cp}" if attn_cp > 1 else ""
+        raise GeometryError(f"ServerArgs.tp_size={tp} is not a multiple of the attention-DP size {attn_dp}{cp}")
     device = _get(server_args, "device", None) or "cuda"  # None: SGLang auto-detects a GPU
     if device not in ("cpu", "cuda"):
         raise _not_supported("--device", device, "KV pools must be CPU or CUDA/ROCm GPU memory")
@@ -214,7 +237,48 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         attn_dp_size=attn_dp,
         kv_checksum=bool(_get(server_args, "disaggregation_enable_kv_checksum", False)),
         pp_size=pp,
+        attn_cp_size=attn_cp,
     )
+
+
+# Settings under which SGLang's prefill CP ranks each hold a share of a request's pages (or
+# state layers) and every CP rank sends: not implemented here, where CP rank 0 sends it all.
+_CP_SHARDED = (
+    (
+        "--enable-cp-tp-group-sharing",
+        "enable_cp_tp_group_sharing",
+        "CP ranks transfer as the TP ranks of a CP-1 prefill",
+    ),
+    ("--enable-dsa-cache-layer-split", "enable_dsa_cache_layer_split", "each CP rank holds other DSA state layers"),
+    ("--enable-kv-cache-sharding", "enable_kv_cache_sharding", "no CP rank holds a whole page"),
+    ("--enable-prefill-cp", "enable_prefill_cp", "the DSA prefill CP splits pages over the CP ranks"),
+)
+
+
+def _check_cp_replicated(server_args: Any, attn_cp: int) -> None:
+    """Prefill attention CP as SGLang runs it by default: CP materializes the request's KV
+    in global token order on every CP rank, and CP rank 0 of each attention-TP rank sends
+    it (the other CP ranks are SGLang's dummy participants). Refuse, naming the setting,
+    whatever makes CP ranks hold different pages."""
+    for flag, field, why in _CP_SHARDED:
+        if _get(server_args, field, False):
+            raise _not_supported(
+                flag, True, f"with --attn-cp-size={attn_cp}, {why}; sharded CP transfer is not implemented"
+            )
+    env = os.environ.get("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "").strip().lower()
+    if env in ("1", "true", "yes", "on"):
+        raise _not_supported(
+            "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER",
+            env,
+            f"with --attn-cp-size={attn_cp} every CP rank would send its share of the pages; sharded CP transfer "
+            "is not implemented (CP rank 0 sends every page)",
+        )
+    if (_get(server_args, "pp_size", 1) or 1) > 1:
+        raise _not_supported(
+            "--attn-cp-size",
+            attn_cp,
+            f"attention CP with --pp-size={_get(server_args, 'pp_size')} is not implemented",
+        )
 
 
 def pp_layer_split(num_layers: int, pp_size: int, partition: str | None = None) -> list[range]:

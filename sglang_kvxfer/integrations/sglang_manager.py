@@ -115,6 +115,12 @@ class KVXferKVManager(BaseKVManager):
         self.dp_rank = self.plan.dp_rank(int(args.engine_rank))
         draft = lay.draft
         prefill = self.role == "prefill"
+        # Prefill attention CP: CP rank 0 of each attention-TP rank sends every page (SGLang
+        # materializes the request's KV on every CP rank); the others are SGLang's dummy
+        # participants (its scheduler reads is_dummy_cp_rank): no engine, nothing registered.
+        self.cp_rank = self.plan.cp_rank(int(args.engine_rank))
+        self.is_dummy_cp_rank = prefill and self.cp_rank > 0
+        self.enable_all_cp_ranks_for_transfer = False
         self.config = EngineConfig(
             self.role,
             lay.geometry,
@@ -141,23 +147,25 @@ class KVXferKVManager(BaseKVManager):
                 self.config, geometry=draft.geometry, kv_pool="draft", draft_geometry=None
             )
         self._device = device
-        pool = KVPool.from_pointers(self.config.placement, lay.kv_ptrs, lay.kv_lens, device)
-        self.engine: RankBase = KVManager(self.config, pool)
+        self.engine: RankBase | None = None
         self.draft_engine: RankBase | None = None
         self.stage_status: StageStatus | None = None
         # Extra per-request state: a manager per pool, registered under kv_pool=pool.name.
         self.state_engines: list[tuple[StatePool, RankBase]] = []
+        if not self.is_dummy_cp_rank:
+            pool = KVPool.from_pointers(self.config.placement, lay.kv_ptrs, lay.kv_lens, device)
+            self.engine = KVManager(self.config, pool)
         try:
-            if draft is not None and self.draft_config is not None:
+            if draft is not None and self.draft_config is not None and self.engine is not None:
                 draft_pool = KVPool.from_pointers(self.draft_config.placement, draft.kv_ptrs, draft.kv_lens, device)
                 self.draft_engine = KVManager(self.draft_config, draft_pool)
-            for state in lay.states:
+            for state in lay.states if self.engine is not None else ():
                 config = dataclasses.replace(
                     self.config, geometry=state.geometry, kv_pool=state.name, draft_geometry=None, state_pools=()
                 )
                 state_pool = KVPool.from_pointers(config.placement, state.ptrs, state.lens, device)
                 self.state_engines.append((state, KVManager(config, state_pool)))
-            if prefill and self.pp_size > 1:
+            if prefill and self.pp_size > 1 and self.engine is not None:
                 # SGLang's PP prefill asks stage 0 whether a request is bootstrapped on every stage.
                 self.stage_status = StageStatus(
                     self.pp_rank,
@@ -191,6 +199,16 @@ class KVXferKVManager(BaseKVManager):
         if self.pp_size > 1:
             span = f", layers [{layer_start}, {layer_start + lay.geometry.num_layers})" if prefill else ""
             where += f", PP stage {self.pp_rank}/{self.pp_size}{span}"
+        if self.plan.attn_cp_size > 1:
+            where += f", attention CP rank {self.cp_rank}/{self.plan.attn_cp_size}"
+        if self.is_dummy_cp_rank:
+            log.info(
+                "kvxfer prefill rank %d/%d%s: a CP replica, sends nothing (CP rank 0 sends every page)",
+                lay.tp_rank,
+                lay.tp_size,
+                where,
+            )
+            return
         log.info(
             "kvxfer %s rank %d/%d%s: %s%s over %s",
             self.role,
@@ -295,7 +313,7 @@ class KVXferKVManager(BaseKVManager):
         """Prefill: wait until this rank is registered with the bootstrap (the engine
         registers in the background from construction); raise if that failed or timed out.
         Decode: nothing to register."""
-        if self.role == "prefill":
+        if self.role == "prefill" and not self.is_dummy_cp_rank:
             self.prefill_engine.wait_registered(self.config.bootstrap_timeout_s)
             draft = self.prefill_draft_engine
             if draft is not None:
@@ -500,7 +518,8 @@ class KVXferKVManager(BaseKVManager):
             engine.close()
         if self.draft_engine is not None:
             self.draft_engine.close()
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
 
 
 class KVXferKVBootstrapServer(BaseKVBootstrapServer):

@@ -210,7 +210,12 @@ class _Request:
 
 
 class KVXferKVSender(_Request, BaseKVSender):
-    """Prefill side of one request."""
+    """Prefill side of one request (on a CP replica rank: a ``CPReplicaSender``)."""
+
+    def __new__(cls, mgr: KVXferKVManager, *args: Any, **kwargs: Any):
+        if cls is KVXferKVSender and getattr(mgr, "is_dummy_cp_rank", False):
+            cls = CPReplicaSender
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -316,14 +321,7 @@ class KVXferKVSender(_Request, BaseKVSender):
             if indices_event is not None:
                 indices_event.synchronize()  # the D2H copy of the indices must have landed
             pages = page_array(kv_indices)
-            if self.num_kv_indices is None:
-                raise ValueError("send() came before init()")
-            index_slice = slice(self.curr_idx, self.curr_idx + len(pages))
-            if index_slice.stop > self.num_kv_indices:
-                raise ValueError(
-                    f"pages [{index_slice.start}, {index_slice.stop}) run past "
-                    f"num_kv_indices={self.num_kv_indices} given to init()"
-                )
+            index_slice = self._chunk_slice(pages)
             last = index_slice.stop == self.num_kv_indices
             if not last and state_indices and any(s is not None for s in state_indices):
                 raise ValueError("state_indices came with a chunk that is not the request's last")
@@ -344,6 +342,18 @@ class KVXferKVSender(_Request, BaseKVSender):
             self.curr_idx = index_slice.stop
         except Exception as exc:
             self._fail_from("send()", exc)
+
+    def _chunk_slice(self, pages: np.ndarray) -> slice:
+        """The slice of the request's page list that ``pages``, the next chunk, covers."""
+        if self.num_kv_indices is None:
+            raise ValueError("send() came before init()")
+        index_slice = slice(self.curr_idx, self.curr_idx + len(pages))
+        if index_slice.stop > self.num_kv_indices:
+            raise ValueError(
+                f"pages [{index_slice.start}, {index_slice.stop}) run past "
+                f"num_kv_indices={self.num_kv_indices} given to init()"
+            )
+        return index_slice
 
     def _digests(self, aux: bytes) -> tuple[bytes, bytes]:
         """``aux`` and the draft's (empty) aux with this rank's KV checksums in front: each
@@ -389,6 +399,61 @@ class KVXferKVSender(_Request, BaseKVSender):
         if stages is not None:
             stages.forget(self.bootstrap_room)
         super().clear()
+
+
+class CPReplicaSender(KVXferKVSender):
+    """The sender of a prefill attention-CP rank other than 0 (SGLang's dummy CP
+    participant): CP rank 0 of the same attention-TP rank sends every page, so this one moves
+    nothing. WaitingForInput at once, Success once its last chunk is handed over, Failed only
+    when aborted or failed elsewhere (SGLang's poll consensus then fails it on every rank)."""
+
+    def __init__(
+        self,
+        mgr: KVXferKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ):
+        if not isinstance(mgr, KVXferKVManager) or not mgr.is_dummy_cp_rank:
+            raise TypeError(f"mgr must be the KVXferKVManager of a prefill CP replica rank, got {mgr!r}")
+        self._setup(bootstrap_room)
+        self.kv_mgr = mgr
+        self.bootstrap_server_url = bootstrap_addr
+        self.num_kv_indices = None
+        self.aux_index = None
+        self.curr_idx = 0
+        self._early_send_wait_event = None
+        self._status = KVPoll.WaitingForInput
+
+    def pop_decode_prefix_len(self) -> int:
+        return 0  # the decode's request goes to CP rank 0 only
+
+    def send(
+        self,
+        kv_indices,
+        state_indices: list | None = None,
+        num_kv_tokens: int | None = None,
+        indices_event: Synchronizable | None = None,
+    ):
+        self._early_send_wait_event = None
+        if self.conclude_state is not None:
+            return
+        try:
+            index_slice = self._chunk_slice(page_array(kv_indices))
+            self.curr_idx = index_slice.stop
+            if index_slice.stop == self.num_kv_indices:
+                self.conclude_state = KVPoll.Success
+        except Exception as exc:
+            self._fail_from("send()", exc)
+
+    def poll(self) -> int:
+        return self.conclude_state if self.conclude_state is not None else self._status
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        return KVTransferMetric(transfer_latency_s=None, transfer_total_bytes=0)
+
+    def clear(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,11 @@ What DP adds to that order, from SGLang's own code:
   (the sender then gets ``req_has_disagg_prefill_dp_rank=True``), else
   ``bootstrap_room % D`` (``follow_bootstrap_room``, the prefill default). Polls are reduced
   (MIN) over that group's attention-TP ranks.
+* prefill attention CP (``--attn-cp-size C``): ``T / (D * C)`` attention-TP ranks, each
+  ``C`` times; ``engine_rank = (dp * C + cp) * attn_tp + attn_tp_rank``
+  (``derive_attention_ranks``). Every CP rank holds the request's KV; CP rank 0 sends it and
+  the others are dummy participants whose polls join the MIN. Here the CP replicas' pools
+  hold a poison of their own and are never written, so a byte taken from one shows.
 * decode: ``engine_rank = tp_rank % attn_tp``; each decode DP group serves the requests its
   own controller gives it; ``_resolve_prefill_dp_rank`` picks the prefill group: the
   router's rank, else ``0`` for ``dp_size == 1``, else ``bootstrap_room % dp_size`` (read from
@@ -58,10 +63,16 @@ class DpSpec:
     requests: list
     env: dict = field(default_factory=dict)
     timeout_s: float = 60.0
+    cp: int = 1  # prefill attention CP
 
 
 def poison(group: int) -> int:
     return 0x10 + group
+
+
+def replica_poison(group: int, cp_rank: int) -> int:
+    """What a CP replica's pool holds (never written by the forward here)."""
+    return 0x60 + 8 * group + cp_rank
 
 
 def heads_of(model: Model, attn_tp: int, rank: int) -> list[int]:
@@ -131,8 +142,11 @@ def main(spec: DpSpec, out, release) -> None:
 
 
 def _dp_server_args(spec: DpSpec, port: int):
-    extra = dict(dp_size=spec.dp, enable_dp_attention=True) if spec.dp > 1 else {}
-    return server_args(sides.MODEL_PATH, spec.role, spec.attn_tp * spec.dp, port, **extra)
+    extra: dict = dict(dp_size=spec.dp, enable_dp_attention=True) if spec.dp > 1 else {}
+    cp = spec.cp if spec.role == "prefill" else 1
+    if cp > 1:
+        extra["attn_cp_size"] = cp
+    return server_args(sides.MODEL_PATH, spec.role, spec.attn_tp * spec.dp * cp, port, **extra)
 
 
 def _prefill_groups(req: DpRequest, dp: int) -> tuple:
@@ -145,17 +159,20 @@ def _prefill(spec: DpSpec, closers: list) -> dict:
     sa = _dp_server_args(spec, spec.port)
     boot = backend.KVXferKVBootstrapServer(sa.host, sa.disaggregation_bootstrap_port)
     closers.append(boot.close)
-    groups = []  # per DP group: (memories, managers)
+    groups = []  # per DP group: (CP rank 0's memories, the managers of every CP rank)
     for g in range(spec.dp):
         mems, mgrs = [], []
-        for r in range(spec.attn_tp):
-            mem = rank_memory(m, spec.attn_tp, r, "prefill")
-            mem.kv_args.engine_rank = g * spec.attn_tp + r  # SGLang's prefill: the global TP rank
-            for view in byte_views(mem):
-                view.fill_(poison(g))
-            mems.append(mem)
-            mgrs.append(backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.PREFILL, sa, m.mla))
-            closers.append(mgrs[-1].close)
+        for c in range(spec.cp):
+            for r in range(spec.attn_tp):
+                mem = rank_memory(m, spec.attn_tp, r, "prefill")
+                # SGLang's prefill: the global TP rank, laid out (dp, cp, tp)
+                mem.kv_args.engine_rank = (g * spec.cp + c) * spec.attn_tp + r
+                for view in byte_views(mem):
+                    view.fill_(poison(g) if c == 0 else replica_poison(g, c))
+                if c == 0:
+                    mems.append(mem)
+                mgrs.append(backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.PREFILL, sa, m.mla))
+                closers.append(mgrs[-1].close)
         groups.append((mems, mgrs))
     for _, mgrs in groups:
         for mgr in mgrs:

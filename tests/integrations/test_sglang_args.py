@@ -278,7 +278,13 @@ def test_pipeline_parallel_plan():
         # attention DP is served only with the routing a decode can follow
         (dict(attn_dp_size=2, load_balance_method="round_robin"), "prefill", "--load-balance-method='round_robin'"),
         (dict(dp_size=4, attn_dp_size=2), "decode", "--dp-size=4"),
-        (dict(attn_cp_size=2), "prefill", "--attn-cp-size=2"),
+        (dict(tp_size=2, attn_cp_size=2), "decode", "--attn-cp-size=2"),  # SGLang's decode asserts CP 1 too
+        (dict(tp_size=4, attn_cp_size=2, pp_size=2), "prefill", "--attn-cp-size=2"),
+        # CP ranks that hold different pages (sharded CP): every CP rank would send
+        (dict(tp_size=2, attn_cp_size=2, enable_cp_tp_group_sharing=True), "prefill", "--enable-cp-tp-group-sharing"),
+        (dict(tp_size=2, attn_cp_size=2, enable_dsa_cache_layer_split=True), "prefill", "--enable-dsa-cache-layer"),
+        (dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True), "prefill", "--enable-kv-cache-sharding"),
+        (dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True), "prefill", "--enable-prefill-cp"),
         (dict(dcp_size=2), "decode", "--dcp-size=2"),
         (dict(enable_pd_role_switch=True), "prefill", "--enable-pd-role-switch=True"),
         (
@@ -292,6 +298,23 @@ def test_pipeline_parallel_plan():
 def test_unsupported_server_settings_name_the_flag(over, role, flag):
     with pytest.raises(KVXferError, match="does not support " + flag.replace("[", r"\[")):
         plan_from_server_args(server(**over), role)
+
+
+def test_prefill_attention_cp_ranks_and_their_dp_groups_follow_sglangs_layout():
+    """(dp, cp, tp) with tp fastest: tp_rank = (dp * cp_size + cp) * attn_tp + attn_tp_rank."""
+    plan = plan_from_server_args(server(tp_size=8, dp_size=2, enable_dp_attention=True, attn_cp_size=2), "prefill")
+    assert (plan.attn_tp_size, plan.attn_cp_size, plan.attn_dp_size) == (2, 2, 2)
+    got = [(plan.dp_rank(r), plan.cp_rank(r), r % plan.attn_tp_size) for r in range(8)]
+    assert got == [(dp, cp, tp) for dp in range(2) for cp in range(2) for tp in range(2)]
+    decode = plan_from_server_args(server(tp_size=2), "decode")
+    assert decode.cp_rank(1) == 0 and decode.attn_cp_size == 1
+
+
+def test_all_cp_ranks_transfer_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+    with pytest.raises(KVXferError, match="does not support SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER='1'"):
+        plan_from_server_args(server(tp_size=2, attn_cp_size=2), "prefill")
+    assert plan_from_server_args(server(tp_size=2), "prefill").attn_cp_size == 1  # without CP it does not matter
 
 
 def test_nic_lists(tmp_path):
