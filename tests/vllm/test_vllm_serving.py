@@ -34,7 +34,11 @@ def connector(role: str, **extra) -> str:
 @pytest.fixture(scope="module")
 def servers(vllm_env, vllm_model, vllm_logs):
     env = h.base_env(secrets.token_hex(32))
-    env.update(KVXFER_HEARTBEAT_TIMEOUT_S="30")  # two servers busy on two cores (see test_vllm_pd)
+    # Two servers busy on two cores (see test_vllm_pd). CI once saw the consumer's decode
+    # rank not run for 33.9 s mid-request ("did not run for"), so the prefill's 60 s wait for
+    # the decode's metadata ran out: deadlines with room for such a stall, below the
+    # requests' own 120 s.
+    env.update(KVXFER_HEARTBEAT_TIMEOUT_S="30", KVXFER_BOOTSTRAP_TIMEOUT_S="100", KVXFER_WAITING_TIMEOUT_S="100")
     api = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_model), *COMMON, "--host", "127.0.0.1"]
     pport, cport, xport, yport, kv_port = (h.free_port() for _ in range(5))
     producer = h.Service(
