@@ -11,12 +11,17 @@
 - ``--dsa-layers`` with ``--dsa-row-bytes`` (one row per KV page, replicated like the MLA
   latent): one writer per decode rank, every page of the request.
 
+With ``--prefill-pp`` each pool's layers are split over the stages as SGLang splits layers
+(even, the last stages one more; a real model's stages hold the pool's layers that fall in
+their own) and each stage's writers send its entries: one transfer list per stage.
+
 Pure planning: no servers, no torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import numpy as np
 
@@ -92,11 +97,22 @@ def _row_geometry(layers: int, row_bytes: int, rows: int) -> KVGeometry:
     )
 
 
+def _stage_entries(layers: int, pp_size: int) -> list[range]:
+    """A pool's entries on each prefill PP stage: SGLang's default split of its layers (even,
+    the last stages one more), the entries of a decode of PP 1 one stage after another."""
+    base, extra = divmod(layers, pp_size)
+    out, at = [], 0
+    for s in range(pp_size):
+        n = base + (1 if s >= pp_size - extra else 0)
+        out.append(range(at, at + n))
+        at += n
+    return out
+
+
 def build(args: argparse.Namespace, p_attn: int, d_attn: int, ps: int) -> list[dict]:
-    """The state pools of the example request and each one's (writer, reader) transfers."""
+    """The state pools of the example request and each one's (writer, reader) transfers;
+    with prefill PP, per stage over the stage's entries of the pool."""
     pools = _pools(args, ps)
-    if pools and args.prefill_pp > 1:
-        raise ValueError("extra per-request state (--swa/--mamba/--dsa-*) with --prefill-pp > 1 is not supported")
     report = []
     for name, kind, g, n in pools:
         if kind == "mamba" and p_attn != d_attn:
@@ -105,31 +121,41 @@ def build(args: argparse.Namespace, p_attn: int, d_attn: int, ps: int) -> list[d
                 "rows are sharded over attention TP and are moved at equal attention TP only"
             )
         rows, geo = kind != "swa", g
+        stages = _stage_entries(geo.num_layers, args.prefill_pp)
+        if any(not len(r) for r in stages):
+            raise ValueError(
+                f"{name}: {geo.num_layers} layer(s) over --prefill-pp={args.prefill_pp} stages leave a stage without "
+                "any (every stage holds one or more of each pool's layers)"
+            )
         plan = plan_tp(geo.total_kv_heads, p_attn, d_attn, mla=geo.mla, salt=args.room)
         src = np.arange(-(-n // geo.page_size))
         dst = np.arange(0, 2 * len(src), 2)
         transfers = []
-        for t in plan.transfers:
-            pair = plan_pair(
-                t,
-                geo.placement(p_attn, t.prefill_rank),
-                geo.placement(d_attn, t.decode_rank),
-                src,
-                dst,
-                num_tokens=n,
-                path=envs.KVXFER_DATA_PATH.get(),
-                direct_min_op_bytes=envs.KVXFER_DIRECT_MIN_OP_BYTES.get(),
-            )
-            transfers.append(
-                {
-                    **t.to_dict(),
-                    "global_heads": [t.global_head_start, t.global_head_start + t.num_heads],
-                    "path": pair.path,
-                    "bytes": pair.nbytes,
-                    "ops_direct": pair.direct_op_count,
-                    "ops_staged": pair.staged_op_count,
-                }
-            )
+        for s, entries in enumerate(stages):
+            part = dataclasses.replace(geo, num_layers=len(entries))
+            for t in plan.transfers:
+                pair = plan_pair(
+                    t,
+                    part.placement(p_attn, t.prefill_rank),
+                    part.placement(d_attn, t.decode_rank),
+                    src,
+                    dst,
+                    num_tokens=n,
+                    path=envs.KVXFER_DATA_PATH.get(),
+                    direct_min_op_bytes=envs.KVXFER_DIRECT_MIN_OP_BYTES.get(),
+                )
+                staged = {"pp_rank": s, "entries": [entries.start, entries.stop]} if args.prefill_pp > 1 else {}
+                transfers.append(
+                    {
+                        **t.to_dict(),
+                        **staged,
+                        "global_heads": [t.global_head_start, t.global_head_start + t.num_heads],
+                        "path": pair.path,
+                        "bytes": pair.nbytes,
+                        "ops_direct": pair.direct_op_count,
+                        "ops_staged": pair.staged_op_count,
+                    }
+                )
         report.append(
             {
                 "pool": name,
@@ -156,8 +182,11 @@ def render(report: list[dict], fmt_bytes) -> list[str]:
         for t in pool["transfers"]:
             heads = f" heads [{t['global_heads'][0]}, {t['global_heads'][1]})" if pool["kind"] == "swa" else ""
             ops = t["ops_staged"] if t["path"] == "staged" or t["ops_direct"] is None else t["ops_direct"]
+            stage = (
+                f"PP stage {t['pp_rank']} entries [{t['entries'][0]}, {t['entries'][1]}): " if "pp_rank" in t else ""
+            )
             lines.append(
-                f"  prefill {t['prefill_rank']} -> decode {t['decode_rank']}{heads}: {fmt_bytes(t['bytes'])}, "
+                f"  {stage}prefill {t['prefill_rank']} -> decode {t['decode_rank']}{heads}: {fmt_bytes(t['bytes'])}, "
                 f"{t['path']}, {ops} op(s)"
             )
     return lines

@@ -96,37 +96,43 @@ def _kind_bytes(place: RankPlacement, kind: int) -> int:
     return (g.head_dim if kind == 0 else g.v_head_dim or 0) * g.itemsize
 
 
-def fill_request(place: RankPlacement, buffers: Sequence, room: int, pages, token_start: int, num_tokens: int) -> None:
+def fill_request(
+    place: RankPlacement, buffers: Sequence, room: int, pages, token_start: int, num_tokens: int, layer_start: int = 0
+) -> None:
     """Write the content of this rank's owned heads for tokens ``[token_start, +num_tokens)``
     into ``pages`` of ``buffers`` (torch tensors, K of every layer then V; HND_KV, NHD_KV: one
-    per layer)."""
+    per layer). ``layer_start``: the model layer of the pool's first layer (a pool of some
+    of the model's layers holds their content)."""
     import torch
 
     pages = np.asarray(pages, dtype=np.int64)
     pg, slot = _token_rows(place, pages, token_start, num_tokens)
     heads = list(place.heads)
     for b, layer, kind in _kinds(place):
-        data = row_bytes(room, layer, kind, heads, token_start, num_tokens, _kind_bytes(place, kind))
+        data = row_bytes(room, layer_start + layer, kind, heads, token_start, num_tokens, _kind_bytes(place, kind))
         dst = _byte_view(place, buffers[b], b)
         dst[_rows_index(place, kind, pg, slot, dst.device)] = torch.from_numpy(data).to(dst.device)
 
 
-def verify_request(place: RankPlacement, buffers: Sequence, room: int, pages, num_tokens: int) -> list[str]:
+def verify_request(
+    place: RankPlacement, buffers: Sequence, room: int, pages, num_tokens: int, layer_start: int = 0
+) -> list[str]:
     """Compare every byte of this rank's owned heads for tokens ``[0, num_tokens)`` in
-    ``pages`` with the expected content. Returns a list of problems (empty when exact)."""
+    ``pages`` with the expected content (``layer_start`` as ``fill_request``'s). Returns a
+    list of problems (empty when exact)."""
     pages = np.asarray(pages, dtype=np.int64)
     pg, slot = _token_rows(place, pages, 0, num_tokens)
     heads = list(place.heads)
     problems = []
     for b, layer, kind in _kinds(place):
-        want = row_bytes(room, layer, kind, heads, 0, num_tokens, _kind_bytes(place, kind))
+        want = row_bytes(room, layer_start + layer, kind, heads, 0, num_tokens, _kind_bytes(place, kind))
         src = _byte_view(place, buffers[b], b)
         got = src[_rows_index(place, kind, pg, slot, src.device)].cpu().numpy()
         if not np.array_equal(got, want):
             bad = np.argwhere(got != want)[0]
             t, h = int(bad[0]), int(bad[1])
             problems.append(
-                f"buffer {b} ({'K' if kind == 0 else 'V'} of layer {layer}): token {t} head "
+                f"buffer {b} ({'K' if kind == 0 else 'V'} of layer {layer_start + layer}): token {t} head "
                 f"{heads[h]} byte {int(bad[2])} is {int(got[tuple(bad)])}, expected {int(want[tuple(bad)])}"
             )
     return problems

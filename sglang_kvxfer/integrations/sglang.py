@@ -56,7 +56,7 @@ each writer's share before it reports Success (per PP stage).
 
 The test seams (replaced here by tests, read by the other modules at call time):
 ``after_kv_landed``, ``_model_total_kv_heads``, ``_model_swa_kv_heads``, ``_draft_model_kv``,
-``_pp_exchange``.
+``_pp_exchange``, ``_model_swa_stage_layers``.
 """
 
 from __future__ import annotations
@@ -70,6 +70,9 @@ from sglang_kvxfer.integrations.sglang_common import (  # noqa: F401  (the under
 from sglang_kvxfer.integrations.sglang_common import defer_sglang_cpu_checksum as _defer_sglang_cpu_checksum  # noqa: F401
 from sglang_kvxfer.integrations.sglang_common import draft_model_kv as _draft_model_kv  # noqa: F401
 from sglang_kvxfer.integrations.sglang_common import model_swa_kv_heads as _model_swa_kv_heads  # noqa: F401
+from sglang_kvxfer.integrations.sglang_common import (  # noqa: F401
+    model_swa_stage_layers as _model_swa_stage_layers,
+)
 from sglang_kvxfer.integrations.sglang_common import model_total_kv_heads as _model_total_kv_heads  # noqa: F401
 from sglang_kvxfer.integrations.sglang_common import pp_exchange as _pp_exchange  # noqa: F401
 from sglang_kvxfer.integrations.sglang_manager import KVXferKVBootstrapServer, KVXferKVManager

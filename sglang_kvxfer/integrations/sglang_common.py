@@ -219,6 +219,21 @@ def model_swa_kv_heads(server_args: Any) -> int:
     return cfg.get_total_num_kv_heads()
 
 
+def model_swa_stage_layers(server_args: Any, pp_rank: int, pp_size: int) -> tuple[range, tuple, tuple] | None:
+    """``(PP stage pp_rank's model layers, full-attention layer ids, SWA layer ids)`` of a
+    hybrid sliding-window model, as SGLang splits the layers (``get_pp_indices``, which reads
+    ``SGLANG_PP_LAYER_PARTITION``) and its ``SWAKVPool`` maps them; None for other models."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.utils import get_pp_indices
+
+    cfg = ModelConfig.from_server_args(server_args)
+    full, swa = getattr(cfg, "full_attention_layer_ids", None), getattr(cfg, "swa_attention_layer_ids", None)
+    if not full or swa is None:
+        return None
+    start, end = get_pp_indices(cfg.num_hidden_layers, pp_rank, pp_size)
+    return range(start, end), tuple(full), tuple(swa)
+
+
 def draft_model_kv(server_args: Any) -> tuple[int, bool]:
     """The draft model's ``(un-sharded KV heads, MLA)``, from its config as SGLang's draft
     worker reads it (``--speculative-draft-model-path``)."""

@@ -41,8 +41,11 @@ from sglang_kvxfer.integrations.sglang_pp import (
     PrefillTopology,
     StageStatus,
     TopologyLookup,
+    count_problem,
+    entry_spans,
     layer_slice,
     pp_rule_problem,
+    stage_entries,
     stage_label,
     tiling_problem,
 )
@@ -54,7 +57,7 @@ if TYPE_CHECKING:
     from sglang_kvxfer.engine.prefill import PrefillManager
     from sglang_kvxfer.integrations.sglang_requests import KVXferKVReceiver
 
-__all__ = ["KVXferKVManager", "KVXferKVBootstrapServer", "ReceivePart"]
+__all__ = ["KVXferKVManager", "KVXferKVBootstrapServer", "ReceivePart", "StatePart"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,18 @@ class ReceivePart:
     config: EngineConfig
     ptrs: tuple[int, ...]
     aux: bool
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """One engine request of a decode request's extra per-request state: which engine
+    manager receives ``pool``'s rows (all of its entries, or on a decode of PP 1 facing PP
+    stages, one stage's entries) from which prefill group address."""
+
+    pool: StatePool
+    label: str  # the pool's label, and the stage's when it is one stage's part
+    engine: DecodeManager
+    address: str
 
 
 class KVXferKVManager(BaseKVManager):
@@ -105,8 +120,10 @@ class KVXferKVManager(BaseKVManager):
             draft_dtype=None if str(draft_dtype or "auto").lower() == "auto" else kv_dtype(draft_dtype),
             swa_kv_heads=lambda: seam("_model_swa_kv_heads")(server_args),
         )
-        lay = self.layout
         self.pp_size, self.pp_rank, layer_start = self._pp_stage(args)
+        if self.pp_size > 1 and any(p.kind == "swa" for p in self.layout.states):
+            self.layout, layer_start = self._swa_stage(server_args, layer_start)
+        lay = self.layout
         gpu_id = int(getattr(args, "gpu_id", 0) or 0)
         device = "cpu" if self.plan.device == "cpu" else f"cuda:{gpu_id}"
         # SGLang's deadlines where ours are not set (None: ours, as EngineConfig's defaults read them)
@@ -160,9 +177,7 @@ class KVXferKVManager(BaseKVManager):
                 draft_pool = KVPool.from_pointers(self.draft_config.placement, draft.kv_ptrs, draft.kv_lens, device)
                 self.draft_engine = KVManager(self.draft_config, draft_pool)
             for state in lay.states if self.engine is not None else ():
-                config = dataclasses.replace(
-                    self.config, geometry=state.geometry, kv_pool=state.name, draft_geometry=None, state_pools=()
-                )
+                config = self._state_config(state.geometry, state.name)
                 state_pool = KVPool.from_pointers(config.placement, state.ptrs, state.lens, device)
                 self.state_engines.append((state, KVManager(config, state_pool)))
             if prefill and self.pp_size > 1 and self.engine is not None:
@@ -192,12 +207,14 @@ class KVXferKVManager(BaseKVManager):
         self._unverified: set[str] = set()  # prefill addresses whose missing digests were logged
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._lookups: dict[str, TopologyLookup] = {}  # decode: the prefill behind each bootstrap
-        # decode PP 1 facing PP stages: (engine, config, buffers) per stage layer range
-        self._slices: dict[tuple[int, int], tuple[DecodeManager, EngineConfig, tuple[int, ...]]] = {}
+        # decode PP 1 facing PP stages: (engine, config, buffers) per (pool, stage entry range)
+        self._slices: dict[tuple[str, int, int], tuple[DecodeManager, EngineConfig, tuple[int, ...]]] = {}
         dp = self.plan.attn_dp_size
         where = f" of DP group {self.dp_rank}/{dp}" if prefill and dp > 1 else f" (attention DP {dp})" if dp > 1 else ""
         if self.pp_size > 1:
             span = f", layers [{layer_start}, {layer_start + lay.geometry.num_layers})" if prefill else ""
+            if prefill and lay.states:  # a hybrid model: the KV pool holds some of the stage's layers
+                span = f", from layer {layer_start} ({lay.geometry.num_layers} full-attention KV layers)"
             where += f", PP stage {self.pp_rank}/{self.pp_size}{span}"
         if self.plan.attn_cp_size > 1:
             where += f", attention CP rank {self.cp_rank}/{self.plan.attn_cp_size}"
@@ -222,6 +239,40 @@ class KVXferKVManager(BaseKVManager):
         for state, _ in self.state_engines:
             log.info("kvxfer %s rank %d/%d: %s: %s", self.role, lay.tp_rank, lay.tp_size, state.label, state.geometry)
 
+    def _swa_stage(self, server_args: Any, layer_start: int) -> tuple[SglangLayout, int]:
+        """A PP stage of a hybrid sliding-window model: SGLang's ``SWAKVPool`` holds every
+        layer of the model on each stage (its KVArgs list the whole model's full-attention and
+        SWA entries, ``prefill_start_layer`` 0) while the stage's forward writes its own layers'
+        entries only. So this rank's pools become the entries of its stage's layers, and its
+        first layer the stage's (``layout, layer_start``); pools that hold the stage's layers
+        only are kept."""
+        found = seam("_model_swa_stage_layers")(server_args, self.pp_rank, self.pp_size)
+        if found is None:
+            return self.layout, layer_start
+        stage, full, swa = found
+        lay, pool = self.layout, next(p for p in self.layout.states if p.kind == "swa")
+        n_kv, n_swa = lay.geometry.num_layers, pool.geometry.num_layers
+        if (n_kv, n_swa) == (len(full), len(swa)):  # whole-model pools: take the stage's entries
+            what = f"the full-attention KV of PP stage {self.pp_rank}"
+            geometry, ptrs, lens = layer_slice(lay.geometry, lay.kv_ptrs, lay.kv_lens, stage_entries(full, stage, what))
+            part = stage_entries(swa, stage, f"the {pool.label} of PP stage {self.pp_rank}")
+            g, p, n = layer_slice(pool.geometry, pool.ptrs, pool.lens, part)
+            states = tuple(dataclasses.replace(x, geometry=g, ptrs=p, lens=n) if x is pool else x for x in lay.states)
+            layout = dataclasses.replace(lay, geometry=geometry, kv_ptrs=ptrs, kv_lens=lens, states=states)
+            return layout, stage.start if self.role == "prefill" else layer_start
+        mine = (sum(1 for i in full if i in stage), sum(1 for i in swa if i in stage))
+        if (n_kv, n_swa) == mine:  # pools of the stage's layers only
+            return self.layout, stage.start if self.role == "prefill" else layer_start
+        raise KVXferError(
+            f"PP stage {self.pp_rank}/{self.pp_size} of a hybrid sliding-window model: its pools hold {n_kv} "
+            f"full-attention and {n_swa} SWA layers; the model has {len(full)} and {len(swa)}, the stage's layers "
+            f"[{stage.start}, {stage.stop}) {mine[0]} and {mine[1]}"
+        )
+
+    def _state_config(self, geometry: KVGeometry, name: str) -> EngineConfig:
+        """The engine config of a state pool's manager (registered under ``kv_pool=name``)."""
+        return dataclasses.replace(self.config, geometry=geometry, kv_pool=name, draft_geometry=None, state_pools=())
+
     def _pp_stage(self, args: KVArgs) -> tuple[int, int, int]:
         """``(pp_size, pp_rank, first layer of this rank's pool)`` from SGLang's ``--pp-size``
         and ``KVArgs.pp_rank`` / ``prefill_start_layer`` (a decode's first layer is not known
@@ -235,12 +286,6 @@ class KVXferKVManager(BaseKVManager):
                 f"the kvxfer transfer backend does not support a {DRAFT} with --pp-size={size}: which PP stage "
                 "holds the draft model's pool is not implemented; use another --disaggregation-transfer-backend "
                 "for speculative decoding with pipeline parallelism"
-            )
-        if size > 1 and self.layout.states:
-            raise KVXferError(
-                f"the kvxfer transfer backend does not support extra per-request state ({self.layout.states[0].label}) "
-                f"with --pp-size={size}: pairing a PP stage's state entries with the other server's is not "
-                "implemented; use another --disaggregation-transfer-backend for hybrid models with pipeline parallelism"
             )
         if self.role != "prefill" or size == 1:
             return size, rank, 0
@@ -404,6 +449,7 @@ class KVXferKVManager(BaseKVManager):
                 session=eng.session,
                 tp_rank=eng.tp_rank,
                 timeout_s=self.config.bootstrap_timeout_s,
+                state_pools=[p.name for p in self.layout.states] if self.pp_size == 1 else (),
             )
         if lookup.result is not None:
             return lookup.result
@@ -419,8 +465,15 @@ class KVXferKVManager(BaseKVManager):
         if problem or topo.pp_size == 1:
             return problem
         ours = self.layout.geometry.num_layers
-        if self.pp_size == 1:
+        if self.pp_size == 1 and not self.layout.states:
             return tiling_problem(topo.pp_layers, ours)
+        if self.pp_size == 1:  # a hybrid model: the KV pool holds the full-attention layers only
+            problem = count_problem("the full-attention KV", [len(r) for r in topo.pp_layers], ours)
+            counts = dict(topo.state_counts)
+            for pool in self.layout.states:
+                if not problem and pool.name in counts:  # (a pool the prefill lacks: state_problem says so)
+                    problem = count_problem(pool.label, counts[pool.name], pool.geometry.num_layers)
+            return problem
         theirs = topo.pp_layers[self.pp_rank]
         if len(theirs) != ours:
             return (
@@ -444,32 +497,72 @@ class KVXferKVManager(BaseKVManager):
         if topo is None or topo.pp_size == 1 or self.pp_size == topo.pp_size:
             staged = topo is not None and topo.pp_size > 1
             s = self.pp_rank if staged else 0
-            label = stage_label(s, topo.pp_layers[s]) if topo is not None and staged else ""
+            label = ""
+            if topo is not None and staged:  # (a hybrid model's: the entries of this stage's pool)
+                mine = range(lay.geometry.num_layers) if lay.states else None
+                label = stage_label(s, topo.pp_layers[s], mine)
             address = bootstrap.group_address(bootstrap_addr, dp_rank, s)
             return [(s, ReceivePart(label, self.decode_engine, address, self.config, lay.kv_ptrs, True))]
         parts = []
-        for s, layers in enumerate(topo.pp_layers):
-            engine, config, ptrs = self._slice(layers)
+        # a hybrid model's KV pool holds the full-attention layers only: stage by entry counts
+        spans = entry_spans([len(r) for r in topo.pp_layers]) if lay.states else topo.pp_layers
+        for s, (layers, span) in enumerate(zip(topo.pp_layers, spans)):
+            engine, config, ptrs = self._slice(span)
             address = bootstrap.group_address(bootstrap_addr, dp_rank, s)
             aux = s == topo.pp_size - 1
-            parts.append((s, ReceivePart(stage_label(s, layers), engine, address, config, ptrs, aux)))
+            label = stage_label(s, layers, span if lay.states else None)
+            parts.append((s, ReceivePart(label, engine, address, config, ptrs, aux)))
         return parts
 
-    def _slice(self, layers: range) -> tuple[DecodeManager, EngineConfig, tuple[int, ...]]:
-        """An engine manager over ``layers`` of this rank's pool (a layer-slice view of
-        SGLang's buffers), made once per layer range and closed with this manager."""
+    def state_parts(self, bootstrap_addr: str, dp_rank: int) -> list[StatePart]:
+        """The engine requests of a decode request's state (routed to prefill DP group
+        ``dp_rank``): each pool from the prefill's only stage or from the stage of this
+        decode's PP rank; on a decode of PP 1 facing several stages, each pool's entries of
+        each stage (one after another in stage order, by the counts the stages registered)
+        from that stage, into that slice of the pool."""
+        from sglang_kvxfer.engine import bootstrap
+
+        lookup = self._lookups.get(bootstrap_addr)
+        topo = lookup.result if lookup is not None else None
+        if topo is None or topo.pp_size == 1 or self.pp_size == topo.pp_size:
+            s = self.pp_rank if topo is not None and topo.pp_size > 1 else 0
+            address = bootstrap.group_address(bootstrap_addr, dp_rank, s)
+            return [StatePart(pool, pool.label, engine, address) for pool, engine in self.decode_state_engines]
+        counts = dict(topo.state_counts)
+        parts = []
+        for pool in self.layout.states:
+            if pool.name not in counts:
+                raise KVXferError(f"{pool.label}: the prefill's PP stages registered no such pool")
+            for s, (layers, span) in enumerate(zip(topo.pp_layers, entry_spans(counts[pool.name]))):
+                if not len(span):  # this stage has none of the pool's layers
+                    continue
+                engine, _, _ = self._slice(span, pool)
+                address = bootstrap.group_address(bootstrap_addr, dp_rank, s)
+                parts.append(StatePart(pool, f"{pool.label} of {stage_label(s, layers, span)}", engine, address))
+        return parts
+
+    def _slice(
+        self, entries: range, pool: StatePool | None = None
+    ) -> tuple[DecodeManager, EngineConfig, tuple[int, ...]]:
+        """An engine manager over ``entries`` (layers) of this rank's KV pool, or of its state
+        pool ``pool`` (a layer-slice view of SGLang's buffers), made once per pool and range and
+        closed with this manager."""
         from sglang_kvxfer.engine import KVManager, KVPool
         from sglang_kvxfer.engine.decode import DecodeManager
 
-        key = (layers.start, layers.stop)
+        key = ("" if pool is None else pool.name, entries.start, entries.stop)
         made = self._slices.get(key)
         if made is None:
             lay = self.layout
-            geometry, ptrs, lens = layer_slice(lay.geometry, lay.kv_ptrs, lay.kv_lens, layers)
-            config = dataclasses.replace(self.config, geometry=geometry)
+            if pool is None:
+                geometry, ptrs, lens = layer_slice(lay.geometry, lay.kv_ptrs, lay.kv_lens, entries)
+                config = dataclasses.replace(self.config, geometry=geometry)
+            else:
+                geometry, ptrs, lens = layer_slice(pool.geometry, pool.ptrs, pool.lens, entries)
+                config = self._state_config(geometry, pool.name)
             engine = KVManager(config, KVPool.from_pointers(config.placement, ptrs, lens, self._device))
             if not isinstance(engine, DecodeManager):  # KVManager builds one for a decode config
-                raise TypeError(f"expected a decode engine for layers {key}, got {type(engine).__name__}")
+                raise TypeError(f"expected a decode engine for {key}, got {type(engine).__name__}")
             made = self._slices[key] = (engine, config, ptrs)
         return made
 

@@ -45,6 +45,9 @@ __all__ = [
     "TopologyLookup",
     "PrefillTopology",
     "stage_label",
+    "entry_spans",
+    "count_problem",
+    "stage_entries",
     "tiling_problem",
     "pp_rule_problem",
     "layer_slice",
@@ -56,8 +59,47 @@ _STATUS = struct.Struct("<HQb")  # PP stage, room, KVPoll (-1: the stage forgot 
 _FORGET = -1
 
 
-def stage_label(pp_rank: int, layers: range) -> str:
-    return f"PP stage {pp_rank} (layers [{layers.start}, {layers.stop}))"
+def stage_label(pp_rank: int, layers: range, entries: range | None = None) -> str:
+    """How failures name a stage: its layers; with ``entries``, the stage's part of a pool
+    whose entries are not one per layer (a hybrid model's full-attention KV, a state pool)."""
+    if entries is None:
+        return f"PP stage {pp_rank} (layers [{layers.start}, {layers.stop}))"
+    return f"PP stage {pp_rank} (from layer {layers.start}, entries [{entries.start}, {entries.stop}))"
+
+
+def entry_spans(counts: Sequence[int]) -> tuple[range, ...]:
+    """Where each stage's entries of a pool lie in a decode pool of every stage's entries:
+    one after another in stage order (stages hold consecutive layers, and a pool lists its
+    layers' entries in layer order)."""
+    out, at = [], 0
+    for n in counts:
+        out.append(range(at, at + n))
+        at += n
+    return tuple(out)
+
+
+def stage_entries(layer_ids: Sequence[int], stage: range, what: str) -> range:
+    """The entries of a whole-model pool (one per id of ``layer_ids``, ascending) that hold
+    the layers of ``stage``; ``KVXferError`` naming ``what`` when the stage holds none or
+    they are not consecutive."""
+    index = [i for i, layer in enumerate(layer_ids) if layer in stage]
+    if not index or index != list(range(index[0], index[-1] + 1)):
+        raise KVXferError(
+            f"{what}: PP stage layers [{stage.start}, {stage.stop}) hold {len(index)} of its layers "
+            f"{list(layer_ids)}; a stage must hold one or more of them, consecutive (change SGLANG_PP_LAYER_PARTITION)"
+        )
+    return range(index[0], index[-1] + 1)
+
+
+def count_problem(what: str, counts: Sequence[int], ours: int) -> str:
+    """Why the stages' entry counts of ``what`` do not fill this decode's ``ours`` ("" if they do)."""
+    if sum(counts) == ours:
+        return ""
+    parts = " + ".join(str(n) for n in counts)
+    return (
+        f"{what}: the prefill's {len(counts)} PP stages hold {parts} = {sum(counts)} entries, this decode's pool "
+        f"{ours}: serve the same model with the same memory flags on both servers"
+    )
 
 
 def _spans(layers: Sequence[range]) -> str:
@@ -284,19 +326,33 @@ class PrefillTopology:
     draft_geometry: KVGeometry | None
     pp_size: int
     pp_layers: tuple[range, ...]  # each stage's layers, in stage order
+    # each state pool asked about: its entry count on every stage, in stage order (asked only
+    # of a prefill of several stages)
+    state_counts: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 class TopologyLookup:
     """In the background: ask the bootstrap at ``address`` until PP stage 0 of DP group 0 is
-    registered, then until every later stage is, and record their layers. ``result`` is the
-    ``PrefillTopology`` once known; ``error`` says why not after ``timeout_s``."""
+    registered, then until every later stage is, and record their layers; with several stages,
+    also until every stage's pool of each of ``state_pools`` is, and record its entry count.
+    ``result`` is the ``PrefillTopology`` once known; ``error`` says why not after ``timeout_s``."""
 
-    def __init__(self, address: str, *, key: bytes, session: str, tp_rank: int, timeout_s: float):
+    def __init__(
+        self,
+        address: str,
+        *,
+        key: bytes,
+        session: str,
+        tp_rank: int,
+        timeout_s: float,
+        state_pools: Sequence[str] = (),
+    ):
         self.address = address
         self.result: PrefillTopology | None = None
         self.error = ""
         self._key, self._timeout_s = key, timeout_s
         self._query = BootstrapQuery(session=f"{session}.pp", tp_rank=tp_rank)
+        self._state_pools = tuple(state_pools)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvxfer-prefill-lookup", daemon=True)
         self._thread.start()
@@ -305,12 +361,13 @@ class TopologyLookup:
     def done(self) -> bool:
         return self.result is not None or bool(self.error)
 
-    def _ready(self, address: str, deadline: float) -> BootstrapReply | None:
+    def _ready(self, address: str, deadline: float, kv_pool: str = "") -> BootstrapReply | None:
         last, unanswered = "no answer", 0
+        query = dataclasses.replace(self._query, kv_pool=kv_pool) if kv_pool else self._query
         while not self._stop.is_set():
             wait_s = bootstrap.attempt_timeout(unanswered, deadline)
             try:
-                reply = bootstrap.request(address, self._query, timeout_s=wait_s, key=self._key)
+                reply = bootstrap.request(address, query, timeout_s=wait_s, key=self._key)
             except KVXferError as exc:
                 last = str(exc)
                 unanswered = unanswered + 1 if isinstance(exc, TransferTimeoutError) else 0
@@ -336,6 +393,16 @@ class TopologyLookup:
             if reply is None or reply.geometry is None:
                 return
             layers.append(range(reply.layer_start, reply.layer_start + reply.geometry.num_layers))
+        counts = []
+        # (a pool the prefill does not announce is not waited for: state_problem names it)
+        for name in [n for n in self._state_pools if n in first.state_pools] if len(layers) > 1 else ():
+            stages = []
+            for s in range(len(layers)):
+                reply = self._ready(bootstrap.group_address(self.address, 0, s), deadline, kv_pool=name)
+                if reply is None or reply.geometry is None:
+                    return
+                stages.append(reply.geometry.num_layers)
+            counts.append((name, tuple(stages)))
         self.result = PrefillTopology(
             tp_size=first.tp_size,
             geometry=first.geometry,
@@ -344,6 +411,7 @@ class TopologyLookup:
             draft_geometry=first.draft_geometry,
             pp_size=max(first.pp_size, 1),
             pp_layers=tuple(layers),
+            state_counts=tuple(counts),
         )
 
     def close(self) -> None:

@@ -486,7 +486,8 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         # The engine's requests, made by init() once the prefill DP group is known; empty
         # before that, or when the request failed first.
         self._rxs: list[_Rx] = []
-        self._states: list[tuple[StatePool, KVReceiver]] = []  # one per state pool, made by init()
+        # one per state pool (per pool and PP stage on a decode of PP 1 facing stages), made by init()
+        self._states: list[tuple[StatePool, str, KVReceiver]] = []
         self._pages: np.ndarray | None = None  # this rank's pages of the request (KV checksum)
         self.kv_checksum_heads = 0  # heads (of every part) whose checksum was compared on landing
         try:
@@ -535,9 +536,9 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
                     rx = KVReceiver(draft, self.bootstrap_room, group)
                     self._rxs.append(_Rx(DRAFT, rx, draft_config, draft_layout.kv_ptrs, False))
             if not (info is not None and info.problem):
-                group = bootstrap.group_address(self.bootstrap_addr, self.prefill_dp_rank)
-                for pool, engine in mgr.decode_state_engines:
-                    self._states.append((pool, KVReceiver(engine, self.bootstrap_room, group)))
+                for state in mgr.state_parts(self.bootstrap_addr, self.prefill_dp_rank):
+                    rx = KVReceiver(state.engine, self.bootstrap_room, state.address)
+                    self._states.append((state.pool, state.label, rx))
         except Exception as exc:
             if self._rxs:
                 self._engine = self._parts()
@@ -549,7 +550,7 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
 
     def _parts(self) -> _Parts:
         parts: list[tuple[str, KVSender | KVReceiver]] = [(p.label, p.rx) for p in self._rxs]
-        return _Parts(parts + [(pool.label, rx) for pool, rx in self._states])
+        return _Parts(parts + [(label, rx) for _, label, rx in self._states])
 
     def failure_exception(self):
         try:
@@ -603,7 +604,9 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             for part in self._rxs:  # the draft's: the same page ids in the draft model's pool
                 slot = -1 if aux_index is None or part.label == DRAFT else int(aux_index)
                 part.rx.send_metadata(pages, aux_slot=slot, num_tokens=len(pages) * page_size, prefix_tokens=prefix)
-            for (pool, rx), rows in zip(self._states, state):  # the indices already skip the prefix
+            rows_of = {pool.name: rows for pool, rows in zip(self.kv_mgr.layout.states, state)}
+            for pool, _, rx in self._states:  # the indices already skip the prefix; a pool's stages share them
+                rows = rows_of[pool.name]
                 rx.send_metadata(rows, aux_slot=-1, num_tokens=len(rows) * pool.geometry.page_size, prefix_tokens=0)
             self.aux_index, self._pages = aux_index, pages
         except Exception as exc:

@@ -255,3 +255,28 @@ def test_mamba_state_is_planned_rank_to_rank_and_refused_between_tp_sizes(capsys
     done = run_cli(*base, "--prefill-tp", "1")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "prefill attention TP 1 and decode attention TP 2 differ; mamba state rows are sharded" in done.stderr
+
+
+def test_state_pools_with_prefill_pp_are_planned_per_stage(capsys):
+    """With --prefill-pp each state pool's layers are split as SGLang splits layers (3 over 2
+    stages: 1 and 2) and each stage's writers send its entries, in JSON and the table; a pool
+    with fewer layers than stages is refused naming it."""
+    base = ["plan", "--total-kv-heads", "8", "--layers", "4", "--prefill-tp", "2", "--prefill-pp", "2"]
+    state = ["--tokens", "40", "--page-size", "8", "--swa-layers", "3", "--swa-kv-heads", "2", "--swa-window", "16"]
+    state += ["--mamba-layers", "3", "--mamba-row-bytes", "64", "--decode-tp", "2"]
+    assert main([*base, *state, "--json"]) == 0
+    swa, mamba = json.loads(capsys.readouterr().out)["state"]
+    for pool, per_layer in ((swa, 2 * 16 * 1 * 128 * 2), (mamba, 64)):  # SWA: K,V x 16 window tokens x head x dim
+        got = [(t["pp_rank"], t["entries"], t["prefill_rank"], t["decode_rank"], t["bytes"]) for t in pool["transfers"]]
+        assert got == [
+            (0, [0, 1], 0, 0, per_layer),
+            (0, [0, 1], 1, 1, per_layer),
+            (1, [1, 3], 0, 0, 2 * per_layer),
+            (1, [1, 3], 1, 1, 2 * per_layer),
+        ], pool["transfers"]
+    assert main([*base, *state]) == 0
+    table = capsys.readouterr().out
+    assert "  PP stage 1 entries [1, 3): prefill 1 -> decode 1 heads [1, 2): 16.0 KiB, " in table
+    done = run_cli(*base, "--decode-tp", "1", "--swa-layers", "1")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "state:swa: 1 layer(s) over --prefill-pp=2 stages leave a stage without any" in done.stderr

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from tests.integrations import sglang_sides as sides
+from tests.integrations import sglang_state_env as state_env
 from tests.integrations.sglang_dp_sides import heads_of
 from tests.integrations.sglang_env import Model, rank_memory, server_args
 
@@ -82,6 +83,34 @@ class PpSpec:
     die: bool = False  # prefill stage > 0: exit once the first request is bootstrapped, before sending
     kv_checksum: bool = False  # --disaggregation-enable-kv-checksum on this side
     corrupt_stage: int | None = None  # decode: flip a landed byte of this prefill stage's first layer
+
+
+def stage_state(state, pp_size: int, pp_rank: int):
+    """A stage's part of the model's extra per-request state (``sglang_state_env.StateModel``):
+    each kind's layers split over the stages as SGLang splits layers, every row's content
+    still that of its model-wide entry (None: no state)."""
+    if state is None or pp_size == 1:
+        return state
+    sw, ma, ds = (pp_layers(n, pp_size)[pp_rank] for n in (state.swa_layers, state.mamba_layers, state.dsa_layers))
+    return dataclasses.replace(
+        state,
+        swa_layers=sw[1] - sw[0],
+        swa_first=sw[0],
+        mamba_layers=ma[1] - ma[0],
+        mamba_first=ma[0],
+        mamba_total=state.mamba_layers,
+        dsa_layers=ds[1] - ds[0],
+        dsa_first=ds[0],
+        dsa_skip=tuple(i - ds[0] for i in state.dsa_skip if ds[0] <= i < ds[1]),
+    )
+
+
+def stage_model(spec: PpSpec) -> Model:
+    """The model as this process's pools hold it: its layers, its part of the state."""
+    a, b = spec.layers
+    return dataclasses.replace(
+        spec.model, num_layers=b - a, state=stage_state(spec.model.state, spec.pp_size, spec.pp_rank)
+    )
 
 
 def stage_of(stage_layers, layer: int) -> int:
@@ -189,16 +218,20 @@ def _memories(spec: PpSpec, fill: int):
     """Every rank of this process (DP group by DP group): its memory over this process's
     layers, as SGLang's ``_init_kv_manager`` fills KVArgs for a PP stage."""
     a, b = spec.layers
-    stage_model = dataclasses.replace(spec.model, num_layers=b - a)
+    part = stage_model(spec)
     groups = []
     for g in range(spec.dp):
         mems = []
         for r in range(spec.tp):
-            mem = rank_memory(stage_model, spec.tp, r, spec.role)
+            mem = rank_memory(part, spec.tp, r, spec.role)
             args = mem.kv_args
             args.engine_rank = g * spec.tp + r if spec.role == "prefill" else r
             args.pp_rank = spec.pp_rank
             args.prefill_start_layer, args.prefill_end_layer = (a, b) if spec.role == "prefill" else (0, b - a)
+            if spec.role == "prefill" and part.state is not None:
+                # a hybrid model: its KV pool holds the full-attention layers only, so a stage's
+                # first model layer is not its first KV entry (here: one other layer before each)
+                args.prefill_start_layer, args.prefill_end_layer = 2 * a, 2 * b
             for view in byte_views(mem):
                 view.fill_(fill)
             mems.append(mem)
@@ -206,8 +239,16 @@ def _memories(spec: PpSpec, fill: int):
     return groups
 
 
-def _prefill(spec: PpSpec, closers: list, out) -> dict:
+def _setup(spec: PpSpec):
+    """``sides.setup``, and no model config: these stages' state pools hold their own layers
+    only (SGLang's SWAKVPool holding every layer on each stage is the real-server test's)."""
     backend, defs = sides.setup(spec)
+    backend._model_swa_stage_layers = lambda server_args, pp_rank, pp_size: None
+    return backend, defs
+
+
+def _prefill(spec: PpSpec, closers: list, out) -> dict:
+    backend, defs = _setup(spec)
     backend._pp_exchange = file_exchange(spec.exchange_dir)
     m, deadline = spec.model, time.monotonic() + spec.timeout_s
     sa = _server_args(spec, spec.port)
@@ -223,6 +264,7 @@ def _prefill(spec: PpSpec, closers: list, out) -> dict:
         for mgr in row:
             mgr.register_to_bootstrap()
     pages = sides._allocate(m, spec.requests, seed=1)
+    states = state_env.allocate(m, spec.requests, seed=11) if m.state is not None else None
     work = []
     for slot, (room, tokens) in enumerate(spec.requests):
         g = room % spec.dp
@@ -230,6 +272,7 @@ def _prefill(spec: PpSpec, closers: list, out) -> dict:
         work.append(
             {"room": room, "tokens": tokens, "group": g, "slot": slot, "senders": senders, "pages": pages[slot]}
         )
+        work[-1]["state"] = states[slot] if states is not None else None
     results: dict = {}
 
     def failed(w):
@@ -289,7 +332,7 @@ def _forward_and_send(spec: PpSpec, w: dict, mems) -> None:
     rank its heads), then ``send_kv_chunk`` hands the chunk's pages to every rank's sender."""
     import torch
 
-    m = spec.model
+    m, part = spec.model, stage_model(spec)
     oracle = PpOracle(m, w["room"], w["group"], w["tokens"], spec.stage_layers)
     full = [oracle.rows(layer, kind) for layer, kind in buffers_of(m, spec.layers)]
     ps = m.page_size
@@ -306,13 +349,18 @@ def _forward_and_send(spec: PpSpec, w: dict, mems) -> None:
             if last:  # set_buf on every stage (the outputs reach every stage's scheduler)
                 for name, row in sides.aux_rows(m, w["room"]).items():
                     mem.meta[name][w["slot"]] = row
+            if last and part.state is not None:  # this stage's layers' state rows, final after its forward
+                state_env.fill(part, spec.tp, r, mem.extra["state"], w["room"], w["state"], w["pages"], 0)
+        state_indices = [] if last else None
+        if last and part.state is not None:
+            state_indices = state_env.payload(part, w["state"], w["pages"], 0)
         for s in w["senders"]:
             if s.should_send_kv_chunk(len(chunk), last):
-                s.send(np.asarray(chunk, dtype=np.int32), [] if last else None, num_kv_tokens=b - a)
+                s.send(np.asarray(chunk, dtype=np.int32), state_indices, num_kv_tokens=b - a)
 
 
 def _decode(spec: PpSpec, closers: list, out) -> dict:
-    backend, defs = sides.setup(spec)
+    backend, defs = _setup(spec)
     backend._model_total_kv_heads = sides._model_heads(spec.model)
     m, deadline = spec.model, time.monotonic() + spec.timeout_s
     sa = _server_args(spec, spec.port + 1 + spec.pp_rank)
@@ -324,6 +372,8 @@ def _decode(spec: PpSpec, closers: list, out) -> dict:
         closers.extend(mgr.close for mgr in mgrs[-1])
     every = [mgr for row in mgrs for mgr in row]
     pages = sides._allocate(m, spec.requests, seed=2)
+    part = stage_model(spec)
+    states = state_env.allocate(m, spec.requests, seed=12) if m.state is not None else None
     if spec.corrupt_stage is not None:
         _corrupt_first_landing(backend, spec, groups[0][0], every[0], spec.requests[0][0], pages[0])
     work = []
@@ -331,6 +381,7 @@ def _decode(spec: PpSpec, closers: list, out) -> dict:
         g = slot % spec.dp  # the decode DP group serving it
         rxs = [backend.KVXferKVReceiver(mgr, addr, room) for mgr in mgrs[g]]
         work.append({"room": room, "tokens": tokens, "group": g, "slot": slot, "rxs": rxs, "pages": pages[slot]})
+        work[-1]["state"] = states[slot] if states is not None else None
     while not all(mgr.try_ensure_parallel_info(addr) for mgr in every):
         if time.monotonic() > deadline:
             raise TimeoutError(f"prefill parallel info for {addr} never arrived")
@@ -366,8 +417,11 @@ def _decode(spec: PpSpec, closers: list, out) -> dict:
             elif poll >= WAITING:
                 waiting.remove(w)
                 transferring.append(w)
+                state_indices = [] if part.state is None else state_env.payload(part, w["state"], w["pages"], 0)
                 for rx in w["rxs"]:
-                    rx.send_metadata(np.asarray(w["pages"], dtype=np.int32), w["slot"], [], decode_prefix_len=0)
+                    rx.send_metadata(
+                        np.asarray(w["pages"], dtype=np.int32), w["slot"], state_indices, decode_prefix_len=0
+                    )
         for w in list(transferring):
             poll = sides._min_poll(w["rxs"])
             if poll == FAILED:
@@ -382,6 +436,12 @@ def _decode(spec: PpSpec, closers: list, out) -> dict:
                     for name, row in sides.aux_rows(m, w["room"]).items()
                     if not bool((mem.meta[name][w["slot"]] == row).all())
                 ]
+                if part.state is not None:  # every state row of the request, on every rank
+                    for r, mem in enumerate(mems):
+                        got = state_env.verify(
+                            part, spec.tp, r, mem.extra["state"], w["room"], w["state"], w["pages"], 0
+                        )
+                        aux += [f"rank {r}: {p}" for p in got]
                 verified = [rx.kv_checksum_heads for rx in w["rxs"]]
                 results[w["room"]] = {"status": "Success", "problems": aux, "route": w["route"], "verified": verified}
                 served.append(w)
@@ -414,6 +474,14 @@ def _decode(spec: PpSpec, closers: list, out) -> dict:
                         f"{row // m.page_size} row {row % m.page_size} local head {head} byte {byte} is "
                         f"{int(got[row, head, byte])}, expected {int(want[row, head, byte])}"
                     )
+    if part.state is not None:  # nothing landed in a state row no request was given
+        allocs, kv = [w["state"] for w in work], [w["pages"] for w in work]
+        for g, mems in enumerate(groups):
+            for r, mem in enumerate(mems):
+                problems += [
+                    f"decode DP group {g} rank {r}: {p}"
+                    for p in state_env.untouched(part, mem.extra["state"], allocs, kv)
+                ]
     results["pool_problems"] = problems
     return results
 

@@ -52,6 +52,21 @@ class StateModel:
     dsa_layers: int = 3
     dsa_index_bytes: int = 20  # per token: index_head_dim + its scale bytes
     dsa_skip: tuple[int, ...] = (1,)
+    # A PP stage's part of the model's state (sglang_pp_sides): the global index of its first
+    # SWA, mamba and DSA layer, and the model's mamba layers (None: mamba_layers). The rows'
+    # content is a function of the global entry, so a stage's rows in the wrong slice are caught.
+    swa_first: int = 0
+    mamba_first: int = 0
+    mamba_total: int | None = None
+    dsa_first: int = 0
+
+    def entry_id(self, kind: str, e: int) -> int:
+        """The model-wide entry of this pool's entry ``e`` (mamba: tensor-major, conv of every
+        layer of the model, then SSM)."""
+        if kind == "mamba":
+            tensor, i = divmod(e, self.mamba_layers)
+            return tensor * (self.mamba_total or self.mamba_layers) + self.mamba_first + i
+        return e + (self.dsa_first if kind == "dsa" else 0)
 
     def swa_geometry(self, model) -> KVGeometry:
         return KVGeometry(
@@ -105,7 +120,7 @@ def attach(model, tp: int, rank: int, args, utils_defs) -> StateMemory:
             bufs = [conv[i] for i in range(s.mamba_layers)] + [ssm[i] for i in range(s.mamba_layers)]
             items = [b[0].nbytes for b in bufs]  # MambaPool: state_tensor[0].nbytes, one slot
             dims = [conv.shape[2]] * s.mamba_layers + [ssm.shape[2]] * s.mamba_layers
-            extra = dict(dim_per_tensor=dims, layer_ids=list(range(s.mamba_layers)) * 2)
+            extra = dict(dim_per_tensor=dims, layer_ids=list(range(s.mamba_first, s.mamba_first + s.mamba_layers)) * 2)
         elif kind == "dsa":
             pages = (model.pool_tokens + model.page_size) // model.page_size
             width = model.page_size * s.dsa_index_bytes
@@ -186,16 +201,19 @@ def fill(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, kv
     s = model.state
     if "swa" in mem.buffers:  # window positions [0, swa_tokens) over the window's pages
         place = s.swa_geometry(model).placement(tp, rank)
-        fill_request(place, mem.buffers["swa"], room ^ SALT["swa"], alloc["swa"], 0, alloc["swa_tokens"])
+        swa = mem.buffers["swa"]
+        fill_request(place, swa, room ^ SALT["swa"], alloc["swa"], 0, alloc["swa_tokens"], layer_start=s.swa_first)
     if "mamba" in mem.buffers:
         for e, buf in enumerate(mem.buffers["mamba"]):
             row = _view(buf)[alloc["mamba"]]
-            row[:] = torch.from_numpy(_row(room, "mamba", e, rank, 0, row.numel()))
+            row[:] = torch.from_numpy(_row(room, "mamba", s.entry_id("mamba", e), rank, 0, row.numel()))
     if "dsa" in mem.buffers:
         for e, buf in enumerate(mem.buffers["dsa"]):
             if buf.shape[0]:
                 for j, page in enumerate(kv_pages[prefix // model.page_size :]):
-                    _view(buf)[int(page)] = torch.from_numpy(_row(room, "dsa", e, 0, j, buf.shape[1]))
+                    _view(buf)[int(page)] = torch.from_numpy(
+                        _row(room, "dsa", s.entry_id("dsa", e), 0, j, buf.shape[1])
+                    )
 
 
 def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, kv_pages, prefix: int) -> list[str]:
@@ -207,17 +225,20 @@ def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, 
         place = s.swa_geometry(model).placement(tp, rank)
         problems += [
             f"SWA {p}"
-            for p in verify_request(place, mem.buffers["swa"], room ^ SALT["swa"], alloc["swa"], alloc["swa_tokens"])
+            for p in verify_request(
+                place, mem.buffers["swa"], room ^ SALT["swa"], alloc["swa"], alloc["swa_tokens"], s.swa_first
+            )
         ]
     if "mamba" in mem.buffers:
         for e, buf in enumerate(mem.buffers["mamba"]):
             got = _view(buf)[alloc["mamba"]].numpy()
-            if not np.array_equal(got, _row(room, "mamba", e, rank, 0, got.size)):
+            if not np.array_equal(got, _row(room, "mamba", s.entry_id("mamba", e), rank, 0, got.size)):
                 problems.append(f"mamba entry {e}: slot {alloc['mamba']} does not hold prefill rank {rank}'s row")
     if "dsa" in mem.buffers:
         for e, buf in enumerate(mem.buffers["dsa"]):
             for j, page in enumerate(kv_pages[prefix // model.page_size :] if buf.shape[0] else []):
-                if not np.array_equal(_view(buf)[int(page)].numpy(), _row(room, "dsa", e, 0, j, buf.shape[1])):
+                want = _row(room, "dsa", s.entry_id("dsa", e), 0, j, buf.shape[1])
+                if not np.array_equal(_view(buf)[int(page)].numpy(), want):
                     problems.append(f"DSA entry {e}: page {int(page)} (position {j}) differs")
     return problems
 

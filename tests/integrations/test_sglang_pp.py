@@ -13,6 +13,7 @@ import pytest
 
 from tests.integrations import sglang_pp_sides as pps
 from tests.integrations.sglang_env import Model, import_sglang_base
+from tests.integrations.sglang_state_env import StateModel
 from tests.ports import free_port
 
 _base, _reason = import_sglang_base()
@@ -63,6 +64,65 @@ def test_every_stage_writes_its_layers_and_every_decode_byte_is_exact(tmp_path, 
         model = Model(total_kv_heads=4, num_layers=layers, pool_tokens=192)
     reports = run(tmp_path, model, prefill, decode)
     _check_success(reports, model, prefill, decode)
+
+
+def _hybrid(*kinds, mla=False, **state) -> Model:
+    """A hybrid model of 4 full-attention KV layers beside its state layers (3 of each kind:
+    SGLang's split gives the stages of PP 2 one and two)."""
+    st = StateModel(kinds=kinds, **{"swa_layers": 3, "mamba_layers": 3, "dsa_layers": 3, "dsa_skip": (), **state})
+    if mla:
+        return Model(mla=True, head_dim=24, num_layers=4, pool_tokens=192, kv_cache_dtype_str="bfloat16", state=st)
+    return Model(total_kv_heads=4, num_layers=4, pool_tokens=192, kv_cache_dtype_str="bfloat16", state=st)
+
+
+@pytest.mark.parametrize(
+    "kinds, prefill, decode, mla",
+    [
+        (("swa", "mamba"), (1, 1, 2), (1, 1, 1), False),  # two stages' state into one pool's slices
+        (("swa", "mamba"), (2, 1, 2), (2, 1, 2), False),  # decode PP 2: stage s's state on decode stage s
+        (("swa", "mamba"), (2, 1, 2), (2, 1, 1), False),  # PP 2 x TP 2 -> TP 2: each rank its mamba shard
+        (("swa",), (2, 1, 2), (1, 1, 1), False),  # SWA heads gathered from two writers of each stage
+        (("dsa",), (1, 1, 2), (2, 1, 1), True),  # MLA: DSA rows of each stage replicated to both ranks
+    ],
+    ids=["swa+mamba-pp2-to-pp1", "swa+mamba-pp2-to-pp2", "swa+mamba-pp2xtp2-to-tp2", "swa-pp2xtp2-to-tp1", "dsa-mla"],
+)
+def test_each_stage_sends_its_layers_state_and_every_state_byte_is_exact(tmp_path, kinds, prefill, decode, mla):
+    """Extra per-request state with --pp-size: every stage registers and sends its own layers'
+    state pools; a decode of PP 1 receives each stage's entries into that stage's slice of its
+    pool (found by the counts the stages registered, the model's KV pool likewise: it holds the
+    full-attention layers only, whose stage starts are not their entry starts), a decode of the
+    same PP size on the stage of its rank. Every state row and KV byte is compared."""
+    model = _hybrid(*kinds, mla=mla)
+    reports = run(tmp_path, model, prefill, decode)
+    for s in range(decode[2]):  # the hybrid stages registered their first model layer
+        want = [[2 * a, 2 * a + b - a] for a, b in pps.pp_layers(model.num_layers, prefill[2])]
+        assert reports[f"decode pp{s}"]["info"]["pp_layers"] == want, reports[f"decode pp{s}"]["info"]
+    for s in range(decode[2]):
+        dec = reports[f"decode pp{s}"]
+        for room, _ in ROOMS:
+            assert dec[room]["status"] == "Success", dec[room]
+            assert dec[room]["problems"] == [], dec[room]["problems"]
+        assert dec["pool_problems"] == [], dec["pool_problems"]
+    for s in range(prefill[2]):
+        for room, _ in ROOMS:
+            assert reports[f"prefill pp{s}"][room]["status"] == "Success", (s, reports[f"prefill pp{s}"][room])
+
+
+def test_stage_state_counts_that_do_not_fill_the_decode_pool_fail_naming_both(tmp_path):
+    """The decode's model has 4 SWA layers, the prefill's stages hold 1 + 2: every request
+    fails naming the pool, each stage's count and the decode's (nothing lands)."""
+    env = {"KVXFER_BOOTSTRAP_TIMEOUT_S": "5"}
+    decode_model = _hybrid("swa", swa_layers=4)
+    reports = run(
+        tmp_path, _hybrid("swa"), (1, 1, 2), (1, 1, 1), requests=ROOMS[:1], env=env, decode_model=decode_model
+    )
+    dec = reports["decode pp0"]
+    (reason,) = dec[ROOMS[0][0]]["reasons"]
+    assert (
+        "SWA state (KVArgs.state_types[0]='swa'): the prefill's 2 PP stages hold 1 + 2 = 3 entries, this decode's "
+        "pool 4" in reason
+    ), reason
+    assert dec["pool_problems"] == [], dec["pool_problems"]
 
 
 def test_kv_checksum_is_verified_per_stage_and_a_corrupted_stage_fails_by_name(tmp_path):

@@ -406,3 +406,58 @@ def output_ids(answer: dict) -> list[int] | None:
 
 def finish_reason(answer: dict) -> dict:
     return (answer.get("meta_info") or {}).get("finish_reason") or {}
+
+
+# -- a PD pair with a reference: (prefill, decode, bootstrap port, reference, ...) ----------------
+
+
+def pair_logs(pair) -> str:
+    """The log tails of a pair's prefill and decode, for a failure message."""
+    prefill, decode = pair[:2]
+    return f"--- {prefill.name}:\n{prefill.log_tail()}\n--- {decode.name}:\n{decode.log_tail()}"
+
+
+def pair_tokens(pair, ids: list[int], room: int) -> list[int]:
+    """The decode's greedy tokens of one request through the pair (the assertion names both answers)."""
+    prefill, decode, port = pair[:3]
+    pre, dec = generate_pd(prefill, decode, port, ids, room)
+    got = output_ids(dec)
+    assert got is not None, f"decode answered {dec} (prefill: {pre})\n{pair_logs(pair)}"
+    return got
+
+
+def pair_reference(pair, ids: list[int]) -> list[int]:
+    """The pair's reference server's greedy tokens of the same request."""
+    answer = generate_single(pair[3], ids)
+    want = output_ids(answer)
+    assert want is not None, f"reference failed: {answer}"
+    return want
+
+
+def build_tiny_swa_model(out: Path, layers: str = "sssf") -> Path:
+    """The tiny Gemma-4 of ``tiny_swa_model.py`` (layer types ``layers``), built in the SGLang
+    environment's Python."""
+    done = subprocess.run(
+        [str(venv_python()), str(HERE / "tiny_swa_model.py"), str(out), layers],
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"building the tiny Gemma-4 failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return out
+
+
+def pair_tokens_corrupted(pair, logs: Path, spec: str, ids: list[int], room: int) -> tuple[list[int], str]:
+    """The decode's tokens of one request with the negative control's hook on (``spec``: what
+    the decode zeroes once the KV landed, see ``standins/sitecustomize.py``), and what the
+    hook logged it zeroed."""
+    control = logs / "corrupt-writer"
+    record = Path(str(control) + ".log")
+    before = record.read_text() if record.exists() else ""
+    control.write_text(spec)
+    try:
+        got = pair_tokens(pair, ids, room)
+    finally:
+        control.unlink()
+    return got, record.read_text()[len(before) :]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -39,13 +38,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def gemma4(sglang_env, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-gemma4") / "model"
-    done = subprocess.run(
-        [str(h.venv_python()), str(h.HERE / "tiny_swa_model.py"), str(out)], timeout=300, capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"building the tiny Gemma-4 failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return out
+    return h.build_tiny_swa_model(tmp_path_factory.mktemp("tiny-gemma4") / "model")
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["prefill-tp1", "prefill-tp2"])
@@ -69,34 +62,14 @@ def swa_pair(request, server_env, gemma4, logs: Path):
         fleet.stop()
 
 
-def logs_of(pair) -> str:
-    prefill, decode = pair[:2]
-    return f"--- {prefill.name}:\n{prefill.log_tail()}\n--- {decode.name}:\n{decode.log_tail()}"
-
-
-def run(pair, ids: list[int], rid: int) -> list[int] | None:
-    prefill, decode, port = pair[:3]
-    pre, dec = h.generate_pd(prefill, decode, port, ids, rid)
-    got = h.output_ids(dec)
-    assert got is not None, f"decode answered {dec} (prefill: {pre})\n{logs_of(pair)}"
-    return got
-
-
-def reference(pair, ids: list[int]) -> list[int]:
-    answer = h.generate_single(pair[3], ids)
-    want = h.output_ids(answer)
-    assert want is not None, f"reference failed: {answer}"
-    return want
-
-
 def test_hybrid_swa_tokens_equal_a_single_server(swa_pair):
     records = swa_pair[4]
     # shorter than the window; longer than it; three chunks
     for n, seed in ((12, 1), (40, 2), (2 * PREFILL_CHUNK + 22, 3)):
         ids = prompt(n, seed)
         rid = _rooms.getrandbits(62) + 1
-        got, want = run(swa_pair, ids, rid), reference(swa_pair, ids)
-        assert got == want, f"{n}-token prompt: {got} != {want}\n{logs_of(swa_pair)}"
+        got, want = h.pair_tokens(swa_pair, ids, rid), h.pair_reference(swa_pair, ids)
+        assert got == want, f"{n}-token prompt: {got} != {want}\n{h.pair_logs(swa_pair)}"
         lines = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
         mine = [r for r in lines if r.get("room") == rid]
         assert {r["side"] for r in mine} == {"prefill", "decode"} and all(r["ok"] for r in mine), mine
@@ -111,16 +84,8 @@ def test_negative_control_zeroed_swa_state_changes_the_tokens(swa_pair, logs: Pa
     """Zero the rows the SWA state landed in on the decode: the tokens must change (and come
     back once the hook is off)."""
     ids = prompt(PREFILL_CHUNK + 30, 7)
-    want = reference(swa_pair, ids)
-    control = logs / "corrupt-writer"
-    record = Path(str(control) + ".log")
-    before = record.read_text() if record.exists() else ""
-    control.write_text("swa")
-    try:
-        got = run(swa_pair, ids, _rooms.getrandbits(62) + 1)
-    finally:
-        control.unlink()
-    zeroed = record.read_text()[len(before) :]
+    want = h.pair_reference(swa_pair, ids)
+    got, zeroed = h.pair_tokens_corrupted(swa_pair, logs, "swa", ids, _rooms.getrandbits(62) + 1)
     assert "zeroed the SWA state of" in zeroed, zeroed
     assert got != want, f"tokens did not change with the SWA state zeroed: {got}"
-    assert run(swa_pair, ids, _rooms.getrandbits(62) + 1) == want
+    assert h.pair_tokens(swa_pair, ids, _rooms.getrandbits(62) + 1) == want

@@ -1,6 +1,7 @@
 """A tiny random-weight Gemma-4 text model (SGLang's hybrid sliding-window attention), with the
 tiny Llama's word-level tokenizer, built without any download. Run in the SGLang environment's
-Python: ``python tests/realserver/tiny_swa_model.py DIR``.
+Python: ``python tests/realserver/tiny_swa_model.py DIR [LAYERS]`` (``LAYERS``: ``sssf`` by default,
+``sfsf`` gives each of two PP stages a sliding-window and a full-attention layer).
 
 4 layers (3 sliding-window layers of window 16, then one full-attention layer), hidden 256,
 4 query heads, 2 KV heads of 64, no per-layer input embeddings, float32. SGLang 0.5.23 serves
@@ -23,8 +24,9 @@ WINDOW = 16
 KV_HEADS = 2
 
 
-def build_gemma4(out: Path) -> Path:
-    """Write the model and tokenizer to ``out`` (once: an existing build is reused)."""
+def build_gemma4(out: Path, layers: str = "sssf") -> Path:
+    """Write the model and tokenizer to ``out`` (once: an existing build is reused).
+    ``layers``: each layer's type, ``s`` sliding-window or ``f`` full attention."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     out = Path(out)
@@ -34,14 +36,14 @@ def build_gemma4(out: Path) -> Path:
         vocab_size=VOCAB,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=4,
+        num_hidden_layers=len(layers),
         num_attention_heads=4,
         num_key_value_heads=KV_HEADS,
         head_dim=64,
         max_position_embeddings=2048,
         initializer_range=0.1,
         sliding_window=WINDOW,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        layer_types=[{"s": "sliding_attention", "f": "full_attention"}[t] for t in layers],
         hidden_size_per_layer_input=0,
         vocab_size_per_layer_input=VOCAB,
         bos_token_id=1,
@@ -59,4 +61,4 @@ def build_gemma4(out: Path) -> Path:
 
 
 if __name__ == "__main__":
-    print(build_gemma4(Path(sys.argv[1])))
+    print(build_gemma4(Path(sys.argv[1]), *sys.argv[2:3]))
