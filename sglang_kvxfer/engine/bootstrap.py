@@ -146,6 +146,9 @@ class BootstrapServer:
         self.address = f"{host}:{port}"
         # (kv_pool, dp_rank, pp_rank, tp_rank) -> the rank's registration
         self._ranks: dict[tuple[str, int, int, int], PrefillRegister] = {}
+        # (kv_pool, dp_rank, pp_rank) -> the latest refusal of a rank of that group, told to
+        # whoever asks about the group while it is not ready (until that rank registers)
+        self._refused: dict[tuple[str, int, int], tuple[int, str]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvxfer-bootstrap", daemon=True)
@@ -204,8 +207,11 @@ class BootstrapServer:
                         msg.pp_rank,
                         conflict,
                     )
+                    self._refused[(msg.kv_pool, msg.dp_rank, msg.pp_rank)] = (msg.tp_rank, conflict)
                     return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank, reason=conflict, force_not_ready=True)
                 self._ranks[(msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.tp_rank)] = msg
+                if self._refused.get((msg.kv_pool, msg.dp_rank, msg.pp_rank), (-1, ""))[0] == msg.tp_rank:
+                    del self._refused[(msg.kv_pool, msg.dp_rank, msg.pp_rank)]
                 return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank)
             if isinstance(msg, BootstrapQuery):
                 return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank)
@@ -302,6 +308,9 @@ class BootstrapServer:
                     reason += f" in{stage} DP group {dp_rank}"
             if kv_pool:
                 reason += f" (kv_pool={kv_pool!r})"
+            refused = self._refused.get((kv_pool, dp_rank, pp_rank))
+            if refused is not None:
+                reason += f"; refused: {refused[1]}"
         return BootstrapReply(
             ready=ready,
             tp_size=size,

@@ -139,6 +139,21 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
         if self.registration_error is None:
             self.registration_error = f"could not register with bootstrap {self.config.bootstrap}: {last}"
         self._registered.set()
+        if not self._closed:  # no decode can find this rank: its requests fail now, not at their deadline
+            with self._lock:
+                waiting = [r for r in self._rooms.values() if not r.state.is_terminal]
+            for rec in waiting:
+                self._fail_room(rec, self.unregistered_reason() or "", notify=False)
+
+    def unregistered_reason(self) -> str | None:
+        """Why this rank is not registered with the bootstrap (its requests fail with it); None
+        while registered or still registering."""
+        if not self._registered.is_set() or not self.registration_error:
+            return None
+        return (
+            f"prefill rank {self.tp_rank} is not registered with the bootstrap {self.config.bootstrap}, so no "
+            f"decode rank can reach it: {self.registration_error}"
+        )
 
     def wait_registered(self, timeout_s: float) -> None:
         """Block until registered with the bootstrap; raise if it failed or timed out."""
@@ -512,6 +527,9 @@ class KVSender(RequestHandle):
             raise TypeError(f"mgr must be a PrefillManager, got {type(mgr).__name__}")
         self.mgr, self.room = mgr, room
         self._rec = mgr.attach_sender(room)
+        unregistered = mgr.unregistered_reason()
+        if unregistered:
+            mgr._fail_room(self._rec, unregistered, notify=False)
         self._finished = False
         self._open_pages: np.ndarray | None = None  # the token chunk whose layers are partly sent
         self._next_layer = 0  # its first layer not sent yet

@@ -118,6 +118,43 @@ def test_a_prefill_rank_whose_registration_is_refused_fails_to_start_with_the_re
             ):
                 mgr.wait_registered(10)
         assert srv.registered() == {1: "p1"}  # the refused rank was not added
+        # whoever looks the group up meanwhile hears why it is not ready, until that rank registers
+        lookup = bootstrap.request(srv.address, BootstrapQuery(session="d", tp_rank=0), timeout_s=5.0, key=b"")
+        assert not lookup.ready
+        assert lookup.reason == (
+            "1 of 2 prefill rank(s) registered; refused: prefill rank 0 of DP group 0 registers tp_size=1 but "
+            "rank 1 of DP group 0 registered tp_size=2"
+        ), lookup.reason
+        assert _register(srv.address, 0, tp_size=2).ready
+
+
+def test_a_refused_prefill_rank_fails_its_requests_at_once_with_the_reason():
+    """SGLang never asks a prefill rank whether it registered: a rank the bootstrap refused
+    keeps serving. Its requests must fail at once naming the refusal (no decode can find the
+    rank), those made while it was registering as well as later ones, not at their deadline."""
+    import time
+
+    from sglang_kvxfer.engine import KVManager, KVSender
+    from sglang_kvxfer.protocol.state import KVPoll
+
+    from .harness import FAST
+
+    with BootstrapServer("127.0.0.1", 0, key="off") as srv:
+        _register(srv.address, 1, tp_size=2)  # a TP 2 group is registering
+        cfg = EngineConfig(
+            "prefill", GEO, 1, 0, srv.address, "local", auth_key="off", **{**FAST, "bootstrap_timeout_s": 60.0}
+        )
+        with KVManager(cfg) as mgr:
+            early = KVSender(mgr, 11)  # (made before the refusal may have come back)
+            deadline = time.monotonic() + 10
+            while early.poll() is not KVPoll.Failed and time.monotonic() < deadline:
+                time.sleep(0.01)
+            late = KVSender(mgr, 12)
+            for sender in (early, late):
+                assert sender.poll() is KVPoll.Failed, sender.poll()
+                reason = sender.failure_reason
+                assert reason.startswith("prefill rank 0 is not registered with the bootstrap "), reason
+                assert "registers tp_size=1 but rank 1 of DP group 0 registered tp_size=2" in reason, reason
 
 
 def test_state_pools_are_announced_with_the_models_pool_and_registered_apart():
