@@ -27,6 +27,7 @@ import numpy as np
 
 from sglang_kvxfer import envs
 from sglang_kvxfer.geometry import KVGeometry
+from sglang_kvxfer.integrations.sglang_args import pp_layer_split
 from sglang_kvxfer.planning import plan_pair, plan_tp
 
 __all__ = ["add_arguments", "build", "render"]
@@ -97,18 +98,6 @@ def _row_geometry(layers: int, row_bytes: int, rows: int) -> KVGeometry:
     )
 
 
-def _stage_entries(layers: int, pp_size: int) -> list[range]:
-    """A pool's entries on each prefill PP stage: SGLang's default split of its layers (even,
-    the last stages one more), the entries of a decode of PP 1 one stage after another."""
-    base, extra = divmod(layers, pp_size)
-    out, at = [], 0
-    for s in range(pp_size):
-        n = base + (1 if s >= pp_size - extra else 0)
-        out.append(range(at, at + n))
-        at += n
-    return out
-
-
 def build(args: argparse.Namespace, p_attn: int, d_attn: int, ps: int) -> list[dict]:
     """The state pools of the example request and each one's (writer, reader) transfers;
     with prefill PP, per stage over the stage's entries of the pool."""
@@ -121,12 +110,12 @@ def build(args: argparse.Namespace, p_attn: int, d_attn: int, ps: int) -> list[d
                 "rows are sharded over attention TP and are moved at equal attention TP only"
             )
         rows, geo = kind != "swa", g
-        stages = _stage_entries(geo.num_layers, args.prefill_pp)
-        if any(not len(r) for r in stages):
+        if geo.num_layers < args.prefill_pp:
             raise ValueError(
                 f"{name}: {geo.num_layers} layer(s) over --prefill-pp={args.prefill_pp} stages leave a stage without "
                 "any (every stage holds one or more of each pool's layers)"
             )
+        stages = pp_layer_split(geo.num_layers, args.prefill_pp)  # SGLang's even split of the pool's layers
         plan = plan_tp(geo.total_kv_heads, p_attn, d_attn, mla=geo.mla, salt=args.room)
         src = np.arange(-(-n // geo.page_size))
         dst = np.arange(0, 2 * len(src), 2)

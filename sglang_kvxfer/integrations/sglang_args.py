@@ -303,11 +303,19 @@ def pp_layer_split(num_layers: int, pp_size: int, partition: str | None = None) 
             raise ValueError(f"{num_layers} layers cannot be split over {pp_size} PP stages")
         base, extra = divmod(num_layers, pp_size)
         counts = [base + (1 if s >= pp_size - extra else 0) for s in range(pp_size)]
+    return list(entry_spans(counts))
+
+
+def entry_spans(counts) -> tuple[range, ...]:
+    """Consecutive ranges of ``counts`` items, one after another from 0: each PP stage's
+    layers of a split, or where each stage's entries of a pool lie in a decode pool of every
+    stage's entries (stages hold consecutive layers; a pool lists its layers' entries in layer
+    order)."""
     out, at = [], 0
     for n in counts:
         out.append(range(at, at + n))
         at += n
-    return out
+    return tuple(out)
 
 
 def kv_dtype(kv_cache_dtype_str: Any, model_dtype: Any = None) -> str:

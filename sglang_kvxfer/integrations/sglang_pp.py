@@ -36,6 +36,7 @@ import zmq
 from sglang_kvxfer.engine import bootstrap
 from sglang_kvxfer.errors import AuthenticationError, KVXferError, TransferTimeoutError
 from sglang_kvxfer.geometry import KVGeometry
+from sglang_kvxfer.integrations.sglang_args import entry_spans
 from sglang_kvxfer.protocol import envelope
 from sglang_kvxfer.protocol.messages import BootstrapQuery, BootstrapReply
 from sglang_kvxfer.protocol.state import KVPoll
@@ -65,17 +66,6 @@ def stage_label(pp_rank: int, layers: range, entries: range | None = None) -> st
     if entries is None:
         return f"PP stage {pp_rank} (layers [{layers.start}, {layers.stop}))"
     return f"PP stage {pp_rank} (from layer {layers.start}, entries [{entries.start}, {entries.stop}))"
-
-
-def entry_spans(counts: Sequence[int]) -> tuple[range, ...]:
-    """Where each stage's entries of a pool lie in a decode pool of every stage's entries:
-    one after another in stage order (stages hold consecutive layers, and a pool lists its
-    layers' entries in layer order)."""
-    out, at = [], 0
-    for n in counts:
-        out.append(range(at, at + n))
-        at += n
-    return tuple(out)
 
 
 def stage_entries(layer_ids: Sequence[int], stage: range, what: str) -> range:
