@@ -210,3 +210,50 @@ def test_a_draft_models_kv_with_pp_and_a_bad_stage_are_refused_at_construction(m
     mem.kv_args.pp_rank, mem.kv_args.prefill_start_layer = 1, None
     with pytest.raises(KVXferError, match=r"KVArgs.prefill_start_layer=None must be an int >= 0 \(PP stage 1\)"):
         backend.KVXferKVManager(mem.kv_args, mode, sa, False)
+
+
+def test_a_whole_model_swa_pool_on_a_stage_is_cut_to_the_stages_layers_or_refused_naming_them(monkeypatch):
+    """SGLang's SWAKVPool lists every layer of the model on each PP stage (prefill_start_layer
+    0): the manager keeps the entries of its stage's layers only (model config: full layers 1
+    and 3, SWA layers 0 and 2; stage 1 holds layers [2, 4)) and registers the stage's first
+    layer. Pools that fit neither the model nor the stage, and a stage without a layer of a
+    kind, are refused naming the counts and the layers."""
+    from sglang_kvxfer.errors import KVXferError
+    from tests.integrations import sglang_sides as sides
+    from tests.integrations.sglang_env import load_utils_defs, rank_memory, server_args
+
+    monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")
+    monkeypatch.setenv("KVXFER_SGLANG_TRANSPORT", "local")
+    from sglang_kvxfer.integrations import sglang as backend
+
+    model = _hybrid("swa", swa_layers=2)
+    model.num_layers = 2
+    monkeypatch.setattr(backend, "_model_swa_kv_heads", lambda server_args: model.state.swa_heads)
+    # stage 0's bootstrap-status inbox, as SGLang's PP group broadcast would hand it out (nobody listens)
+    monkeypatch.setattr(
+        backend, "_pp_exchange", lambda server_args, kv_args: lambda value: f"tcp://127.0.0.1:{free_port()}"
+    )
+    mode = load_utils_defs().DisaggregationMode.PREFILL
+    sa = server_args(sides.MODEL_PATH, "prefill", 1, free_port(), pp_size=2, disable_overlap_schedule=True)
+
+    def manager(stage: range, full: tuple, swa: tuple):
+        monkeypatch.setattr(
+            backend, "_model_swa_stage_layers", lambda server_args, pp_rank, pp_size: (stage, full, swa)
+        )
+        mem = rank_memory(model, 1, 0, "prefill")
+        mem.kv_args.pp_rank, mem.kv_args.prefill_start_layer = 1, 0
+        return mem.kv_args, backend.KVXferKVManager(mem.kv_args, mode, sa, False)
+
+    args, mgr = manager(range(2, 4), (1, 3), (0, 2))
+    try:
+        kv, st = list(args.kv_data_ptrs), list(args.state_data_ptrs[0])
+        assert mgr.layout.geometry.num_layers == 1 and mgr.layout.kv_ptrs == (kv[1], kv[3])  # K and V of layer 3
+        (swa,) = mgr.layout.states
+        assert swa.geometry.num_layers == 1 and swa.ptrs == (st[1], st[3])  # K and V of SWA layer 2
+        assert mgr.config.layer_start == 2
+    finally:
+        mgr.close()
+    with pytest.raises(KVXferError, match=r"its pools hold 2 full-attention and 2 SWA layers; the model has 3 and 2"):
+        manager(range(2, 4), (1, 3, 5), (0, 2))
+    with pytest.raises(KVXferError, match=r"PP stage layers \[3, 4\) hold 0 of its layers \[0, 2\]; a stage must hold"):
+        manager(range(3, 4), (1, 3), (0, 2))
