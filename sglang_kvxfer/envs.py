@@ -144,6 +144,15 @@ KVXFER_HEARTBEAT_TIMEOUT_S = _define(
     "A peer silent for this long is declared dead: its in-flight requests fail and its "
     "registration is dropped (a restarted peer registers again).",
 )
+KVXFER_HEARTBEAT_STARVED_GRACE_S = _define(
+    "KVXFER_HEARTBEAT_STARVED_GRACE_S",
+    60.0,
+    float,
+    "A silent peer on this host whose process the kernel still schedules (its threads run or "
+    "wait for a CPU: starved, not dead) is declared dead only after the heartbeat timeout plus "
+    "this long; 0 turns that off. A peer process on this host that exited is declared dead at "
+    "once, a stopped one at the heartbeat timeout.",
+)
 KVXFER_STAGING_BYTES = _define(
     "KVXFER_STAGING_BYTES",
     512 << 20,

@@ -103,6 +103,7 @@ class EngineConfig:
     transfer_timeout_s: float = field(default_factory=envs.KVXFER_TRANSFER_TIMEOUT_S.get)
     heartbeat_interval_s: float = field(default_factory=envs.KVXFER_HEARTBEAT_INTERVAL_S.get)
     heartbeat_timeout_s: float = field(default_factory=envs.KVXFER_HEARTBEAT_TIMEOUT_S.get)
+    heartbeat_starved_grace_s: float = field(default_factory=envs.KVXFER_HEARTBEAT_STARVED_GRACE_S.get)
     staging_bytes: int = field(default_factory=envs.KVXFER_STAGING_BYTES.get)
     staging_slot_bytes: int = field(default_factory=envs.KVXFER_STAGING_SLOT_BYTES.get)
     num_workers: int = field(default_factory=envs.KVXFER_WORKERS.get)
@@ -135,6 +136,10 @@ class EngineConfig:
             "heartbeat_timeout_s",
         ):
             _positive(name, getattr(self, name))
+        if isinstance(self.heartbeat_starved_grace_s, bool) or not (
+            isinstance(self.heartbeat_starved_grace_s, (int, float)) and self.heartbeat_starved_grace_s >= 0
+        ):
+            raise ValueError(f"heartbeat_starved_grace_s={self.heartbeat_starved_grace_s!r} must be a number >= 0")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError(
                 f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed "

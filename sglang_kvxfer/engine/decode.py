@@ -361,7 +361,7 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
     # -- messages (I/O thread) --------------------------------------------------------------------
     def _on_message(self, msg: Any, sender: str) -> None:
         if isinstance(msg, Heartbeat):
-            self._touch(msg.tp_rank, sender)
+            self._on_heartbeat(msg, sender)
         elif isinstance(msg, RegisterReply):
             self._on_register_reply(msg)
         elif isinstance(msg, (ChunkReady, TransferDone, TransferFailed, Abort)):
@@ -395,6 +395,13 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
             peer.session if peer is not None else "none",
         )
         return False
+
+    def _on_heartbeat(self, msg: Heartbeat, session: str) -> None:
+        with self._lock:
+            peers = [g.peers.get(msg.tp_rank) for g in self._groups.values()]
+        for peer in peers:
+            if peer is not None and peer.session == session:
+                self._heard(peer, msg)
 
     def _touch(self, tp_rank: int, session: str | None = None) -> None:
         now = time.monotonic()

@@ -18,6 +18,7 @@ import abc
 import collections
 import functools
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 from sglang_kvxfer.engine.config import EngineConfig
 from sglang_kvxfer.engine.control import ControlChannel
 from sglang_kvxfer.engine.copystream import CopyStream
+from sglang_kvxfer.engine.liveness import PeerProcess, host_id
 from sglang_kvxfer.engine.pool import KVPool, StagingArena
 from sglang_kvxfer.protocol.fields import Side
 from sglang_kvxfer.protocol.messages import Heartbeat
@@ -90,6 +92,9 @@ class Peer:
         self.session, self.tp_rank, self.endpoint = session, tp_rank, endpoint
         self.last_seen = now
         self.alive = True
+        # its process, when it runs on this host in this PID namespace (first heartbeat)
+        self.process: PeerProcess | None = None
+        self.starved_since: float | None = None  # a silence past the timeout given grace
 
 
 class RoomRecord(Protocol):
@@ -157,6 +162,7 @@ class RankBase(abc.ABC, Generic[R]):
             ]
             self._hb_seq = 0
             self._next_heartbeat = 0.0
+            self._pid = os.getpid()  # what heartbeats name as this rank's process
             self._last_tick: float | None = None
             self.control = ControlChannel(
                 config.host,
@@ -295,18 +301,13 @@ class RankBase(abc.ABC, Generic[R]):
                         tp_rank=self.tp_rank,
                         seq=self._hb_seq,
                         sent_at=max(now, 0.0),
+                        host=host_id(),
+                        pid=self._pid,
                     ),
                 )
         for peer in self._peers():
-            silent = now - peer.last_seen
-            if peer.alive and silent > self.config.heartbeat_timeout_s:
-                peer.alive = False
-                self._peer_lost(
-                    peer,
-                    f"peer {peer.endpoint} (session {peer.session}) sent nothing for "
-                    f"{silent:.1f} s (KVXFER_HEARTBEAT_TIMEOUT_S="
-                    f"{self.config.heartbeat_timeout_s})",
-                )
+            if peer.alive:
+                self._watch(peer, now)
         with self._lock:
             rooms = list(self._rooms.values())
         for rec in rooms:
@@ -318,6 +319,73 @@ class RankBase(abc.ABC, Generic[R]):
                 if expired:
                     # check_deadline() failed the room, which always sets a reason
                     self._fail_room(rec, cast(str, state.reason), notify=True, already_failed=True)
+
+    def _heard(self, peer: Peer, msg: Heartbeat) -> None:
+        """A heartbeat of ``peer`` (I/O thread): it is alive; a peer process on this host is
+        watched from its first heartbeat on."""
+        peer.last_seen = time.monotonic()
+        if peer.process is not None:
+            peer.process.quiet()
+        elif msg.pid and msg.host and msg.host == host_id() and msg.pid != os.getpid():
+            peer.process = PeerProcess(msg.pid, self.config.heartbeat_timeout_s / 4)
+        if peer.starved_since is not None:
+            log.warning(
+                "%s rank %d: peer %s (session %s) spoke again after %.1f s past the heartbeat timeout",
+                self.side.value,
+                self.tp_rank,
+                peer.endpoint,
+                peer.session,
+                peer.last_seen - peer.starved_since,
+            )
+            peer.starved_since = None
+
+    def _watch(self, peer: Peer, now: float) -> None:
+        """Declare a silent peer lost (``_peer_lost``) when it is: at the heartbeat timeout,
+        or at once when its process on this host exited; a peer process on this host that the
+        kernel still schedules gets ``heartbeat_starved_grace_s`` more (I/O thread)."""
+        cfg = self.config
+        silent = now - peer.last_seen
+        proc = peer.process
+        verdict = None
+        if proc is not None and silent > 2 * cfg.heartbeat_interval_s:
+            proc.look(now)
+            verdict = proc.verdict()
+        base = (
+            f"peer {peer.endpoint} (session {peer.session}) sent nothing for "
+            f"{silent:.1f} s (KVXFER_HEARTBEAT_TIMEOUT_S={cfg.heartbeat_timeout_s})"
+        )
+        if verdict == "exited":
+            assert proc is not None
+            peer.alive = False
+            self._peer_lost(peer, f"{base}: its process {proc.pid} on this host exited")
+            return
+        if silent <= cfg.heartbeat_timeout_s:
+            return
+        if verdict == "scheduled" and silent <= cfg.heartbeat_timeout_s + cfg.heartbeat_starved_grace_s:
+            if peer.starved_since is None:
+                peer.starved_since = now
+                log.warning(
+                    "%s rank %d: %s, but its process %d on this host is still scheduled (%.0f%% of a core "
+                    "running or waiting for one: starved, not dead); waiting up to %.1f s more "
+                    "(KVXFER_HEARTBEAT_STARVED_GRACE_S)",
+                    self.side.value,
+                    self.tp_rank,
+                    base,
+                    proc.pid if proc is not None else 0,
+                    100 * (proc.share or 0.0) if proc is not None else 0.0,
+                    cfg.heartbeat_starved_grace_s,
+                )
+            return
+        note = ""
+        if proc is not None and verdict == "stopped":
+            note = f": its process {proc.pid} on this host is stopped"
+        elif proc is not None and verdict == "scheduled":
+            note = (
+                f": its process {proc.pid} on this host is still scheduled, past "
+                f"KVXFER_HEARTBEAT_STARVED_GRACE_S={cfg.heartbeat_starved_grace_s}"
+            )
+        peer.alive = False
+        self._peer_lost(peer, base + note)
 
     def _waiting_for(self, rec: R, poll: KVPoll) -> str:
         """What room ``rec`` in state ``poll`` waits for, for its timeout's reason (under

@@ -167,7 +167,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
         if isinstance(msg, Heartbeat):
             peer = self._decode_peers.get(sender)
             if peer is not None:
-                peer.last_seen = time.monotonic()
+                self._heard(peer, msg)
             else:
                 self._unknown_session(sender)
         elif isinstance(msg, DecodeRegister):

@@ -69,8 +69,8 @@ __all__ = [
 # "draft" or "state:<kind>[.<n>]"), and the model's pool registration and reply carry
 # draft_geometry and state_pools; prefill registrations name their pipeline-parallel stage
 # (pp_rank, pp_size, layer_start), queries the stage they ask about and replies the stage's
-# layers and the registered stages.
-PROTOCOL_VERSION = 6
+# layers and the registered stages; 7: Heartbeat carries the sender's host id and pid.
+PROTOCOL_VERSION = 7
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name
 MAX_ENDPOINT_CHARS = 256  # "tcp://host:port"

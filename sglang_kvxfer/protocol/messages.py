@@ -87,6 +87,7 @@ Name = Annotated[str, Text(MAX_NAME_CHARS, r"[!-~]+", "1 or more printable ASCII
 SessionId = Name
 TransportName = Annotated[str, Text(32, r"[a-z][a-z0-9_]*", "a transport name like 'tcp' or 'mori'")]
 Endpoint = Annotated[str, Text(MAX_ENDPOINT_CHARS, r"(tcp|ipc|inproc)://\S+", "a ZMQ endpoint like 'tcp://host:port'")]
+HostId = Annotated[str, Text(128)]
 Reason = Annotated[str, Text(MAX_REASON_CHARS, r"(?s).*\S.*", "a non-empty reason", cut=True)]
 ErrorText = Annotated[str, Text(MAX_REASON_CHARS, cut=True)]
 GeometryField = Annotated[KVGeometry, Geometry()]
@@ -511,3 +512,7 @@ class Heartbeat(Message):
     tp_rank: TpRank
     seq: Seq
     sent_at: Seconds
+    # protocol 7: the sender's host and PID namespace (``engine/liveness.host_id``, "" if
+    # unknown) and pid, so a peer on the same host can ask the kernel about a silence
+    host: HostId = ""
+    pid: Annotated[int, Int(0, INT32_MAX)] = 0

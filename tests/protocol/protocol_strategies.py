@@ -229,7 +229,16 @@ MESSAGE_STRATEGIES = {
     "TransferDone": transfer_dones(),
     "TransferFailed": st.builds(TransferFailed, rooms, sides, st.integers(0, 1023), reasons),
     "Abort": st.builds(Abort, rooms, sides, st.integers(0, 1023), reasons),
-    "Heartbeat": st.builds(Heartbeat, names, sides, st.integers(0, 1023), rooms, seconds),
+    "Heartbeat": st.builds(
+        Heartbeat,
+        names,
+        sides,
+        st.integers(0, 1023),
+        rooms,
+        seconds,
+        host=st.text(max_size=128),
+        pid=st.integers(0, 2**31 - 1),
+    ),
 }
 
 any_message = st.one_of(*MESSAGE_STRATEGIES.values())

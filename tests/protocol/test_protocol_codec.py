@@ -304,6 +304,8 @@ def test_deeply_nested_value_is_rejected_not_a_recursion_error():
         (BEAT, "sent_at", float("inf"), "Heartbeat.sent_at=inf must be a finite number"),
         (BEAT, "sent_at", -1.0, "Heartbeat.sent_at=-1.0 must be a finite number >= 0.0"),
         (BEAT, "seq", -5, "Heartbeat.seq=-5 is out of range"),
+        (BEAT, "pid", -1, "Heartbeat.pid=-1 is out of range"),
+        (BEAT, "host", "h" * 129, "Heartbeat.host is too long: 129 chars (limit 128)"),
     ],
 )
 def test_out_of_range_or_oversized(msg, field, value, text):
@@ -367,12 +369,12 @@ def test_transfer_done_with_its_last_chunk_round_trips():
     assert decode(encode(DONE)).last_chunk is None
 
 
-@pytest.mark.parametrize("old", [2, 3, 4, 5])
+@pytest.mark.parametrize("old", [2, 3, 4, 5, 6])
 def test_an_older_peer_is_refused_at_its_first_frame_naming_both_versions(old):
     _, tag, fields = envelope(REG)  # a decode rank's first frame to a prefill rank
     text = rejected(frame(old, tag, fields))
-    assert PROTOCOL_VERSION == 6
-    assert f"peer speaks protocol version {old}, this engine speaks 6" in text
+    assert PROTOCOL_VERSION == 7
+    assert f"peer speaks protocol version {old}, this engine speaks 7" in text
 
 
 def test_a_version_2_transfer_done_without_last_chunk_is_refused_naming_the_field():

@@ -37,14 +37,20 @@ def tiny_model(sglang_env, tmp_path_factory) -> Path:
     return h.build_model(tmp_path_factory.mktemp("tiny-llama") / "model")
 
 
+# Long enough for a starved rank on two shared cores: CI saw a prefill rank of the DP test
+# not run for 4.7 s while other servers started, and its decode peer, at 3 s, failed the
+# request. A killed rank is still noticed within seconds of this bound.
+HEARTBEAT_TIMEOUT_S = 12.0
+
+
 @pytest.fixture(scope="session")
 def server_env(sglang_env, logs) -> dict:
-    """What every server of this session gets: stand-ins, loopback, one auth key, short
-    heartbeats (a dead peer is noticed within seconds) and the negative control's file."""
+    """What every server of this session gets: stand-ins, loopback, one auth key, heartbeats
+    (a dead peer is noticed within ``HEARTBEAT_TIMEOUT_S``) and the negative control's file."""
     env = h.base_env(logs / "standins-used.log", secrets.token_hex(32))
     env.update(
         KVXFER_HEARTBEAT_INTERVAL_S="0.5",
-        KVXFER_HEARTBEAT_TIMEOUT_S="3",
+        KVXFER_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_TIMEOUT_S),
         KVXFER_TEST_CORRUPT_FILE=str(logs / "corrupt-writer"),
     )
     return env
