@@ -52,6 +52,16 @@ if TYPE_CHECKING:
 __all__ = ["KVXferKVSender", "KVXferKVReceiver"]
 
 
+def _buffer_ptrs(engine) -> tuple[int, ...]:
+    """The addresses of an engine manager's pool buffers (a state pool's, or its slice)."""
+    return tuple(int(b.data_ptr()) for b in engine.pool.buffers)
+
+
+def engine_digests(engine, rows: np.ndarray) -> dict[int, int]:
+    """The KV checksums of ``rows`` of an engine manager's pool, per global head it owns."""
+    return checksum.head_digests(engine.placement, _buffer_ptrs(engine), rows)
+
+
 class _Parts:
     """The engine requests of one SGLang request, each with a label ("" for the model's
     whole pool). It succeeds only when every part did; the first failure fails it (its
@@ -330,15 +340,20 @@ class KVXferKVSender(_Request, BaseKVSender):
             self._started = self._started or time.perf_counter()
             self._pages.append(pages)
             draft_aux = b""
+            state_aux = [b""] * len(state)
             if last and self.kv_mgr.kv_checksum:
                 if wait is not None:
-                    wait.synchronize()  # the digest reads this chunk's KV
+                    wait.synchronize()  # the digest reads this chunk's KV and state
                 aux, draft_aux = self._digests(aux)
+                state_aux = [
+                    checksum.attach(b"", engine_digests(sender.mgr, rows))
+                    for (_, sender), rows in zip(self._states, state)
+                ]
             self._sender.send(pages, last_chunk=last, aux=aux, ready=wait)
             if self._draft is not None:
                 self._draft.send(pages, last_chunk=last, aux=draft_aux, ready=wait)
-            for (_, sender), rows in zip(self._states, state):
-                sender.send(rows, last_chunk=True, ready=wait)
+            for (_, sender), rows, digests in zip(self._states, state, state_aux):
+                sender.send(rows, last_chunk=True, aux=digests, ready=wait)
             self.curr_idx = index_slice.stop
         except Exception as exc:
             self._fail_from("send()", exc)
@@ -489,7 +504,9 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         # one per state pool (per pool and PP stage on a decode of PP 1 facing stages), made by init()
         self._states: list[tuple[StatePool, str, KVReceiver]] = []
         self._pages: np.ndarray | None = None  # this rank's pages of the request (KV checksum)
+        self._state_rows: dict[str, np.ndarray] = {}  # each state pool's rows of the request (checksum)
         self.kv_checksum_heads = 0  # heads (of every part) whose checksum was compared on landing
+        self.checksum_parts: dict[str, int] = {}  # the same, per part's label ("" the model's KV)
         try:
             parse_host_port(bootstrap_addr, "bootstrap_addr")
         except ValueError as exc:
@@ -608,7 +625,7 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             for pool, _, rx in self._states:  # the indices already skip the prefix; a pool's stages share them
                 rows = rows_of[pool.name]
                 rx.send_metadata(rows, aux_slot=-1, num_tokens=len(rows) * pool.geometry.page_size, prefix_tokens=0)
-            self.aux_index, self._pages = aux_index, pages
+            self.aux_index, self._pages, self._state_rows = aux_index, pages, rows_of
         except Exception as exc:
             self._fail_from("send_metadata()", exc)
 
@@ -645,8 +662,14 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         mgr = self.kv_mgr
         if not mgr.kv_checksum or not self._rxs or self._pages is None:
             return ""
-        for part in self._rxs:
-            writers = {p: checksum.detach(b)[0] for p, b in part.rx.writer_aux.items()}
+        parts = [(p.label, p.rx, p.config.placement, p.ptrs, self._pages) for p in self._rxs]
+        # state pools: each engine's own placement and (on a decode of PP 1, sliced) buffers
+        parts += [
+            (label, rx, rx.mgr.placement, _buffer_ptrs(rx.mgr), self._state_rows[pool.name])
+            for pool, label, rx in self._states
+        ]
+        for label, rx, placement, ptrs, rows in parts:
+            writers = {p: checksum.detach(b)[0] for p, b in rx.writer_aux.items()}
             if all(d is None for d in writers.values()):
                 if self.bootstrap_addr not in mgr._unverified:
                     mgr._unverified.add(self.bootstrap_addr)
@@ -656,13 +679,15 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
                         self.bootstrap_addr,
                     )
                 return ""
-            mine = checksum.head_digests(part.config.placement, part.ptrs, self._pages)
-            self.kv_checksum_heads += sum(len(set(d) & set(mine)) for d in writers.values() if d is not None)
+            mine = checksum.head_digests(placement, ptrs, rows)
+            compared = sum(len(set(d) & set(mine)) for d in writers.values() if d is not None)
+            self.kv_checksum_heads += compared
+            self.checksum_parts[label] = self.checksum_parts.get(label, 0) + compared
             bad = checksum.mismatches(writers, mine)
             if bad:
                 rank, head, theirs, ours = bad[0]
                 more = f"; {len(bad)} heads differ" if len(bad) > 1 else ""
-                where = f" in the {part.label}" if part.label else ""
+                where = f" in the {label}" if label else ""
                 return (
                     f"KV checksum mismatch (--disaggregation-enable-kv-checksum){where}: "
                     f"KV head {head} written by prefill rank {rank}: prefill crc32={theirs:#010x}, decode "

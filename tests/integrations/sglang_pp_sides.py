@@ -443,7 +443,14 @@ def _decode(spec: PpSpec, closers: list, out) -> dict:
                         )
                         aux += [f"rank {r}: {p}" for p in got]
                 verified = [rx.kv_checksum_heads for rx in w["rxs"]]
-                results[w["room"]] = {"status": "Success", "problems": aux, "route": w["route"], "verified": verified}
+                parts = [dict(rx.checksum_parts) for rx in w["rxs"]]
+                results[w["room"]] = {
+                    "status": "Success",
+                    "problems": aux,
+                    "route": w["route"],
+                    "verified": verified,
+                    "parts": parts,
+                }
                 served.append(w)
                 for rx in w["rxs"]:
                     rx.clear()

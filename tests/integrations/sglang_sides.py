@@ -29,8 +29,9 @@ With a draft model (``Model.draft``), every rank's KVArgs carry the draft pool's
 the model's (as ``_init_kv_manager`` appends ``draft_token_to_kv_pool``'s), the scripted
 forward writes the draft's KV into the same pages (content of its own), and the decode checks
 every byte of both pools. ``Spec.kv_checksum`` runs both sides with
-``--disaggregation-enable-kv-checksum``; ``Spec.corrupt`` ("kv" or "draft") flips one landed
-byte of decode rank 0 in the first request (the backend's ``after_kv_landed`` hook).
+``--disaggregation-enable-kv-checksum``; ``Spec.corrupt`` ("kv", "draft", "state:swa",
+"state:mamba") flips one landed byte of decode rank 0 in the first request (the backend's
+``after_kv_landed`` hook).
 
 With extra per-request state (``Model.state``, ``sglang_state_env``), every rank's KVArgs carry
 the state components, the last chunk's forward writes each request's state rows and
@@ -90,7 +91,9 @@ class Spec:
     env: dict = field(default_factory=dict)
     timeout_s: float = 60.0
     kv_checksum: bool = False  # --disaggregation-enable-kv-checksum on this side
-    corrupt: str = ""  # decode: "kv" or "draft": flip a landed byte of rank 0, first request
+    corrupt: str = (
+        ""  # decode: "kv", "draft", "state:swa" or "state:mamba": flip a landed byte of rank 0, first request
+    )
 
 
 def draft_room(room: int) -> int:
@@ -486,7 +489,8 @@ def _decode(spec: Spec, closers: list) -> dict:
                 got = state_env.verify(m, spec.tp, r, st, req["room"], req["state"], req["pages"], req["prefix"])
                 problems += [f"rank {r}: {p}" for p in got]
         verified = [rx.kv_checksum_heads for rx in req["rxs"]]
-        results[req["room"]] = {"status": "Success", "problems": problems, "verified": verified}
+        parts = [dict(rx.checksum_parts) for rx in req["rxs"]]
+        results[req["room"]] = {"status": "Success", "problems": problems, "verified": verified, "parts": parts}
         for rx in req["rxs"]:
             rx.clear()
     if m.state is not None:  # nothing landed in a state row no request was given
@@ -510,6 +514,13 @@ def _corrupt_first_landing(backend, spec: Spec, mgrs, mems, req) -> None:
 
     def corrupt(rx) -> None:
         if rx.bootstrap_room != req["room"] or rx.kv_mgr is not mgrs[0]:
+            return
+        if spec.corrupt.startswith("state:"):  # the first row of the request in that state pool
+            kind = spec.corrupt.split(":", 1)[1]
+            buf = mems[0].extra["state"].buffers[kind][0]
+            alloc = req["state"]
+            row = int(alloc["swa"][0]) * spec.model.page_size if kind == "swa" else int(alloc["mamba"])
+            buf.view(torch.uint8).reshape(buf.shape[0], -1)[row, 0] ^= 0x5A
             return
         buf = (mems[0].draft_k if spec.corrupt == "draft" else mems[0].k)[0]
         row = int(req["pages"][req["prefix"] // spec.model.page_size]) * spec.model.page_size

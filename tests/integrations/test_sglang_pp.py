@@ -108,6 +108,26 @@ def test_each_stage_sends_its_layers_state_and_every_state_byte_is_exact(tmp_pat
             assert reports[f"prefill pp{s}"][room]["status"] == "Success", (s, reports[f"prefill pp{s}"][room])
 
 
+@pytest.mark.parametrize("decode", [(1, 1, 1), (1, 1, 2)], ids=["decode-pp1", "decode-pp2"])
+def test_kv_checksum_covers_each_stages_state_pools(tmp_path, decode):
+    """--disaggregation-enable-kv-checksum with state and PP: every stage digests its own
+    layers' state rows, and the decode compares each stage's part (on a decode of PP 1, that
+    stage's slice of its pools) with them."""
+    model = _hybrid("swa", "mamba")
+    reports = run(tmp_path, model, (1, 1, 2), decode, kv_checksum=True)
+    for s in range(decode[2]):
+        dec = reports[f"decode pp{s}"]
+        for room, _ in ROOMS:
+            assert dec[room]["status"] == "Success" and dec[room]["problems"] == [], dec[room]
+            for parts in dec[room]["parts"]:
+                state = {label: n for label, n in parts.items() if "state" in label.lower()}
+                stages = 2 if decode[2] == 1 else 1  # a decode of PP 1 holds both stages' slices
+                kinds = ("swa", "mamba")
+                assert all(n > 0 for n in state.values()), parts
+                for kind in kinds:
+                    assert sum(kind in label.lower() for label in state) >= stages, (kind, parts)
+
+
 def test_stage_state_counts_that_do_not_fill_the_decode_pool_fail_naming_both(tmp_path):
     """The decode's model has 4 SWA layers, the prefill's stages hold 1 + 2: every request
     fails naming the pool, each stage's count and the decode's (nothing lands)."""

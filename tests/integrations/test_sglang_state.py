@@ -14,6 +14,9 @@ values; state pools on one side only, or mamba state between TP sizes, fail nami
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
 from tests.integrations import sglang_sides as sides
@@ -28,11 +31,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(_base is None, reason=_reason
 REQUESTS = [(0x5A7E_0001_F00D, 37), (0x5A7E_0002_CAFE, 9)]
 
 
-def run(p, d, prefill_model, decode_model=None, *, transport="local", timeout_s=60.0):
+def run(p, d, prefill_model, decode_model=None, *, transport="local", timeout_s=60.0, kv_checksum=False, corrupt=""):
+    """``kv_checksum`` goes to both sides, ``corrupt`` to the decode only."""
     port = free_port()
     env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": transport}
-    prefill = sides.Spec("prefill", prefill_model, p, port, REQUESTS, env, timeout_s)
-    decode = sides.Spec("decode", decode_model or prefill_model, d, port, REQUESTS, env, timeout_s)
+    prefill = sides.Spec("prefill", prefill_model, p, port, REQUESTS, env, timeout_s, kv_checksum=kv_checksum)
+    decode = sides.Spec(
+        "decode", decode_model or prefill_model, d, port, REQUESTS, env, timeout_s, kv_checksum=kv_checksum
+    )
+    decode = dataclasses.replace(decode, corrupt=corrupt)
     return sides.run_in_processes(sides.main, [prefill, decode], timeout_s)
 
 
@@ -160,3 +167,39 @@ def test_swa_index_lists_of_different_lengths_fail_the_request_instead_of_trunca
         (reason,) = report["reasons"]
         assert want in reason and "last chunk leaves 4 pages for a 24-token request (page_size 4 needs 6)" in reason
     assert decode[short_room]["status"] == "Success" and decode[short_room]["problems"] == [], decode[short_room]
+
+
+@pytest.mark.parametrize(
+    "p, d, kinds",
+    [
+        (2, 1, ("swa",)),  # SWA heads of two writers, each digested by its writer
+        (2, 2, ("swa", "mamba", "dsa")),  # every kind, rank to rank
+    ],
+)
+def test_kv_checksum_covers_every_state_pool_per_writer(p, d, kinds):
+    prefill, decode = run(p, d, model(*kinds), kv_checksum=True)
+    succeeded(prefill, decode)
+    for room, _ in REQUESTS:
+        for parts in decode[room]["parts"]:  # every decode rank compared every pool's digests
+            state = {label: n for label, n in parts.items() if label}
+            assert "" in parts and parts[""] > 0, parts
+            assert len(state) >= len(kinds) and all(n > 0 for n in state.values()), parts
+            for kind in kinds:
+                assert any(kind in label.lower() for label in state), (kind, parts)
+    _, plain = run(p, d, model(*kinds))  # without the flag nothing is digested
+    assert all(parts == {} for room, _ in REQUESTS for parts in plain[room]["parts"]), plain
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba"])
+def test_a_state_byte_flipped_after_landing_fails_the_request_naming_the_pool(kind):
+    prefill, decode = run(1, 1, model("swa", "mamba"), kv_checksum=True, corrupt=f"state:{kind}")
+    (bad, _), (good, _) = REQUESTS
+    assert decode[good]["status"] == "Success" and decode[good]["problems"] == [], decode[good]
+    assert decode[bad]["status"] == "Failed", decode[bad]
+    (reason,) = decode[bad]["reasons"]
+    pattern = (
+        r"KV checksum mismatch \(--disaggregation-enable-kv-checksum\) in the [^\n]*" + kind + r"[^\n]*?: "
+        r"KV head \d+ written by prefill rank 0: prefill crc32=0x[0-9a-f]{8}, decode crc32=0x[0-9a-f]{8}"
+    )
+    assert re.search(pattern, reason, re.I), reason
+    assert prefill[bad]["status"] == "Success", prefill[bad]  # the prefill sent what it digested
