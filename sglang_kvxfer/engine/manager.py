@@ -362,6 +362,7 @@ class RankBase(abc.ABC, Generic[R]):
         if silent <= cfg.heartbeat_timeout_s:
             return
         if verdict == "scheduled" and silent <= cfg.heartbeat_timeout_s + cfg.heartbeat_starved_grace_s:
+            assert proc is not None  # a verdict comes only from a watched process
             if peer.starved_since is None:
                 peer.starved_since = now
                 log.warning(
@@ -371,8 +372,8 @@ class RankBase(abc.ABC, Generic[R]):
                     self.side.value,
                     self.tp_rank,
                     base,
-                    proc.pid if proc is not None else 0,
-                    100 * (proc.share or 0.0) if proc is not None else 0.0,
+                    proc.pid,
+                    100 * (proc.share or 0.0),
                     cfg.heartbeat_starved_grace_s,
                 )
             return
