@@ -177,7 +177,8 @@ class KVGeometry:
         total_kv_heads: un-sharded KV head count of the model (1 for MLA).
         head_dim: K head dim (MLA: the latent width, e.g. 512 + 64 = 576).
         v_head_dim: V head dim; ``None`` means equal to ``head_dim``. MLA pools have no V
-            buffer: use 0 (the default for ``mla=True``).
+            buffer: use 0 (the default for ``mla=True``). 0 with ``mla=False``: sharded heads
+            with K buffers only (NHD or HND), as a mamba state row sliced over TP is moved.
         dtype: element type name (``bfloat16``, ``float16``, ``float32``, ``float8_e4m3fn``...).
         page_size: tokens per page.
         layout: ``NHD``, ``HND``, ``HND_KV`` or ``NHD_KV`` (see ``Layout``).
@@ -224,7 +225,12 @@ class KVGeometry:
         else:
             if self.v_head_dim is None:
                 object.__setattr__(self, "v_head_dim", self.head_dim)
-            _check_int("v_head_dim", self.v_head_dim, 1)
+            _check_int("v_head_dim", self.v_head_dim, 0)
+            if self.v_head_dim == 0 and self.packed_kv:
+                raise GeometryError(
+                    f"v_head_dim=0 (K only) is not valid with layout={self.layout}, which packs K and V in "
+                    "one buffer: use NHD or HND"
+                )
             if self.layout is Layout.HND_KV and self.v_head_dim != self.head_dim:
                 raise GeometryError(
                     f"v_head_dim={self.v_head_dim} must equal head_dim={self.head_dim} for layout=HND_KV "

@@ -28,7 +28,7 @@ BASE = dict(num_layers=4, total_kv_heads=8, head_dim=128)
         ("total_kv_heads", 0, "total_kv_heads=0 must be >= 1"),
         ("head_dim", -1, "head_dim=-1 must be >= 1"),
         ("head_dim", 1.5, "head_dim=1.5 must be an integer"),
-        ("v_head_dim", 0, "v_head_dim=0 must be >= 1"),
+        ("v_head_dim", -1, "v_head_dim=-1 must be >= 0"),
         ("page_size", 0, "page_size=0 must be >= 1"),
         ("num_pages", 0, "num_pages=0 must be >= 1"),
         ("dtype", "int4", "dtype='int4' is not supported"),
@@ -41,6 +41,14 @@ def test_each_invalid_field_is_named_with_its_value(field, value, words):
     with pytest.raises(GeometryError) as exc:
         KVGeometry(**{**BASE, field: value})
     assert words in str(exc.value)
+
+
+def test_k_only_sharded_heads():
+    g = KVGeometry(**BASE, v_head_dim=0)
+    assert not g.has_v and g.num_buffers == 4 and g.placement(2, 1).heads == range(4, 8)
+    for layout in ("HND_KV", "NHD_KV"):
+        with pytest.raises(GeometryError, match=f"v_head_dim=0 \\(K only\\) is not valid with layout={layout}"):
+            KVGeometry(**BASE, v_head_dim=0, layout=layout)
 
 
 def test_mla_rules():

@@ -5,9 +5,12 @@
   head dim (``--swa-kv-heads``, ``--swa-head-dim``), holds the request's last window
   (``--swa-window`` tokens from a page-aligned start) and is re-sharded between TP sizes like
   the model's KV: its own TP plan, one row per (writer, reader).
-- ``--mamba-layers`` with ``--mamba-row-bytes`` (one row size per state tensor, on one rank:
-  conv, SSM...): a pool per tensor, one row (the request's slot) per layer, rank to rank;
-  between TP sizes it is refused, as the backend refuses it.
+- ``--mamba-layers`` with ``--mamba-row-bytes`` (one row size per state tensor, on one prefill
+  rank: conv, SSM...): a pool per tensor, the request's slot per layer. With
+  ``--mamba-channels`` (each tensor's un-sharded channels, 0 for a replicated one) a sliced
+  tensor is re-sliced by channel between TP sizes like KV heads (``--mamba-conv-groups``: the
+  first tensor's sub-blocks, GDN's ``[q|k|v]``, a pool each), as the backend moves it; without
+  it rows go rank to rank and differing TP sizes are refused, as the backend refuses them.
 - ``--dsa-layers`` with ``--dsa-row-bytes`` (one row per KV page, replicated like the MLA
   latent): one writer per decode rank, every page of the request.
 
@@ -42,24 +45,80 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mamba-row-bytes",
         default="",
-        help="bytes of one slot's row of each mamba state tensor on one rank, e.g. 24576,262144 (conv, SSM)",
+        help="bytes of one slot's row of each mamba state tensor on one prefill rank, e.g. 24576,262144 (conv, SSM)",
+    )
+    p.add_argument(
+        "--mamba-channels",
+        default="",
+        help="un-sharded channels of each mamba tensor (SGLang's state_dim_per_tensor x TP; 0: replicated), "
+        "e.g. 8192,32: re-sliced between TP sizes",
+    )
+    p.add_argument(
+        "--mamba-conv-groups",
+        default="",
+        help="the first mamba tensor's conv sub-blocks, each sharded on its own (GDN's [q|k|v]), e.g. 2048,2048,4096",
     )
     p.add_argument("--dsa-layers", type=int, default=0, help="layers with a DSA indexer buffer (default 0)")
     p.add_argument("--dsa-row-bytes", type=int, default=0, help="bytes of one KV page's DSA indexer row")
 
 
-def _rows(text: str) -> list[int]:
+def _ints(flag: str, text: str, low: int) -> list[int]:
     try:
-        rows = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--mamba-row-bytes={text!r} must be a comma list of integers") from None
-    if not rows or min(rows) < 1:
-        raise ValueError(f"--mamba-row-bytes={text!r} must give at least one row size >= 1")
-    return rows
+        raise ValueError(f"{flag}={text!r} must be a comma list of integers") from None
+    if not values or min(values) < low:
+        raise ValueError(f"{flag}={text!r} must give at least one value, each >= {low}")
+    return values
 
 
-def _pools(args: argparse.Namespace, ps: int) -> list[tuple[str, str, KVGeometry, int]]:
-    """``(name, kind, geometry, indices of the example request)`` of every state pool."""
+def _mamba(args: argparse.Namespace, p_attn: int, d_attn: int) -> list[tuple[KVGeometry, str]]:
+    """``(geometry, why equal TP only)`` of each mamba pool (``sglang_state``'s shapes)."""
+    rows = _ints("--mamba-row-bytes", args.mamba_row_bytes, 1)
+    if not args.mamba_channels:
+        why = "mamba state rows are sharded over attention TP and are moved at equal attention TP only"
+        return [(_row_geometry(args.mamba_layers, row, 1), why) for row in rows]
+    channels = _ints("--mamba-channels", args.mamba_channels, 0)
+    if len(channels) != len(rows):
+        raise ValueError(f"--mamba-channels has {len(channels)} value(s); --mamba-row-bytes has {len(rows)}")
+    out = []
+    for i, (row, c) in enumerate(zip(rows, channels)):
+        if c == 0:
+            out.append((_row_geometry(args.mamba_layers, row, 1), ""))
+            continue
+        if c % p_attn or c % d_attn or row % (c // p_attn or 1):
+            raise ValueError(
+                f"--mamba-channels: tensor {i}'s {c} channels do not divide over attention TP {p_attn} and {d_attn} "
+                f"into whole channels of its {row}-byte row"
+            )
+        blocks = _ints("--mamba-conv-groups", args.mamba_conv_groups, 1) if i == 0 and args.mamba_conv_groups else [c]
+        if sum(blocks) != c or any(b % p_attn or b % d_attn or c % b for b in blocks):
+            raise ValueError(
+                f"--mamba-conv-groups={blocks} must add up to the first tensor's {c} channels, each divisible by "
+                f"attention TP {p_attn} and {d_attn} and dividing {c}"
+            )
+        unit = row // (c // p_attn)
+        out += [
+            (
+                KVGeometry(
+                    num_layers=args.mamba_layers,
+                    total_kv_heads=b,
+                    head_dim=unit,
+                    v_head_dim=0,
+                    dtype="uint8",
+                    page_size=1,
+                    num_pages=2,
+                ),
+                "",
+            )  # fmt: skip
+            for b in blocks
+        ]
+    return out
+
+
+def _pools(args: argparse.Namespace, ps: int, p_attn: int, d_attn: int) -> list[tuple[str, str, KVGeometry, int, str]]:
+    """``(name, kind, geometry, indices of the example request, why equal TP only)`` of every
+    state pool."""
     out = []
     if args.swa_layers:
         start = max(0, args.tokens - args.swa_window) // ps * ps  # SGLang's _swa_payload
@@ -71,17 +130,16 @@ def _pools(args: argparse.Namespace, ps: int) -> list[tuple[str, str, KVGeometry
             page_size=ps,
             num_pages=-(-(args.tokens - start) // ps) * 2,
         )
-        out.append(("state:swa", "swa", g, args.tokens - start))
+        out.append(("state:swa", "swa", g, args.tokens - start, ""))
     if args.mamba_layers:
-        rows = _rows(args.mamba_row_bytes)
-        for i, row in enumerate(rows):
-            g = _row_geometry(args.mamba_layers, row, 1)
-            out.append((f"state:mamba.{i}" if len(rows) > 1 else "state:mamba", "mamba", g, 1))
+        mamba = _mamba(args, p_attn, d_attn)
+        for i, (g, why) in enumerate(mamba):
+            out.append((f"state:mamba.{i}" if len(mamba) > 1 else "state:mamba", "mamba", g, 1, why))
     if args.dsa_layers:
         if args.dsa_row_bytes < 1:
             raise ValueError(f"--dsa-layers={args.dsa_layers} needs --dsa-row-bytes >= 1")
         pages = -(-args.tokens // ps)
-        out.append(("state:dsa", "dsa", _row_geometry(args.dsa_layers, args.dsa_row_bytes, pages), pages))
+        out.append(("state:dsa", "dsa", _row_geometry(args.dsa_layers, args.dsa_row_bytes, pages), pages, ""))
     return out
 
 
@@ -101,15 +159,14 @@ def _row_geometry(layers: int, row_bytes: int, rows: int) -> KVGeometry:
 def build(args: argparse.Namespace, p_attn: int, d_attn: int, ps: int) -> list[dict]:
     """The state pools of the example request and each one's (writer, reader) transfers;
     with prefill PP, per stage over the stage's entries of the pool."""
-    pools = _pools(args, ps)
+    pools = _pools(args, ps, p_attn, d_attn)
     report = []
-    for name, kind, g, n in pools:
-        if kind == "mamba" and p_attn != d_attn:
+    for name, kind, g, n, why in pools:
+        if why and p_attn != d_attn:
             raise ValueError(
-                f"--mamba-layers: prefill attention TP {p_attn} and decode attention TP {d_attn} differ; mamba state "
-                "rows are sharded over attention TP and are moved at equal attention TP only"
+                f"--mamba-layers: prefill attention TP {p_attn} and decode attention TP {d_attn} differ; {why}"
             )
-        rows, geo = kind != "swa", g
+        rows, geo = g.mla, g  # one replicated row per index (mamba rows, DSA); else heads or channels
         if geo.num_layers < args.prefill_pp:
             raise ValueError(
                 f"{name}: {geo.num_layers} layer(s) over --prefill-pp={args.prefill_pp} stages leave a stage without "
@@ -150,10 +207,11 @@ def build(args: argparse.Namespace, p_attn: int, d_attn: int, ps: int) -> list[d
                 "pool": name,
                 "kind": kind,
                 "layers": geo.num_layers,
-                "total_kv_heads": None if rows else geo.total_kv_heads,
+                "total_kv_heads": None if rows else geo.total_kv_heads,  # (a sliced mamba tensor: channels)
                 "row_bytes": geo.head_dim if rows else None,
-                "indices": n if rows else len(src),
-                "tokens": None if rows else n,
+                "channel_bytes": geo.head_dim if kind == "mamba" and not rows else None,
+                "indices": len(src) if kind == "swa" else n,
+                "tokens": n if kind == "swa" else None,
                 "transfers": transfers,
             }
         )
@@ -165,11 +223,17 @@ def render(report: list[dict], fmt_bytes) -> list[str]:
     for pool in report:
         if pool["kind"] == "swa":
             what = f"{pool['layers']} layers, {pool['total_kv_heads']} KV head(s), the last {pool['tokens']} tokens"
+        elif pool["total_kv_heads"] is not None:
+            what = (
+                f"{pool['layers']} layers, {pool['total_kv_heads']} channels of {pool['channel_bytes']} bytes sliced "
+                "over attention TP"
+            )
         else:
             what = f"{pool['layers']} layers, rows of {pool['row_bytes']} bytes, {pool['indices']} row(s) per layer"
         lines += ["", f"state pool {pool['pool']} ({what}):"]
         for t in pool["transfers"]:
-            heads = f" heads [{t['global_heads'][0]}, {t['global_heads'][1]})" if pool["kind"] == "swa" else ""
+            word = "heads" if pool["kind"] == "swa" else "channels"
+            heads = f" {word} [{t['global_heads'][0]}, {t['global_heads'][1]})" if pool["total_kv_heads"] else ""
             ops = t["ops_staged"] if t["path"] == "staged" or t["ops_direct"] is None else t["ops_direct"]
             stage = (
                 f"PP stage {t['pp_rank']} entries [{t['entries'][0]}, {t['entries'][1]}): " if "pp_rank" in t else ""

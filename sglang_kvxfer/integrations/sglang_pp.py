@@ -129,12 +129,12 @@ def pp_rule_problem(decode_pp: int, prefill_pp: int) -> str:
 def layer_slice(
     geometry: KVGeometry, ptrs: Sequence[int], lens: Sequence[int], layers: range
 ) -> tuple[KVGeometry, tuple[int, ...], tuple[int, ...]]:
-    """The geometry and buffers of ``layers`` of a pool (K of every layer then V; MLA: one
-    buffer per layer): a view of the same memory with the stage's layer count."""
+    """The geometry and buffers of ``layers`` of a pool (K of every layer then V; MLA, K only:
+    one buffer per layer): a view of the same memory with the stage's layer count."""
     n = geometry.num_layers
     if layers.start < 0 or layers.stop > n or not len(layers):
         raise ValueError(f"layers [{layers.start}, {layers.stop}) are not a non-empty part of [0, {n})")
-    index = list(layers) if geometry.mla else [*layers, *(n + i for i in layers)]
+    index = list(layers) if geometry.num_buffers == n else [*layers, *(n + i for i in layers)]
     part = dataclasses.replace(geometry, num_layers=len(layers))
     return part, tuple(ptrs[i] for i in index), tuple(lens[i] for i in index)
 

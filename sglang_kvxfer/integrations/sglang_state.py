@@ -22,10 +22,16 @@ What each type SGLang 0.5.23 hands a backend becomes (``disaggregation/utils.py`
   geometry with one row per index (``page_size=1``, ``head_dim`` = bytes of a row, ``uint8``).
   Layers without an indexer buffer (``skip_topk``, empty entries) are left out.
 - ``mamba``: the conv and SSM state of the mamba pool (tensor-major, one entry per layer, one
-  row per request slot, ``_mamba_payload``): one such pool per run of entries with the same
-  row size. The rows are sharded over attention TP; the replicated geometry's rank-to-rank
-  copy at equal TP gives each rank its own shard. A TP mismatch is refused (re-slicing rows
-  along their head dim, with GDN's ``[q|k|v]`` conv sub-blocks, is not implemented).
+  row per request slot, ``_mamba_payload``). An entry sliced over attention TP
+  (``state_dim_per_tensor`` > 0: ``state_slice_outer_counts`` rows of that many channels,
+  each channel a run of bytes) is a K-only MHA geometry whose "heads" are the un-sharded
+  channels, ``page_size`` 1, one page per outer row of the slot: so a TP mismatch re-slices
+  the channels exactly as the model's KV heads are. GDN's conv row ``[q|k|v]``
+  (``state_conv_shard_groups``, each sub-block sharded on its own) is one such pool per
+  sub-block, its buffers starting at the sub-block and its pages counted in sub-block
+  widths (so every sub-block must divide the row: otherwise, and without per-tensor dims,
+  the rows move whole between equal TP sizes only). A replicated entry (dim 0) is one row
+  replicated on every rank. One pool per run of consecutive entries of one shape.
 """
 
 from __future__ import annotations
@@ -44,10 +50,9 @@ __all__ = ["HANDLED_STATE_TYPES", "StatePool", "states_from_kv_args", "state_pag
 
 HANDLED_STATE_TYPES = ("mamba", "swa", "dsa")
 
-_MAMBA_TP = (
-    "mamba conv/SSM state rows are sharded over attention TP, and re-slicing them between TP sizes "
-    "(SGLang's compute_mamba_state_slice_byte_blocks, with GDN's [q|k|v] conv sub-blocks) is not "
-    "implemented by the kvxfer backend"
+_MAMBA_NO_DIMS = (
+    "mamba conv/SSM state rows are sharded over attention TP, and this server's KVArgs.state_dim_per_tensor "
+    "does not say how (SGLang leaves it empty with --enable-unified-memory), so they cannot be re-sliced"
 )
 _DSA_TP = (
     "the DSA indexer of a non-MLA model is not replicated over attention TP, and SGLang's own backends "
@@ -67,6 +72,9 @@ class StatePool:
     ptrs: tuple[int, ...]  # the geometry's buffers (SWA: K of every layer, then V)
     lens: tuple[int, ...]
     equal_tp_only: str = ""  # why the two sides must have one attention TP size ("": any sizes)
+    # (stride, step, count): a request's index i is the pages i * stride + o * step, o < count
+    # (a sliced mamba slot: one page per outer row, in sub-block widths); else the index itself
+    slot_pages: tuple[int, int, int] = (1, 0, 1)
 
 
 def _type_name(value: Any) -> str:
@@ -121,8 +129,10 @@ def states_from_kv_args(
             )
         if kind == "swa":
             pools.append(_swa_pool(args, i, ptrs, lens, items, tp_size, rank, mla, dtype, page_size, swa_kv_heads))
+        elif kind == "mamba":
+            pools += _mamba_pools(args, i, ptrs, lens, items, tp_size)
         else:
-            pools += _row_pools(i, kind, ptrs, lens, items, mla)
+            pools += _row_pools(i, kind, ptrs, lens, items, "" if mla else _DSA_TP)
     return tuple(pools)
 
 
@@ -189,7 +199,7 @@ def _swa_pool(
     return StatePool("state:swa", "swa", i, label, geometry, tuple(ptrs), tuple(lens))
 
 
-def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, mla: bool) -> list[StatePool]:
+def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, why: str) -> list[StatePool]:
     """Pools of one row per index: a run of consecutive non-empty entries of one row size each
     (entries tensor-major, one per layer: mamba's conv rows, then its SSM rows...)."""
     runs: list[list[int]] = []
@@ -209,7 +219,6 @@ def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, mla: bool
     if not runs:
         raise GeometryError(f"KVArgs.state_item_lens[{i}] ({kind}) has no non-empty entry: {items}")
     what = {"mamba": "mamba state", "dsa": "DSA indexer state"}[kind]
-    why = _MAMBA_TP if kind == "mamba" else "" if mla else _DSA_TP
     out = []
     for g, run in enumerate(runs):
         rows = {e: lens[e] // items[e] for e in run}
@@ -233,6 +242,119 @@ def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, mla: bool
             StatePool(name, kind, i, label, geometry, tuple(ptrs[e] for e in run), tuple(lens[e] for e in run), why)
         )
     return out
+
+
+def _per_entry(args: Any, name: str, i: int, n: int, default: Any) -> list:
+    """Component ``i`` of a per-entry KVArgs field (``default`` for every entry when SGLang
+    left it out or empty); one value per entry of ``state_item_lens[i]``."""
+    seq = _get(args, name, None)
+    value = list(seq[i] or []) if seq is not None and i < len(seq) else []
+    if not value:
+        return [default] * n
+    if len(value) != n:
+        raise GeometryError(f"KVArgs.{name}[{i}] has {len(value)} entries; KVArgs.state_item_lens[{i}] has {n}")
+    return value
+
+
+def _mamba_pools(args: Any, i: int, ptrs: list, lens: list, items: list, tp_size: int) -> list[StatePool]:
+    """The pools of a mamba component: each run of consecutive entries of one shape, sliced
+    over attention TP by channel (one pool per conv sub-block), or replicated; whole rows
+    between equal TP sizes where SGLang gives no per-tensor dims."""
+    n = len(items)
+    dims = _per_entry(args, "state_dim_per_tensor", i, n, None)
+    if dims[0] is None:
+        return _row_pools(i, "mamba", ptrs, lens, items, _MAMBA_NO_DIMS)
+    outers = _per_entry(args, "state_slice_outer_counts", i, n, 1)
+    groups = _per_entry(args, "state_conv_shard_groups", i, n, None)
+    shapes: list[tuple] = []
+    for e in range(n):
+        item = _int(f"KVArgs.state_item_lens[{i}][{e}]", items[e], 1)
+        _int(f"KVArgs.state_data_ptrs[{i}][{e}]", ptrs[e], 1)
+        if _int(f"KVArgs.state_data_lens[{i}][{e}]", lens[e], 0) < item:
+            raise GeometryError(
+                f"KVArgs.state_data_lens[{i}][{e}]={lens[e]} (mamba) holds no row of state_item_lens[{i}][{e}]={item}"
+            )
+        dim = _int(f"KVArgs.state_dim_per_tensor[{i}][{e}]", dims[e], 0)
+        if dim == 0:  # replicated over attention TP
+            shapes.append(("replicated", item))
+            continue
+        outer = _int(f"KVArgs.state_slice_outer_counts[{i}][{e}]", outers[e], 1)
+        if item % (dim * outer):
+            raise GeometryError(
+                f"KVArgs.state_item_lens[{i}][{e}]={item} is not a whole number of channels: "
+                f"state_dim_per_tensor[{i}][{e}]={dim} x state_slice_outer_counts[{i}][{e}]={outer}"
+            )
+        blocks: tuple[int, ...] = (dim * tp_size,)
+        if groups[e] is not None:
+            subs = tuple(_int(f"KVArgs.state_conv_shard_groups[{i}][{e}][{b}]", g, 1) for b, g in enumerate(groups[e]))
+            if sum(subs) == dim * tp_size:  # SGLang's rule: sub-blocks only when they make up the row
+                blocks = subs
+        bad = [g for g in blocks if g % tp_size]
+        if bad:
+            raise GeometryError(
+                f"KVArgs.state_conv_shard_groups[{i}][{e}]={list(blocks)}: sub-blocks {bad} are not divisible by "
+                f"attention TP size {tp_size}"
+            )
+        if any((dim * tp_size) % g for g in blocks):
+            why = (
+                f"the conv sub-blocks {list(blocks)} (KVArgs.state_conv_shard_groups[{i}][{e}]) do not each divide "
+                f"the row of {dim * tp_size} channels, and re-slicing such a row is not implemented by the kvxfer "
+                "backend"
+            )
+            return _row_pools(i, "mamba", ptrs, lens, items, why)
+        shapes.append(("sliced", item // (dim * outer), outer, blocks))
+    runs: list[list[int]] = []
+    for e in range(n):
+        if runs and shapes[runs[-1][-1]] == shapes[e]:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    made: list[tuple[KVGeometry, tuple[int, ...], tuple[int, ...], str, tuple[int, int, int]]] = []
+    for run in runs:
+        e0, shape = run[0], shapes[run[0]]
+        rows = {e: lens[e] // items[e] for e in run}
+        if len(set(rows.values())) > 1:
+            raise GeometryError(
+                f"KVArgs.state_data_lens[{i}] // state_item_lens[{i}] (mamba): entries {run[0]}..{run[-1]} hold "
+                f"{sorted(set(rows.values()))} rows; the entries of one shape must hold the same rows"
+            )
+        what = f"mamba state (KVArgs.state_types[{i}]='mamba', entries {run[0]}..{run[-1]}: "
+        if shape[0] == "replicated":
+            geometry = KVGeometry(
+                num_layers=len(run), total_kv_heads=1, head_dim=items[e0], dtype="uint8", page_size=1, mla=True,
+                num_pages=rows[e0],
+            )  # fmt: skip
+            label = f"{what}rows of {items[e0]} bytes replicated over attention TP)"
+            made.append((geometry, tuple(ptrs[e] for e in run), tuple(lens[e] for e in run), label, (1, 0, 1)))
+            continue
+        _, unit, outer, blocks = shape
+        dim, first = dims[e0], 0
+        rows_of = f"{outer} rows of " if outer > 1 else ""
+        for b, full in enumerate(blocks):
+            local = full // tp_size
+            skip, width = first * unit, local * unit  # where the sub-block starts, its bytes per outer row
+            geometry = KVGeometry(
+                num_layers=len(run), total_kv_heads=full, head_dim=unit, v_head_dim=0, dtype="uint8", page_size=1,
+                num_pages=min((lens[e] - skip) // width for e in run),
+            )  # fmt: skip
+            part = f", conv sub-block {b} of {list(blocks)}" if len(blocks) > 1 else ""
+            label = f"{what}{rows_of}{dim * tp_size} channels of {unit} bytes sliced over attention TP{part})"
+            made.append(
+                (
+                    geometry,
+                    tuple(ptrs[e] + skip for e in run),
+                    tuple(lens[e] - skip for e in run),
+                    label,
+                    (items[e0] // width, dim // local, outer),
+                )
+            )
+            first += local
+    return [
+        StatePool(
+            "state:mamba" if len(made) == 1 else f"state:mamba.{k}", "mamba", i, label, g, p, ln, slot_pages=pages
+        )
+        for k, (g, p, ln, label, pages) in enumerate(made)
+    ]
 
 
 def index_array(raw: Any, name: str) -> np.ndarray:
@@ -267,6 +389,9 @@ def state_pages(pools: Sequence[StatePool], state_indices: Any) -> list[np.ndarr
         pages = index_array(seq[pool.index], where)
         if pool.kind == "mamba" and pages.size != 1:
             raise ValueError(f"{where} must be the request's one mamba slot, got {pages.size} indices")
+        stride, step, count = pool.slot_pages
+        if (stride, step, count) != (1, 0, 1):
+            pages = (pages[:, None] * stride + np.arange(count, dtype=np.int64) * step).reshape(-1)
         out.append(pages)
     return out
 

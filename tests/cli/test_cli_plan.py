@@ -257,6 +257,34 @@ def test_mamba_state_is_planned_rank_to_rank_and_refused_between_tp_sizes(capsys
     assert "prefill attention TP 1 and decode attention TP 2 differ; mamba state rows are sharded" in done.stderr
 
 
+def test_mamba_channels_are_resliced_between_tp_sizes_each_conv_sub_block_on_its_own(capsys):
+    """Conv rows of 96 bytes on a prefill rank of TP 2 (16 of 32 channels, sub-blocks 8, 8, 16),
+    SSM rows of 256 bytes (4 of 8 heads), a replicated tensor: to a decode of TP 1, every
+    sliced pool's channels come from both writers, the replicated rows from one."""
+    base = ["plan", "--total-kv-heads", "8", "--prefill-tp", "2", "--decode-tp", "1", "--mamba-layers", "3"]
+    base += ["--mamba-row-bytes", "96,256,10", "--mamba-channels", "32,8,0", "--mamba-conv-groups", "8,8,16"]
+    assert main([*base, "--json"]) == 0
+    pools = json.loads(capsys.readouterr().out)["state"]
+    assert [(p["pool"], p["total_kv_heads"], p["channel_bytes"]) for p in pools] == [
+        ("state:mamba.0", 8, 6),
+        ("state:mamba.1", 8, 6),
+        ("state:mamba.2", 16, 6),
+        ("state:mamba.3", 8, 64),
+        ("state:mamba.4", None, None),
+    ]
+    for pool, local in zip(pools[:4], (4, 4, 8, 4)):
+        got = [(t["prefill_rank"], t["decode_rank"], t["global_heads"], t["bytes"]) for t in pool["transfers"]]
+        per = 3 * local * pool["channel_bytes"]
+        assert got == [(0, 0, [0, local], per), (1, 0, [local, 2 * local], per)]
+    assert [(t["decode_rank"], t["bytes"]) for t in pools[4]["transfers"]] == [(0, 3 * 10)]
+    assert main(base) == 0
+    table = capsys.readouterr().out
+    assert "state pool state:mamba.2 (3 layers, 16 channels of 6 bytes sliced over attention TP):" in table
+    assert "  prefill 1 -> decode 0 channels [8, 16): 144 B, " in table
+    done = run_cli(*base[:-2], "--mamba-conv-groups", "8,8,8")
+    assert done.returncode == 2 and "--mamba-conv-groups=[8, 8, 8] must add up to the first tensor's 32" in done.stderr
+
+
 def test_state_pools_with_prefill_pp_are_planned_per_stage(capsys):
     """With --prefill-pp each state pool's layers are split as SGLang splits layers (3 over 2
     stages: 1 and 2) and each stage's writers send its entries, in JSON and the table; a pool

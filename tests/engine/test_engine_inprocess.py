@@ -24,11 +24,14 @@ from .harness import FAST, Cluster, geometry, wait_terminal
         (8, 1, 2, (4, 8), ("NHD", "HND")),  # page size and layout differ
         (8, 2, 2, (4, 4), ("NHD", "NHD")),  # equal TP
         (2, 1, 4, (8, 8), ("HND", "HND")),  # replicated decode heads, HND head slices
+        (6, 2, 1, (1, 1), ("NHD", "NHD", 0)),  # K only (a mamba state row sliced over TP), gathered
+        (6, 1, 3, (3, 3), ("NHD", "NHD", 0)),  # K only, split over three readers
     ],
 )
 def test_transfers_are_byte_exact(transport, h, p, d, pages, layouts):
-    gp = geometry(h, page_size=pages[0], layout=layouts[0])
-    gd = geometry(h, page_size=pages[1], layout=layouts[1])
+    k_only = dict(v_head_dim=0, head_dim=12, dtype="uint8") if len(layouts) > 2 else {}
+    gp = geometry(h, page_size=pages[0], layout=layouts[0], **k_only)
+    gd = geometry(h, page_size=pages[1], layout=layouts[1], **k_only)
     with Cluster(p, d, gp, gd, transport) as c:
         for room, tokens, chunk in ((11, 37, 8), (12, 64, None), (13, 5, 4)):
             txs, rxs, dst = c.start(room, tokens, chunk=chunk, aux=b"tok%d" % room)

@@ -8,10 +8,14 @@ payloads hand a backend, and an oracle of what every state row must hold.
   request's payload is the pages of its last window (``_swa_payload``: from the page-aligned
   ``max(prefix, seq_len - window)``). Its content is a function of (room, layer, K/V, global
   SWA head, window position), so a head re-sharded into the wrong slot is caught.
-- ``mamba``: ``MambaPool``'s conv ``[layers, slots + 1, conv_dim / tp, k - 1]`` (bf16) and SSM
-  ``[layers, slots + 1, heads / tp, head_dim, state]`` (fp32) tensors, one entry per layer
-  (tensor-major); the payload is the request's slot. Each rank's rows are its own shard: their
-  content is a function of the rank, so a decode rank holding another rank's rows is caught.
+- ``mamba``: ``MambaPool``'s conv ``[layers, slots + 1, conv_dim / tp, k - 1]`` (bf16; Kimi's
+  ``[..., k - 1, conv_dim / tp]`` with ``mamba_kimi``), SSM ``[layers, slots + 1, heads / tp,
+  head_dim, state]`` (fp32) and, with ``mamba_replicated``, a per-slot uint8 tensor replicated
+  on every rank; one entry per layer (tensor-major), with SGLang's per-tensor dims, outer
+  counts and conv sub-blocks (``mamba_groups``, GDN's ``[q|k|v]``: each sharded on its own);
+  the payload is the request's slot. A row's content is a function of the un-sharded
+  channel: a rank holds, of each sub-block, its own channels, so a channel re-sliced into the
+  wrong place (or another rank's rows) is caught.
 - ``dsa``: the DSA indexer's uint8 buffers, one per layer, one row of ``page_size *
   index_bytes`` per KV page (a layer in ``dsa_skip`` has an empty buffer); the payload is the
   request's KV pages after the decode's prefix (``_dsa_pages_payload``). Replicated: every rank
@@ -49,6 +53,10 @@ class StateModel:
     mamba_head_dim: int = 2
     mamba_state: int = 3
     mamba_slots: int = 6
+    mamba_groups: tuple[int, ...] | None = None  # conv sub-blocks (un-sharded, sum conv_dim): GDN's [q|k|v]
+    mamba_kimi: bool = False  # conv per slot [k - 1, conv_dim / tp] (slice axis 1)
+    mamba_replicated: int = 0  # bytes per slot of a tensor replicated over attention TP (0: none)
+    mamba_dims: bool = True  # KVArgs.state_dim_per_tensor given (False: as with --enable-unified-memory)
     dsa_layers: int = 3
     dsa_index_bytes: int = 20  # per token: index_head_dim + its scale bytes
     dsa_skip: tuple[int, ...] = (1,)
@@ -67,6 +75,32 @@ class StateModel:
             tensor, i = divmod(e, self.mamba_layers)
             return tensor * (self.mamba_total or self.mamba_layers) + self.mamba_first + i
         return e + (self.dsa_first if kind == "dsa" else 0)
+
+    def mamba_tensors(self) -> list[tuple[int, int, int, tuple[int, ...]]]:
+        """Per mamba tensor: (un-sharded channels, outer rows, bytes per channel, sub-blocks);
+        channels 0 for the replicated one."""
+        k = self.mamba_conv_k - 1
+        conv = (self.mamba_conv_dim, k if self.mamba_kimi else 1, 2 * (1 if self.mamba_kimi else k))
+        out = [(*conv, self.mamba_groups or (self.mamba_conv_dim,))]
+        out.append((self.mamba_heads, 1, self.mamba_head_dim * self.mamba_state * 4, (self.mamba_heads,)))
+        if self.mamba_replicated:
+            out.append((0, 1, self.mamba_replicated, ()))
+        return out
+
+    def mamba_row(self, room: int, e: int, tp: int, rank: int) -> np.ndarray:
+        """What rank ``rank`` of ``tp`` holds of mamba entry ``e``'s slot: of each sub-block its
+        own channels (un-sharded channel ``c`` of outer row ``o`` has content (entry, o, c))."""
+        channels, outer, unit, blocks = self.mamba_tensors()[e // self.mamba_layers]
+        entry = self.entry_id("mamba", e)
+        if not channels:
+            return _row(room, "mamba", entry, 0, 0, unit)
+        full = row_bytes(room ^ SALT["mamba"], entry, 0, range(channels), 0, outer, unit)  # [outer, channels, unit]
+        mine, first = [], 0
+        for size in blocks:
+            local = size // tp
+            mine += range(first + rank * local, first + (rank + 1) * local)
+            first += size
+        return full[:, mine].reshape(-1)
 
     def swa_geometry(self, model) -> KVGeometry:
         return KVGeometry(
@@ -110,17 +144,26 @@ def attach(model, tp: int, rank: int, args, utils_defs) -> StateMemory:
             args.swa_kv_cache_layout = "nhd"
             extra: dict = {}
         elif kind == "mamba":
+            lay, slots, k = s.mamba_layers, s.mamba_slots + 1, s.mamba_conv_k - 1
+            conv_local = s.mamba_conv_dim // tp
             conv = torch.zeros(
-                (s.mamba_layers, s.mamba_slots + 1, s.mamba_conv_dim // tp, s.mamba_conv_k - 1), dtype=torch.bfloat16
+                (lay, slots, *((k, conv_local) if s.mamba_kimi else (conv_local, k))), dtype=torch.bfloat16
             )
-            ssm = torch.zeros(
-                (s.mamba_layers, s.mamba_slots + 1, s.mamba_heads // tp, s.mamba_head_dim, s.mamba_state),
-                dtype=torch.float32,
-            )
-            bufs = [conv[i] for i in range(s.mamba_layers)] + [ssm[i] for i in range(s.mamba_layers)]
+            ssm = torch.zeros((lay, slots, s.mamba_heads // tp, s.mamba_head_dim, s.mamba_state), dtype=torch.float32)
+            tensors = [conv, ssm]
+            if s.mamba_replicated:
+                tensors.append(torch.zeros((lay, slots, s.mamba_replicated), dtype=torch.uint8))
+            bufs = [t[i] for t in tensors for i in range(lay)]
             items = [b[0].nbytes for b in bufs]  # MambaPool: state_tensor[0].nbytes, one slot
-            dims = [conv.shape[2]] * s.mamba_layers + [ssm.shape[2]] * s.mamba_layers
-            extra = dict(dim_per_tensor=dims, layer_ids=list(range(s.mamba_first, s.mamba_first + s.mamba_layers)) * 2)
+            shapes = s.mamba_tensors()
+            extra = dict(layer_ids=list(range(s.mamba_first, s.mamba_first + lay)) * len(tensors))
+            if s.mamba_dims:  # as MambaPool's get_state_dim_per_tensor / _slice_outer_counts / _conv_shard_groups
+                extra.update(
+                    dim_per_tensor=[c // tp for c, _, _, _ in shapes for _ in range(lay)],
+                    slice_outer_counts=[o for _, o, _, _ in shapes for _ in range(lay)],
+                    conv_shard_groups=[list(s.mamba_groups) if t == 0 and s.mamba_groups else None
+                                       for t in range(len(shapes)) for _ in range(lay)],
+                )  # fmt: skip
         elif kind == "dsa":
             pages = (model.pool_tokens + model.page_size) // model.page_size
             width = model.page_size * s.dsa_index_bytes
@@ -205,8 +248,7 @@ def fill(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, kv
         fill_request(place, swa, room ^ SALT["swa"], alloc["swa"], 0, alloc["swa_tokens"], layer_start=s.swa_first)
     if "mamba" in mem.buffers:
         for e, buf in enumerate(mem.buffers["mamba"]):
-            row = _view(buf)[alloc["mamba"]]
-            row[:] = torch.from_numpy(_row(room, "mamba", s.entry_id("mamba", e), rank, 0, row.numel()))
+            _view(buf)[alloc["mamba"]] = torch.from_numpy(s.mamba_row(room, e, tp, rank))
     if "dsa" in mem.buffers:
         for e, buf in enumerate(mem.buffers["dsa"]):
             if buf.shape[0]:
@@ -218,8 +260,8 @@ def fill(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, kv
 
 def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, kv_pages, prefix: int) -> list[str]:
     """What a decode rank must hold for a request, row by row: its window of every SWA head
-    it owns (every byte), the mamba rows of the prefill rank of its own rank (equal TP), the
-    DSA rows of every KV page after the prefix."""
+    it owns (every byte), its own channels of every mamba sub-block (the replicated rows
+    whole), the DSA rows of every KV page after the prefix."""
     s, problems = model.state, []
     if "swa" in mem.buffers:
         place = s.swa_geometry(model).placement(tp, rank)
@@ -232,8 +274,11 @@ def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, 
     if "mamba" in mem.buffers:
         for e, buf in enumerate(mem.buffers["mamba"]):
             got = _view(buf)[alloc["mamba"]].numpy()
-            if not np.array_equal(got, _row(room, "mamba", s.entry_id("mamba", e), rank, 0, got.size)):
-                problems.append(f"mamba entry {e}: slot {alloc['mamba']} does not hold prefill rank {rank}'s row")
+            if not np.array_equal(got, s.mamba_row(room, e, tp, rank)):
+                bad = int(np.flatnonzero(got != s.mamba_row(room, e, tp, rank))[0])
+                problems.append(
+                    f"mamba entry {e}: slot {alloc['mamba']} differs from rank {rank} of TP {tp}'s row at byte {bad}"
+                )
     if "dsa" in mem.buffers:
         for e, buf in enumerate(mem.buffers["dsa"]):
             for j, page in enumerate(kv_pages[prefix // model.page_size :] if buf.shape[0] else []):

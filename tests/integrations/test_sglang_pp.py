@@ -108,6 +108,21 @@ def test_each_stage_sends_its_layers_state_and_every_state_byte_is_exact(tmp_pat
             assert reports[f"prefill pp{s}"][room]["status"] == "Success", (s, reports[f"prefill pp{s}"][room])
 
 
+def test_each_stages_mamba_channels_are_resliced_into_a_decode_of_another_tp(tmp_path):
+    """PP 2 x TP 2 -> TP 1 with GDN-style conv rows ([q|k|v] sub-blocks of 4, 4, 8 channels):
+    each stage's writers send their channels of its layers' entries into that stage's slice of
+    the decode's pools, every sub-block gathered on its own; every state row and KV byte is
+    compared."""
+    model = _hybrid("mamba", mamba_conv_dim=16, mamba_groups=(4, 4, 8))
+    reports = run(tmp_path, model, (2, 1, 2), (1, 1, 1))
+    dec = reports["decode pp0"]
+    for room, _ in ROOMS:
+        assert dec[room]["status"] == "Success" and dec[room]["problems"] == [], dec[room]
+        for s in range(2):
+            assert reports[f"prefill pp{s}"][room]["status"] == "Success", (s, reports[f"prefill pp{s}"][room])
+    assert dec["pool_problems"] == [], dec["pool_problems"]
+
+
 @pytest.mark.parametrize("decode", [(1, 1, 1), (1, 1, 2)], ids=["decode-pp1", "decode-pp2"])
 def test_kv_checksum_covers_each_stages_state_pools(tmp_path, decode):
     """--disaggregation-enable-kv-checksum with state and PP: every stage digests its own

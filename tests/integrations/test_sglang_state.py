@@ -5,11 +5,13 @@ own ``append_state_component``, ``state_indices`` in the shapes its schedulers' 
 
 Every byte of every state row a decode rank must hold is compared with an oracle
 (``sglang_state_env``): the SWA window's pages of every SWA head the rank owns (TP 1 -> 1,
-2 -> 1, 1 -> 2, and one SWA head replicated on two decode ranks), each rank's own mamba slot
-rows (equal TP), every DSA indexer row of the request's pages (equal TP and, replicated under
-MLA, across TP sizes), and no state row any request was not given may change. A state
+2 -> 1, 1 -> 2, and one SWA head replicated on two decode ranks), the rank's own channels of
+every mamba conv sub-block and SSM row (any TP pair, GDN's and Kimi's conv layouts, a
+replicated tensor), every DSA indexer row of the request's pages (equal TP and, replicated
+under MLA, across TP sizes), and no state row any request was not given may change. A state
 geometry that differs between the servers fails at registration naming the field and both
-values; state pools on one side only, or mamba state between TP sizes, fail naming both sides.
+values; state pools on one side only, or mamba state that cannot be re-sliced between TP
+sizes, fail naming both sides.
 """
 
 from __future__ import annotations
@@ -97,17 +99,50 @@ def test_mamba_slot_rows_land_byte_exact_each_rank_its_own_shard(p, d):
     succeeded(*run(p, d, model("mamba")))
 
 
+GDN = dict(mamba_conv_dim=16, mamba_groups=(4, 4, 8))  # conv [q|k|v], v twice q, as Qwen3-Next's
+KIMI = dict(mamba_conv_dim=12, mamba_groups=(4, 4, 4), mamba_kimi=True)  # conv [k - 1, q|k|v]
+
+
+@pytest.mark.parametrize(
+    "p, d, state, transport",
+    [
+        (2, 1, {}, "local"),  # conv and SSM channels of two writers into one row
+        (1, 2, {}, "tcp"),  # one writer's row split over two readers
+        (2, 1, GDN, "tcp"),  # each conv sub-block gathered on its own: [q0 q1 | k0 k1 | v0 v1]
+        (1, 2, GDN, "local"),
+        (2, 2, GDN, "local"),
+        (1, 2, KIMI, "local"),  # sub-blocks of every one of the k - 1 outer rows
+        (2, 1, {**KIMI, "mamba_replicated": 24}, "tcp"),  # and a replicated tensor beside them
+    ],
+    ids=["plain-2to1", "plain-1to2", "gdn-2to1", "gdn-1to2", "gdn-2to2", "kimi-1to2", "kimi+replicated-2to1"],
+)
+def test_mamba_state_is_resliced_by_channel_between_tp_sizes(p, d, state, transport):
+    succeeded(*run(p, d, model("mamba", **state), transport=transport))
+
+
 def test_every_state_pool_of_a_request_lands_beside_its_kv():
     succeeded(*run(2, 2, model("mamba", "swa", "dsa"), transport="tcp"))
 
 
-def test_mamba_state_between_tp_sizes_is_refused_naming_both_sizes():
-    prefill, decode = run(2, 1, model("mamba"), timeout_s=30.0)
+@pytest.mark.parametrize(
+    "state, why",
+    [
+        ({"mamba_dims": False}, "KVArgs.state_dim_per_tensor does not say how"),
+        (
+            {"mamba_conv_dim": 24, "mamba_groups": (4, 4, 16)},
+            "the conv sub-blocks [4, 4, 16] (KVArgs.state_conv_shard_groups[0][0]) do not each divide the row",
+        ),
+    ],
+    ids=["no-dims", "sub-blocks-not-dividing-the-row"],
+)
+def test_mamba_state_that_cannot_be_resliced_is_refused_between_tp_sizes_naming_both(state, why):
+    prefill, decode = run(2, 1, model("mamba", **state), timeout_s=30.0)
     failed_on_both_sides(
         prefill,
         decode,
         "mamba state (KVArgs.state_types[0]='mamba', entries 0..1",
-        "prefill attention TP size 2 and decode attention TP size 1 differ; mamba conv/SSM state rows are sharded",
+        "prefill attention TP size 2 and decode attention TP size 1 differ;",
+        why,
     )
 
 
@@ -121,7 +156,7 @@ def test_dsa_of_a_non_mla_model_between_tp_sizes_is_refused_as_sglang_refuses_it
     [
         (("swa",), dict(swa_head_dim=8), dict(swa_head_dim=16), "head_dim: prefill=8 decode=16"),
         (("swa",), dict(swa_v_head_dim=4), dict(swa_v_head_dim=8), "v_head_dim: prefill=4 decode=8"),
-        (("mamba",), dict(mamba_state=3), dict(mamba_state=5), "head_dim: prefill=96 decode=160"),
+        (("mamba",), dict(mamba_state=3), dict(mamba_state=5), "head_dim: prefill=24 decode=40"),  # bytes per SSM head
     ],
 )
 def test_a_state_geometry_mismatch_fails_at_registration_naming_the_field_and_both_values(
@@ -174,6 +209,7 @@ def test_swa_index_lists_of_different_lengths_fail_the_request_instead_of_trunca
     [
         (2, 1, ("swa",)),  # SWA heads of two writers, each digested by its writer
         (2, 2, ("swa", "mamba", "dsa")),  # every kind, rank to rank
+        (2, 1, ("mamba",)),  # mamba channels of two writers, each digested per channel by its writer
     ],
 )
 def test_kv_checksum_covers_every_state_pool_per_writer(p, d, kinds):

@@ -59,15 +59,54 @@ def test_the_swa_sub_pool_is_a_head_geometry_of_its_own():
     assert layout(four, tp_size=4, swa_heads=1).states[0].geometry.total_kv_heads == 1
 
 
-def test_mamba_rows_become_one_pool_per_run_of_one_row_size_equal_tp_only():
+def test_mamba_rows_without_per_tensor_dims_become_one_pool_per_run_of_one_row_size_equal_tp_only():
     conv, ssm = 2 * 24 * 3, 4 * 2 * 4 * 4  # per slot: [conv_dim/tp, k-1] bf16, [heads/tp, hd, state] fp32
     pools = layout(with_state(("mamba", rows([conv, conv, ssm, ssm])))).states
     assert [p.name for p in pools] == ["state:mamba.0", "state:mamba.1"]
     for p, item in zip(pools, (conv, ssm)):
         g = p.geometry
         assert (g.num_layers, g.head_dim, g.page_size, g.num_pages, g.dtype, g.mla) == (2, item, 1, 7, "uint8", True)
-        assert "re-slicing them between TP sizes" in p.equal_tp_only
+        assert "KVArgs.state_dim_per_tensor does not say how" in p.equal_tp_only
     assert pools[1].label == "mamba state (KVArgs.state_types[0]='mamba', entries 2..3: rows of 128 bytes)"
+
+
+def test_sliced_mamba_rows_become_k_only_channel_geometries_any_tp():
+    conv, ssm = 2 * 24 * 3, 4 * 2 * 4 * 4  # engine_rank 1 of TP 2: 24 of 48 conv channels, 2 of 4 SSM heads of 64 bytes
+    args = with_state(("mamba", rows([conv, conv, ssm, ssm])), state_dim_per_tensor=[[24, 24, 2, 2]])
+    pools = layout(args).states
+    assert [p.name for p in pools] == ["state:mamba.0", "state:mamba.1"]
+    shapes = [(p.geometry.total_kv_heads, p.geometry.head_dim, p.geometry.v_head_dim, p.geometry.mla) for p in pools]
+    assert shapes == [(48, 2 * 3, 0, False), (4, 128 // 2, 0, False)]
+    assert [p.geometry.placement(2, 1).heads for p in pools] == [range(24, 48), range(2, 4)]
+    assert [(p.slot_pages, p.equal_tp_only) for p in pools] == [((1, 1, 1), "")] * 2
+    assert list(state_pages(pools[:1], [[np.asarray(3)]])[0]) == [3]
+
+
+@pytest.mark.parametrize(
+    "over, words",
+    [
+        (
+            {"state_dim_per_tensor": [[24, 24]]},
+            r"KVArgs.state_dim_per_tensor\[0\] has 2 entries; KVArgs.state_item_lens\[0\] has 4",
+        ),
+        (
+            {"state_dim_per_tensor": [[24, 24, 5, 5]]},
+            r"state_item_lens\[0\]\[2\]=128 is not a whole number of channels: state_dim_per_tensor\[0\]\[2\]=5",
+        ),
+        (
+            {"state_dim_per_tensor": [[24, 24, 2, 2]], "state_conv_shard_groups": [[[13, 13, 22], None, None, None]]},
+            r"state_conv_shard_groups\[0\]\[0\]=\[13, 13, 22\]: sub-blocks \[13, 13\] are not divisible by attention TP size 2",
+        ),
+        (
+            {"state_dim_per_tensor": [[24, 24, -1, 2]]},
+            r"KVArgs.state_dim_per_tensor\[0\]\[2\]=-1 must be an integer >= 0",
+        ),
+    ],
+)
+def test_mamba_slicing_fields_that_do_not_describe_the_rows_are_refused_naming_them(over, words):
+    conv, ssm = 2 * 24 * 3, 4 * 2 * 4 * 4
+    with pytest.raises(GeometryError, match=words):
+        layout(with_state(("mamba", rows([conv, conv, ssm, ssm])), **over))
 
 
 def test_dsa_indexer_rows_skip_empty_layers_and_are_replicated_under_mla():
