@@ -223,6 +223,19 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
             rooms = [r for r in self._rooms.values() if r.group == group.address and not r.state.is_terminal]
         for rec in rooms:
             self._fail_room(rec, reason)
+        # Rooms that ended before the group's ranks were known: those ranks, known once it
+        # resolved (even when they then refused this rank), hear why now instead of never.
+        self._tell_untold(group)
+
+    def _tell_untold(self, group: PrefillGroup) -> None:
+        with self._lock:
+            untold, group.untold = group.untold, []
+            peers = list(group.peers.values())
+        for room, kind, reason in untold:
+            for peer in peers:
+                self._live_control.send(
+                    peer.endpoint, kind(room=room, side=Side.DECODE, tp_rank=self.tp_rank, reason=reason)
+                )
 
     def _on_register_reply(self, msg: RegisterReply) -> None:
         with self._lock:
@@ -255,14 +268,7 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
             for rec in rooms:
                 if rec.state.poll is KVPoll.Bootstrapping:
                     rec.state.handle(Event.BOOTSTRAPPED, time.monotonic())
-            untold = [(r.room, r.untold) for r in rooms if r.untold is not None]
-            for r in rooms:
-                r.untold = None
-        for room, (kind, reason) in untold:
-            for peer in group.peers.values():
-                self._live_control.send(
-                    peer.endpoint, kind(room=room, side=Side.DECODE, tp_rank=self.tp_rank, reason=reason)
-                )
+        self._tell_untold(group)
         for rec in rooms:
             if rec.meta_pending:
                 self._dispatch_meta(rec)
@@ -644,7 +650,8 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
             ranks = rec.candidates or (tuple(group.peers) if group else ())
             peers = [group.peers[p] for p in ranks if group and p in group.peers] if notify else []
             if notify and not peers:
-                rec.untold = (TransferFailed, reason)  # sent once the group is known
+                if group is not None:  # sent once the group's ranks are known
+                    group.untold.append((rec.room, TransferFailed, reason))
         log.warning("decode rank %d room %d failed: %s", self.tp_rank, rec.room, reason)
         self._request_ended(rec)
         # Free the windows after any scatter already queued for this room has run.
@@ -663,7 +670,8 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
             group = self._groups.get(rec.group)
             peers = list(group.peers.values()) if group else []
             if not peers:
-                rec.untold = (Abort, reason)  # sent once the group is known
+                if group is not None:  # sent once the group's ranks are known
+                    group.untold.append((rec.room, Abort, reason))
         self._request_ended(rec)
         self._submit(rec, lambda: self._free_windows(rec))
         for peer in peers:

@@ -50,6 +50,9 @@ class PrefillGroup:
         self.acks: dict[int, bool] = {}
         # prefill tp_rank -> whether it maps this rank's KV pool (its RegisterReply): fused path
         self.mappings: dict[int, PoolMapping] = {}
+        # (room, Abort | TransferFailed, reason) of rooms that ended before the group's ranks were
+        # known: sent once they are (ready, or refusing this rank), even if the room is gone by then
+        self.untold: list[tuple[int, type, str]] = []
 
 
 class DecodeRoom:
@@ -83,7 +86,6 @@ class DecodeRoom:
         self.last_notice: float | None = None
         self.finished_at: float | None = None
         self.waiting_for = ""
-        self.untold: tuple[type, str] | None = None  # failure the prefill ranks have not heard yet
         self.ops = 0
         self.marks: dict[str, float] = {}  # transfer-window estimates on this clock (metrics.py)
         self.queued = 0  # tasks of this room handed to a worker and not finished yet

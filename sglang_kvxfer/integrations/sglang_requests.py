@@ -541,7 +541,8 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             )
         self.prefill_dp_rank, self._dp_size = int(prefill_dp_rank), dp_size
         if info is not None and info.problem and not info.routable:
-            return self._fail(info.problem)  # no engine request can be made toward those stages
+            self._tell_stages(info)  # no engine request can move the KV: the stages still hear why
+            return self._fail(info.problem)
         try:
             for part in mgr.receive_parts(self.bootstrap_addr, self.prefill_dp_rank):
                 rx = KVReceiver(part.engine, self.bootstrap_room, part.address)
@@ -564,6 +565,26 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         if info is not None and info.problem:  # after the engine's requests: their groups hear it
             return self._fail(info.problem)
         self._inited = True
+
+    def _tell_stages(self, info) -> None:
+        """An engine request toward PP stage 0 of the routed DP group of a prefill this decode
+        refused (its stages known), failed at once by ``_fail``: it tells that stage's ranks the
+        reason once they are known (they refuse this rank's registration, yet hear it), so the
+        prefill fails the request with it instead of waiting out its bootstrap deadline. Stage 0
+        decides the bootstrap for every stage of SGLang's PP prefill (``poll_pp_consensus``), so
+        the later stages fail it with it. (A prefill that never registered has no one to tell.)"""
+        from sglang_kvxfer.engine import KVReceiver, bootstrap
+
+        if not info.pp_layers:
+            return
+        address = bootstrap.group_address(self.bootstrap_addr, int(self.prefill_dp_rank or 0), 0)
+        try:
+            rx = KVReceiver(self.kv_mgr.decode_engine, self.bootstrap_room, address)
+        except Exception as exc:  # (best effort: the decode's own failure stands)
+            log.warning("kvxfer room %d: could not tell PP stage 0 why: %s", self.bootstrap_room, exc)
+            return
+        self._rxs.append(_Rx("PP stage 0", rx, self.kv_mgr.config, (), False))
+        self._engine = self._parts()
 
     def _parts(self) -> _Parts:
         parts: list[tuple[str, KVSender | KVReceiver]] = [(p.label, p.rx) for p in self._rxs]

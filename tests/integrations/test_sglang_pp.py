@@ -143,6 +143,19 @@ def test_kv_checksum_covers_each_stages_state_pools(tmp_path, decode):
                     assert sum(kind in label.lower() for label in state) >= stages, (kind, parts)
 
 
+def _prefill_told(reports, decode_reason: str) -> None:
+    """A request the decode refused by the prefill's stages: stage 0 of the prefill fails it
+    with the decode's own reason (told, where it used to wait out its bootstrap deadline and
+    name that), the later stages through SGLang's stage consensus."""
+    room = ROOMS[0][0]
+    (reason,) = reports["prefill pp0"][room]["reasons"]
+    told = decode_reason.removeprefix("KVXferTransferError: ")
+    assert reason == f"KVXferTransferError: decode rank 0 aborted the request: {told}", reason
+    for name, report in reports.items():
+        if name.startswith("prefill pp") and name != "prefill pp0":
+            assert report[room]["status"] == "Failed", (name, report[room])
+
+
 def test_stage_state_counts_that_do_not_fill_the_decode_pool_fail_naming_both(tmp_path):
     """The decode's model has 4 SWA layers, the prefill's stages hold 1 + 2: every request
     fails naming the pool, each stage's count and the decode's (nothing lands)."""
@@ -158,6 +171,7 @@ def test_stage_state_counts_that_do_not_fill_the_decode_pool_fail_naming_both(tm
         "pool 4" in reason
     ), reason
     assert dec["pool_problems"] == [], dec["pool_problems"]
+    _prefill_told(reports, reason)
 
 
 def test_kv_checksum_is_verified_per_stage_and_a_corrupted_stage_fails_by_name(tmp_path):
@@ -190,6 +204,7 @@ def test_stages_whose_layers_do_not_tile_the_decode_fail_naming_the_ranges(tmp_p
         "4 layers [0, 4)" in reason
     ), reason
     assert dec["pool_problems"] == [], dec["pool_problems"]  # nothing landed
+    _prefill_told(reports, reason)
 
 
 def test_a_decode_pp_size_neither_1_nor_the_prefills_is_refused_by_sglangs_rule(tmp_path):
@@ -202,6 +217,7 @@ def test_a_decode_pp_size_neither_1_nor_the_prefills_is_refused_by_sglangs_rule(
     (reason,) = dec[ROOMS[0][0]]["reasons"]
     assert "decode pp size (3) must be equal to the prefill pp size (2) or 1" in reason, reason
     assert "start the decode with --pp-size 2 or --pp-size 1" in reason, reason
+    _prefill_told(reports, reason)
 
 
 def test_a_dead_stage_rank_fails_the_request_within_the_heartbeat_bound(tmp_path):
