@@ -31,6 +31,7 @@ import numpy as np
 from sglang_kvxfer import envs
 from sglang_kvxfer.geometry import KVGeometry
 from sglang_kvxfer.integrations.sglang_args import pp_layer_split
+from sglang_kvxfer.integrations.sglang_state import row_geometry
 from sglang_kvxfer.planning import plan_pair, plan_tp
 
 __all__ = ["add_arguments", "build", "render"]
@@ -77,14 +78,14 @@ def _mamba(args: argparse.Namespace, p_attn: int, d_attn: int) -> list[tuple[KVG
     rows = _ints("--mamba-row-bytes", args.mamba_row_bytes, 1)
     if not args.mamba_channels:
         why = "mamba state rows are sharded over attention TP and are moved at equal attention TP only"
-        return [(_row_geometry(args.mamba_layers, row, 1), why) for row in rows]
+        return [(row_geometry(args.mamba_layers, row, 2), why) for row in rows]
     channels = _ints("--mamba-channels", args.mamba_channels, 0)
     if len(channels) != len(rows):
         raise ValueError(f"--mamba-channels has {len(channels)} value(s); --mamba-row-bytes has {len(rows)}")
     out = []
     for i, (row, c) in enumerate(zip(rows, channels)):
         if c == 0:
-            out.append((_row_geometry(args.mamba_layers, row, 1), ""))
+            out.append((row_geometry(args.mamba_layers, row, 2), ""))
             continue
         if c % p_attn or c % d_attn or row % (c // p_attn or 1):
             raise ValueError(
@@ -110,7 +111,7 @@ def _mamba(args: argparse.Namespace, p_attn: int, d_attn: int) -> list[tuple[KVG
                     num_pages=2,
                 ),
                 "",
-            )  # fmt: skip
+            )
             for b in blocks
         ]
     return out
@@ -139,21 +140,8 @@ def _pools(args: argparse.Namespace, ps: int, p_attn: int, d_attn: int) -> list[
         if args.dsa_row_bytes < 1:
             raise ValueError(f"--dsa-layers={args.dsa_layers} needs --dsa-row-bytes >= 1")
         pages = -(-args.tokens // ps)
-        out.append(("state:dsa", "dsa", _row_geometry(args.dsa_layers, args.dsa_row_bytes, pages), pages, ""))
+        out.append(("state:dsa", "dsa", row_geometry(args.dsa_layers, args.dsa_row_bytes, 2 * pages), pages, ""))
     return out
-
-
-def _row_geometry(layers: int, row_bytes: int, rows: int) -> KVGeometry:
-    """One row per index, replicated geometry (as ``sglang_state`` describes mamba and DSA)."""
-    return KVGeometry(
-        num_layers=layers,
-        total_kv_heads=1,
-        head_dim=row_bytes,
-        dtype="uint8",
-        page_size=1,
-        mla=True,
-        num_pages=2 * rows,
-    )
 
 
 def build(args: argparse.Namespace, p_attn: int, d_attn: int, ps: int) -> list[dict]:

@@ -46,7 +46,15 @@ from sglang_kvxfer.errors import GeometryError
 from sglang_kvxfer.geometry import KVGeometry, owned_heads
 from sglang_kvxfer.integrations.sglang_args import _get, _int, _not_supported, _pool_geometry
 
-__all__ = ["HANDLED_STATE_TYPES", "StatePool", "states_from_kv_args", "state_pages", "state_problem", "describe"]
+__all__ = [
+    "HANDLED_STATE_TYPES",
+    "StatePool",
+    "states_from_kv_args",
+    "state_pages",
+    "state_problem",
+    "describe",
+    "row_geometry",
+]
 
 HANDLED_STATE_TYPES = ("mamba", "swa", "dsa")
 
@@ -199,6 +207,34 @@ def _swa_pool(
     return StatePool("state:swa", "swa", i, label, geometry, tuple(ptrs), tuple(lens))
 
 
+def _entry(i: int, kind: str, e: int, ptrs: list, lens: list, items: list) -> None:
+    """Entry ``e`` of a non-empty row buffer: an address and at least one row."""
+    _int(f"KVArgs.state_data_ptrs[{i}][{e}]", ptrs[e], 1)
+    if _int(f"KVArgs.state_data_lens[{i}][{e}]", lens[e], 0) < items[e]:
+        raise GeometryError(
+            f"KVArgs.state_data_lens[{i}][{e}]={lens[e]} ({kind}) holds no row of state_item_lens[{i}][{e}]={items[e]}"
+        )
+
+
+def _run_rows(i: int, kind: str, run: list[int], lens: list, items: list, what: str) -> int:
+    """The rows every entry of ``run`` holds (one count, else ``GeometryError``)."""
+    rows = {lens[e] // items[e] for e in run}
+    if len(rows) > 1:
+        raise GeometryError(
+            f"KVArgs.state_data_lens[{i}] // state_item_lens[{i}] ({kind}): entries {run[0]}..{run[-1]} hold "
+            f"{sorted(rows)} rows; the entries of one {what} must hold the same rows"
+        )
+    return rows.pop()
+
+
+def row_geometry(layers: int, row_bytes: int, rows: int) -> KVGeometry:
+    """One row per index as one replicated "head" (page size 1, ``uint8``): mamba rows rank to
+    rank at equal TP or replicated, DSA rows."""
+    return KVGeometry(
+        num_layers=layers, total_kv_heads=1, head_dim=row_bytes, dtype="uint8", page_size=1, mla=True, num_pages=rows
+    )
+
+
 def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, why: str) -> list[StatePool]:
     """Pools of one row per index: a run of consecutive non-empty entries of one row size each
     (entries tensor-major, one per layer: mamba's conv rows, then its SSM rows...)."""
@@ -207,11 +243,7 @@ def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, why: str)
         _int(f"KVArgs.state_item_lens[{i}][{e}]", item, 0)
         if item == 0:  # no buffer (a DSA layer reusing another's top-k): nothing to move
             continue
-        _int(f"KVArgs.state_data_ptrs[{i}][{e}]", ptrs[e], 1)
-        if _int(f"KVArgs.state_data_lens[{i}][{e}]", lens[e], 0) < item:
-            raise GeometryError(
-                f"KVArgs.state_data_lens[{i}][{e}]={lens[e]} ({kind}) holds no row of state_item_lens[{i}][{e}]={item}"
-            )
+        _entry(i, kind, e, ptrs, lens, items)
         if runs and items[runs[-1][-1]] == item:  # (an empty entry between does not end a run)
             runs[-1].append(e)
         else:
@@ -221,21 +253,7 @@ def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, why: str)
     what = {"mamba": "mamba state", "dsa": "DSA indexer state"}[kind]
     out = []
     for g, run in enumerate(runs):
-        rows = {e: lens[e] // items[e] for e in run}
-        if len(set(rows.values())) > 1:
-            raise GeometryError(
-                f"KVArgs.state_data_lens[{i}] // state_item_lens[{i}] ({kind}): entries {run[0]}..{run[-1]} hold "
-                f"{sorted(set(rows.values()))} rows; the entries of one row size must hold the same rows"
-            )
-        geometry = KVGeometry(
-            num_layers=len(run),
-            total_kv_heads=1,
-            head_dim=items[run[0]],
-            dtype="uint8",
-            page_size=1,
-            mla=True,  # one "head" holding the whole row; rank-to-rank at equal TP
-            num_pages=rows[run[0]],
-        )
+        geometry = row_geometry(len(run), items[run[0]], _run_rows(i, kind, run, lens, items, "row size"))
         name = f"state:{kind}" if len(runs) == 1 else f"state:{kind}.{g}"
         label = f"{what} (KVArgs.state_types[{i}]={kind!r}, entries {run[0]}..{run[-1]}: rows of {items[run[0]]} bytes)"
         out.append(
@@ -269,11 +287,7 @@ def _mamba_pools(args: Any, i: int, ptrs: list, lens: list, items: list, tp_size
     shapes: list[tuple] = []
     for e in range(n):
         item = _int(f"KVArgs.state_item_lens[{i}][{e}]", items[e], 1)
-        _int(f"KVArgs.state_data_ptrs[{i}][{e}]", ptrs[e], 1)
-        if _int(f"KVArgs.state_data_lens[{i}][{e}]", lens[e], 0) < item:
-            raise GeometryError(
-                f"KVArgs.state_data_lens[{i}][{e}]={lens[e]} (mamba) holds no row of state_item_lens[{i}][{e}]={item}"
-            )
+        _entry(i, "mamba", e, ptrs, lens, items)
         dim = _int(f"KVArgs.state_dim_per_tensor[{i}][{e}]", dims[e], 0)
         if dim == 0:  # replicated over attention TP
             shapes.append(("replicated", item))
@@ -312,18 +326,10 @@ def _mamba_pools(args: Any, i: int, ptrs: list, lens: list, items: list, tp_size
     made: list[tuple[KVGeometry, tuple[int, ...], tuple[int, ...], str, tuple[int, int, int]]] = []
     for run in runs:
         e0, shape = run[0], shapes[run[0]]
-        rows = {e: lens[e] // items[e] for e in run}
-        if len(set(rows.values())) > 1:
-            raise GeometryError(
-                f"KVArgs.state_data_lens[{i}] // state_item_lens[{i}] (mamba): entries {run[0]}..{run[-1]} hold "
-                f"{sorted(set(rows.values()))} rows; the entries of one shape must hold the same rows"
-            )
+        rows = _run_rows(i, "mamba", run, lens, items, "shape")
         what = f"mamba state (KVArgs.state_types[{i}]='mamba', entries {run[0]}..{run[-1]}: "
         if shape[0] == "replicated":
-            geometry = KVGeometry(
-                num_layers=len(run), total_kv_heads=1, head_dim=items[e0], dtype="uint8", page_size=1, mla=True,
-                num_pages=rows[e0],
-            )  # fmt: skip
+            geometry = row_geometry(len(run), items[e0], rows)
             label = f"{what}rows of {items[e0]} bytes replicated over attention TP)"
             made.append((geometry, tuple(ptrs[e] for e in run), tuple(lens[e] for e in run), label, (1, 0, 1)))
             continue
