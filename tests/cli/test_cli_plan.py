@@ -283,6 +283,10 @@ def test_mamba_channels_are_resliced_between_tp_sizes_each_conv_sub_block_on_its
     assert "  prefill 1 -> decode 0 channels [8, 16): 144 B, " in table
     done = run_cli(*base[:-2], "--mamba-conv-groups", "8,8,8")
     assert done.returncode == 2 and "--mamba-conv-groups=[8, 8, 8] must add up to the first tensor's 32" in done.stderr
+    done = run_cli(*base[:-4], "--mamba-channels", "32,8")
+    assert done.returncode == 2 and "--mamba-channels has 2 value(s); --mamba-row-bytes has 3" in done.stderr
+    done = run_cli(*base[:-4], "--mamba-channels", "32,6,0")  # 6 channels over TP 2: 3 per rank, 256 bytes
+    assert done.returncode == 2 and "tensor 1's 6 channels do not divide over attention TP 2 and 1" in done.stderr
 
 
 def test_state_pools_with_prefill_pp_are_planned_per_stage(capsys):
