@@ -103,9 +103,11 @@ PREFILL_CHUNK = 64  # --chunked-prefill-size: a prompt over 64 tokens moves in s
 RUNNING_REFERENCES: dict[int, h.Server] = {}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def references(server_env, tiny_model, logs):
-    """Non-disaggregated servers of TP 1 and TP 2 (greedy tokens depend on TP: bf16)."""
+    """Non-disaggregated servers of TP 1 and TP 2 (greedy tokens depend on TP: bf16). Up
+    until the last test of tests/realserver: they would otherwise hold memory and CPU through
+    the tests after it (the vLLM engines' among them) until the session ends."""
     fleet = Fleet()
     chunk = ["--chunked-prefill-size", str(PREFILL_CHUNK)]
     ref = {tp: h.reference_server(f"reference-tp{tp}", tiny_model, tp, server_env, logs) for tp in (1, 2)}
