@@ -15,6 +15,12 @@ With ``KVXFER_TEST_RECORD_FILE`` set, each rank appends one JSON line per event:
 rank's ended send (``{"event": "sent", ...}``, the connector's ``SendReport``: layer-wise or
 whole, how many layer groups went to the engine, bytes) and a consumer rank's started receive
 (``{"event": "recv_started", "room": R, ...}``, once its metadata is on its way).
+With ``KVXFER_TEST_WATCHDOG_S=S`` set, each worker runs a watchdog thread that, once per
+second, checks how late it woke itself and how long ago each engine rank's I/O thread ticked
+(every 50 ms when it runs). When either passes S seconds it prints one ``kvxfer: watchdog:``
+line per stall to stderr: the lag, then every thread's kernel state (``R`` running, ``S``
+sleeping, ``D`` in I/O), its CPU seconds and its innermost Python frames. The engine's own
+"did not run for" report comes after the stall and cannot say what held the thread.
 Loaded with ``kv_connector_module_path="tests.vllm.corrupt_connector"``.
 """
 
@@ -23,12 +29,74 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
+import threading
+import time
+import traceback
 
 from sglang_kvxfer.integrations.vllm import KVXferConnector
 
 CORRUPT_ENV = "KVXFER_TEST_CORRUPT_FILE"
 DUMP_ENV = "KVXFER_TEST_DUMP_DIR"
 RECORD_ENV = "KVXFER_TEST_RECORD_FILE"
+WATCHDOG_ENV = "KVXFER_TEST_WATCHDOG_S"
+WATCH_PERIOD_S = 1.0
+
+
+def _thread_states() -> str:
+    """Every thread of this process: name, kernel state, CPU seconds, innermost frames."""
+    frames = sys._current_frames()
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    for t in threading.enumerate():
+        state, cpu = "?", -1.0
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            state, cpu = fields[0], (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError, TypeError):
+            pass
+        frame = frames.get(t.ident) if t.ident is not None else None
+        where = (
+            " <- ".join(
+                f"{os.path.basename(fs.filename)}:{fs.lineno} {fs.name}"
+                for fs in reversed(traceback.extract_stack(frame)[-4:])
+            )
+            if frame is not None
+            else "-"
+        )
+        out.append(f"[{t.name} {state} {cpu:.1f}s cpu: {where}]")
+    return " ".join(out)
+
+
+def _watch(connector: KVXferConnector, limit_s: float) -> None:
+    """See the module docstring: report stalls of this process and of its engine I/O threads."""
+    last = time.monotonic()
+    stalled: set[str] = set()
+    while True:
+        time.sleep(WATCH_PERIOD_S)
+        now = time.monotonic()
+        late, last = now - last - WATCH_PERIOD_S, now
+        try:
+            found = []
+            if late > limit_s:
+                found.append(("self", f"the watchdog woke {late:.1f} s late"))
+            side = connector.worker_side
+            for mgr in (side.prefill, side.decode):
+                tick = getattr(mgr, "_last_tick", None)
+                if tick is not None and now - tick > limit_s:
+                    found.append(
+                        (
+                            f"{mgr.side.value}{mgr.tp_rank}",
+                            f"{mgr.side.value} rank {mgr.tp_rank}'s I/O thread has not ticked for {now - tick:.1f} s",
+                        )
+                    )
+            for key, what in found:
+                if key not in stalled:
+                    print(f"kvxfer: watchdog: {what}; threads: {_thread_states()}", file=sys.stderr, flush=True)
+            stalled = {key for key, _ in found}
+        except Exception as exc:  # a diagnostic must not take the worker down
+            print(f"kvxfer: watchdog: check failed: {exc!r}", file=sys.stderr, flush=True)
 
 
 def _record(event: dict) -> None:
@@ -42,6 +110,12 @@ class KVXferTestConnector(KVXferConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._dumped: dict[str, int] = {}
+
+    def register_kv_caches(self, kv_caches) -> None:
+        super().register_kv_caches(kv_caches)
+        limit = os.environ.get(WATCHDOG_ENV)
+        if limit:
+            threading.Thread(target=_watch, args=(self, float(limit)), name="kvxfer-watchdog", daemon=True).start()
 
     def _dump(self, side: str, block_ids: list[int]) -> None:
         out = os.environ.get(DUMP_ENV)

@@ -153,6 +153,9 @@ def pair(request, vllm_env, vllm_model, vllm_logs):
         KVXFER_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_TIMEOUT_S),
         KVXFER_BOOTSTRAP_TIMEOUT_S="90",  # CI saw engine threads not run for 30-34 s on two cores
         KVXFER_TEST_CORRUPT_FILE=str(control),
+        # CI saw a decode rank's I/O thread not run for 62 s once (its cause is open): each
+        # worker reports a stall of 5 s while it lasts, with every thread's state and frames.
+        KVXFER_TEST_WATCHDOG_S="5",
     )
     records = (vllm_logs / f"{name}-producer-records.jsonl", vllm_logs / f"{name}-consumer-records.jsonl")
     test_connector = dict(connector="KVXferTestConnector", connector_module="tests.vllm.corrupt_connector")
