@@ -271,7 +271,7 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
         self._tell_untold(group)
         for rec in rooms:
             if rec.meta_pending:
-                self._dispatch_meta(rec)
+                self._dispatch_later(rec)
 
     # -- requests --------------------------------------------------------------------------------
     def create_room(self, room: int, address: str) -> DecodeRoom:
@@ -300,10 +300,17 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
             self._dispatch_meta(rec)
 
     def _dispatch_meta(self, rec: DecodeRoom) -> None:
-        """Plan the request, lend staging windows to staged writers, send RequestMeta."""
+        """Plan the request, lend staging windows to staged writers, send RequestMeta.
+
+        Planning and lending run outside the manager's lock: lending may grow the staging
+        arena, which faults in and registers a new segment (seconds for a large one), and
+        the I/O thread needs that lock for every message and tick meanwhile (heartbeats
+        included). One dispatch of a room runs at a time; the room is checked again before
+        its plans are kept, and windows lent to a room that ended meanwhile are given back.
+        """
         g = self.config.geometry
         with self._lock:
-            if not rec.meta_pending or rec.meta_sent or rec.state.is_terminal:
+            if rec.dispatching or not rec.meta_pending or rec.meta_sent or rec.state.is_terminal:
                 return
             pages = rec.pages
             if pages is None:  # set_metadata() sets it with meta_pending
@@ -314,6 +321,9 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
             reply = group.reply
             if reply is None:  # _resolve() sets it before the group can become READY
                 raise LocalProtocolError(f"prefill group {rec.group} is ready without a bootstrap reply")
+            rec.dispatching = True
+        stale: dict[int, tuple[int, int]] = {}
+        try:
             try:
                 plan = plan_tp(g.total_kv_heads, reply.tp_size, self.config.tp_size, g.mla, salt=rec.room)
                 writers = {t.prefill_rank: t for t in plan.writers_of(self.tp_rank)}
@@ -323,15 +333,24 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
                 windows, problem = None, str(exc)
             else:
                 problem = ""
-            if not problem:
-                if windows is None:
-                    rec.waiting_for = "staging space on this decode rank (KVXFER_STAGING_BYTES)"
-                    return  # retried on the next tick, within the request's deadline
-                rec.writers, rec.plans, rec.windows = writers, plans, windows
-                rec.layer_tokens = {p: np.zeros(g.num_layers, dtype=np.int64) for p in windows}
-                rec.candidates = tuple(group.peers)
-                rec.state.expect_writers(list(writers))
-                rec.meta_sent, rec.meta_pending, rec.waiting_for = True, False, ""
+            with self._lock:
+                if not problem:
+                    if windows is None:
+                        rec.waiting_for = "staging space on this decode rank (KVXFER_STAGING_BYTES)"
+                        return  # retried on the next tick, within the request's deadline
+                    if rec.state.is_terminal or self._groups.get(rec.group) is not group:
+                        stale = windows  # it ended (or lost its group) while being planned
+                        return
+                    rec.writers, rec.plans, rec.windows = writers, plans, windows
+                    rec.layer_tokens = {p: np.zeros(g.num_layers, dtype=np.int64) for p in windows}
+                    rec.candidates = tuple(group.peers)
+                    rec.state.expect_writers(list(writers))
+                    rec.meta_sent, rec.meta_pending, rec.waiting_for = True, False, ""
+        finally:
+            with self._lock:
+                rec.dispatching = False
+            for offset, _ in stale.values():
+                self._live_staging.free(offset)
         if not problem and self._live_staging.num_segments != self._exported_segments:
             try:  # a window lies in a new staging segment: its writers may write there first
                 self._export()
@@ -727,7 +746,22 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
                 if r.meta_pending and not r.meta_sent and r.state.poll is KVPoll.WaitingForInput
             ]
         for rec in retry:
+            self._dispatch_later(rec)
+
+    def _dispatch_later(self, rec: DecodeRoom) -> None:
+        """``_dispatch_meta`` on a worker, for the I/O thread (which must not plan or grow
+        staging); at most one queued per room."""
+        with self._lock:
+            if rec.dispatch_queued or rec.dispatching:
+                return
+            rec.dispatch_queued = True
+
+        def dispatch() -> None:
+            with self._lock:
+                rec.dispatch_queued = False
             self._dispatch_meta(rec)
+
+        self._submit(rec, dispatch)
 
     def release(self, room: int) -> None:
         with self._lock:

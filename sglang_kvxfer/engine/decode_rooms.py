@@ -70,6 +70,8 @@ class DecodeRoom:
         self.aux_slot = -1
         self.meta_pending = False
         self.meta_sent = False
+        self.dispatching = False  # _dispatch_meta is planning this room (outside the lock)
+        self.dispatch_queued = False  # a dispatch of it waits on a worker
         self.writers: dict[int, HeadTransfer] = {}  # prefill rank -> its heads
         self.plans: dict[int, RequestPlan] = {}  # prefill rank -> the pair's plan (scatter slices)
         self.windows: dict[int, tuple[int, int]] = {}  # prefill rank -> (arena offset, capacity)

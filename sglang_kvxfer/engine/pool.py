@@ -314,6 +314,8 @@ class StagingArena:
         self._min_segment = _align(max(min_segment_bytes or MIN_SEGMENT_BYTES, _ALIGN))
         self._segments: list[_Segment] = []
         self._used: dict[int, int] = {}  # arena offset -> size
+        self._growing = 0  # bytes of segments being made (outside the lock)
+        self._closed = False  # deregistered or released: it grows no more
         self._lock = threading.Lock()
 
     @property
@@ -342,6 +344,11 @@ class StagingArena:
         """Arena offset of a free window of ``nbytes`` (aligned), growing the arena when no
         segment has room and the cap allows; None when none fits now.
 
+        A new segment is allocated, faulted in and registered outside the arena's lock
+        (that takes long for a large one: every page is touched), so ``free``, ``locate``
+        and allocations that fit the existing segments go on meanwhile; its bytes count
+        against the cap from the start.
+
         Raises:
             KVXferError: the memory of a new segment could not be allocated or registered.
         """
@@ -351,8 +358,25 @@ class StagingArena:
                 off = self._take(seg, size)
                 if off is not None:
                     return off
-            grown = self._grow(size)
-            return None if grown is None else self._take(grown, size)
+            grow = self._growth(size)
+            if grow is None:
+                return None
+            self._growing += grow
+            allocated = sum(seg.nbytes for seg in self._segments)
+        try:
+            tensor, owner, region, transport = self._new_segment(grow, allocated)
+        finally:
+            with self._lock:
+                self._growing -= grow
+        with self._lock:
+            if not self._closed:
+                seg = _Segment(sum(s.nbytes for s in self._segments), tensor, owner, region)
+                self._segments.append(seg)
+                return self._take(seg, size)
+        # closed while this segment was made: nobody else knows it, drop it here
+        clean = _deregister_all(transport, [region] if region is not None else [], "staging")
+        _release([owner] if owner is not None else [], clean)
+        raise KVXferError("the staging arena was closed while it grew")
 
     def _take(self, seg: _Segment, size: int) -> int | None:
         for i, (off, free) in enumerate(seg.free):
@@ -365,30 +389,35 @@ class StagingArena:
                 return seg.base + off
         return None
 
-    def _grow(self, size: int) -> _Segment | None:
-        total = sum(seg.nbytes for seg in self._segments)
+    def _growth(self, size: int) -> int | None:
+        """Bytes of the next segment for a window of ``size`` (under the lock), None when
+        the cap (counting segments being made) leaves no room for it."""
+        total = sum(seg.nbytes for seg in self._segments) + self._growing
         room = self.cap_bytes - total
         if size > room:
             return None
-        nbytes = min(room, _align(max(size, total, self._min_segment)))
+        return min(room, _align(max(size, total, self._min_segment)))
+
+    def _new_segment(self, nbytes: int, allocated: int):
+        """(tensor, owner, region, transport) of a new segment's memory, registered with
+        the arena's transport (None: no region); ``allocated``: the arena's bytes so far."""
         try:
             tensor, owner = _alloc_bytes(nbytes, self.device, self.shared)
         except (RuntimeError, OSError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             raise KVXferError(
                 f"the staging arena cannot grow by {nbytes} B on {self.device} "
-                f"({total} B allocated, cap {self.cap_bytes} B, KVXFER_STAGING_BYTES): {exc}"
+                f"({allocated} B allocated, cap {self.cap_bytes} B, KVXFER_STAGING_BYTES): {exc}"
             ) from None
         region = None
-        if self._transport is not None:
+        transport = self._transport
+        if transport is not None:
             try:
-                region = self._transport.register_tensor(tensor)
+                region = transport.register_tensor(tensor)
             except BaseException:
                 if owner is not None:
                     owner.close()
                 raise
-        seg = _Segment(total, tensor, owner, region)
-        self._segments.append(seg)
-        return seg
+        return tensor, owner, region, transport
 
     def _segment(self, offset: int) -> _Segment:
         for seg in self._segments:
@@ -433,6 +462,7 @@ class StagingArena:
             regions = [seg.region for seg in self._segments if seg.region is not None]
             for seg in self._segments:
                 seg.region = None
+            self._closed = True  # a segment still being made is dropped when it is done
         clean = _deregister_all(self._transport, regions, "staging")
         self._transport = None
         return clean
@@ -442,6 +472,7 @@ class StagingArena:
         with self._lock:
             segments, self._segments = self._segments, []
             self._used = {}
+            self._closed = True
         for seg in segments:
             seg.tensor = None
         _release([seg.owner for seg in segments if seg.owner is not None], free)
