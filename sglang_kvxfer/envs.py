@@ -99,8 +99,10 @@ KVXFER_DATA_PATH = _define(
     "bytes are contiguous on both sides), `staged` gather -> one write -> scatter, `fused` "
     "one pool -> pool copy into the reader's pool (only where the writer's process maps it: "
     "`local` shared memory, CUDA IPC; elsewhere what `auto` picks of the others), `auto` "
-    "(the planner's cost rule over all three), or `per_token` (SGLang's one-write-per-token "
-    "pattern, a benchmark baseline only).",
+    "(the planner's cost rule over all three, and for a pair whose bytes are not contiguous "
+    "also one write per token row where the transport's cost says that is cheaper than "
+    "staging), or `per_token` (one write per token row, SGLang's pattern, for every pair "
+    "that can be addressed so).",
 )
 KVXFER_DIRECT_MIN_OP_BYTES = _define(
     "KVXFER_DIRECT_MIN_OP_BYTES",

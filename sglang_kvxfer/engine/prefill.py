@@ -642,10 +642,15 @@ class KVSender(RequestHandle):
     def paths(self) -> dict[str, int]:
         """Readers of this request by data path, e.g. ``{"staged": 1}``."""
         out: dict[str, int] = {}
-        for meta in self._rec.metas.values():
+        rec = self._rec
+        for meta in rec.metas.values():
             if meta.elected:
-                key = DataPath.DIRECT.value if meta.staging_offset < 0 else DataPath.STAGED.value
-                key = DataPath.FUSED.value if meta.fused else key
+                plan = rec.readers.get(meta.tp_rank)  # the path this rank took (row by row, ...)
+                if plan is not None:
+                    key = plan.path.value
+                else:  # no chunk planned yet: what the decode asked for
+                    key = DataPath.DIRECT.value if meta.staging_offset < 0 else DataPath.STAGED.value
+                    key = DataPath.FUSED.value if meta.fused else key
                 out[key] = out.get(key, 0) + 1
         return out
 

@@ -32,7 +32,7 @@ from sglang_kvxfer.engine.prefill_rooms import Chunk, PrefillRoom, Synchronizabl
 from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeoutError
 from sglang_kvxfer.metrics import SINCE_FIRST_BYTE, SINCE_LAST_CHUNK
 from sglang_kvxfer.planning import DataPath, HeadTransfer, KVSlice, RequestPlan, TPPlan
-from sglang_kvxfer.planning.byteplan import staged_op_count
+from sglang_kvxfer.planning.byteplan import per_token_possible, staged_op_count
 from sglang_kvxfer.protocol.fields import STAGING_SLOTS
 from sglang_kvxfer.protocol.messages import ChunkReady, RequestMeta, StagedChunk, TransferDone
 from sglang_kvxfer.protocol.state import Event, KVPoll
@@ -239,7 +239,9 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
         """The reader's ``RequestPlan``: built at its first chunk, then extended by the pages
         handed over since (only those are checked). Decode chose the path: no staging window
         means direct writes (or per-token ones, the benchmark baseline), or with ``fused``
-        one pool -> pool copy per chunk (this process maps the reader's pool)."""
+        one pool -> pool copy per chunk (this process maps the reader's pool). Without a
+        window, a pair whose bytes are not contiguous is written row by row (the decode's
+        cost rule found that cheaper than staging, or the per-token benchmark baseline)."""
         t0 = time.perf_counter()
         plan = rec.readers.get(t.decode_rank)
         if plan is None:
@@ -265,6 +267,18 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
                 path=path,
                 mapping=peer.mapping,
             )
+            if meta.staging_offset < 0 and plan.staged and per_token_possible(self.placement, peer.placement):
+                # no window for a strided pair: the decode chose row-by-row writes (auto's cost rule)
+                plan = RequestPlan.build(
+                    t,
+                    self.placement,
+                    peer.placement,
+                    rec.src_pages,
+                    meta.dst_page_ids,
+                    num_tokens=self._layout(rec)[1],
+                    path=DataPath.PER_TOKEN,
+                    mapping=peer.mapping,
+                )
             if meta.staging_offset < 0 and plan.staged:  # (a fused plan is never staged)
                 raise TransferFailedError(
                     f"decode rank {t.decode_rank} asked for direct writes but the bytes "

@@ -48,6 +48,7 @@ __all__ = [
     "MAX_WRITE_BYTES",
     "per_token_op_count",
     "per_token_possible",
+    "per_token_row_count",
     "staged_op_count",
 ]
 
@@ -429,6 +430,18 @@ _PER_TOKEN_PACKING = (
     "per_token needs the same buffers on both sides, but one packs K and V per layer (HND_KV, NHD_KV) "
     "and the other does not, or packs them another way; staged instead"
 )
+
+
+def per_token_row_count(t: HeadTransfer, src: RankPlacement, dst: RankPlacement, num_tokens: int) -> int:
+    """Ops of all layers' buffers that the per-token pattern (``_per_token_ops``) posts for
+    ``num_tokens`` tokens: per token and buffer kind, the head slice (NHD on both sides) or
+    each head's row; NHD_KV: the token's K-and-V head slice."""
+    g, gd = src.geometry, dst.geometry
+    if g.layout is Layout.NHD_KV:
+        return g.num_layers * num_tokens
+    kinds = 2 if g.has_v else 1
+    per_token = kinds if g.layout is Layout.NHD and gd.layout is Layout.NHD else kinds * t.num_heads
+    return g.num_layers * num_tokens * per_token
 
 
 def per_token_possible(src: RankPlacement, dst: RankPlacement) -> bool:

@@ -140,3 +140,15 @@ def prefers_fused(
     if current is DataPath.STAGED:
         return True, "one pass instead of gather + scatter (the fixed rule, which weighs no cost)"
     return False, "direct page runs are one pass already (the fixed rule, which weighs no cost)"
+
+
+def prefers_rows(rows: int, nbytes: int, staged_ops: int, cost: PathCost) -> tuple[bool, str]:
+    """Whether ``auto`` writes a strided pair row by row (one op per token row, as a
+    transport that moves many small entries cheaply, ``tcp`` with ``writev``, can) instead of
+    staging it, and the comparison for the reason (ties go to staging)."""
+    rows_s, staged_s = cost.direct_s(rows, nbytes), cost.staged_s(staged_ops, nbytes)
+    terms = (
+        f"{rows} row(s) x {cost.per_op_s * 1e6:.3g} us + {nbytes} B / {cost.bytes_per_s / 1e9:.3g} GB/s "
+        f"= {rows_s * 1e3:.3g} ms {'<' if rows_s < staged_s else '>='} staged {staged_s * 1e3:.3g} ms ({cost.source})"
+    )
+    return rows_s < staged_s, terms

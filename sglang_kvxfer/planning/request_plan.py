@@ -35,10 +35,12 @@ from sglang_kvxfer.planning.byteplan import (
     _resolve_range,
     _v_head_dim,
     per_token_possible,
+    per_token_row_count,
     side_slice,
     staged_op_count,
 )
 from sglang_kvxfer.planning.kvslice import DataPath, KVSlice
+from sglang_kvxfer.planning.pathcost import prefers_rows
 from sglang_kvxfer.planning.tp import HeadTransfer
 
 __all__ = ["RequestPlan"]
@@ -106,6 +108,17 @@ class RequestPlan:
             rule = cost if direct_min_op_bytes is None else direct_min_op_bytes
             pair = _plan_range(transfer, src, dst, src_arr, dst_arr, 0, covered, choice, rule, compat, mapping)
             resolved, reason = pair.path, pair.reason
+            if (
+                choice is DataPath.AUTO
+                and resolved is DataPath.STAGED
+                and isinstance(rule, PathCost)
+                and covered
+                and per_token_possible(src, dst)
+            ):
+                rows = per_token_row_count(transfer, src, dst, covered)
+                by_rows, terms = prefers_rows(rows, pair.nbytes, pair.staged_op_count, rule)
+                if by_rows:
+                    resolved, reason = DataPath.PER_TOKEN, f"{reason}; written row by row instead: {terms}"
         token_nbytes = gs.num_layers * transfer.num_heads * (gs.head_dim + _v_head_dim(gs)) * gs.itemsize
         return cls(
             transfer=transfer,

@@ -1,6 +1,6 @@
 """The ``auto`` path rule by measured cost, end to end: the costs ``local`` and ``tcp``
 declare pick the path of a P1 -> D1 pair (32 KiB pages: direct over ``local``; 256-byte
-scattered pages: staged over ``tcp``), and a request through in-process managers on that
+scattered pages, 1,600 of them: staged over ``tcp``), and a request through in-process managers on that
 path lands every byte where the planning oracle puts it. ``KVXFER_DIRECT_MIN_OP_BYTES``
 (``direct_min_op_bytes``) and ``KVXFER_DATA_PATH`` still override the rule."""
 
@@ -14,7 +14,7 @@ import torch
 
 from sglang_kvxfer.engine import BootstrapServer, EngineConfig, KVManager, KVPoll, KVReceiver, KVSender
 from sglang_kvxfer.geometry import KVGeometry
-from sglang_kvxfer.planning import plan_pair, plan_tp
+from sglang_kvxfer.planning import RequestPlan, plan_pair, plan_tp
 from sglang_kvxfer.planning.byteplan import PathCost
 from sglang_kvxfer.transports import Transport, _memory, get_transport
 from tests.planning.oracle import POISON, SENTINEL, empty_pool, full_kv, place_tokens
@@ -23,7 +23,8 @@ from .harness import FAST, wait_terminal
 
 H, LAYERS, PAGES = 8, 2, 64
 BIG = dict(page_size=16, head_dim=64, tokens=16 * 12 - 5)  # 32 KiB per page and buffer (float32)
-TINY = dict(page_size=1, head_dim=8, tokens=40)  # 256 B per page and buffer
+# 256 B per page and buffer, 1,600 of them: tcp's entries (iovecs) cost more than staging them
+TINY = dict(page_size=1, head_dim=8, tokens=400, pages=512)
 
 
 def _geometry(shape):
@@ -33,14 +34,15 @@ def _geometry(shape):
         head_dim=shape["head_dim"],
         dtype="float32",
         page_size=shape["page_size"],
-        num_pages=PAGES,
+        num_pages=shape.get("pages", PAGES),
     )
 
 
 def _pages(shape, seed):
     rng = np.random.default_rng(seed)
     n = -(-shape["tokens"] // shape["page_size"])
-    return rng.permutation(PAGES)[:n], rng.permutation(PAGES)[:n]
+    pages = shape.get("pages", PAGES)
+    return rng.permutation(pages)[:n], rng.permutation(pages)[:n]
 
 
 def _rule(shape, cost, **kw):
@@ -111,8 +113,8 @@ def test_local_declares_a_measured_cost_and_tcp_a_declared_one():
     assert "measured" in local.source
     for value in (local.per_op_s, local.bytes_per_s, local.copy_bytes_per_s):
         assert math.isfinite(value) and value > 0
-    tcp = _cost("tcp")
-    assert "declared" in tcp.source and tcp.per_op_s == 1e-6
+    tcp = _cost("tcp")  # host entries as iovecs where libc's writev/readv load (here), else a view each
+    assert "declared" in tcp.source and "iovecs" in tcp.source and tcp.per_op_s == 0.3e-6
     t = get_transport("local")
     try:
         assert "declared" in t.path_cost("cuda:0").source  # no CUDA needed to read the declaration
@@ -162,3 +164,27 @@ def test_data_path_overrides_the_rule_through_the_engine(monkeypatch):
     monkeypatch.setenv("KVXFER_DATA_PATH", "staged")
     record, problems, path = run_p1_d1(BIG, "local")  # EngineConfig takes data_path from the env var
     assert problems == [] and _staged(record) and path == "staged", record.phases
+
+
+@pytest.mark.parametrize("tokens, path", [(12, "per_token"), (200, "staged")])
+def test_tcp_writes_a_strided_head_slice_row_by_row_when_its_rows_cost_less_than_staging(tokens, path):
+    """P2 -> D1 on NHD pools: each writer's 4 of 8 heads are a strided slice, never direct.
+    Over ``tcp``, whose entries are iovecs, ``auto`` weighs one write per token row against
+    staging: 12 tokens (48 rows of 64 B) go row by row (no staging window, no ChunkReady hop),
+    200 tokens (800 rows) are staged. The decode decides, each prefill rank follows, and every
+    byte lands where the oracle puts it."""
+    from .harness import Cluster, geometry
+
+    g = geometry(h=8)
+    t = plan_tp(8, 2, 1).transfers[0]
+    src, dst = np.arange(-(-tokens // 4)), np.arange(-(-tokens // 4))
+    plan = RequestPlan.build(
+        t, g.placement(2, t.prefill_rank), g.placement(1, 0), src, dst, num_tokens=tokens, cost=_cost("tcp")
+    )
+    assert plan.path == path, plan.reason
+    assert ("written row by row instead" in plan.reason) is (path == "per_token"), plan.reason
+    with Cluster(2, 1, g, transport="tcp") as c:
+        txs, rxs, dst_pages = c.start(1, tokens)
+        assert wait_terminal(txs + rxs) == [KVPoll.Success] * 3, [h.failure_reason for h in txs + rxs]
+        assert c.verify(1, dst_pages, tokens) == []
+        assert [tx.paths for tx in txs] == [{path: 1}] * 2

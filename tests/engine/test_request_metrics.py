@@ -159,7 +159,8 @@ def test_prometheus_endpoint_in_process_counts_in_flight_done_and_failed():
 def test_rank_processes_serve_metrics_that_a_scrape_reads_during_a_run():
     pytest.importorskip("prometheus_client")
     g = geometry(8, page_size=4, num_pages=96)
-    opts = {k: v for k, v in FAST.items() if k != "num_workers"}
+    # staged: the decode's scatter phase is one of the metrics checked (auto writes these rows)
+    opts = {k: v for k, v in FAST.items() if k != "num_workers"} | {"data_path": "staged"}
     base = free_port(span=3)
     with BootstrapServer() as boot:
         pre, dec = open_groups(

@@ -511,3 +511,47 @@ def test_small_writes_to_an_idle_connection_go_from_the_callers_thread_and_the_s
         assert rt.peer_failures() == [] and st.peer_failures() == []
     finally:
         st.close()
+
+
+@pytest.mark.parametrize("vectored", [True, False], ids=["writev-readv", "sendmsg-recvmsg"])
+def test_many_small_scattered_entries_land_byte_exact_through_either_path(receiver, sender, monkeypatch, vectored):
+    """A frame of thousands of small, scattered entries (a strided head slice's rows), with a
+    few large ones among them so that calls return partway: over ``writev``/``readv`` (one
+    iovec per entry, ``iov.py``), or, where libc's cannot be loaded, ``sendmsg``/
+    ``recvmsg_into``. Every entry lands where it was sent, nothing else changes."""
+    from sglang_kvxfer.transports.tcp import conn, iov
+
+    if not vectored:
+        monkeypatch.setattr(iov, "_calls", ())
+    elif not iov.available():
+        pytest.fail("libc's writev/readv could not be loaded on this machine")
+    calls = {"send": 0, "recv": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(conn, "send_iov", counted("send", conn.send_iov))
+    monkeypatch.setattr(conn, "recv_iov", counted("recv", conn.recv_iov))
+    rt, mem, rregion = receiver
+    st, src, sregion = sender
+    st.add_peer("r", rt.agent_descriptor(), secret=SECRET)
+    remote = st.import_region("r", rregion.descriptor)
+    rng = np.random.default_rng(11)
+    sizes = rng.integers(1, 200, 3000)
+    sizes[[10, 1500, 2990]] = [150_000, 200_000, 120_000]  # beyond a socket buffer each
+    ro = np.concatenate([[0], np.cumsum(sizes + 17)[:-1]])  # gaps of 17 B stay as they were
+    perm = rng.permutation(len(sizes))  # source runs disjoint, in another order than the targets
+    lo = np.empty_like(sizes)
+    lo[perm] = np.concatenate([[0], np.cumsum(sizes[perm])[:-1]])
+    assert int(ro[-1] + sizes[-1]) <= N and int(lo.max() + sizes.max()) <= N
+    before = mem.copy()
+    st.write(sregion, remote, lo, ro, sizes).wait(TIMEOUT_S)
+    expect = before.copy()
+    for l, r, n in zip(lo.tolist(), ro.tolist(), sizes.tolist()):
+        expect[r : r + n] = src[l : l + n]
+    np.testing.assert_array_equal(mem, expect)
+    assert calls == ({"send": 1, "recv": 1} if vectored else {"send": 0, "recv": 0}), calls

@@ -2,7 +2,7 @@
 
 ``_Conn`` is the writer's side: a sender thread that connects lazily, answers the
 reader's challenge with HELLO and sends WRITE frames straight from registered memory with
-``sendmsg``, and an ACK reader thread that completes ticket parts; any loss fails every
+``sendmsg`` (a frame of many host entries with ``writev``, ``iov``), and an ACK reader thread that completes ticket parts; any loss fails every
 ticket on the connection. A small host-memory frame handed to an idle, connected
 connection is sent by the caller's thread instead (``claim``/``send_claimed``): one
 thread hand-over less on a small write's path, in the same order and with the same
@@ -10,7 +10,7 @@ failure handling. A BYE from the reader (it closes idle connections) retires the
 connection cleanly: what is in flight completes, and the next write opens a new one.
 ``_Inbound`` is the receiver's side: it authenticates the writer, checks each frame
 against the regions granted to that writer before reading the payload into the region
-with ``recvmsg_into``, refuses (drains and NACKs) writes outside them, and closes the
+with ``recvmsg_into`` (many entries: ``readv``), refuses (drains and NACKs) writes outside them, and closes the
 connection on a malformed frame.
 
 A frame whose memory is on a device takes the same path through the pinned bounce
@@ -39,6 +39,8 @@ from sglang_kvxfer.errors import PeerGoneError, TransportError
 from sglang_kvxfer.transports._common import UseTable
 from sglang_kvxfer.transports._memory import IOV_MAX
 from sglang_kvxfer.transports.tcp.bounce import BounceBuffers, Copier, DevicePayload, recv_into_device, send_from_device
+from sglang_kvxfer.transports.tcp.iov import MIN_ENTRIES, iovecs, recv_iov, send_iov
+from sglang_kvxfer.transports.tcp.iov import available as iov_available
 from sglang_kvxfer.transports.tcp.wire import (
     ACK,
     CHALLENGE,
@@ -242,6 +244,7 @@ class _Job:
     lease: UseTable.Lease
     bufs: list  # header, table and (host memory) the payload's views
     device: DevicePayload | None = None  # the payload, when it is in device memory
+    iov: np.ndarray | None = None  # the payload as iovecs (host memory, many entries: see iov.py)
 
 
 class _DeviceCopyError(Exception):
@@ -311,6 +314,8 @@ class _Conn:
             if sock is None:  # claim() needs a connected socket: a bug if it is missing
                 raise OSError("not connected")
             _send_all(sock, job.bufs, self._touch)
+            if job.iov is not None:
+                send_iov(sock, job.iov, self._touch)
         except OSError as exc:
             self._sent(job)
             self.fail(f"connection {self.index} to {self.where} lost: {_describe(exc)}")
@@ -356,6 +361,8 @@ class _Conn:
                     self.outstanding[job.xfer_id] = job.ticket
                 try:
                     _send_all(sock, job.bufs, self._touch)
+                    if job.iov is not None:
+                        send_iov(sock, job.iov, self._touch)
                     if job.device is not None:
                         self._send_device(sock, job.device)
                 finally:
@@ -637,7 +644,9 @@ class _Inbound:
         try:
             self.region_id = region_id
             mem = lease.value.mem
-            if mem is not None:
+            if mem is not None and num_entries >= MIN_ENTRIES and iov_available():
+                recv_iov(self.sock, iovecs(lease.value.region.ptr, offsets, sizes))
+            elif mem is not None:
                 _recv_all_into(self.sock, [mem[o : o + n] for o, n in zip(offsets.tolist(), sizes.tolist())])
             else:
                 failure = self._recv_device(lease.value.dev, offsets, sizes, total)

@@ -59,6 +59,7 @@ from sglang_kvxfer.transports.base import (
     parse_device,
     tensor_memory,
 )
+from sglang_kvxfer.transports.tcp import iov
 from sglang_kvxfer.transports.tcp.bounce import Copier, DevicePayload
 from sglang_kvxfer.transports.tcp.conn import ConnSettings, Grant, PeerAddress, _Conn, _Inbound, _Job, _shutdown
 from sglang_kvxfer.transports.tcp.wire import HEADER, MAX_ENTRIES, T_WRITE, _Violation, key_id
@@ -388,16 +389,22 @@ class TcpTransport(Transport):
         return region
 
     def path_cost(self, device: str = "cpu"):
-        """Declared, from ``bench_transports.py`` on a 2-vCPU VM: an entry costs about
-        0.6 us (a row of its frame's table and an iovec on each side, not a frame of its
-        own; 1 us declared) and loopback moves about 4 GB/s. A GPU entry adds one device
-        copy call per piece (a few us: 5 us declared); the staged path's gather and scatter
-        then run in device memory."""
+        """Declared, on a 2-vCPU VM: loopback moves about 4 GB/s. A host entry is a row of its
+        frame's table and an iovec on each side, not a frame of its own: with ``writev``/
+        ``readv`` (``iov.py``) 0.12-0.21 us on top of the bytes for 1 KiB rows between two
+        processes (``bench_tcp_vectored.py``: 0.6-0.76x of a plain stream's rate), about 0.3 us
+        in the engine, where both sides' rows and the socket copies share the cores
+        (``bench_e2e.py``'s workload moved 0.85x as fast row by row as staged: 0.3 us declared),
+        without them (libc's cannot be loaded) a Python view per entry, about 0.6 us (1 us
+        declared). A GPU entry adds one device copy call per piece (a few us: 5 us declared);
+        the staged path's gather and scatter then run in device memory."""
         from sglang_kvxfer.planning.byteplan import PathCost
 
         kind, _ = parse_device(device)
         if kind == "cuda":
             return PathCost(5e-6, 4e9, 300e9, source="tcp cost, declared: GPU entries, one device copy each")
+        if iov.available():
+            return PathCost(0.3e-6, 4e9, 10e9, source="tcp cost, declared: host entries as iovecs (writev/readv)")
         return PathCost(1e-6, 4e9, 10e9, source="tcp cost, declared: host entries in one frame per share")
 
     def _copier(self) -> Copier:
@@ -514,7 +521,10 @@ class TcpTransport(Transport):
                 memoryview(HEADER.pack(T_WRITE, frame.num_entries, xfer_id, remote.region_id, frame.total_bytes)),
                 memoryview(table.tobytes()),
             ]
-            if mem is not None:
+            if mem is not None and frame.num_entries >= iov.MIN_ENTRIES and iov.available():
+                payload_iov = iov.iovecs(local.ptr, frame.local_offsets, frame.sizes)
+                jobs.append((i, _Job(xfer_id, ticket, frame_lease, bufs, iov=payload_iov)))
+            elif mem is not None:
                 bufs += [mem[o : o + size] for o, size in zip(frame.local_offsets.tolist(), frame.sizes.tolist())]
                 jobs.append((i, _Job(xfer_id, ticket, frame_lease, bufs)))
             else:
