@@ -13,7 +13,7 @@ over loopback TCP, each round moving ``--mib`` MiB of rows of ``--row-bytes`` by
 * ``staged``: a numpy gather into a staging buffer, ``sendall``, ``recv_into`` a staging
   buffer, a numpy scatter (the copies of the staged path, without the engine);
 * ``vectored``: ``writev`` of the pool rows, ``readv`` into the pool rows, up to IOV_MAX
-  iovecs a call.
+  iovecs a call (the ``tcp`` transport's own ``transports/tcp/iov.py``).
 
 Prints one JSON object: GB/s per mode and round, medians, and each mode's median over
 ``plain``'s. The modes alternate within each round. Linux only.
@@ -24,14 +24,10 @@ Prints one JSON object: GB/s per mode and round, medians, and each mode's median
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
-import errno
 import json
 import multiprocessing as mp
 import os
 import platform
-import select
 import socket
 import statistics
 import sys
@@ -40,48 +36,7 @@ import time
 import numpy as np
 
 CHUNK = 16 << 20
-IOV_MAX = 1024
 MODES = ("plain", "staged", "vectored")
-
-
-def _libc():
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    for name in ("writev", "readv"):
-        fn = getattr(libc, name)
-        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-        fn.restype = ctypes.c_ssize_t
-    return libc
-
-
-def _iovecs(base: int, rows: int, row: int, stride: int) -> np.ndarray:
-    """``struct iovec[rows]`` (base, len) of ``rows`` rows of ``row`` bytes every ``stride``."""
-    iov = np.empty((rows, 2), dtype=np.uint64)
-    iov[:, 0] = base + np.arange(rows, dtype=np.uint64) * np.uint64(stride)
-    iov[:, 1] = row
-    return iov
-
-
-def _vectored(fn, fd: int, iov: np.ndarray, writing: bool) -> None:
-    """Move every iovec with ``fn`` (writev/readv), resuming partial calls in place."""
-    i, n = 0, len(iov)
-    while i < n:
-        k = min(IOV_MAX, n - i)
-        got = fn(fd, iov[i:].ctypes.data, k)
-        if got < 0:
-            err = ctypes.get_errno()
-            if err in (errno.EAGAIN, errno.EINTR):
-                select.select([] if writing else [fd], [fd] if writing else [], [], 5.0)
-                continue
-            raise OSError(err, os.strerror(err))
-        if got == 0:
-            raise ConnectionError("connection closed")
-        ends = np.cumsum(iov[i : i + k, 1])
-        full = int(np.searchsorted(ends, got, side="right"))
-        partial = got - (int(ends[full - 1]) if full else 0)
-        i += full
-        if partial:
-            iov[i, 0] += np.uint64(partial)
-            iov[i, 1] -= np.uint64(partial)
 
 
 def _plain_send(sock: socket.socket, buf: np.ndarray) -> None:
@@ -101,8 +56,13 @@ def _plain_recv(sock: socket.socket, buf: np.ndarray) -> None:
 
 def _side(sock: socket.socket, args, sending: bool, order: list[str], out) -> None:
     """One process's part: its pool and staging, then each (mode) of ``order`` in turn."""
-    libc = _libc()
+    from sglang_kvxfer.transports.tcp import iov
+
+    if not iov.available():
+        raise SystemExit("libc's writev/readv cannot be loaded here")
     rows = (args.mib << 20) // args.row_bytes
+    offsets = np.arange(rows, dtype=np.int64) * args.stride_bytes
+    sizes = np.full(rows, args.row_bytes, dtype=np.int64)
     pool = np.full(rows * args.stride_bytes, 1 if sending else 0, dtype=np.uint8)
     rows_view = pool.reshape(rows, args.stride_bytes)[:, : args.row_bytes]
     staging = np.zeros(rows * args.row_bytes, dtype=np.uint8)
@@ -125,9 +85,9 @@ def _side(sock: socket.socket, args, sending: bool, order: list[str], out) -> No
             else:
                 _plain_recv(sock, staging)
                 np.copyto(rows_view, staging.reshape(rows, args.row_bytes))
-        else:
-            iov = _iovecs(pool.ctypes.data, rows, args.row_bytes, args.stride_bytes)
-            _vectored(libc.writev if sending else libc.readv, sock.fileno(), iov, sending)
+        else:  # the engine's own vectored calls (sglang_kvxfer.transports.tcp.iov)
+            vec = iov.iovecs(pool.ctypes.data, offsets, sizes)
+            (iov.send_iov if sending else iov.recv_iov)(sock, vec)
         if sending:
             sock.recv(1)  # the receiver has every byte (and scattered them)
         else:

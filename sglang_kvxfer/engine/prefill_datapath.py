@@ -257,28 +257,22 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
                 path = DataPath.STAGED
             else:
                 path = DataPath.PER_TOKEN if self.config.data_path == DataPath.PER_TOKEN else DataPath.DIRECT
-            plan = RequestPlan.build(
-                t,
-                self.placement,
-                peer.placement,
-                rec.src_pages,
-                meta.dst_page_ids,
-                num_tokens=self._layout(rec)[1],
-                path=path,
-                mapping=peer.mapping,
-            )
-            if meta.staging_offset < 0 and plan.staged and per_token_possible(self.placement, peer.placement):
-                # no window for a strided pair: the decode chose row-by-row writes (auto's cost rule)
-                plan = RequestPlan.build(
+
+            def build(path: DataPath) -> RequestPlan:
+                return RequestPlan.build(
                     t,
                     self.placement,
                     peer.placement,
                     rec.src_pages,
                     meta.dst_page_ids,
                     num_tokens=self._layout(rec)[1],
-                    path=DataPath.PER_TOKEN,
+                    path=path,
                     mapping=peer.mapping,
                 )
+
+            plan = build(path)
+            if meta.staging_offset < 0 and plan.staged and per_token_possible(self.placement, peer.placement):
+                plan = build(DataPath.PER_TOKEN)  # a strided pair without a window: the decode chose rows
             if meta.staging_offset < 0 and plan.staged:  # (a fused plan is never staged)
                 raise TransferFailedError(
                     f"decode rank {t.decode_rank} asked for direct writes but the bytes "
