@@ -32,7 +32,10 @@ class PathCost:
     pass; ``stage_fixed_s``: what staging adds once whatever the bytes (the gather and scatter
     launches and the reader's ChunkReady/ChunkAck hop); ``fused_fixed_s``: what one fused
     copy adds whatever the bytes (its argument checks and launch, and mapping the reader's
-    pool regions); ``source``: where the numbers come from, quoted in plan reasons. The
+    pool regions); ``source``: where the numbers come from, quoted in plan reasons;
+    ``row_writes``: the transport moves the many small entries of one write cheaply (``tcp``
+    with ``writev``/``readv``), so ``auto`` also weighs a strided pair's token rows
+    (``prefers_rows``) where only staging would otherwise do. The
     estimates::
 
         direct = ops x per_op_s + bytes / bytes_per_s
@@ -46,6 +49,7 @@ class PathCost:
     stage_fixed_s: float = 100e-6
     source: str = "declared"
     fused_fixed_s: float = 50e-6
+    row_writes: bool = False  # entries of a write move as iovecs: auto may write a strided pair row by row
 
     def __post_init__(self) -> None:
         for name in ("per_op_s", "bytes_per_s", "copy_bytes_per_s", "stage_fixed_s", "fused_fixed_s"):

@@ -112,6 +112,7 @@ class RequestPlan:
                 choice is DataPath.AUTO
                 and resolved is DataPath.STAGED
                 and isinstance(rule, PathCost)
+                and rule.row_writes
                 and covered
                 and per_token_possible(src, dst)
             ):

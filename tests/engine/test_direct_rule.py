@@ -6,6 +6,7 @@ path lands every byte where the planning oracle puts it. ``KVXFER_DIRECT_MIN_OP_
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -183,6 +184,12 @@ def test_tcp_writes_a_strided_head_slice_row_by_row_when_its_rows_cost_less_than
     )
     assert plan.path == path, plan.reason
     assert ("written row by row instead" in plan.reason) is (path == "per_token"), plan.reason
+    # the same costs from a transport that does not declare cheap row writes: staged
+    no_rows = dataclasses.replace(_cost("tcp"), row_writes=False)
+    kept = RequestPlan.build(
+        t, g.placement(2, t.prefill_rank), g.placement(1, 0), src, dst, num_tokens=tokens, cost=no_rows
+    )
+    assert kept.path == "staged", kept.reason
     with Cluster(2, 1, g, transport="tcp") as c:
         txs, rxs, dst_pages = c.start(1, tokens)
         assert wait_terminal(txs + rxs) == [KVPoll.Success] * 3, [h.failure_reason for h in txs + rxs]

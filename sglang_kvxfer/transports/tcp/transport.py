@@ -404,7 +404,9 @@ class TcpTransport(Transport):
         if kind == "cuda":
             return PathCost(5e-6, 4e9, 300e9, source="tcp cost, declared: GPU entries, one device copy each")
         if iov.available():
-            return PathCost(0.3e-6, 4e9, 10e9, source="tcp cost, declared: host entries as iovecs (writev/readv)")
+            return PathCost(
+                0.3e-6, 4e9, 10e9, source="tcp cost, declared: host entries as iovecs (writev/readv)", row_writes=True
+            )
         return PathCost(1e-6, 4e9, 10e9, source="tcp cost, declared: host entries in one frame per share")
 
     def _copier(self) -> Copier:
