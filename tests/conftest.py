@@ -1,6 +1,10 @@
 """Command-line options of the test suite (they must live in the top-level conftest), and
-the guard that ends a test run which created a NIXL UCX backend in this process."""
+the guard that ends a test run which created a NIXL UCX backend in this process, and an
+opt-in collection after every test (``KVXFER_TEST_GC_EACH=1``) that makes a corrupted heap
+crash in the test that corrupted it instead of in a later one."""
 
+import gc
+import os
 import sys
 
 import pytest
@@ -13,6 +17,13 @@ def pytest_addoption(parser):
         default=None,
         help="comma-separated transports the transport contract suite runs (default: every available one)",
     )
+
+
+@pytest.fixture(autouse=True)
+def _gc_after_each_test():
+    yield
+    if os.environ.get("KVXFER_TEST_GC_EACH") == "1":
+        gc.collect()
 
 
 def pytest_sessionstart(session):

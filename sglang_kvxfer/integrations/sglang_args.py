@@ -49,6 +49,7 @@ __all__ = [
 # Every KVArgs attribute read here: a test checks them against SGLang's own class.
 KVARGS_FIELDS = (
     "engine_rank",
+    "system_dp_rank",
     "pp_rank",
     "prefill_start_layer",
     "kv_data_ptrs",
@@ -134,14 +135,32 @@ class ServerPlan:
     kv_checksum: bool = False  # --disaggregation-enable-kv-checksum
     pp_size: int = 1  # pipeline-parallel stages (--pp-size); each stage's ranks hold its layers
     attn_cp_size: int = 1  # prefill attention context parallel (--attn-cp-size)
+    system_dp_size: int = 1  # data-parallel replicas (--dp-size without --enable-dp-attention)
 
-    def dp_rank(self, engine_rank: int) -> int:
-        """The attention-DP group of the rank with ``KVArgs.engine_rank``. SGLang's prefill
-        passes its global TP rank there, laid out (dp, cp, tp) with tp fastest, so the group
-        is ``engine_rank // (attn_tp_size * attn_cp_size)`` (SGLang's
-        ``derive_attention_ranks``). SGLang's decode passes ``tp_rank % attn_tp_size``: its
-        group is not needed for a transfer."""
-        return engine_rank // (self.attn_tp_size * self.attn_cp_size) if self.role == "prefill" else 0
+    @property
+    def dp_groups(self) -> int:
+        """The DP groups behind one bootstrap: attention-DP groups, or full TP replicas
+        (system DP). SGLang's bootstrap counts them the same way (``system_dp_size`` when it
+        is above 1, else ``attn_dp_size``); at most one of the two is above 1."""
+        return self.system_dp_size if self.system_dp_size > 1 else self.attn_dp_size
+
+    def dp_rank(self, engine_rank: int, system_dp_rank: int = 0) -> int:
+        """The DP group of the prefill rank with ``KVArgs.engine_rank`` and
+        ``KVArgs.system_dp_rank``. With attention DP, SGLang's prefill passes its global TP
+        rank as ``engine_rank``, laid out (dp, cp, tp) with tp fastest, so the group is
+        ``engine_rank // (attn_tp_size * attn_cp_size)`` (SGLang's ``derive_attention_ranks``).
+        A system-DP replica is a whole TP group whose ranks count from 0: its group is
+        ``system_dp_rank`` (SGLang's ``dp_rank``). SGLang's decode passes
+        ``tp_rank % attn_tp_size``: its group is not needed for a transfer."""
+        if self.role != "prefill":
+            return 0
+        if self.system_dp_size > 1:
+            if not 0 <= system_dp_rank < self.system_dp_size:
+                raise GeometryError(
+                    f"KVArgs.system_dp_rank={system_dp_rank} names no replica of --dp-size={self.system_dp_size}"
+                )
+            return system_dp_rank
+        return engine_rank // (self.attn_tp_size * self.attn_cp_size)
 
     def cp_rank(self, engine_rank: int) -> int:
         """The attention-CP rank of the prefill rank with ``KVArgs.engine_rank`` (0 on a
@@ -171,12 +190,6 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
     attn_cp = _int("ServerArgs.attn_cp_size", _get(server_args, "attn_cp_size", 1) or 1, 1)
     checks = (
         (
-            "--dp-size",
-            dp if attn_dp == 1 else 1,
-            "data-parallel replicas without --enable-dp-attention (full TP groups behind one "
-            "bootstrap) are not implemented; attention DP (--enable-dp-attention) is",
-        ),
-        (
             "--attn-cp-size",
             attn_cp if role == "decode" else 1,
             "a decode's attention CP must be 1 (SGLang's own backends assert the same)",
@@ -192,10 +205,12 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
             raise _not_supported(flag, value, why)
     if attn_cp > 1:
         _check_cp_replicated(server_args, attn_cp)
-    if dp not in (1, attn_dp):
+    if attn_dp > 1 and dp not in (1, attn_dp):
         raise _not_supported("--dp-size", dp, f"it must equal the attention-DP size {attn_dp} or be 1")
+    # --dp-size without --enable-dp-attention: full TP replicas, each a DP group of its own
+    system_dp = _int("ServerArgs.dp_size", dp, 1) if attn_dp == 1 else 1
     lb = _get(server_args, "load_balance_method", "auto") or "auto"
-    if role == "prefill" and attn_dp > 1 and lb not in ("auto", "follow_bootstrap_room"):
+    if role == "prefill" and max(attn_dp, system_dp) > 1 and lb not in ("auto", "follow_bootstrap_room"):
         raise _not_supported(
             "--load-balance-method",
             lb,
@@ -238,6 +253,7 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         kv_checksum=bool(_get(server_args, "disaggregation_enable_kv_checksum", False)),
         pp_size=pp,
         attn_cp_size=attn_cp,
+        system_dp_size=system_dp,
     )
 
 

@@ -129,7 +129,7 @@ class KVXferKVManager(BaseKVManager):
         # SGLang's deadlines where ours are not set (None: ours, as EngineConfig's defaults read them)
         bootstrap_s = sglang_timeout(envs.KVXFER_BOOTSTRAP_TIMEOUT_S, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")
         waiting_s = sglang_timeout(envs.KVXFER_WAITING_TIMEOUT_S, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT")
-        self.dp_rank = self.plan.dp_rank(int(args.engine_rank))
+        self.dp_rank = self.plan.dp_rank(int(args.engine_rank), int(getattr(args, "system_dp_rank", 0) or 0))
         draft = lay.draft
         prefill = self.role == "prefill"
         # Prefill attention CP: CP rank 0 of each attention-TP rank sends every page (SGLang
@@ -150,7 +150,7 @@ class KVXferKVManager(BaseKVManager):
             bootstrap_timeout_s=envs.KVXFER_BOOTSTRAP_TIMEOUT_S.get() if bootstrap_s is None else bootstrap_s,
             waiting_timeout_s=envs.KVXFER_WAITING_TIMEOUT_S.get() if waiting_s is None else waiting_s,
             dp_rank=self.dp_rank,
-            dp_size=self.plan.attn_dp_size if prefill else 1,
+            dp_size=self.plan.dp_groups if prefill else 1,
             draft_geometry=draft.geometry if draft is not None and prefill else None,
             state_pools=tuple(p.name for p in lay.states) if prefill else (),
             pp_rank=self.pp_rank if prefill else 0,
@@ -209,8 +209,8 @@ class KVXferKVManager(BaseKVManager):
         self._lookups: dict[str, TopologyLookup] = {}  # decode: the prefill behind each bootstrap
         # decode PP 1 facing PP stages: (engine, config, buffers) per (pool, stage entry range)
         self._slices: dict[tuple[str, int, int], tuple[DecodeManager, EngineConfig, tuple[int, ...]]] = {}
-        dp = self.plan.attn_dp_size
-        where = f" of DP group {self.dp_rank}/{dp}" if prefill and dp > 1 else f" (attention DP {dp})" if dp > 1 else ""
+        dp, kind = self.plan.dp_groups, "attention DP" if self.plan.attn_dp_size > 1 else "DP replicas"
+        where = f" of DP group {self.dp_rank}/{dp}" if prefill and dp > 1 else f" ({kind} {dp})" if dp > 1 else ""
         if self.pp_size > 1:
             span = f", layers [{layer_start}, {layer_start + lay.geometry.num_layers})" if prefill else ""
             if prefill and lay.states:  # a hybrid model: the KV pool holds some of the stage's layers

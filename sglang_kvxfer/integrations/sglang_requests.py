@@ -259,7 +259,7 @@ class KVXferKVSender(_Request, BaseKVSender):
         parts += [(pool.label, sender) for pool, sender in self._states]
         self._engine = self._pair = _Parts(parts)
         self._pages: list[np.ndarray] = []  # the pages of every chunk sent, in order (KV checksum)
-        dp_size = mgr.plan.attn_dp_size
+        dp_size = mgr.plan.dp_groups
         if dp_size > 1 and not req_has_disagg_prefill_dp_rank and self.bootstrap_room % dp_size != mgr.dp_rank:
             # The decode looks for this request in DP group bootstrap_room % dp_size
             # (SGLang's follow_bootstrap_room); serving it here would never be found.

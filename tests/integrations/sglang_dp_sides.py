@@ -64,6 +64,7 @@ class DpSpec:
     env: dict = field(default_factory=dict)
     timeout_s: float = 60.0
     cp: int = 1  # prefill attention CP
+    system: bool = False  # DP replicas (--dp-size without --enable-dp-attention), not attention DP
 
 
 def poison(group: int) -> int:
@@ -142,11 +143,24 @@ def main(spec: DpSpec, out, release) -> None:
 
 
 def _dp_server_args(spec: DpSpec, port: int):
-    extra: dict = dict(dp_size=spec.dp, enable_dp_attention=True) if spec.dp > 1 else {}
     cp = spec.cp if spec.role == "prefill" else 1
+    if spec.system:  # each replica a whole TP group: tp_size is one replica's
+        return server_args(sides.MODEL_PATH, spec.role, spec.attn_tp, port, dp_size=spec.dp)
+    extra: dict = dict(dp_size=spec.dp, enable_dp_attention=True) if spec.dp > 1 else {}
     if cp > 1:
         extra["attn_cp_size"] = cp
     return server_args(sides.MODEL_PATH, spec.role, spec.attn_tp * spec.dp * cp, port, **extra)
+
+
+def _place_rank(spec: DpSpec, kv_args, group: int, cp_rank: int, rank: int) -> None:
+    """``KVArgs`` of rank ``rank`` of CP rank ``cp_rank`` of DP group ``group``, as SGLang
+    sets them: with attention DP the prefill's global TP rank, laid out (dp, cp, tp), and the
+    decode's ``tp_rank % attn_tp``; a DP replica's ranks count from 0 in every replica, which
+    ``system_dp_rank`` (SGLang's ``dp_rank``) tells apart."""
+    if spec.system:
+        kv_args.engine_rank, kv_args.system_dp_rank = rank, group
+    elif spec.role == "prefill":
+        kv_args.engine_rank = (group * spec.cp + cp_rank) * spec.attn_tp + rank
 
 
 def _prefill_groups(req: DpRequest, dp: int) -> tuple:
@@ -165,8 +179,7 @@ def _prefill(spec: DpSpec, closers: list) -> dict:
         for c in range(spec.cp):
             for r in range(spec.attn_tp):
                 mem = rank_memory(m, spec.attn_tp, r, "prefill")
-                # SGLang's prefill: the global TP rank, laid out (dp, cp, tp)
-                mem.kv_args.engine_rank = (g * spec.cp + c) * spec.attn_tp + r
+                _place_rank(spec, mem.kv_args, g, c, r)
                 for view in byte_views(mem):
                     view.fill_(poison(g) if c == 0 else replica_poison(g, c))
                 if c == 0:
@@ -266,10 +279,11 @@ def _decode(spec: DpSpec, closers: list) -> dict:
     sa = _dp_server_args(spec, spec.port + 1)
     addr = f"127.0.0.1:{spec.port}"
     groups = []
-    for _ in range(spec.dp):
+    for g in range(spec.dp):
         mems, mgrs = [], []
         for r in range(spec.attn_tp):
             mem = rank_memory(m, spec.attn_tp, r, "decode")  # engine_rank = tp_rank % attn_tp
+            _place_rank(spec, mem.kv_args, g, 0, r)
             for view in byte_views(mem):
                 view.fill_(SENTINEL)
             mems.append(mem)

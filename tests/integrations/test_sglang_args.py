@@ -261,6 +261,21 @@ def test_attention_dp_plan():
         plan_from_server_args(server(attn_dp_size=3), "prefill")
 
 
+def test_system_dp_plan():
+    """--dp-size without --enable-dp-attention: full TP replicas behind one bootstrap, each a
+    DP group of tp_size ranks counted from 0; a prefill rank's group is its replica
+    (KVArgs.system_dp_rank), whatever its engine_rank."""
+    plan = plan_from_server_args(server(tp_size=2, dp_size=3), "prefill")
+    assert (plan.attn_tp_size, plan.attn_dp_size, plan.system_dp_size, plan.dp_groups) == (2, 1, 3, 3)
+    assert [plan.dp_rank(r, d) for d in range(3) for r in range(2)] == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(GeometryError, match=r"KVArgs.system_dp_rank=3 names no replica of --dp-size=3"):
+        plan.dp_rank(0, 3)
+    attn = plan_from_server_args(server(dp_size=2, enable_dp_attention=True), "prefill")
+    assert (attn.system_dp_size, attn.dp_groups) == (1, 2)
+    dec = plan_from_server_args(server(tp_size=1, dp_size=2, load_balance_method="round_robin"), "decode")
+    assert (dec.attn_tp_size, dec.system_dp_size, dec.dp_rank(0, 1)) == (1, 2, 0)  # decode routing is its own
+
+
 def test_pipeline_parallel_plan():
     """--pp-size is served on both sides (the stages' layers come from each rank's KVArgs)."""
     for role in ("prefill", "decode"):
@@ -274,9 +289,9 @@ def test_pipeline_parallel_plan():
 @pytest.mark.parametrize(
     "over, role, flag",
     [
-        (dict(dp_size=2), "prefill", "--dp-size=2"),
-        # attention DP is served only with the routing a decode can follow
+        # attention DP and DP replicas are served only with the routing a decode can follow
         (dict(attn_dp_size=2, load_balance_method="round_robin"), "prefill", "--load-balance-method='round_robin'"),
+        (dict(dp_size=2, load_balance_method="round_robin"), "prefill", "--load-balance-method='round_robin'"),
         (dict(dp_size=4, attn_dp_size=2), "decode", "--dp-size=4"),
         (dict(tp_size=2, attn_cp_size=2), "decode", "--attn-cp-size=2"),  # SGLang's decode asserts CP 1 too
         (dict(tp_size=4, attn_cp_size=2, pp_size=2), "prefill", "--attn-cp-size=2"),

@@ -27,13 +27,16 @@ R = dps.DpRequest
 ROOMS = [R(0x5EED_0000_F00D, 37), R(0x5EED_0001_F00D, 9), R(0x7A11_0002_CAFE, 20), R(0x7A11_0003_CAFE, 41)]
 
 
-def run_dp(prefill: tuple, decode: tuple, model: Model, requests, env=None, timeout_s: float = 60.0):
-    """``prefill``/``decode``: ``(attn_tp, dp)``. Returns both sides' reports."""
+def run_dp(
+    prefill: tuple, decode: tuple, model: Model, requests, env=None, timeout_s: float = 60.0, system=(False, False)
+):
+    """``prefill``/``decode``: ``(attn_tp, dp)``; ``system``: which side's DP groups are
+    DP replicas (``--dp-size`` without ``--enable-dp-attention``). Returns both sides' reports."""
     port = free_port()
     env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": "local", **(env or {})}
     specs = [
-        dps.DpSpec(role, model, tp, dp, port, requests, env, timeout_s)
-        for role, (tp, dp) in (("prefill", prefill), ("decode", decode))
+        dps.DpSpec(role, model, tp, dp, port, requests, env, timeout_s, system=replicas)
+        for role, (tp, dp), replicas in zip(("prefill", "decode"), (prefill, decode), system)
     ]
     return sides.run_in_processes(dps.main, specs, timeout_s)
 
@@ -55,6 +58,36 @@ def test_each_request_lands_from_its_prefill_dp_group(prefill, decode, mla):
     model = Model(mla=True, head_dim=24, pool_tokens=192) if mla else Model(total_kv_heads=4, pool_tokens=192)
     requests = [R(q.room, q.tokens, decode_group=i % decode[1]) for i, q in enumerate(ROOMS)]
     pre, dec = run_dp(prefill, decode, model, requests)
+    assert dec["info"] == {"attn_tp_size": prefill[0], "dp_size": prefill[1]}
+    for q in requests:
+        assert dec[q.room]["status"] == "Success", dec[q.room]
+        assert dec[q.room]["route"] == q.room % prefill[1]
+        assert dec[q.room]["problems"] == [], dec[q.room]["problems"]
+        assert pre[(q.room, q.room % prefill[1])]["status"] == "Success", pre
+    assert dec["pool_problems"] == [], dec["pool_problems"]
+
+
+@needs_sglang
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "prefill, decode, system, mla",
+    [
+        ((1, 2), (1, 1), (True, False), False),  # prefill --tp 1 --dp-size 2 -> decode TP 1
+        ((2, 2), (1, 2), (True, True), False),  # prefill 2 replicas of TP 2 -> decode 2 replicas of TP 1
+        ((2, 2), (1, 2), (True, False), False),  # DP replicas -> attention DP on the decode
+        ((2, 2), (2, 1), (True, False), True),  # MLA: replicas of TP 2 -> decode TP 2
+    ],
+    ids=["rep2-to-tp1", "rep2xtp2-to-rep2", "rep2xtp2-to-attndp2", "mla-rep2xtp2-to-tp2"],
+)
+def test_dp_replicas_serve_each_request_from_the_replica_its_room_names(prefill, decode, system, mla):
+    """DP replicas (--dp-size without --enable-dp-attention; SGLang's system DP): every replica
+    a whole TP group whose ranks count from 0 (engine_rank = tp_rank, system_dp_rank = the
+    replica), all behind one bootstrap as DP groups. Each request lands from the replica
+    bootstrap_room % dp_size names, every decode byte against that replica's oracle (the
+    replicas' KV differ in every row, so a byte from the other one shows)."""
+    model = Model(mla=True, head_dim=24, pool_tokens=192) if mla else Model(total_kv_heads=4, pool_tokens=192)
+    requests = [R(q.room, q.tokens, decode_group=i % decode[1]) for i, q in enumerate(ROOMS)]
+    pre, dec = run_dp(prefill, decode, model, requests, system=system)
     assert dec["info"] == {"attn_tp_size": prefill[0], "dp_size": prefill[1]}
     for q in requests:
         assert dec[q.room]["status"] == "Success", dec[q.room]

@@ -9,6 +9,11 @@ a non-disaggregated server of TP 1. The Qwen3 prefill also serves a decode serve
 ``--tp 2 --dp-size 2 --enable-dp-attention``. The negative control zeroes what the prefill
 writer delivered, on the decode side after the transfer: the tokens must then change.
 
+DP replicas (``--tp 1 --dp-size 2`` without ``--enable-dp-attention``, SGLang's system DP:
+two whole TP groups behind one bootstrap) run a Qwen3 prefill too, serving the same TP 1
+decode server: rooms of both parities decode the reference tokens, and zeroing what the
+replica's writer delivered changes them.
+
 SGLang's CPU path needs three small patches for attention DP and DeepSeek MLA
 (``dp_patches/sitecustomize.py``, test tree only); every server here loads them.
 """
@@ -29,6 +34,7 @@ pytestmark = pytest.mark.timeout(900)
 
 PATCHES = Path(__file__).resolve().parent / "dp_patches"
 DP_FLAGS = ["--tp", "2", "--dp-size", "2", "--enable-dp-attention"]
+REPLICA_FLAGS = ["--tp", "1", "--dp-size", "2"]  # DP replicas: two schedulers of TP 1
 MODELS = ("qwen3", "deepseek")
 _rooms = random.Random(20261202)
 
@@ -90,6 +96,7 @@ class Deployment:
     def __init__(self, name: str, prefill: h.Server, decode: h.Server, reference: h.Server, port: int):
         self.name, self.prefill, self.decode, self.reference, self.port = name, prefill, decode, reference, port
         self.dp_decode: h.Server | None = None  # a decode server with DP attention too (Qwen3)
+        self.replicas: tuple[h.Server, int] | None = None  # a prefill of DP replicas, its bootstrap port (Qwen3)
         self._refs: dict = {}
 
     def run(self, ids: list[int], rid: int, n: int = 16, decode: h.Server | None = None) -> tuple[dict, dict]:
@@ -136,9 +143,19 @@ def deployments(dp_env, dp_models, logs):
         port=fleet_port(),
     )
     out["qwen3"].dp_decode = dp_decode
+    replica_port = fleet_port()
+    replicas = h.Server(
+        "qwen3-prefill-replicas2",
+        ["--model-path", str(dp_models["qwen3"]), *REPLICA_FLAGS, *h.CPU_FLAGS, *h.PREFILL_FLAGS, *chunk]
+        + ["--disaggregation-bootstrap-port", str(replica_port)],
+        h.tp_env(dp_env, 2),
+        logs / "qwen3-prefill-replicas2.log",
+        port=fleet_port(),
+    )
+    out["qwen3"].replicas = (replicas, replica_port)
     fleet = Fleet()
     try:
-        fleet.start(*(s for d in out.values() for s in (d.prefill, d.decode, d.reference)), dp_decode)
+        fleet.start(*(s for d in out.values() for s in (d.prefill, d.decode, d.reference)), dp_decode, replicas)
         yield out
     finally:
         fleet.stop()
@@ -200,3 +217,35 @@ def test_prefill_dp_groups_to_a_decode_with_dp_attention(deployments):
             f"qwen3 prefill DP group {parity} -> decode DP 2, {n}-token prompt: {got} != reference "
             f"{dep.want(ids)}\n{dep.logs()}\n--- {dep.dp_decode.name}:\n{dep.dp_decode.log_tail()}"
         )
+
+
+def test_dp_replicas_serve_tokens_equal_to_a_single_server_and_a_zeroed_writer_changes_them(deployments, logs):
+    """Prefill --tp 1 --dp-size 2 without --enable-dp-attention (two TP 1 replicas behind one
+    bootstrap; SGLang's prefill dispatches by bootstrap_room % 2) -> decode TP 1 (Qwen3):
+    both replicas serve tokens equal to a single TP 1 server. The negative control zeroes
+    what the replica's only writer delivered: the tokens must change, then come back."""
+    dep = deployments["qwen3"]
+    server, port = dep.replicas
+    for parity, (n, seed) in ((0, (PREFILL_CHUNK + 13, 21)), (1, (14, 22)), (1, (2 * PREFILL_CHUNK + 3, 23))):
+        ids = prompt(n, seed)
+        pre, dec = h.generate_pd(server, dep.decode, port, ids, room(parity))
+        got = h.output_ids(dec)
+        assert got == dep.want(ids), (
+            f"qwen3 DP replica {parity} -> decode TP 1, {n}-token prompt: {got} != reference {dep.want(ids)} "
+            f"(prefill: {pre})\n--- {server.name}:\n{server.log_tail()}\n{dep.logs()}"
+        )
+    ids = prompt(PREFILL_CHUNK + 29, 24)
+    control = logs / "corrupt-writer"
+    record = Path(str(control) + ".log")
+    before = record.read_text() if record.exists() else ""
+    control.write_text("0/1")
+    try:
+        pre, dec = h.generate_pd(server, dep.decode, port, ids, room(1))
+    finally:
+        control.unlink()
+    got = h.output_ids(dec)
+    assert got is not None, f"decode answered {dec}\n{dep.logs()}"
+    assert "zeroed heads" in record.read_text()[len(before) :]
+    assert got != dep.want(ids), f"tokens did not change with the replica writer's KV zeroed: {got}"
+    pre, dec = h.generate_pd(server, dep.decode, port, ids, room(1))
+    assert h.output_ids(dec) == dep.want(ids), f"{dec}\n{dep.logs()}"

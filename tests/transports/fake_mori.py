@@ -431,19 +431,27 @@ class _Engine:
             (code, message), self.fake.fail_next = self.fake.fail_next, None
             status.Update(code, message)
             return
+        # The check and the write under one lock: deregister_memory takes it, so a region
+        # of this process cannot be deregistered (and freed) between them, as real MORI's
+        # deregistration drops the MR before the memory can go. Status updates come after.
+        failure: OSError | None = None
         with _LIVE_LOCK:
             gone = [
                 m
                 for m in (session.local, session.remote)
                 if (m.engine_key, m.id) not in _LIVE_MEMORY and m.engine_key in _IN_PROCESS
             ]
+            if not gone:
+                try:
+                    cma_write(session.remote_pid, session.local.data + lo, session.remote.data + ro, sz)
+                except OSError as exc:
+                    failure = exc
         if gone:
             status.Update(StatusCode.ERR_NOT_FOUND, "memory region was deregistered")
-            return
-        try:
-            cma_write(session.remote_pid, session.local.data + lo, session.remote.data + ro, sz)
-        except OSError as exc:
-            if exc.errno == errno.ESRCH:
+        elif failure is None:
+            status.Update(StatusCode.SUCCESS, "")
+        else:
+            if failure.errno == errno.ESRCH:
                 self.fake.events.append(
                     PeerFailureEvent(
                         session.remote.engine_key,
@@ -451,9 +459,7 @@ class _Engine:
                         detail="RETRY_EXC_ERR: remote process gone",
                     )
                 )
-            status.Update(StatusCode.ERR_RDMA_OP, f"ibv_post_send/CQE error: {exc}")
-        else:
-            status.Update(StatusCode.SUCCESS, "")
+            status.Update(StatusCode.ERR_RDMA_OP, f"ibv_post_send/CQE error: {failure}")
 
     def _answer(self, sock) -> None:
         try:

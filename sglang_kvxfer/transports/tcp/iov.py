@@ -87,6 +87,10 @@ def _move(sock: socket.socket, iov: np.ndarray, writing: bool, on_progress) -> N
     while i < n and iov[i, 1] == 0:
         i += 1
     while i < n:
+        # Each call asks the socket for its descriptor again, as Python's own socket calls
+        # do: once another thread closed it, its number may already name another file.
+        if sock.fileno() != fd:
+            raise OSError(errno.EBADF, "the socket was closed in the middle of a frame")
         k = min(IOV_MAX, n - i)
         got = call(fd, iov[i:].ctypes.data, k)
         if got < 0:
