@@ -41,6 +41,20 @@ def run_dp(
     return sides.run_in_processes(dps.main, specs, timeout_s)
 
 
+def _every_room_lands_from_its_route(prefill, decode, model, **kw) -> None:
+    """Run every room of ``ROOMS`` and check each landed, byte-exact, from the DP group
+    ``bootstrap_room % dp_size`` names (``kw``: ``run_dp``'s)."""
+    requests = [R(q.room, q.tokens, decode_group=i % decode[1]) for i, q in enumerate(ROOMS)]
+    pre, dec = run_dp(prefill, decode, model, requests, **kw)
+    assert dec["info"] == {"attn_tp_size": prefill[0], "dp_size": prefill[1]}
+    for q in requests:
+        assert dec[q.room]["status"] == "Success", dec[q.room]
+        assert dec[q.room]["route"] == q.room % prefill[1]
+        assert dec[q.room]["problems"] == [], dec[q.room]["problems"]
+        assert pre[(q.room, q.room % prefill[1])]["status"] == "Success", pre
+    assert dec["pool_problems"] == [], dec["pool_problems"]
+
+
 @needs_sglang
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -56,15 +70,7 @@ def run_dp(
 )
 def test_each_request_lands_from_its_prefill_dp_group(prefill, decode, mla):
     model = Model(mla=True, head_dim=24, pool_tokens=192) if mla else Model(total_kv_heads=4, pool_tokens=192)
-    requests = [R(q.room, q.tokens, decode_group=i % decode[1]) for i, q in enumerate(ROOMS)]
-    pre, dec = run_dp(prefill, decode, model, requests)
-    assert dec["info"] == {"attn_tp_size": prefill[0], "dp_size": prefill[1]}
-    for q in requests:
-        assert dec[q.room]["status"] == "Success", dec[q.room]
-        assert dec[q.room]["route"] == q.room % prefill[1]
-        assert dec[q.room]["problems"] == [], dec[q.room]["problems"]
-        assert pre[(q.room, q.room % prefill[1])]["status"] == "Success", pre
-    assert dec["pool_problems"] == [], dec["pool_problems"]
+    _every_room_lands_from_its_route(prefill, decode, model)
 
 
 @needs_sglang
@@ -86,15 +92,7 @@ def test_dp_replicas_serve_each_request_from_the_replica_its_room_names(prefill,
     bootstrap_room % dp_size names, every decode byte against that replica's oracle (the
     replicas' KV differ in every row, so a byte from the other one shows)."""
     model = Model(mla=True, head_dim=24, pool_tokens=192) if mla else Model(total_kv_heads=4, pool_tokens=192)
-    requests = [R(q.room, q.tokens, decode_group=i % decode[1]) for i, q in enumerate(ROOMS)]
-    pre, dec = run_dp(prefill, decode, model, requests, system=system)
-    assert dec["info"] == {"attn_tp_size": prefill[0], "dp_size": prefill[1]}
-    for q in requests:
-        assert dec[q.room]["status"] == "Success", dec[q.room]
-        assert dec[q.room]["route"] == q.room % prefill[1]
-        assert dec[q.room]["problems"] == [], dec[q.room]["problems"]
-        assert pre[(q.room, q.room % prefill[1])]["status"] == "Success", pre
-    assert dec["pool_problems"] == [], dec["pool_problems"]
+    _every_room_lands_from_its_route(prefill, decode, model, system=system)
 
 
 @needs_sglang
