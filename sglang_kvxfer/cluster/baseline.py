@@ -40,16 +40,16 @@ def _buffer_bytes(lane: list[int]) -> int:
 
 def _pieces(items: list[int]):
     """(offset, nbytes) of each piece in a buffer of ``_buffer_bytes(items)``: consecutive
-    pieces sit at consecutive offsets (wrapping), like requests in a pool, so a small item
-    is not copied from cache-hot bytes again and again."""
+    pieces sit at consecutive offsets, like requests in a pool, so a small item is not
+    copied from cache-hot bytes again and again. A piece that reaches the buffer's end is
+    split there and goes on at offset 0, so the pieces cover every byte of the buffer
+    (whatever the item sizes) and the check after timing compares written bytes only."""
     size, off = _buffer_bytes(items), 0
     for n in items:
         while n > 0:
-            k = min(n, _PIECE)
-            if off + k > size:
-                off = 0
+            k = min(n, size - off)
             yield off, k
-            off += k
+            off = (off + k) % size
             n -= k
 
 

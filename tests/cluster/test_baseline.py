@@ -18,6 +18,14 @@ def test_baseline_movers_deliver_every_byte(method):
     assert gbps > 0  # the movers compare every destination with its source after timing
 
 
+@pytest.mark.parametrize("method", ["copy", "socket"])
+def test_items_that_do_not_tile_the_64_mib_buffer_still_cover_it(method):
+    # Two 40 MiB items in one lane: the second reaches the buffer's end, so it must go on at
+    # offset 0 instead of leaving 24 MiB of the buffer unwritten (the GPU check's MLA run,
+    # 37.7 MB items, failed with "did not deliver its bytes" before the split).
+    assert measure_baseline(method, [40 << 20, 40 << 20], streams=1, timeout_s=60) > 0
+
+
 def test_baseline_check_catches_a_mover_that_lost_bytes():
     with pytest.raises(RuntimeError, match="baseline mover 1 did not deliver its bytes"):
         _check([(np.ones(4, np.uint8), np.ones(4, np.uint8)), (np.ones(4, np.uint8), np.zeros(4, np.uint8))])
@@ -45,3 +53,4 @@ def test_device_to_device_baseline_moves_bytes():
 
     last = f"cuda:{torch.cuda.device_count() - 1}"
     assert measure_baseline("d2d", [8 << 20, 3 << 20], 2, prefill_devices=["cuda:0"], decode_devices=[last]) > 0
+    assert measure_baseline("d2d", [40 << 20, 40 << 20], 1, prefill_devices=["cuda:0"], decode_devices=[last]) > 0

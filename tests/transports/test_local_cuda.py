@@ -92,7 +92,8 @@ def test_cuda_to_cpu_region_is_refused(cuda_peer):
     from sglang_kvxfer.transports.local import LocalTransport, alloc_shared
 
     conn, agent, region_desc = cuda_peer
-    with LocalTransport() as t, alloc_shared(4096) as buf:
+    # the buffer outlives the transport that registered it (closed in the reverse order)
+    with alloc_shared(4096) as buf, LocalTransport() as t:
         local = t.register(buf.ptr, 4096)
         t.add_peer("p", agent)
         remote = t.import_region("p", region_desc)
