@@ -199,6 +199,40 @@ def test_deregister_and_close_release_everything(pair):
 
 
 @needs_nixl
+def test_close_destroys_the_agent_then_not_at_a_later_collection(pair):
+    import gc
+    import weakref
+
+    pair.write([0, 8192], [4096, 0], [4096, 4096])
+    agent_ref = weakref.ref(pair.a._agent)
+    gc.disable()  # only reference counting may free it: close() must drop the last reference
+    try:
+        pair.a.close()
+        assert agent_ref() is None, gc.get_referrers(agent_ref())
+    finally:
+        gc.enable()
+
+
+@needs_nixl
+def test_a_request_nixl_cannot_cancel_keeps_its_agent_alive(pair, caplog):
+    from sglang_kvxfer.transports.nixl import transport as nixl_transport
+
+    class Stuck:  # what NIXL's handle does for a request it cannot cancel
+        def release(self):
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+
+    stuck, agent = Stuck(), pair.a._agent
+    pair.a._unreleased.append(stuck)
+    try:
+        with caplog.at_level("WARNING", logger="sglang_kvxfer.transports.nixl"):
+            pair.a.close()
+        assert (agent, [stuck]) in nixl_transport._KEPT
+        assert "kept alive until the process exits (1 transfer request(s) NIXL could not cancel" in caplog.text
+    finally:
+        nixl_transport._KEPT[:] = [k for k in nixl_transport._KEPT if k[0] is not agent]
+
+
+@needs_nixl
 def test_remove_peer_fails_a_write_the_stopped_peer_cannot_finish():
     peer = PeerProcess("nixl", {"ucx_tls": "tcp"}, "private", 1 << 20)
     assert peer.setup_error is None, peer.setup_error

@@ -15,6 +15,11 @@ by every later batch, which then only passes index arrays. Otherwise the batch's
 are prepared from Nx3 arrays and released with it (both cost about the same per
 descriptor here, see the README).
 
+Lifetime: ``close`` releases every request, list and registration, then drops the agent,
+so UCX tears its workers down then, not at some later garbage collection. A request NIXL
+could not cancel is never released behind UCX's back: its handle and the agent stay
+referenced (``_KEPT``) until the process exits, and ``close`` says so.
+
 Progress: NIXL's own progress thread busy-polls a core, so by default a thread of this
 transport progresses UCX every millisecond instead (and every poll progresses too).
 
@@ -57,6 +62,8 @@ from sglang_kvxfer.transports.nixl.agent import UcxSettings, create_agent, exit_
 __all__ = ["NixlTransport", "exit_process", "ucx_backend_created"]
 
 log = logging.getLogger("sglang_kvxfer.transports.nixl")
+# (agent, request handles) of closed transports with requests NIXL could not cancel
+_KEPT: list[tuple[Any, list]] = []
 
 _NAME = "nixl"
 _MAX_BLOCK_SIZES = 4  # prepared descriptor lists kept per region (one per block size)
@@ -197,6 +204,7 @@ class NixlTransport(Transport):
         self._peers: dict[str, _Peer] = {}
         self._dlists: dict[tuple, dict] = {}  # ("local", rid) | (peer, rid) -> {block: handle}
         self._inflight: set[_Xfer] = set()
+        self._unreleased: list = []  # request handles NIXL refused to release (not cancellable)
         self._failures: list[PeerFailure] = []
         self.path_counts = {"prepped": 0, "per_batch": 0}  # how batches were posted
         self._stop = threading.Event()
@@ -455,8 +463,9 @@ class NixlTransport(Transport):
             if handle is not None:
                 try:
                     handle.release()
-                except Exception as exc:  # NIXL keeps a request it cannot cancel
+                except Exception as exc:  # NIXL keeps a request it cannot cancel: so do we
                     log.warning("nixl: releasing %r failed: %s", handle, exc)
+                    self._unreleased.append(handle)
         xfer.handle, xfer.extra = None, ()
         if xfer.lease is not None:
             self._regions.release(xfer.lease)
@@ -521,6 +530,24 @@ class NixlTransport(Transport):
             for rid, entry in self._regions.items():
                 self._regions.remove(rid, 0)
                 self._agent.deregister_memory(entry.reg)
+            kept = []
+            for handle in self._unreleased:  # (ended since, or abortable now)
+                try:
+                    handle.release()
+                except Exception:
+                    kept.append(handle)
+            self._unreleased = []
+            if (self._pump is not None and self._pump.is_alive()) or kept:
+                # Destroying the agent would free what UCX may still touch: keep it.
+                _KEPT.append((self._agent, kept))
+                log.warning(
+                    "nixl: agent %s kept alive until the process exits (%d transfer request(s) NIXL "
+                    "could not cancel%s)",
+                    self._name,
+                    len(kept),
+                    ", its progress thread did not stop" if self._pump is not None and self._pump.is_alive() else "",
+                )
+            self._agent = None  # the last reference here: UCX's workers go now, not at a later GC
 
 
 def _rows(addrs: np.ndarray, sizes: np.ndarray, dev_id: int) -> np.ndarray:
