@@ -397,34 +397,31 @@ class KVXferKVManager(BaseKVManager):
             )
             self.prefill_info_table[bootstrap_addr] = info
             return True
+        # Each stage's group lookup starts here (the receivers wait for it). Only the bootstrap's
+        # answer is waited for, not the prefill ranks' acknowledgement of this rank's
+        # registration: SGLang gives up on an address after 15 calls about a second apart, and
+        # a prefill rank whose I/O thread is starved of CPU can take longer than that to answer
+        # (the requests wait for it under the bootstrap timeout and fail with the reason).
         statuses = [
             part.engine.prefill_group_status(bootstrap.group_address(bootstrap_addr, 0, pp_rank))
             for pp_rank, part in self._stage_parts(bootstrap_addr, topo, 0)
         ]
-        if any(s[0] not in ("ready", "failed") for s in statuses):
+        if any(s[0] == "resolving" for s in statuses):
             return False
-        status = "failed" if any(s[0] == "failed" for s in statuses) else "ready"
-        tp_size, geometry = statuses[0][2], statuses[0][3]
-        dp_size = 1
-        dp_groups: tuple[int, ...] = (0,)  # a prefill without attention DP
-        draft: KVGeometry | None = None
-        states: tuple[str, ...] = ()
-        if status == "ready":  # DP group 0 is registered: ask how many groups there are
-            try:
-                dp_size, dp_groups, draft, states = self._prefill_dp_groups(bootstrap_addr)
-            except KVXferError as exc:
-                log.warning("kvxfer: the DP groups behind bootstrap %s: %s (asking again)", bootstrap_addr, exc)
-                return False
+        failed = any(s[0] == "failed" for s in statuses)  # (the receivers fail with the reason)
+        tp_size, geometry = statuses[0][2] or topo.tp_size, statuses[0][3] or topo.geometry
+        # The DP groups, draft pool and state pools came with the topology (one bootstrap reply).
+        dp_size, dp_groups, draft, states = topo.dp_size, topo.dp_groups, topo.draft_geometry, topo.state_pools
         ours = self.layout.geometry.page_size
-        if geometry is not None and geometry.page_size != ours:
+        if geometry.page_size != ours:
             # The scheduler counts whole pages on both sides (as SGLang's own backends
             # require): the page sizes must agree.
             problem = (
                 f"page_size: prefill={geometry.page_size} decode={ours} (start both servers with the same --page-size)"
             )
-        if status == "ready" and not problem:
+        if not failed and not problem:
             problem = draft_problem(draft, self.layout.draft.geometry if self.layout.draft else None)
-        if status == "ready" and not problem:
+        if not failed and not problem:
             problem = state_problem(states, self.layout.states, tp_size, self.layout.tp_size)
         self.prefill_info_table[bootstrap_addr] = PrefillInfo(
             attn_tp_size=tp_size,
@@ -573,20 +570,6 @@ class KVXferKVManager(BaseKVManager):
         lookup = self._lookups.get(bootstrap_addr)
         topo = lookup.result if lookup is not None else None
         return [part for _, part in self._stage_parts(bootstrap_addr, topo, dp_rank)]
-
-    def _prefill_dp_groups(
-        self, bootstrap_addr: str
-    ) -> tuple[int, tuple[int, ...], KVGeometry | None, tuple[str, ...]]:
-        """``(dp_size, registered DP groups, draft-model pool geometry, state pools)`` of the
-        prefill behind ``bootstrap_addr``: one query (the bootstrap just answered this rank's
-        engine), under a session of its own."""
-        from sglang_kvxfer.engine import bootstrap
-        from sglang_kvxfer.protocol.messages import BootstrapQuery
-
-        eng = self.decode_engine
-        query = BootstrapQuery(session=f"{eng.session}.dp", tp_rank=eng.tp_rank)
-        reply = bootstrap.request(bootstrap_addr, query, timeout_s=2.0, key=self.config.key)
-        return max(reply.dp_size, 1), tuple(reply.dp_groups) or (0,), reply.draft_geometry, tuple(reply.state_pools)
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         # A decode rank of another TP width receives a slice of what the prefill digested; a

@@ -319,6 +319,7 @@ class PrefillTopology:
     # each state pool asked about: its entry count on every stage, in stage order (asked only
     # of a prefill of several stages)
     state_counts: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    state_pools: tuple[str, ...] = ()  # the state pools the prefill announced
 
 
 class TopologyLookup:
@@ -402,6 +403,7 @@ class TopologyLookup:
             pp_size=max(first.pp_size, 1),
             pp_layers=tuple(layers),
             state_counts=tuple(counts),
+            state_pools=tuple(first.state_pools),
         )
 
     def close(self) -> None:
