@@ -49,6 +49,9 @@ def main() -> None:
         enable_prefix_caching=False,  # every request moves its KV (see docs/vllm.md)
         kv_transfer_config=ktc,
         seed=0,
+        # None: vLLM's choice. The MLA test names CPU_MLA: on a CPU with AMX tiles vLLM picks
+        # AMX_MLA, which refuses the float32 weights used here.
+        attention_backend=spec.get("attention_backend"),
     )
     answers.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     for line in sys.stdin:

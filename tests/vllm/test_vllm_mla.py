@@ -36,7 +36,8 @@ def mla_pair(vllm_env, vllm_mla_model, vllm_logs, tmp_path_factory):
         KVXFER_TEST_DUMP_DIR=str(dumps),
     )
     test_connector = dict(connector="KVXferTestConnector", connector_module="tests.vllm.corrupt_connector")
-    base = {"model": str(vllm_mla_model), "transport": "tcp", "block_size": BLOCK_SIZE}
+    # CPU_MLA on every CPU: AMX_MLA (vLLM's pick where AMX tiles exist) refuses float32 weights
+    base = {"model": str(vllm_mla_model), "transport": "tcp", "block_size": BLOCK_SIZE, "attention_backend": "CPU_MLA"}
     producer = h.Engine(
         "mla-producer",
         dict(base, tp=1, kv_role="kv_both", kv_port=h.free_port(), **test_connector),
