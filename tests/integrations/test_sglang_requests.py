@@ -301,3 +301,47 @@ def test_page_size_mismatch_fails_requests_at_init(sglang_backend):
             assert poll_until(tx, SUCCESS) == FAILED  # the prefill side hears it
         finally:
             d.close()
+
+
+def test_parallel_info_is_known_while_the_prefill_rank_has_not_answered_the_registration(sglang_backend):
+    """SGLang 0.5.23's decode gives up on a bootstrap address after 15 calls of
+    try_ensure_parallel_info about a second apart. A prefill rank whose I/O thread is held
+    (as by CPU starvation) must not make it give up: the info comes from the bootstrap, and
+    the request waits in Bootstrapping until the rank answers, then goes on."""
+    import threading
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in ENV.items():
+            mp.setenv(k, v)
+        d = Deployment(*sglang_backend, Model())
+        release = threading.Event()
+        engine = d.pre.prefill_engine
+        answer = engine._on_register
+        held: list[float] = []
+
+        def held_register(msg):  # the prefill rank's I/O thread, stuck until released
+            held.append(time.monotonic())
+            release.wait(30)
+            answer(msg)
+
+        mp.setattr(engine, "_on_register", held_register)
+        try:
+            room, tx, rx = d.pair()
+            calls, deadline = 0, time.monotonic() + 10
+            while not d.dec.try_ensure_parallel_info(d.addr):
+                calls += 1
+                assert time.monotonic() < deadline, f"no parallel info after {calls} calls"
+                time.sleep(0.05)
+            info = d.dec.prefill_info_table[d.addr]
+            assert (info.attn_tp_size, info.dp_size, info.problem) == (1, 1, "")
+            rx.init(0)
+            time.sleep(0.3)
+            assert held, "the decode rank never registered with the prefill rank"
+            assert int(rx.poll()) == BOOTSTRAPPING  # the rank has not accepted this decode rank yet
+            release.set()
+            assert poll_until(rx, WAITING) == WAITING
+            rx.send_metadata(np.asarray([3, 4, 5], dtype=np.int32), 1, [], decode_prefix_len=0)
+            assert poll_until(tx, WAITING) == WAITING
+        finally:
+            release.set()
+            d.close()
