@@ -537,7 +537,8 @@ class NixlTransport(Transport):
                 except Exception:
                     kept.append(handle)
             self._unreleased = []
-            if (self._pump is not None and self._pump.is_alive()) or kept:
+            pumping = self._pump is not None and self._pump.is_alive()
+            if pumping or kept:
                 # Destroying the agent would free what UCX may still touch: keep it.
                 _KEPT.append((self._agent, kept))
                 log.warning(
@@ -545,7 +546,7 @@ class NixlTransport(Transport):
                     "could not cancel%s)",
                     self._name,
                     len(kept),
-                    ", its progress thread did not stop" if self._pump is not None and self._pump.is_alive() else "",
+                    ", its progress thread did not stop" if pumping else "",
                 )
             self._agent = None  # the last reference here: UCX's workers go now, not at a later GC
 
