@@ -13,7 +13,11 @@ share in place: per staged writer and layer it counts the tokens scattered (chun
 carry a layer range: layer-wise streaming), and every writer's bytes must be its share. Scatters run in order on the room's
 worker; a ``TransferDone`` whose room has nothing queued there and whose last chunk is
 small (``INLINE_NOTICE_BYTES``) is handled on the I/O thread at once: no thread hand-over
-on a small request's last step. Deadlines, aborts and peer death fail a request and free
+on a small request's last step. A ``TransferDone`` with landing receipts (``tcp``: writes
+the writer posted but had no ACK for yet) counts, and its last chunk is scattered, only
+once this rank's transport says every receipt landed (at once when they already have, else
+on the worker, waiting with the transfer deadline); a receipt refused or cut off fails the
+room with why. Deadlines, aborts and peer death fail a request and free
 its staging windows; the next request to a live peer works.
 
 This module owns the decode manager's flow: lookup and registration, metadata, messages,
@@ -24,6 +28,7 @@ the one its room expects (``_from_expected``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -396,7 +401,7 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
             if isinstance(msg, ChunkReady):
                 self._on_chunk(msg)
             elif isinstance(msg, TransferDone):
-                self._on_done(msg)
+                self._on_done(msg, sender)
             else:
                 what = "aborted" if isinstance(msg, Abort) else "failed"
                 self._fail_room(rec, f"prefill rank {msg.tp_rank} {what} the request: {msg.reason}", notify=False)
@@ -574,7 +579,7 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
                 )
         return True
 
-    def _on_done(self, msg: TransferDone) -> None:
+    def _on_done(self, msg: TransferDone, sender: str) -> None:
         rec = self.room(msg.room)
         if rec is None or rec.state.is_terminal:
             return
@@ -595,12 +600,39 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
                 if self._scatter(rec, plan, msg.tp_rank, chunk, arena_offset, layers):
                     self._writer_done(rec, msg, arrived)
 
+        landed = True
+        if msg.receipts:  # the writer's writes it had no ACK for yet: in place here?
+            try:
+                landed = self._live_transport.landed(sender, msg.receipts)
+            except KVXferError as exc:
+                return self._fail_room(rec, f"prefill rank {msg.tp_rank}'s writes did not land: {exc}")
+            if not landed:
+                task = functools.partial(self._after_receipts, rec, msg, sender, task)
         with self._lock:  # nothing of the room queued: nothing to keep in order with
-            inline = rec.queued == 0 and (chunk is None or chunk.chunk_bytes <= INLINE_NOTICE_BYTES)
+            inline = landed and rec.queued == 0 and (chunk is None or chunk.chunk_bytes <= INLINE_NOTICE_BYTES)
         if inline:
             task()
         else:
             self._submit(rec, task)
+
+    def _after_receipts(self, rec: DecodeRoom, msg: TransferDone, sender: str, then: Callable[[], None]) -> None:
+        """Run ``then`` (worker thread) once the transport says every receipt of ``msg``
+        landed; not when the room ended meanwhile, or when they did not land within the
+        transfer deadline (the room is failed saying why)."""
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        while not rec.state.is_terminal:
+            left = deadline - time.monotonic()
+            try:  # in slices: a room failed meanwhile (abort, the writer's own failure) stops it
+                self._live_transport.wait_landed(sender, msg.receipts, max(0.0, min(left, 0.05)))
+            except TransferTimeoutError as exc:
+                if left > 0.05:
+                    continue
+                reason = f"{exc} (the transfer deadline, {self.config.transfer_timeout_s} s)"
+            except KVXferError as exc:
+                reason = str(exc)
+            else:
+                return then()
+            return self._fail_room(rec, f"prefill rank {msg.tp_rank}'s writes did not land: {reason}")
 
     def _writer_done(self, rec: DecodeRoom, msg: TransferDone, arrived: float) -> None:
         with self._lock:

@@ -10,7 +10,10 @@ through the readers' two staging slots (gather -> one write -> ``ChunkReady``, w
 replicas of a head, share one gather whose staging is written to each of their slots:
 fan-out), and sends ``TransferDone`` after the last chunk, carrying each staged reader's
 last slot (one notice instead of a ``ChunkReady`` and a ``TransferDone``; that slot is
-never acknowledged).
+never acknowledged). Where the transport has landing receipts (``tcp``), the last chunk's
+writes still unacknowledged ride on that ``TransferDone`` as receipts instead of being
+waited for first: the reader's transport says when they landed, while the writer's ACK
+travels back; the writer waits for them after the notice, before its own Success.
 Must not: handle control messages other than sending its own, decide room ownership, or
 fail a room itself (it raises; ``_drain`` hands the error to ``_fail_room``).
 """
@@ -33,10 +36,11 @@ from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeo
 from sglang_kvxfer.metrics import SINCE_FIRST_BYTE, SINCE_LAST_CHUNK
 from sglang_kvxfer.planning import DataPath, HeadTransfer, KVSlice, RequestPlan, TPPlan
 from sglang_kvxfer.planning.byteplan import per_token_possible, staged_op_count
-from sglang_kvxfer.protocol.fields import STAGING_SLOTS
+from sglang_kvxfer.protocol.fields import MAX_RECEIPTS, STAGING_SLOTS
 from sglang_kvxfer.protocol.messages import ChunkReady, RequestMeta, StagedChunk, TransferDone
 from sglang_kvxfer.protocol.state import Event, KVPoll
 from sglang_kvxfer.transports.base import RemoteRegion, Ticket, TicketState, wait_all
+from sglang_kvxfer.transports.ticket import pending_or_raise
 
 if TYPE_CHECKING:
     from sglang_kvxfer.engine.prefill import DecodePeer
@@ -183,12 +187,13 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
         stop = total if chunk.last else min(total, len(rec.src_pages) * g.page_size)
         readers = tp_plan.readers_of(self.tp_rank)
         held: dict[int, _Slot] = {}  # staged reader -> its last slot, announced with TransferDone
+        early: dict[int, list[Ticket]] = {}  # reader -> pending direct writes, sent as receipts
         try:
             if stop > start and readers:
                 with self._lock:
                     if rec.state.poll is not KVPoll.Transferring:
                         rec.state.handle(Event.CHUNK_STARTED, time.monotonic())
-                tickets = []
+                direct: dict[int, list[Ticket]] = {}  # reader -> its direct writes' tickets
                 # staged readers by the source head slice they need: replicas share a gather
                 staged: dict[tuple[int, int], list[_Reader]] = collections.defaultdict(list)
                 for t in readers:
@@ -201,11 +206,14 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
                         if ready is not None:
                             ready.synchronize()
                             ready = None
-                        tickets += self._write_direct(rec, plan, peer, start, stop, layers)
+                        direct[t.decode_rank] = self._write_direct(rec, plan, peer, start, stop, layers)
                     else:
                         staged[(t.src_head_start, t.num_heads)].append(_Reader(plan, peer, meta))
                 for group in staged.values():
                     held.update(self._write_staged(rec, group, start, stop, ready, hold_last=chunk.last, layers=layers))
+                if chunk.last:  # writes the reader can check by receipt go on with TransferDone
+                    early = {r: p for r, ts in direct.items() if (p := self._receipted(pending_or_raise(ts)))}
+                tickets = [t for r, ts in direct.items() if r not in early for t in ts]
                 if tickets:
                     t0 = time.perf_counter()
                     wait_all(tickets, self.config.transfer_timeout_s)
@@ -216,10 +224,30 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
             if layers[1] == g.num_layers:
                 rec.tokens_sent = stop
             if chunk.last:
-                self._finish(rec, readers, chunk.aux, held)
+                self._finish(rec, readers, chunk.aux, held, early)
         except BaseException:
             self._drop_slots(rec, held.values())  # those _finish did not take over
+            for ts in early.values():  # they may still read the pool: let them end
+                self._settle(ts)
             raise
+
+    def _receipted(self, pending: list[Ticket]) -> list[Ticket]:
+        """``pending`` when the reader can check all of them by receipt (the transport has
+        receipts and each names its frames), else [] (they are waited for first)."""
+        if not pending or not self._live_transport.caps.receipts:
+            return []
+        if any(t.receipts is None for t in pending) or sum(len(t.receipts or ()) for t in pending) > MAX_RECEIPTS:
+            return []
+        return pending
+
+    def _settle(self, tickets: list[Ticket]) -> None:
+        """Let writes of a failing room end (bounded), ignoring how."""
+        for ticket in tickets:
+            if ticket.poll() is TicketState.PENDING:
+                try:
+                    ticket.wait(self.config.transfer_timeout_s)
+                except KVXferError:
+                    pass
 
     @staticmethod
     def _layout(rec: PrefillRoom) -> tuple[TPPlan, int]:
@@ -382,11 +410,7 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
         """Give up slots of a failing chunk: let their writes end (the bytes may still be
         read from local staging), free their local staging, forget their reader slots."""
         for slot in slots:
-            if slot.ticket.poll() is TicketState.PENDING:
-                try:
-                    slot.ticket.wait(self.config.transfer_timeout_s)
-                except KVXferError:
-                    pass
+            self._settle([slot.ticket])
             if slot.local is not None:
                 slot.local.release()
             with rec.cond:
@@ -486,24 +510,29 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
         k, v = plan.layer_buffers(self._live_pool.buffers, layers)
         self.copy_stream.run(lambda: ops.gather_kv_heads(k, v, piece, out=out), ready)
 
-    def _land_slot(self, rec: PrefillRoom, entry: _Slot) -> None:
-        """Wait for the slot's write, release its local staging and count it."""
-        reader = entry.reader
+    def _land_slot(self, rec: PrefillRoom, entry: _Slot, counted: bool = False) -> None:
+        """Wait for the slot's write, release its local staging and count it (unless
+        ``counted`` already)."""
         try:
             entry.ticket.wait(self.config.transfer_timeout_s)
         except BaseException:
             with rec.cond:
-                rec.inflight[reader].discard(entry.remote_off)
+                rec.inflight[entry.reader].discard(entry.remote_off)
             raise
         finally:
             if entry.local is not None:
                 entry.local.release()
-        ops = staged_op_count(entry.nbytes)  # one bulk move into the reader's slot (a write, or in place)
         rec.timings["wire"] += time.perf_counter() - entry.t_posted
+        if not counted:
+            self._count_slot(rec, entry)
+
+    @staticmethod
+    def _count_slot(rec: PrefillRoom, entry: _Slot) -> None:
+        ops = staged_op_count(entry.nbytes)  # one bulk move into the reader's slot (a write, or in place)
         rec.bytes += entry.nbytes
         rec.ops += ops
-        rec.reader_bytes[reader] += entry.nbytes
-        rec.reader_ops[reader] += ops
+        rec.reader_bytes[entry.reader] += entry.nbytes
+        rec.reader_ops[entry.reader] += ops
 
     def _complete_slot(self, rec: PrefillRoom, entry: _Slot) -> None:
         self._land_slot(rec, entry)
@@ -558,15 +587,30 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
                 )
             time.sleep(0.001)
 
-    def _finish(self, rec: PrefillRoom, readers, aux: bytes, held: dict[int, _Slot]) -> None:
+    def _finish(
+        self, rec: PrefillRoom, readers, aux: bytes, held: dict[int, _Slot], early: dict[int, list[Ticket]]
+    ) -> None:
         """Land each staged reader's last slot (``held``, taken over one by one), then send
-        every reader its ``TransferDone``, carrying that slot."""
+        every reader its ``TransferDone``, carrying that slot. A slot whose write the reader
+        can check by receipt, and the direct writes in ``early``, are not waited for first:
+        their receipts ride on the notice, and they are waited for after it, before this
+        side's Success (a failure then fails the room here, and the reader's transport
+        refuses those receipts too)."""
         chunks: dict[int, StagedChunk] = {}
         layer_spans: dict[int, tuple[int, int]] = {}  # reader -> its last chunk's (layer_start, num_layers)
-        for t in readers:
-            slot = held.pop(t.decode_rank, None)
-            if slot is not None:
-                self._land_slot(rec, slot)
+        receipts = {r: [rc for t in ts for rc in t.receipts or ()] for r, ts in early.items()}
+        deferred: list[_Slot] = []  # slots taken over, landed after the notices
+        try:
+            for t in readers:
+                slot = held.pop(t.decode_rank, None)
+                if slot is None:
+                    continue
+                deferred.append(slot)
+                if self._receipted(pending_or_raise([slot.ticket])):
+                    self._count_slot(rec, slot)
+                    receipts.setdefault(t.decode_rank, []).extend(slot.ticket.receipts or ())
+                else:
+                    self._land_slot(rec, deferred.pop())
                 chunks[t.decode_rank] = StagedChunk(
                     token_start=slot.a,
                     num_tokens=slot.b - slot.a,
@@ -574,27 +618,35 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
                     chunk_bytes=slot.nbytes,
                 )
                 layer_spans[t.decode_rank] = (slot.layers[0], slot.layers[1] - slot.layers[0])
-        timings = {k: round(v, 6) for k, v in rec.timings.items()}
-        now = rec.marks["done"] = time.monotonic()  # before the notices: they may land at once
-        for key, mark in zip((SINCE_FIRST_BYTE, SINCE_LAST_CHUNK), rec.window()):
-            if mark is not None:  # ages, so the decode rank can place the window on its own clock
-                timings[key] = max(0.0, now - mark)
-        for t in readers:
-            meta = rec.metas[t.decode_rank]
-            self._live_control.send(
-                self._peer_of(meta).endpoint,
-                TransferDone(
-                    room=rec.room,
-                    tp_rank=self.tp_rank,
-                    total_bytes=rec.reader_bytes[t.decode_rank],
-                    num_ops=rec.reader_ops[t.decode_rank],
-                    aux_payload=aux,
-                    timings=timings,
-                    last_chunk=chunks.get(t.decode_rank),
-                    last_layer_start=layer_spans.get(t.decode_rank, (0, 0))[0],
-                    last_num_layers=layer_spans.get(t.decode_rank, (0, 0))[1],
-                ),
-            )
+            timings = {k: round(v, 6) for k, v in rec.timings.items()}
+            now = rec.marks["done"] = time.monotonic()  # before the notices: they may land at once
+            for key, mark in zip((SINCE_FIRST_BYTE, SINCE_LAST_CHUNK), rec.window()):
+                if mark is not None:  # ages, so the decode rank can place the window on its own clock
+                    timings[key] = max(0.0, now - mark)
+            for t in readers:
+                meta = rec.metas[t.decode_rank]
+                self._live_control.send(
+                    self._peer_of(meta).endpoint,
+                    TransferDone(
+                        room=rec.room,
+                        tp_rank=self.tp_rank,
+                        total_bytes=rec.reader_bytes[t.decode_rank],
+                        num_ops=rec.reader_ops[t.decode_rank],
+                        aux_payload=aux,
+                        timings=timings,
+                        last_chunk=chunks.get(t.decode_rank),
+                        last_layer_start=layer_spans.get(t.decode_rank, (0, 0))[0],
+                        last_num_layers=layer_spans.get(t.decode_rank, (0, 0))[1],
+                        receipts=tuple(receipts.get(t.decode_rank, ())),
+                    ),
+                )
+            while deferred:
+                self._land_slot(rec, deferred.pop(), counted=True)
+            if early:
+                wait_all([t for ts in early.values() for t in ts], self.config.transfer_timeout_s)
+        except BaseException:
+            self._drop_slots(rec, deferred)
+            raise
         with self._lock:
             if rec.state.is_terminal:
                 return

@@ -40,6 +40,7 @@ from sglang_kvxfer.protocol.fields import (
     MAX_NAME_CHARS,
     MAX_PAGE_IDS,
     MAX_REASON_CHARS,
+    MAX_RECEIPTS,
     MAX_REGION_DESCRIPTOR_BYTES,
     MAX_TIMINGS,
     MAX_TP_SIZE,
@@ -123,4 +124,5 @@ __all__ = [
     "MAX_REGION_DESCRIPTOR_BYTES",
     "MAX_KV_REGIONS",
     "MAX_TIMINGS",
+    "MAX_RECEIPTS",
 ]

@@ -49,6 +49,7 @@ __all__ = [
     "MAX_REGION_DESCRIPTOR_BYTES",
     "MAX_KV_REGIONS",
     "MAX_TIMINGS",
+    "MAX_RECEIPTS",
     "Side",
     "Kind",
     "Record",
@@ -69,8 +70,9 @@ __all__ = [
 # "draft" or "state:<kind>[.<n>]"), and the model's pool registration and reply carry
 # draft_geometry and state_pools; prefill registrations name their pipeline-parallel stage
 # (pp_rank, pp_size, layer_start), queries the stage they ask about and replies the stage's
-# layers and the registered stages; 7: Heartbeat carries the sender's host id and pid.
-PROTOCOL_VERSION = 7
+# layers and the registered stages; 7: Heartbeat carries the sender's host id and pid;
+# 8: TransferDone carries the landing receipts of writes not yet acknowledged (receipts).
+PROTOCOL_VERSION = 8
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name
 MAX_ENDPOINT_CHARS = 256  # "tcp://host:port"
@@ -82,6 +84,7 @@ MAX_AGENT_DESCRIPTOR_BYTES = 4 * 1024 * 1024  # a transport agent's connection i
 MAX_REGION_DESCRIPTOR_BYTES = 16 * 1024  # one registered memory region
 MAX_KV_REGIONS = 8192  # KV buffers of one rank (2 * layers, draft layers)
 MAX_TIMINGS = 32  # entries of TransferDone.timings
+MAX_RECEIPTS = 4096  # entries of TransferDone.receipts (more pending frames: the writer waits instead)
 # A staged pair's window (RequestMeta.staging_capacity_bytes) is this many equal slots: the
 # writer fills one while the reader scatters the other (ChunkReady / ChunkAck).
 STAGING_SLOTS = 2

@@ -26,6 +26,7 @@ from sglang_kvxfer.protocol.fields import (
     MAX_KV_REGIONS,
     MAX_NAME_CHARS,
     MAX_REASON_CHARS,
+    MAX_RECEIPTS,
     MAX_REGION_DESCRIPTOR_BYTES,
     MAX_TIMINGS,
     MAX_TP_SIZE,
@@ -116,6 +117,8 @@ KVRegions = Annotated[tuple[bytes, ...], ListOf(RegionDescriptor, MAX_KV_REGIONS
 BufferLocs = Annotated[tuple, ListOf(ListOf(Int(0, INT64_MAX), 2, min_items=2), MAX_KV_REGIONS, min_items=1)]
 MaybeRegion = Annotated[bytes | None, Maybe(RegionDescriptor)]
 AuxPayload = Annotated[bytes, Blob(MAX_AUX_PAYLOAD_BYTES)]
+# (connection id, frame number) of a write the reader's transport can check (Ticket.receipts)
+Receipts = Annotated[tuple, ListOf(ListOf(Int(1, UINT64_MAX), 2, min_items=2), MAX_RECEIPTS)]
 PhaseTimings = Annotated[Mapping[str, float], Timings(MAX_TIMINGS, Text(MAX_NAME_CHARS, r"[!-~]+", "a phase name"))]
 
 MESSAGE_TYPES: dict[str, type[Message]] = {}
@@ -460,6 +463,11 @@ class TransferDone(Message):
     writer done, and returns no ``ChunkAck`` for it (the room ends). None otherwise.
     ``last_layer_start`` / ``last_num_layers`` (protocol 4): the layers of ``last_chunk``,
     as in ``ChunkReady`` (``last_num_layers=0``: every layer; both 0 without a chunk).
+    ``receipts`` (protocol 8): the landing receipts (``Ticket.receipts``) of this writer's
+    writes to the reader that were not acknowledged yet when it sent this notice (the
+    transport has ``caps.receipts``); the reader counts the writer done, and scatters
+    ``last_chunk``, only once its transport says they all landed. Empty: every write had
+    completed.
     """
 
     room: Room
@@ -471,6 +479,7 @@ class TransferDone(Message):
     last_chunk: MaybeChunk = None
     last_layer_start: Count = 0
     last_num_layers: Count = 0
+    receipts: Receipts = ()
 
     def _validate(self) -> None:
         if self.last_num_layers == 0 and self.last_layer_start != 0:

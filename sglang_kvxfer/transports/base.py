@@ -74,6 +74,9 @@ class Caps:
     secret given to ``authorize_peer`` and confines them to their granted regions; where
     False, ``authorize_peer`` is recorded at most and the trust boundary is elsewhere
     (see docs/trust-model-transports.md).
+    ``receipts``: a write's ``Ticket.receipts`` name its frames, and the reader's transport
+    answers for them (``landed``/``wait_landed``) as soon as they are in its memory, before
+    the writer's ticket completes: a writer may tell the reader "done" right after posting.
     """
 
     mem_kinds: frozenset
@@ -81,6 +84,7 @@ class Caps:
     read_supported: bool = False
     one_sided: bool = False
     authenticates_peers: bool = False
+    receipts: bool = False
 
 
 @dataclass(frozen=True)
@@ -418,6 +422,21 @@ class Transport(abc.ABC):
         (the planner then keeps its fixed rule, ``KVXFER_DIRECT_MIN_OP_BYTES``)."""
         parse_device(device)
         return None
+
+    # -- landing receipts (optional capability) ------------------------------------------
+    def landed(self, peer_id: str, receipts: Sequence[tuple[int, int]]) -> bool:
+        """Reader side, where ``caps.receipts``: whether every frame that ``receipts`` (a
+        writer's ``Ticket.receipts``, carried by the engine's own authenticated message)
+        names has landed in this process's memory from the writer granted as ``peer_id``.
+        False while any is still on its way. Raises ``TransportError`` saying why when one
+        was refused, its connection ended before it, or a receipt names another writer's
+        connection: its bytes will never land."""
+        raise TransportError(f"transport {self.name!r} has no landing receipts (caps.receipts is False)")
+
+    def wait_landed(self, peer_id: str, receipts: Sequence[tuple[int, int]], timeout_s: float) -> None:
+        """``landed`` until True, bounded: raises ``TransferTimeoutError`` after
+        ``timeout_s``, and ``TransportError`` as ``landed`` does."""
+        raise TransportError(f"transport {self.name!r} has no landing receipts (caps.receipts is False)")
 
     def read(self, local: Region, remote: RemoteRegion, local_offsets, remote_offsets, sizes) -> Ticket:
         """One-sided pull; only where ``caps.read_supported``."""

@@ -34,9 +34,12 @@ class Ticket:
     several connections): the ticket is DONE when every part is, FAILED as soon as one fails.
     ``progress`` is an optional callable polled by ``poll``/``wait`` that returns True when
     the work is complete (for completions nobody signals, such as a CUDA event).
+    ``receipts``: where the transport has ``caps.receipts``, the ``(connection id, frame
+    number)`` of each frame of the batch, which the reader's transport can check
+    (``Transport.landed``); None otherwise.
     """
 
-    __slots__ = ("label", "_lock", "_done_event", "_state", "_error", "_parts", "_progress", "_waiters")
+    __slots__ = ("label", "_lock", "_done_event", "_state", "_error", "_parts", "_progress", "_waiters", "receipts")
 
     _POLL_SLICE_S = 0.0005  # how often a progress-driven ticket is re-polled while waiting
 
@@ -51,6 +54,7 @@ class Ticket:
         self._parts = parts
         self._progress = progress
         self._waiters: list[threading.Event] = []
+        self.receipts: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
     def completed(cls, label: str) -> Ticket:

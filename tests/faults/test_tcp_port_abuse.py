@@ -121,7 +121,7 @@ def test_garbage_is_closed_without_a_word(reader):
 
 
 def test_hello_with_a_wrong_mac_is_closed_without_a_word(reader):
-    bogus = HELLO.pack(MAGIC, WIRE_VERSION, os.urandom(16), os.urandom(32))
+    bogus = HELLO.pack(MAGIC, WIRE_VERSION, os.urandom(16), os.urandom(32), 7)
     received, elapsed = _probe(reader, bogus)
     _assert_refused_silently(reader, received, elapsed)
     assert reader.t.refused_connections == 1
@@ -129,7 +129,7 @@ def test_hello_with_a_wrong_mac_is_closed_without_a_word(reader):
 
 def test_hello_naming_a_real_key_id_with_a_wrong_mac_is_closed_without_a_word(reader):
     kid = key_id(SECRET_A)  # the key id is public; only the MAC proves the secret
-    forged = HELLO.pack(MAGIC, WIRE_VERSION, kid, hello_mac(b"x" * 32, bytes(32), "?", kid))
+    forged = HELLO.pack(MAGIC, WIRE_VERSION, kid, hello_mac(b"x" * 32, bytes(32), "?", kid, 7), 7)
     received, elapsed = _probe(reader, forged)
     _assert_refused_silently(reader, received, elapsed)
     assert reader.t.refused_connections == 1

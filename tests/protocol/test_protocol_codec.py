@@ -12,6 +12,7 @@ from sglang_kvxfer.protocol import (
     MAX_KV_REGIONS,
     MAX_PAGE_IDS,
     MAX_REASON_CHARS,
+    MAX_RECEIPTS,
     PROTOCOL_VERSION,
     Abort,
     BootstrapReply,
@@ -369,12 +370,43 @@ def test_transfer_done_with_its_last_chunk_round_trips():
     assert decode(encode(DONE)).last_chunk is None
 
 
-@pytest.mark.parametrize("old", [2, 3, 4, 5, 6])
+@pytest.mark.parametrize("old", [2, 3, 4, 5, 6, 7])
 def test_an_older_peer_is_refused_at_its_first_frame_naming_both_versions(old):
     _, tag, fields = envelope(REG)  # a decode rank's first frame to a prefill rank
     text = rejected(frame(old, tag, fields))
-    assert PROTOCOL_VERSION == 7
-    assert f"peer speaks protocol version {old}, this engine speaks 7" in text
+    assert PROTOCOL_VERSION == 8
+    assert f"peer speaks protocol version {old}, this engine speaks 8" in text
+
+
+# -- protocol 8: TransferDone carries the landing receipts of unacknowledged writes --------------
+def test_transfer_done_with_receipts_round_trips():
+    done = TransferDone(7, 1, 8192, 2, b"", {}, receipts=[(0xFFFF_FFFF_FFFF_FFFF, 1), (5, 2**40)])
+    got = decode(encode(done))
+    assert got == done and got.receipts == ((0xFFFF_FFFF_FFFF_FFFF, 1), (5, 2**40))
+    assert decode(encode(DONE)).receipts == ()
+
+
+def test_a_version_7_transfer_done_without_receipts_is_refused_naming_the_field():
+    _, tag, fields = envelope(DONE)
+    del fields["receipts"]
+    assert "TransferDone is missing field(s): receipts" in rejected(frame(PROTOCOL_VERSION, tag, fields))
+
+
+@pytest.mark.parametrize(
+    "receipts, text",
+    [
+        ([[0, 1]], "TransferDone.receipts[0][0]=0 is out of range"),
+        ([[1, 0]], "TransferDone.receipts[0][1]=0 is out of range"),
+        ([[1, 2, 3]], "TransferDone.receipts[0] is too long: 3 items (limit 2)"),
+        ([[1]], "TransferDone.receipts[0] has 1 items; needs at least 2"),
+        ([[1, 1]] * (MAX_RECEIPTS + 1), f"TransferDone.receipts is too long: {MAX_RECEIPTS + 1} items"),
+        ("x", "TransferDone.receipts must be a list"),
+    ],
+)
+def test_bad_receipts_from_the_wire_are_refused_naming_the_field(receipts, text):
+    _, tag, fields = envelope(DONE)
+    fields["receipts"] = receipts
+    assert text in rejected(frame(PROTOCOL_VERSION, tag, fields))
 
 
 def test_a_version_2_transfer_done_without_last_chunk_is_refused_naming_the_field():

@@ -4,6 +4,7 @@ connections. Attacks on the listening port are in tests/faults/test_tcp_port_abu
 
 from __future__ import annotations
 
+import secrets
 import socket
 import threading
 import time
@@ -97,13 +98,15 @@ def test_write_to_a_deregistered_region_is_refused_by_the_receiver(receiver, sen
     np.testing.assert_array_equal(mem, before)
 
 
-def _raw_connect(t: TcpTransport, secret: bytes = RAW_SECRET) -> socket.socket:
-    """A raw connection past the handshake, as the writer granted ``secret``."""
+def _raw_connect(t: TcpTransport, secret: bytes = RAW_SECRET, conn_id: int | None = None) -> socket.socket:
+    """A raw connection past the handshake, as the writer granted ``secret``, naming itself
+    ``conn_id`` (default: a fresh random id, as a writer does)."""
+    conn_id = secrets.randbits(63) + 1 if conn_id is None else conn_id
     sock = socket.create_connection(t.address, timeout=TIMEOUT_S)
     magic, version, nonce = CHALLENGE.unpack(_recv_exact(sock, CHALLENGE.size))
     assert (magic, version) == (MAGIC, WIRE_VERSION)
     kid = key_id(secret)
-    sock.sendall(HELLO.pack(MAGIC, WIRE_VERSION, kid, hello_mac(secret, nonce, t._agent, kid)))
+    sock.sendall(HELLO.pack(MAGIC, WIRE_VERSION, kid, hello_mac(secret, nonce, t._agent, kid, conn_id), conn_id))
     assert HELLO_OK.unpack(_recv_exact(sock, HELLO_OK.size)) == (MAGIC, WIRE_VERSION)
     return sock
 
@@ -555,3 +558,102 @@ def test_many_small_scattered_entries_land_byte_exact_through_either_path(receiv
         expect[r : r + n] = src[l : l + n]
     np.testing.assert_array_equal(mem, expect)
     assert calls == ({"send": 1, "recv": 1} if vectored else {"send": 0, "recv": 0}), calls
+
+
+# -- landing receipts --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nbytes, connections", [(4096, 1), (N, 3)], ids=["one frame", "split over 3 connections"])
+def test_receipts_say_landed_once_the_bytes_are_in_the_readers_memory(receiver, nbytes, connections):
+    rt, mem, rregion = receiver
+    st = TcpTransport(num_connections=connections, split_min_bytes=4096)
+    src = np.random.default_rng(5).integers(0, 256, N, dtype=np.uint8)
+    sregion = st.register(src.ctypes.data, N)
+    try:
+        assert st.caps.receipts and rt.caps.receipts
+        st.add_peer("r", rt.agent_descriptor(), secret=SECRET)
+        remote = st.import_region("r", rregion.descriptor)
+        ticket = st.write(sregion, remote, np.array([0]), np.array([0]), np.array([nbytes]))
+        assert ticket.receipts is not None and len(ticket.receipts) == (1 if nbytes < N else connections)
+        assert len({cid for cid, _ in ticket.receipts}) == len(ticket.receipts)  # one frame per connection
+        rt.wait_landed("s", ticket.receipts, TIMEOUT_S)  # before the writer's ticket is looked at
+        np.testing.assert_array_equal(mem[:nbytes], src[:nbytes])
+        assert rt.landed("s", ticket.receipts)
+        ticket.wait(TIMEOUT_S)
+        second = st.write(sregion, remote, np.array([0]), np.array([0]), np.array([64]))
+        assert second.receipts is not None
+        assert {s for _, s in second.receipts} == {2}  # the next frame on its connection
+        rt.wait_landed("s", second.receipts, TIMEOUT_S)
+    finally:
+        st.close()
+
+
+def test_a_receipt_is_pending_until_its_frame_is_read_whole(receiver):
+    rt, mem, rregion = receiver
+    cid = 0xC0FFEE
+    assert not rt.landed("raw-test", [(cid, 1)])  # not connected yet: may still come
+    with _raw_connect(rt, conn_id=cid) as sock:
+        table = np.array([(0, 8)], dtype="<u8")
+        sock.sendall(HEADER.pack(T_WRITE, 1, 7, rregion.region_id, 8) + table.tobytes() + b"half")
+        time.sleep(0.2)
+        assert not rt.landed("raw-test", [(cid, 1)])
+        with pytest.raises(TransferTimeoutError, match="not landed after 0.1 s"):
+            rt.wait_landed("raw-test", [(cid, 1)], 0.1)
+        sock.sendall(b"HALF")
+        rt.wait_landed("raw-test", [(cid, 1)], TIMEOUT_S)
+        assert mem[:8].tobytes() == b"halfHALF"
+        assert not rt.landed("raw-test", [(cid, 1), (cid, 2)])  # frame 2 was never sent
+        assert _read_ack(sock) == (0, 7, "")
+
+
+def test_a_refused_frame_fails_its_receipt_with_the_reason(receiver):
+    rt, _, rregion = receiver
+    cid = 0xBAD
+    with _raw_connect(rt, conn_id=cid) as sock:
+        _write_frame(sock, 1, 999, [(0, 4)], b"\xbb" * 4)  # not a region of this writer
+        _write_frame(sock, 2, rregion.region_id, [(0, 4)], b"good")
+        assert _read_ack(sock)[0] == 1 and _read_ack(sock)[0] == 0
+        with pytest.raises(TransportError, match="frame 1 of peer 'raw-test' was refused here: region 999 is not open"):
+            rt.landed("raw-test", [(cid, 1), (cid, 2)])
+        assert rt.landed("raw-test", [(cid, 2)])  # the frame after it landed
+
+
+def test_a_receipt_past_the_end_of_a_closed_connection_fails(receiver):
+    rt, _, rregion = receiver
+    cid = 0x1057
+    with _raw_connect(rt, conn_id=cid) as sock:
+        _write_frame(sock, 1, rregion.region_id, [(0, 4)], b"good")
+        assert _read_ack(sock) == (0, 1, "")
+        table = np.array([(0, 8)], dtype="<u8")
+        sock.sendall(HEADER.pack(T_WRITE, 1, 2, rregion.region_id, 8) + table.tobytes() + b"torn")
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="ended after 1 frame\\(s\\), before frame 2: connection closed"):
+        rt.wait_landed("raw-test", [(cid, 2)], TIMEOUT_S)
+    assert time.monotonic() - t0 < TIMEOUT_S / 2  # the end wakes the waiter, not the deadline
+    assert rt.landed("raw-test", [(cid, 1)])  # an ended connection still answers for what landed
+
+
+def test_a_receipt_naming_another_writers_connection_is_refused(receiver, sender):
+    rt, _, rregion = receiver
+    st, _, sregion = sender
+    st.add_peer("r", rt.agent_descriptor(), secret=SECRET)
+    remote = st.import_region("r", rregion.descriptor)
+    ticket = st.write(sregion, remote, np.array([0]), np.array([0]), np.array([64]))
+    ticket.wait(TIMEOUT_S)
+    assert ticket.receipts is not None
+    with pytest.raises(TransportError, match="names connection .* which is another writer's"):
+        rt.landed("raw-test", ticket.receipts)
+
+
+def test_a_second_connection_naming_a_taken_id_is_refused(receiver):
+    rt, _, _ = receiver
+    with _raw_connect(rt, conn_id=0xD0D0):
+        sock = socket.create_connection(rt.address, timeout=TIMEOUT_S)
+        with sock:
+            _, _, nonce = CHALLENGE.unpack(_recv_exact(sock, CHALLENGE.size))
+            kid = key_id(RAW_SECRET)
+            sock.sendall(
+                HELLO.pack(MAGIC, WIRE_VERSION, kid, hello_mac(RAW_SECRET, nonce, rt._agent, kid, 0xD0D0), 0xD0D0)
+            )
+            assert _closed_by_peer(sock)
+    assert rt.refused_connections == 1

@@ -8,10 +8,15 @@ connection is sent by the caller's thread instead (``claim``/``send_claimed``): 
 thread hand-over less on a small write's path, in the same order and with the same
 failure handling. A BYE from the reader (it closes idle connections) retires the
 connection cleanly: what is in flight completes, and the next write opens a new one.
+Each connection has a random 64-bit id, named in its HELLO, and numbers its WRITE frames
+from 1 in the order they go on the wire (a job's number is taken when it is queued or
+claimed): ``(connection id, frame number)`` is the frame's landing receipt, which the
+reader's transport can check without waiting for the ACK to travel back.
 ``_Inbound`` is the receiver's side: it authenticates the writer, checks each frame
 against the regions granted to that writer before reading the payload into the region
 with ``recvmsg_into`` (many entries: ``readv``), refuses (drains and NACKs) writes outside them, and closes the
-connection on a malformed frame.
+connection on a malformed frame. It counts every frame it served (landed or refused)
+before the ACK, through ``frame_served``, so its owner can answer for receipts.
 
 A frame whose memory is on a device takes the same path through the pinned bounce
 buffers of ``bounce`` (allocated per connection end on its first device frame); the wire
@@ -136,6 +141,9 @@ class ConnOwner(Protocol):
     admit_write(inbound, region_id, offsets, sizes) : a lease when the bound writer may
         write these entries into ``region_id``, else why not (a ``str``); raises
         ``_Violation`` (the connection closes) when the writer's grant is gone.
+    frame_served(inbound, refusal) : the inbound connection's next WRITE frame (number
+        ``inbound.served + 1``) landed (``refusal`` None) or was refused (why); called
+        before its ACK is sent.
     inbound_closed(inbound, reason) : the inbound connection ended; ``reason`` is None
         for a clean end, else why (a peer failure once the writer was bound).
     """
@@ -159,6 +167,8 @@ class ConnOwner(Protocol):
     def admit_write(
         self, inbound: _Inbound, region_id: int, offsets: np.ndarray, sizes: np.ndarray
     ) -> UseTable.Lease | str: ...
+
+    def frame_served(self, inbound: _Inbound, refusal: str | None) -> None: ...
 
     def inbound_closed(self, inbound: _Inbound, reason: str | None) -> None: ...
 
@@ -245,6 +255,7 @@ class _Job:
     bufs: list  # header, table and (host memory) the payload's views
     device: DevicePayload | None = None  # the payload, when it is in device memory
     iov: np.ndarray | None = None  # the payload as iovecs (host memory, many entries: see iov.py)
+    seq: int = 0  # its frame number on the connection, once queued or claimed (from 1)
 
 
 class _DeviceCopyError(Exception):
@@ -276,6 +287,8 @@ class _Conn:
         self.threads: list[threading.Thread] = []
         self.bounce: BounceBuffers | None = None  # the sender thread's, on its first device frame
         self.connected = False  # handshake done, ACK reader running: a caller may send (claim)
+        self.conn_id = secrets.randbits(64) or 1  # named in HELLO: receipts are (conn_id, seq)
+        self.next_seq = 1  # the number of the next frame queued or claimed (wire order)
 
     @property
     def where(self) -> str:
@@ -284,6 +297,7 @@ class _Conn:
     def submit(self, job: _Job) -> None:
         with self.cond:
             if self.dead is None and not self.stopping and not self.closing:
+                job.seq, self.next_seq = self.next_seq, self.next_seq + 1
                 self.queue.append(job)
                 if not self.threads:
                     self._start()
@@ -300,6 +314,7 @@ class _Conn:
         with self.cond:
             idle = self.sending is None and not self.queue and not self.retiring
             if self.connected and idle and self.dead is None and not self.stopping and not self.closing:
+                job.seq, self.next_seq = self.next_seq, self.next_seq + 1
                 self.sending = job
                 self.outstanding[job.xfer_id] = job.ticket
                 return True
@@ -402,7 +417,8 @@ class _Conn:
             )
         secret = self.peer.secret
         kid = key_id(secret)
-        sock.sendall(HELLO.pack(MAGIC, WIRE_VERSION, kid, hello_mac(secret, nonce, self.peer.agent, kid)))
+        mac = hello_mac(secret, nonce, self.peer.agent, kid, self.conn_id)
+        sock.sendall(HELLO.pack(MAGIC, WIRE_VERSION, kid, mac, self.conn_id))
         try:
             magic, version = HELLO_OK.unpack(_recv_exact(sock, HELLO_OK.size))
         except ConnectionError:
@@ -539,6 +555,10 @@ class _Inbound:
         self.bye_sent = False
         self.cut = False  # closed here on purpose (revoke_peer): not a peer failure
         self.bounce: BounceBuffers | None = None  # allocated on the first device frame
+        self.conn_id = 0  # the writer's name for this connection (HELLO), once bound
+        self.served = 0  # WRITE frames landed or refused so far (receipts up to it are answered)
+        self.refused: dict[int, str] = {}  # frame number -> why it was refused
+        self.ended: str | None = None  # set when the connection ended: how
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"kvxfer-tcp-recv-{addr[0]}:{addr[1]}")
 
     def _run(self) -> None:
@@ -561,7 +581,7 @@ class _Inbound:
         try:
             self.sock.settimeout(settings.handshake_timeout_s)
             self.sock.sendall(CHALLENGE.pack(MAGIC, WIRE_VERSION, nonce))
-            magic, version, kid, mac = HELLO.unpack(_recv_exact_by(self.sock, HELLO.size, deadline))
+            magic, version, kid, mac, conn_id = HELLO.unpack(_recv_exact_by(self.sock, HELLO.size, deadline))
         except OSError as exc:
             owner.refuse_inbound(
                 self,
@@ -572,7 +592,7 @@ class _Inbound:
             return False
         grant = owner.grant_for_key(kid)
         # compute a MAC either way, so a probe cannot time whether a key id is granted
-        expected = hello_mac(grant.secret if grant else _NO_SECRET, nonce, settings.agent, kid)
+        expected = hello_mac(grant.secret if grant else _NO_SECRET, nonce, settings.agent, kid, conn_id)
         if magic != MAGIC or version != WIRE_VERSION:
             owner.refuse_inbound(self, f"bad HELLO (magic {magic!r}, version {version})")
             return False
@@ -584,8 +604,14 @@ class _Inbound:
                 else f"HELLO for peer {grant.peer_id!r} with a wrong MAC",
             )
             return False
-        if not owner.bind_inbound(self, grant):  # revoked meanwhile
-            owner.refuse_inbound(self, f"grant of peer {grant.peer_id!r} was revoked")
+        if conn_id == 0:
+            owner.refuse_inbound(self, f"HELLO for peer {grant.peer_id!r} with connection id 0")
+            return False
+        self.conn_id = conn_id
+        if not owner.bind_inbound(self, grant):  # revoked meanwhile, or the id is taken
+            owner.refuse_inbound(
+                self, f"grant of peer {grant.peer_id!r} was revoked, or connection id {conn_id:#x} is in use"
+            )
             return False
         self.sock.sendall(HELLO_OK.pack(MAGIC, WIRE_VERSION))
         return True
@@ -638,6 +664,7 @@ class _Inbound:
             refusal = lease
             log.warning("tcp: refused a write from peer %r: %s", self.peer_id, refusal)
             self._drain(total)
+            self.owner.frame_served(self, refusal)
             self._ack(xfer_id, 1, refusal)
             return
         failure: str | None = None
@@ -655,6 +682,7 @@ class _Inbound:
             self.owner.release_lease(lease)
         if failure is not None:
             log.warning("tcp: refused a write from peer %r: %s", self.peer_id, failure)
+        self.owner.frame_served(self, failure)
         self._ack(xfer_id, 0 if failure is None else 1, failure or "")
 
     def _recv_device(self, dev: object, offsets: np.ndarray, sizes: np.ndarray, total: int) -> str | None:

@@ -6,7 +6,10 @@ the connections (large entries are cut), and each share goes as one WRITE frame 
 straight from views of the registered memory (``sendmsg``, no joining). The receiver
 checks every entry against its registered regions before reading the payload straight
 into the region (``recvmsg_into``, no intermediate copy); a write outside them is refused
-and the ACK says why. One ACK per share completes that part of the ticket. A lost
+and the ACK says why. One ACK per share completes that part of the ticket. Each frame
+also has a landing receipt (its connection's id and its number there, ``Ticket.receipts``)
+that the reader's transport answers for as soon as the frame is served (``landed``), so
+the writer's "done" may travel on the control plane while the ACK comes back. A lost
 connection fails every outstanding ticket of the peer with ``PeerGoneError`` naming it and
 is reported by ``peer_failures``; the peer stays failed until ``remove_peer``/``add_peer``.
 
@@ -44,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sglang_kvxfer import envs
-from sglang_kvxfer.errors import TransportError
+from sglang_kvxfer.errors import TransferTimeoutError, TransportError
 from sglang_kvxfer.transports._common import UseTable, open_write, pack_descriptor, unpack_descriptor
 from sglang_kvxfer.transports._memory import view
 from sglang_kvxfer.transports.base import (
@@ -77,6 +80,10 @@ MAX_HANDSHAKES = 64  # connections in the handshake at once; more drop the oldes
 # A single-frame host-memory write up to this size, to an idle connection, is sent by the
 # caller's thread (it fits the socket buffer: sendmsg returns at once).
 INLINE_SEND_BYTES = 256 << 10
+# Receipts: ended inbound connections kept so late receipts of their frames are answered,
+# and the refusals one connection may collect before it is closed as misbehaving.
+_ENDED_KEPT = 1024
+_MAX_REFUSED = 1 << 16
 
 
 @dataclass
@@ -99,6 +106,11 @@ class _TcpRegion:
     region: Region
     mem: memoryview | None  # host memory; None for device memory
     dev: object = None  # device memory: the device copier's handle
+
+
+def _receipts_text(receipts) -> str:
+    shown = ", ".join(f"{c:#x}:{s}" for c, s in list(receipts)[:4])
+    return f"receipts {shown}{', ...' if len(receipts) > 4 else ''}"
 
 
 def _slice(entries: Entries, start: int, stop: int) -> Entries:
@@ -160,6 +172,7 @@ class TcpTransport(Transport):
         read_supported=False,
         one_sided=False,
         authenticates_peers=True,
+        receipts=True,
     )
 
     def __init__(
@@ -216,6 +229,11 @@ class TcpTransport(Transport):
         self._grants: dict[str, Grant] = {}  # reader side: peer_id -> grant
         self._grant_keys: dict[bytes, Grant] = {}  # key id -> grant
         self._inbound: set[_Inbound] = set()
+        # Receipts: inbound connections by the writer's connection id (HELLO), live ones and
+        # the last _ENDED_KEPT that ended; their frame counts change under _landing.
+        self._landing = threading.Condition(threading.Lock())
+        self._by_conn_id: dict[int, _Inbound] = {}
+        self._ended_ids: collections.deque[int] = collections.deque()
         self._handshaking: collections.deque[_Inbound] = collections.deque()
         self.refused_connections = 0  # inbound connections closed at the handshake
         self._refusal_logged_at, self._refusals_unlogged = -1e9, 0
@@ -329,14 +347,28 @@ class TcpTransport(Transport):
             return self._grant_keys.get(kid)
 
     def bind_inbound(self, inbound: _Inbound, grant: Grant) -> bool:
-        """Bind an inbound connection to ``grant`` unless it was replaced or revoked."""
+        """Bind an inbound connection to ``grant`` unless it was replaced or revoked, or
+        its connection id is already taken (receipts must name one connection)."""
         with self._lock:
             if self._grants.get(grant.peer_id) is not grant or self._closed:
                 return False
+            with self._landing:
+                if inbound.conn_id in self._by_conn_id:
+                    return False
+                self._by_conn_id[inbound.conn_id] = inbound
             inbound.peer_id, inbound.key_id = grant.peer_id, grant.key_id
             with contextlib.suppress(ValueError):
                 self._handshaking.remove(inbound)
         return True
+
+    def frame_served(self, inbound: _Inbound, refusal: str | None) -> None:
+        with self._landing:
+            inbound.served += 1
+            if refusal is not None:
+                if len(inbound.refused) >= _MAX_REFUSED:
+                    raise _Violation(f"{_MAX_REFUSED} writes refused on one connection")
+                inbound.refused[inbound.served] = refusal
+            self._landing.notify_all()
 
     def refuse_inbound(self, inbound: _Inbound, why: str) -> None:
         now = time.monotonic()
@@ -489,6 +521,48 @@ class TcpTransport(Transport):
             return f"entry {i}: offset {off} + size {size} = {off + size} exceeds region {region_id} of {nbytes} bytes"
         return lease
 
+    # -- landing receipts ---------------------------------------------------------------
+    def landed(self, peer_id: str, receipts) -> bool:
+        with self._landing:
+            return self._landed(peer_id, receipts)
+
+    def wait_landed(self, peer_id: str, receipts, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._landing:
+            while not self._landed(peer_id, receipts):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeoutError(
+                        f"tcp: writes of peer {peer_id!r} not landed after {timeout_s} s ({_receipts_text(receipts)})"
+                    )
+                self._landing.wait(left)
+
+    def _landed(self, peer_id: str, receipts) -> bool:
+        """Call with ``_landing`` held. A connection not bound yet may still come (the
+        writer's notice can overtake its handshake): its receipts are pending."""
+        done = True
+        for conn_id, seq in receipts:
+            inbound = self._by_conn_id.get(conn_id)
+            if inbound is None:
+                done = False
+                continue
+            if inbound.peer_id != peer_id:
+                raise TransportError(
+                    f"tcp: a receipt of peer {peer_id!r} names connection {conn_id:#x}, which is "
+                    f"{'not from a bound writer' if inbound.peer_id is None else 'another writer'}'s"
+                )
+            refusal = inbound.refused.get(seq)
+            if refusal is not None:
+                raise TransportError(f"tcp: write frame {seq} of peer {peer_id!r} was refused here: {refusal}")
+            if inbound.served < seq:
+                if inbound.ended is not None:
+                    raise TransportError(
+                        f"tcp: connection {conn_id:#x} from peer {peer_id!r} ended after {inbound.served} "
+                        f"frame(s), before frame {seq}: {inbound.ended}"
+                    )
+                done = False
+        return done
+
     # -- writes -------------------------------------------------------------------------
     def _write(self, local: Region, remote: RemoteRegion, entries: Entries) -> Ticket:
         label = f"tcp write {local.region_id}->{remote.peer_id}:{remote.region_id}"
@@ -544,6 +618,8 @@ class TcpTransport(Transport):
                     claimed = (conns[i], job)
                 elif not small:
                     conns[i].submit(job)
+        if all(job.seq for _, job in jobs):  # numbered once queued or claimed (not: failed)
+            ticket.receipts = tuple((conns[i].conn_id, job.seq) for i, job in jobs)
         if claimed is not None:  # sent here, outside the lock: no hand-over to the sender thread
             claimed[0].send_claimed(claimed[1])
         return ticket
@@ -569,6 +645,13 @@ class TcpTransport(Transport):
             conn.fail(reason)
 
     def inbound_closed(self, inbound: _Inbound, reason: str | None) -> None:
+        with self._landing:
+            inbound.ended = reason or "closed"
+            if self._by_conn_id.get(inbound.conn_id) is inbound:
+                self._ended_ids.append(inbound.conn_id)
+                while len(self._ended_ids) > _ENDED_KEPT:
+                    self._by_conn_id.pop(self._ended_ids.popleft(), None)
+            self._landing.notify_all()
         with self._lock:
             self._inbound.discard(inbound)
             with contextlib.suppress(ValueError):
