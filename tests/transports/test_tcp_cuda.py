@@ -61,3 +61,22 @@ def test_write_sees_kv_queued_on_the_current_stream_before_it():
     finally:
         st.close()
         rt.close()
+
+
+@pytest.mark.parametrize("where", ["cuda-cuda", "cpu-cuda"])
+def test_receipts_say_landed_once_the_bytes_are_in_device_memory(where):
+    """The reader counts a device frame served only after its host -> device copies ended,
+    so a receipt that says landed means the bytes are readable on the GPU."""
+    src_dev, dst_dev = where.split("-")
+    src = torch.randint(0, 256, (N,), dtype=torch.uint8, device=src_dev)
+    dst = torch.zeros(N, dtype=torch.uint8, device=dst_dev)
+    st, rt, sregion, remote = _pair(src, dst)
+    try:
+        ticket = st.write(sregion, remote, [0], [0], [N])
+        assert ticket.receipts is not None
+        rt.wait_landed("s", ticket.receipts, TIMEOUT_S)  # before the writer's ticket
+        assert torch.equal(dst.cpu(), src.cpu())
+        ticket.wait(TIMEOUT_S)
+    finally:
+        st.close()
+        rt.close()
