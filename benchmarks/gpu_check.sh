@@ -124,8 +124,9 @@ step native 90 "$OUT/build.log" "$PY" -c "$NATIVE_PY"
 
 # -- 2. GPU tests (they skip themselves without a device) -----------------------------------
 TESTS=()
-for t in tests/ops/test_ops_gpu.py tests/ops/test_ops_copy.py tests/transports/test_local_cuda.py tests/transports/test_local_cuda_peers.py \
-  tests/transports/test_tcp_cuda.py tests/engine/test_engine_hooks.py; do
+for t in tests/ops/test_ops_gpu.py tests/ops/test_ops_copy.py tests/ops/test_ops_checked_layers.py \
+  tests/transports/test_local_cuda.py tests/transports/test_local_cuda_peers.py tests/transports/test_tcp_cuda.py \
+  tests/engine/test_engine_hooks.py; do
   [[ -f $t ]] && TESTS+=("$t")
 done
 step pytest 180 "$OUT/pytest.log" "$PY" -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}"

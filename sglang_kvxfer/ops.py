@@ -19,6 +19,8 @@ Staging token ``i`` is request token ``t = token_offset + i``, stored at page
 Backends: the compiled libraries of ``csrc/`` (``sglang_kvxfer._native``, loaded lazily and
 cached) for CPU and CUDA tensors; the torch reference when a library is unavailable or
 ``KVXFER_DISABLE_NATIVE=1``. Both copy bits, so any 1-, 2- or 4-byte dtype works.
+On CUDA a pool's layer pointer table is uploaded once and kept on the device, by device
+and pointers (``_DeviceTables``); a call uploads only host page ids.
 Must not: import at package import time (torch is heavy), or let a bad argument reach
 native code: ``_ops_args`` validates everything first and raises ``ValueError``.
 """
@@ -30,6 +32,8 @@ import inspect
 import logging
 import math
 import os
+import threading
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -407,28 +411,74 @@ def _run_copy_cpu(lib: _native.Library, src: KVCall, dst: KVCall, streaming_min_
     _native.check_status(lib, code, "kvxfer_copy_cpu")
 
 
-def _cuda_copy_table(src: KVCall, dst: KVCall):
-    """(alignment, device table, src table, dst table, src ids, dst ids): both pointer tables
-    and any host page ids go up in one pinned host -> device copy on the current stream."""
-    src_ptrs, dst_ptrs = src.layer_ptrs(), dst.layer_ptrs()
+class _DeviceTables:
+    """Layer pointer tables kept on their device, by (device, pointers): a pool's table goes
+    up once, not on every call. A table is made with a blocking copy (every stream sees it
+    after), never written again, and marked in use by each stream that launches with it
+    (``record_stream``), so dropping it from the cache (the oldest of ``MAX``) frees its
+    memory only after those launches ran. The same pointers on the same device always give
+    the same table, whoever owns the memory now, so an entry cannot go stale."""
+
+    MAX = 64
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tables: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
+
+    def get(self, device: torch.device, ptrs: list[int]) -> tuple[torch.Tensor, int]:
+        """(the table on ``device``, the pointers' alignment: see ``_alignment``)."""
+        key = (device.index, tuple(ptrs))
+        with self._lock:
+            entry = self._tables.get(key)
+            if entry is not None:
+                self._tables.move_to_end(key)
+        if entry is None:
+            table = torch.from_numpy(np.asarray(ptrs, dtype=np.uint64).view(np.int64)).to(device)
+            entry = (table, _alignment(ptrs))
+            with self._lock:
+                self._tables[key] = entry
+                while len(self._tables) > self.MAX:
+                    self._tables.popitem(last=False)
+        entry[0].record_stream(torch.cuda.current_stream(device))
+        return entry
+
+
+_device_tables = _DeviceTables()
+
+
+def _alignment(ptrs: list[int]) -> int:
+    """Largest power of two (<= 16) dividing every layer pointer: bounds the vector width."""
     align = 16
-    for p in src_ptrs + dst_ptrs:
+    for p in ptrs:
         align = math.gcd(align, p)
-    parts = [np.asarray(src_ptrs + dst_ptrs, dtype=np.uint64).view(np.int64)]
-    for call in (src, dst):
-        if not isinstance(call.page_ids, torch.Tensor):
-            parts.append(call.page_ids)
-    table = torch.from_numpy(np.concatenate(parts)).pin_memory().to(src.device, non_blocking=True)
-    at = len(src_ptrs) + len(dst_ptrs)
-    ids = []
-    for call in (src, dst):
+    return align
+
+
+def _device_ids(calls: tuple[KVCall, ...]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Each call's page ids on its device: ids already there as they are, host ids in one
+    pinned host -> device copy on the current stream (returned too, to keep it alive)."""
+    host = [c.page_ids for c in calls if not isinstance(c.page_ids, torch.Tensor)]
+    upload = None
+    if host:
+        upload = torch.from_numpy(np.concatenate(host)).pin_memory().to(calls[0].device, non_blocking=True)
+    out, at = [], 0
+    for call in calls:
         if isinstance(call.page_ids, torch.Tensor):
-            ids.append(call.page_ids)
+            out.append(call.page_ids)
         else:
-            ids.append(table[at : at + len(call.page_ids)])
+            assert upload is not None
+            out.append(upload[at : at + len(call.page_ids)])
             at += len(call.page_ids)
-    src_table, dst_table = table[: len(src_ptrs)], table[len(src_ptrs) : len(src_ptrs) + len(dst_ptrs)]
-    return align, table, src_table, dst_table, ids[0], ids[1]
+    return out, upload
+
+
+def _cuda_copy_table(src: KVCall, dst: KVCall):
+    """(alignment, page ids upload, src table, dst table, src ids, dst ids): both pointer
+    tables from the device cache, any host page ids in one pinned copy on the current stream."""
+    (src_ids, dst_ids), upload = _device_ids((src, dst))
+    src_table, src_align = _device_tables.get(src.device, src.layer_ptrs())
+    dst_table, dst_align = _device_tables.get(dst.device, dst.layer_ptrs())
+    return math.gcd(src_align, dst_align), upload, src_table, dst_table, src_ids, dst_ids
 
 
 def _launch_copy_cuda(lib, src: KVCall, dst: KVCall, align, table, src_table, dst_table, src_ids, dst_ids) -> None:
@@ -572,21 +622,12 @@ def _run_cpu(
 
 
 def _cuda_table(call: KVCall) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(pointer alignment, device table, device page ids) of a call, uploaded on the current
-    stream: one host->device copy of the layer pointers, plus the page ids when they come
-    from the host. Pinned + non_blocking keeps the stream asynchronous; torch's allocators
-    keep both buffers alive until the stream has consumed them."""
-    ptrs = call.layer_ptrs()
-    # Largest power of two (<= 16) dividing every layer pointer: bounds the vector width.
-    align = 16
-    for p in ptrs:
-        align = math.gcd(align, p)
-    host_ids = None if isinstance(call.page_ids, torch.Tensor) else call.page_ids
-    packed = np.asarray(ptrs, dtype=np.uint64).view(np.int64)
-    if host_ids is not None:
-        packed = np.concatenate([packed, host_ids])
-    table = torch.from_numpy(packed).pin_memory().to(call.device, non_blocking=True)
-    dev_ids = call.page_ids if host_ids is None else table[len(ptrs) :]
+    """(pointer alignment, device table, device page ids) of a call: the layer pointers from
+    the device cache (uploaded once per pool), the page ids uploaded on the current stream
+    when they come from the host. Pinned + non_blocking keeps the stream asynchronous;
+    torch's allocators keep the upload alive until the stream has consumed it."""
+    (dev_ids,), _ = _device_ids((call,))
+    table, align = _device_tables.get(call.device, call.layer_ptrs())
     return align, table, dev_ids
 
 
