@@ -423,24 +423,22 @@ class _DeviceTables:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tables: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
+        self._tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
-    def get(self, device: torch.device, ptrs: list[int]) -> tuple[torch.Tensor, int]:
-        """(the table on ``device``, the pointers' alignment: see ``_alignment``)."""
+    def get(self, device: torch.device, ptrs: list[int]) -> torch.Tensor:
         key = (device.index, tuple(ptrs))
         with self._lock:
-            entry = self._tables.get(key)
-            if entry is not None:
+            table = self._tables.get(key)
+            if table is not None:
                 self._tables.move_to_end(key)
-        if entry is None:
+        if table is None:
             table = torch.from_numpy(np.asarray(ptrs, dtype=np.uint64).view(np.int64)).to(device)
-            entry = (table, _alignment(ptrs))
             with self._lock:
-                self._tables[key] = entry
+                self._tables[key] = table
                 while len(self._tables) > self.MAX:
                     self._tables.popitem(last=False)
-        entry[0].record_stream(torch.cuda.current_stream(device))
-        return entry
+        table.record_stream(torch.cuda.current_stream(device))
+        return table
 
 
 _device_tables = _DeviceTables()
@@ -475,10 +473,10 @@ def _device_ids(calls: tuple[KVCall, ...]) -> tuple[list[torch.Tensor], torch.Te
 def _cuda_copy_table(src: KVCall, dst: KVCall):
     """(alignment, page ids upload, src table, dst table, src ids, dst ids): both pointer
     tables from the device cache, any host page ids in one pinned copy on the current stream."""
+    src_ptrs, dst_ptrs = src.layer_ptrs(), dst.layer_ptrs()
     (src_ids, dst_ids), upload = _device_ids((src, dst))
-    src_table, src_align = _device_tables.get(src.device, src.layer_ptrs())
-    dst_table, dst_align = _device_tables.get(dst.device, dst.layer_ptrs())
-    return math.gcd(src_align, dst_align), upload, src_table, dst_table, src_ids, dst_ids
+    src_table, dst_table = _device_tables.get(src.device, src_ptrs), _device_tables.get(dst.device, dst_ptrs)
+    return _alignment(src_ptrs + dst_ptrs), upload, src_table, dst_table, src_ids, dst_ids
 
 
 def _launch_copy_cuda(lib, src: KVCall, dst: KVCall, align, table, src_table, dst_table, src_ids, dst_ids) -> None:
@@ -626,9 +624,9 @@ def _cuda_table(call: KVCall) -> tuple[int, torch.Tensor, torch.Tensor]:
     the device cache (uploaded once per pool), the page ids uploaded on the current stream
     when they come from the host. Pinned + non_blocking keeps the stream asynchronous;
     torch's allocators keep the upload alive until the stream has consumed it."""
+    ptrs = call.layer_ptrs()
     (dev_ids,), _ = _device_ids((call,))
-    table, align = _device_tables.get(call.device, call.layer_ptrs())
-    return align, table, dev_ids
+    return _alignment(ptrs), _device_tables.get(call.device, ptrs), dev_ids
 
 
 def _launch_cuda(
