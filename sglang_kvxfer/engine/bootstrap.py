@@ -4,7 +4,8 @@ Owns ``BootstrapServer`` (a ZMQ ROUTER on one thread: prefill ranks register, de
 ask where the prefill ranks are), ``request`` (one request/reply with a deadline, used by
 both) and the address of one prefill DP group (``group_address``). A prefill rank that
 registers again with a new session replaces its old entry, so a restarted prefill is found by
-the next lookup. Conflicting registrations (another TP size, DP size, geometry or transport
+the next lookup; one that closes takes its own entry back (``PrefillLeave``: SGLang's runtime
+role switch turns a prefill into a decode while its bootstrap keeps serving). Conflicting registrations (another TP size, DP size, geometry or transport
 than the ranks already registered) are refused with the reason.
 
 Attention DP (SGLang ``--enable-dp-attention``): one bootstrap serves ``dp_size`` prefill DP
@@ -52,6 +53,7 @@ from sglang_kvxfer.protocol.fields import MAX_FRAME_BYTES
 from sglang_kvxfer.protocol.messages import (
     BootstrapQuery,
     BootstrapReply,
+    PrefillLeave,
     PrefillRankInfo,
     PrefillRegister,
 )
@@ -214,6 +216,20 @@ class BootstrapServer:
                     del self._refused[(msg.kv_pool, msg.dp_rank, msg.pp_rank)]
                 return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank)
             if isinstance(msg, BootstrapQuery):
+                return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank)
+            if isinstance(msg, PrefillLeave):
+                key = (msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.tp_rank)
+                held = self._ranks.get(key)
+                if held is not None and held.session == msg.session:  # a restart's entry stays
+                    del self._ranks[key]
+                    log.info(
+                        "prefill rank %d of DP group %d, PP stage %d%s left (session %s)",
+                        msg.tp_rank,
+                        msg.dp_rank,
+                        msg.pp_rank,
+                        f", kv_pool={msg.kv_pool!r}" if msg.kv_pool else "",
+                        msg.session,
+                    )
                 return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank)
         return self._reply(0, reason=f"bootstrap does not handle {type(msg).__name__}", force_not_ready=True)
 

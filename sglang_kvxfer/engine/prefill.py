@@ -43,6 +43,7 @@ from sglang_kvxfer.protocol.messages import (
     ChunkAck,
     DecodeRegister,
     Heartbeat,
+    PrefillLeave,
     PrefillRegister,
     RegisterReply,
     RequestMeta,
@@ -52,6 +53,10 @@ from sglang_kvxfer.protocol.state import Event, KVPoll
 from sglang_kvxfer.transports.base import RemoteRegion, Transport
 
 __all__ = ["PrefillManager", "KVSender"]
+
+# How long a closing rank waits for the bootstrap to confirm it left (a bootstrap that has
+# ended first, as at a server's shutdown, is not waited for longer).
+LEAVE_TIMEOUT_S = 0.5
 
 log = logging.getLogger("sglang_kvxfer.prefill")
 
@@ -95,6 +100,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
         self._failed_rooms = collections.OrderedDict()
         super().__init__(config, pool)
         self._registered = threading.Event()
+        self._left = False
         self.registration_error: str | None = None
         self.start_thread(self._register_with_bootstrap, f"kvxfer-prefill{self.tp_rank}-boot")
 
@@ -154,6 +160,27 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             f"prefill rank {self.tp_rank} is not registered with the bootstrap {self.config.bootstrap}, so no "
             f"decode rank can reach it: {self.registration_error}"
         )
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Close (``RankBase.close``), then take this rank's registration back from the
+        bootstrap (``PrefillLeave``, at most ``LEAVE_TIMEOUT_S``): a bootstrap that outlives
+        the rank (SGLang's role switch) stops naming it to decode ranks. A bootstrap that is
+        gone or slow is logged, not waited for. Idempotent."""
+        super().close(timeout_s)
+        if getattr(self, "_left", True) or not self._registered.is_set() or self.registration_error:
+            return
+        self._left = True
+        leave = PrefillLeave(
+            session=self.session,
+            tp_rank=self.tp_rank,
+            dp_rank=self.config.dp_rank,
+            kv_pool=self.config.kv_pool,
+            pp_rank=self.config.pp_rank,
+        )
+        try:
+            bootstrap.request(self.config.bootstrap, leave, timeout_s=LEAVE_TIMEOUT_S, key=self.config.key)
+        except KVXferError as exc:
+            log.info("prefill rank %d: leaving bootstrap %s: %s", self.tp_rank, self.config.bootstrap, exc)
 
     def wait_registered(self, timeout_s: float) -> None:
         """Block until registered with the bootstrap; raise if it failed or timed out."""

@@ -218,8 +218,6 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
             "follow_bootstrap_room, the prefill default) or from the router's data_parallel_rank; "
             "the bootstrap's per-request DP rank registry is not implemented",
         )
-    if _get(server_args, "enable_pd_role_switch", False):
-        raise _not_supported("--enable-pd-role-switch", True, "the backend has no teardown")
     policy = _get(server_args, "disaggregation_decode_allocation_policy", "early") or "early"
     if policy != "early":
         raise _not_supported(

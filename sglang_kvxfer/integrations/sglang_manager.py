@@ -90,6 +90,9 @@ class KVXferKVManager(BaseKVManager):
     """One SGLang rank's transfer manager: an engine manager over SGLang's KV pool."""
 
     supports_host_destination = False
+    # --enable-pd-role-switch: on an idle instance SGLang's scheduler calls teardown() and
+    # builds a manager of the other role over the same KV pool (POST /pd_role_switch).
+    supports_role_switch = True
 
     def __init__(self, args: KVArgs, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False):
         from sglang_kvxfer.engine import KVManager, KVPool
@@ -581,6 +584,14 @@ class KVXferKVManager(BaseKVManager):
         receiver._fail(
             "PD retraction with prefill recompute (rebootstrap) is not supported by the kvxfer transfer backend"
         )
+
+    def teardown(self) -> None:
+        """Release this role's transfer resources for SGLang's runtime role switch: every
+        engine manager's threads, sockets, transport and memory registrations (the KV pool
+        is SGLang's and stays), and a prefill rank's entry in the bootstrap it registered
+        with, so that bootstrap stops naming it to decode ranks. The manager of the other
+        role is then built over the same pool; this one is not used again."""
+        self.close()
 
     def close(self) -> None:
         """Stop the engine managers (threads, sockets, registrations). Idempotent."""

@@ -9,6 +9,7 @@ Message flow (each arrow one msgpack frame ``[PROTOCOL_VERSION, type, {fields}]`
 control frames are one-way PUSH -> PULL, the bootstrap lookup is request/reply)::
 
     prefill rank  --PrefillRegister-->  bootstrap                 (once per process start and KV pool)
+    prefill rank  --PrefillLeave----->  bootstrap                 (as it closes: its own registration)
     decode rank   --BootstrapQuery--->  bootstrap
     decode rank   <--BootstrapReply---  bootstrap                 (ready once all ranks registered)
     decode rank   --DecodeRegister--->  each candidate prefill rank (once per session pair)
@@ -57,6 +58,7 @@ from sglang_kvxfer.protocol.messages import (
     DecodeRegister,
     Heartbeat,
     Message,
+    PrefillLeave,
     PrefillRankInfo,
     PrefillRegister,
     RegisterReply,
@@ -85,6 +87,7 @@ __all__ = [
     "Message",
     "MESSAGE_TYPES",
     "PrefillRegister",
+    "PrefillLeave",
     "BootstrapQuery",
     "BootstrapReply",
     "PrefillRankInfo",

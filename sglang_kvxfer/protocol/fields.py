@@ -71,8 +71,9 @@ __all__ = [
 # draft_geometry and state_pools; prefill registrations name their pipeline-parallel stage
 # (pp_rank, pp_size, layer_start), queries the stage they ask about and replies the stage's
 # layers and the registered stages; 7: Heartbeat carries the sender's host id and pid;
-# 8: TransferDone carries the landing receipts of writes not yet acknowledged (receipts).
-PROTOCOL_VERSION = 8
+# 8: TransferDone carries the landing receipts of writes not yet acknowledged (receipts);
+# 9: PrefillLeave (a closing prefill rank takes its registration back from the bootstrap).
+PROTOCOL_VERSION = 9
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name
 MAX_ENDPOINT_CHARS = 256  # "tcp://host:port"

@@ -54,6 +54,7 @@ __all__ = [
     "MESSAGE_TYPES",
     "PrefillRankInfo",
     "PrefillRegister",
+    "PrefillLeave",
     "BootstrapQuery",
     "BootstrapReply",
     "DecodeRegister",
@@ -216,6 +217,20 @@ class BootstrapQuery(Message):
     dp_rank: DpRank = 0
     kv_pool: KVPoolName = ""  # protocol 6: the pool asked about
     pp_rank: PpRank = 0  # protocol 6: the PP stage asked about
+
+
+@message
+class PrefillLeave(Message):
+    """Prefill rank -> bootstrap as it closes (protocol 9; request/reply): drop this
+    session's registration of ``kv_pool`` as rank ``tp_rank`` of DP group ``dp_rank``, PP
+    stage ``pp_rank``. A registration of the same rank by another session (a restart) stays:
+    a rank only ever takes back its own."""
+
+    session: SessionId  # the leaving prefill process (the envelope's sender)
+    tp_rank: TpRank
+    dp_rank: DpRank = 0
+    kv_pool: KVPoolName = ""
+    pp_rank: PpRank = 0
 
 
 @record

@@ -301,7 +301,6 @@ def test_pipeline_parallel_plan():
         (dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True), "prefill", "--enable-kv-cache-sharding"),
         (dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True), "prefill", "--enable-prefill-cp"),
         (dict(dcp_size=2), "decode", "--dcp-size=2"),
-        (dict(enable_pd_role_switch=True), "prefill", "--enable-pd-role-switch=True"),
         (
             dict(disaggregation_decode_allocation_policy="prefill_complete"),
             "decode",

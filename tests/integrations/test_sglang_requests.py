@@ -255,8 +255,8 @@ def test_wrong_manager_kinds_are_refused(dep):
 def test_unsupported_server_settings_refuse_the_manager(sglang_backend):
     backend, defs = sglang_backend
     mem = rank_memory(Model(), 1, 0, "decode")
-    args = server_args("m", "decode", 1, free_port(), enable_pd_role_switch=True)
-    with pytest.raises(Exception, match="does not support --enable-pd-role-switch=True"):
+    args = server_args("m", "decode", 1, free_port(), dcp_size=2)
+    with pytest.raises(Exception, match="does not support --dcp-size=2"):
         backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.DECODE, args, False)
     with pytest.raises(ValueError, match="disaggregation_mode=.* must be PREFILL or DECODE"):
         backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.NULL, args, False)

@@ -14,6 +14,7 @@ from sglang_kvxfer.protocol import (
     ChunkReady,
     DecodeRegister,
     Heartbeat,
+    PrefillLeave,
     PrefillRankInfo,
     PrefillRegister,
     RegisterReply,
@@ -219,6 +220,14 @@ MESSAGE_STRATEGIES = {
     "PrefillRegister": prefill_registers(),
     "BootstrapQuery": st.builds(
         BootstrapQuery, names, st.integers(0, 1023), kv_pool=kv_pools, pp_rank=st.integers(0, 1023)
+    ),
+    "PrefillLeave": st.builds(
+        PrefillLeave,
+        names,
+        st.integers(0, 1023),
+        dp_rank=st.integers(0, 1023),
+        kv_pool=kv_pools,
+        pp_rank=st.integers(0, 1023),
     ),
     "BootstrapReply": bootstrap_replies(),
     "DecodeRegister": decode_registers(),

@@ -176,8 +176,12 @@ class Server:
         return any("address already in use" in line and f", {self.port})" in line for line in lines)
 
     def generate(self, payload: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
+        return self.post("/generate", payload, timeout_s)
+
+    def post(self, path: str, payload: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
+        """POST ``payload`` as JSON to ``path``: the JSON answer, or ``http_error`` and ``body``."""
         req = urllib.request.Request(
-            self.url + "/generate", data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+            self.url + path, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
