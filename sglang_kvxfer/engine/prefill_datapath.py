@@ -35,7 +35,7 @@ from sglang_kvxfer.engine.prefill_rooms import Chunk, PrefillRoom, Synchronizabl
 from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeoutError
 from sglang_kvxfer.metrics import SINCE_FIRST_BYTE, SINCE_LAST_CHUNK
 from sglang_kvxfer.planning import DataPath, HeadTransfer, KVSlice, RequestPlan, TPPlan
-from sglang_kvxfer.planning.byteplan import per_token_possible, staged_op_count
+from sglang_kvxfer.planning.byteplan import contiguous_layout, per_token_possible, staged_op_count
 from sglang_kvxfer.protocol.fields import MAX_RECEIPTS, STAGING_SLOTS
 from sglang_kvxfer.protocol.messages import ChunkReady, RequestMeta, StagedChunk, TransferDone
 from sglang_kvxfer.protocol.state import Event, KVPoll
@@ -286,21 +286,22 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
             else:
                 path = DataPath.PER_TOKEN if self.config.data_path == DataPath.PER_TOKEN else DataPath.DIRECT
 
-            def build(path: DataPath) -> RequestPlan:
-                return RequestPlan.build(
-                    t,
-                    self.placement,
-                    peer.placement,
-                    rec.src_pages,
-                    meta.dst_page_ids,
-                    num_tokens=self._layout(rec)[1],
-                    path=path,
-                    mapping=peer.mapping,
-                )
-
-            plan = build(path)
-            if meta.staging_offset < 0 and plan.staged and per_token_possible(self.placement, peer.placement):
-                plan = build(DataPath.PER_TOKEN)  # a strided pair without a window: the decode chose rows
+            if (
+                path is DataPath.DIRECT
+                and contiguous_layout(t, self.placement, peer.placement) is None
+                and per_token_possible(self.placement, peer.placement)
+            ):
+                path = DataPath.PER_TOKEN  # a strided pair without a window: the decode chose rows
+            plan = RequestPlan.build(
+                t,
+                self.placement,
+                peer.placement,
+                rec.src_pages,
+                meta.dst_page_ids,
+                num_tokens=self._layout(rec)[1],
+                path=path,
+                mapping=peer.mapping,
+            )
             if meta.staging_offset < 0 and plan.staged:  # (a fused plan is never staged)
                 raise TransferFailedError(
                     f"decode rank {t.decode_rank} asked for direct writes but the bytes "

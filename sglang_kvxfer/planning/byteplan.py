@@ -48,6 +48,7 @@ __all__ = [
     "MAX_WRITE_BYTES",
     "per_token_op_count",
     "per_token_possible",
+    "contiguous_layout",
     "per_token_row_count",
     "staged_op_count",
 ]
@@ -228,24 +229,29 @@ def coalesce(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> np.ndarray:
 
 
 def _as_pages(name: str, pages: Any, num_pages: int, unique: bool) -> np.ndarray:
+    # Called for every reader of every request: a few small-array numpy calls, not a dozen.
     arr = np.asarray(pages)
     if arr.ndim != 1:
         raise PlanError(f"{name} must be a 1-D list of page ids, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size and arr.dtype.kind not in "iu":
         raise PlanError(f"{name} must hold integers, got dtype {arr.dtype}")
     arr = arr.astype(np.int64, copy=True)
     if arr.size:
-        bad = np.flatnonzero((arr < 0) | (arr >= num_pages))
-        if bad.size:
-            i = int(bad[0])
+        if arr.min() < 0 or arr.max() >= num_pages:
+            i = int(np.flatnonzero((arr < 0) | (arr >= num_pages))[0])
             raise PlanError(f"{name}[{i}]={int(arr[i])} is outside the pool's pages [0, {num_pages})")
-        if unique:
-            uniq, counts = np.unique(arr, return_counts=True)
-            if uniq.size != arr.size:
-                dup = int(uniq[np.argmax(counts > 1)])
-                raise PlanError(f"{name} repeats page id {dup}; a request's destination pages must be distinct")
+        # a set sees a repeat in a short list faster than a sort does
+        if unique and (len(set(arr.tolist())) != arr.size if arr.size <= 512 else _repeats(arr)):
+            ordered = np.sort(arr)
+            dup = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
+            raise PlanError(f"{name} repeats page id {dup}; a request's destination pages must be distinct")
     arr.setflags(write=False)
     return arr
+
+
+def _repeats(arr: np.ndarray) -> bool:
+    ordered = np.sort(arr)
+    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 def _pages_needed(num_tokens: int, page_size: int) -> int:
@@ -365,7 +371,8 @@ def _plan_range(
     nbytes = gs.num_layers * count * n * (gs.head_dim + _v_head_dim(gs)) * gs.itemsize
     staged_ops = staged_op_count(nbytes)
 
-    direct = _direct_ops(transfer, src, dst, src_arr, dst_arr, start, stop)
+    rows = choice is DataPath.PER_TOKEN and per_token_possible(src, dst)
+    direct = None if rows else _direct_ops(transfer, src, dst, src_arr, dst_arr, start, stop)
     direct_count = None if direct is None else _op_count(gs.num_layers, direct)
 
     common = _PairFields(
@@ -378,7 +385,7 @@ def _plan_range(
         direct_op_count=direct_count,
         staged_op_count=staged_ops,
     )
-    if choice is DataPath.PER_TOKEN and per_token_possible(src, dst):
+    if rows:
         k_ops, v_ops = _per_token_ops(transfer, src, dst, src_arr, dst_arr, start, stop)
         common["direct_op_count"] = _op_count(gs.num_layers, (k_ops, v_ops))
         return DirectPlan(
@@ -538,6 +545,24 @@ def _layouts(place: RankPlacement) -> set[Layout]:
     return {layout}
 
 
+def contiguous_layout(t: HeadTransfer, src: RankPlacement, dst: RankPlacement) -> Layout | None:
+    """The layout in which ``t``'s head slice is contiguous on both sides (each token's or
+    page's slice one run, so direct writes can address it), or None: the pair is strided
+    whatever its pages, and only staged or per-token writes move it."""
+    both = _layouts(src) & _layouts(dst)
+    n = t.num_heads
+    same_pages = src.geometry.page_size == dst.geometry.page_size
+    if Layout.NHD in both and n == src.num_local_heads == dst.num_local_heads:
+        return Layout.NHD
+    if Layout.HND in both and same_pages:
+        return Layout.HND
+    if Layout.HND_KV in both and same_pages:
+        return Layout.HND_KV
+    if Layout.NHD_KV in both and n == src.num_local_heads == dst.num_local_heads:
+        return Layout.NHD_KV
+    return None
+
+
 def _direct_ops(
     t: HeadTransfer,
     src: RankPlacement,
@@ -548,23 +573,22 @@ def _direct_ops(
     stop: int,
 ) -> _KVOps | None:
     """Per-kind op arrays when the slice is contiguous on both sides, else ``None``."""
-    both = _layouts(src) & _layouts(dst)
+    layout = contiguous_layout(t, src, dst)
+    if layout is None:
+        return None
     n = t.num_heads
     g = src.geometry
     dims = [g.head_dim] + ([_v_head_dim(g)] if g.has_v else [])
-    if Layout.NHD in both and n == src.num_local_heads == dst.num_local_heads:
+    if layout is Layout.NHD:
         rows = _token_runs(src_pages, dst_pages, g.page_size, dst.geometry.page_size, start, stop)
         ops = [coalesce(*(rows.T * np.array([[n * d * g.itemsize]] * 3))) for d in dims]
-    elif Layout.HND in both and g.page_size == dst.geometry.page_size:
+    elif layout is Layout.HND:
         ops = [_hnd_ops(t, src, dst, src_pages, dst_pages, start, stop, d) for d in dims]
-    elif Layout.HND_KV in both and g.page_size == dst.geometry.page_size:
+    elif layout is Layout.HND_KV:
         ops = [_hnd_ops(t, src, dst, src_pages, dst_pages, start, stop, g.head_dim, kinds=2)]
-    elif Layout.NHD_KV in both and n == src.num_local_heads == dst.num_local_heads:
-        # A token's heads are one row of heads x (K + V): token runs, any page sizes.
+    else:  # NHD_KV: a token's heads are one row of heads x (K + V): token runs, any page sizes
         rows = _token_runs(src_pages, dst_pages, g.page_size, dst.geometry.page_size, start, stop)
         ops = [coalesce(*(rows.T * np.array([[n * sum(dims) * g.itemsize]] * 3)))]
-    else:
-        return None
     return ops[0], (ops[1] if len(ops) > 1 else None)
 
 
@@ -596,9 +620,10 @@ def _per_token_ops(
     for dim, kind in kinds:
         item = dim * g.itemsize
         if g.layout is Layout.NHD and gd.layout is Layout.NHD:
-            so = ((sp * g.page_size + ss) * src.num_local_heads + t.src_head_start) * item
-            do = ((dp * gd.page_size + ds) * dst.num_local_heads + t.dst_head_start) * item
-            sizes = np.full(tok.size, t.num_heads * item, dtype=np.int64)
+            ops = np.empty((tok.size, 3), dtype=np.int64)  # filled by column: fewer temporaries
+            ops[:, 0] = ((sp * g.page_size + ss) * src.num_local_heads + t.src_head_start) * item
+            ops[:, 1] = ((dp * gd.page_size + ds) * dst.num_local_heads + t.dst_head_start) * item
+            ops[:, 2] = t.num_heads * item
         else:
             h = np.arange(t.num_heads, dtype=np.int64)[None, :]
 
@@ -622,8 +647,7 @@ def _per_token_ops(
 
             so = off(src, g.layout, sp, ss, g.page_size, t.src_head_start).reshape(-1)
             do = off(dst, gd.layout, dp, ds, gd.page_size, t.dst_head_start).reshape(-1)
-            sizes = np.full(so.size, item, dtype=np.int64)
-        ops = np.stack([so, do, sizes], axis=1)
+            ops = np.stack([so, do, np.full(so.size, item, dtype=np.int64)], axis=1)
         ops.setflags(write=False)
         out.append(ops)
     if g.packed_kv and len(out) > 1:  # one buffer per layer: its K and V rows in one list

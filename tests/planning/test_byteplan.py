@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from sglang_kvxfer.errors import IncompatibleGeometryError, PlanError
 from sglang_kvxfer.geometry import KVGeometry
 from sglang_kvxfer.planning import DirectPlan, StagedPlan, plan_pair, plan_tp
-from sglang_kvxfer.planning.byteplan import PathCost, coalesce, per_token_op_count
+from sglang_kvxfer.planning.byteplan import PathCost, coalesce, contiguous_layout, per_token_op_count
 from sglang_kvxfer.planning.executor import apply_plan
 
 from .oracle import POISON, empty_pool, full_kv, place_tokens
@@ -76,6 +76,9 @@ def test_random_plans_move_exactly_the_right_bytes(s):
             assert pair.nbytes == 2 * (b - a) * t.num_heads * (gp.head_dim + gp.v_head_dim) * 4
             if path == "staged":
                 assert isinstance(pair, StagedPlan)
+            if path == "direct":  # the writer's up-front test agrees with what the plan found
+                contiguous = contiguous_layout(t, pre[t.prefill_rank], dec[t.decode_rank]) is not None
+                assert isinstance(pair, DirectPlan) == contiguous, (pair.reason, contiguous)
             if isinstance(pair, DirectPlan):
                 moved = sum(int(pair.buffer_ops(i)[:, 2].sum()) for i in range(gp.num_buffers))
                 assert moved == pair.nbytes
