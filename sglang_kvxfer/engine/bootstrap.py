@@ -13,6 +13,10 @@ groups, each an attention-TP group of ``tp_size`` ranks with its own pools. Regi
 their DP group; a query names the group it asks about and gets that group's ranks only, so a
 decode rank knows each group as a separate prefill group (its own sessions, registrations,
 deadlines and heartbeats) under the address ``host:port#dpN`` (``host:port`` for group 0).
+A request's group is ``bootstrap_room % dp_size`` unless the ranks registered
+``follows_room=False`` (SGLang's prefill load balancer places requests): then a rank of the
+group that got a room registers it (``RoomRoute``, taken from that group's ranks only) and a
+decode asks for it (``RoomQuery``), as SGLang's own bootstrap's DP-rank registry.
 
 Pipeline parallelism (SGLang ``--pp-size``, protocol 6): each DP group is ``pp_size`` PP
 stages, each an attention-TP group whose pools hold the stage's layers
@@ -38,6 +42,7 @@ unanswered and counted. A reply is bound to its request's sequence number.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -49,13 +54,15 @@ from sglang_kvxfer import auth
 from sglang_kvxfer.engine.config import config_key, parse_host_port
 from sglang_kvxfer.errors import AuthenticationError, KVXferError, RemoteProtocolError, TransferTimeoutError
 from sglang_kvxfer.protocol import codec, envelope
-from sglang_kvxfer.protocol.fields import MAX_FRAME_BYTES
+from sglang_kvxfer.protocol.fields import MAX_FRAME_BYTES, MAX_ROOM_QUERY
 from sglang_kvxfer.protocol.messages import (
     BootstrapQuery,
     BootstrapReply,
     PrefillLeave,
     PrefillRankInfo,
     PrefillRegister,
+    RoomQuery,
+    RoomRoute,
 )
 
 __all__ = [
@@ -65,9 +72,13 @@ __all__ = [
     "group_address",
     "split_group_address",
     "split_stage_address",
+    "room_groups",
 ]
 
 log = logging.getLogger("sglang_kvxfer.bootstrap")
+
+# Rooms a bootstrap remembers the DP group of (RoomRoute); the oldest are forgotten first.
+MAX_ROOM_ROUTES = 1 << 16
 
 _DP_MARK = "#dp"
 _PP_MARK = "#pp"
@@ -151,6 +162,8 @@ class BootstrapServer:
         # (kv_pool, dp_rank, pp_rank) -> the latest refusal of a rank of that group, told to
         # whoever asks about the group while it is not ready (until that rank registers)
         self._refused: dict[tuple[str, int, int], tuple[int, str]] = {}
+        # room -> the DP group a prefill's load balancer placed it in (RoomRoute), oldest first
+        self._rooms: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvxfer-bootstrap", daemon=True)
@@ -217,6 +230,11 @@ class BootstrapServer:
                 return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank)
             if isinstance(msg, BootstrapQuery):
                 return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank)
+            if isinstance(msg, RoomRoute):
+                return self._route(msg)
+            if isinstance(msg, RoomQuery):
+                known = tuple((room, self._rooms[room]) for room in msg.rooms if room in self._rooms)
+                return dataclasses.replace(self._reply(0), room_groups=known)
             if isinstance(msg, PrefillLeave):
                 key = (msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.tp_rank)
                 held = self._ranks.get(key)
@@ -233,6 +251,20 @@ class BootstrapServer:
                 return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank)
         return self._reply(0, reason=f"bootstrap does not handle {type(msg).__name__}", force_not_ready=True)
 
+    def _route(self, msg: RoomRoute) -> BootstrapReply:
+        """Take a room's DP group from a registered rank of that group only: no other process
+        can send a decode to another group's ranks. The oldest rooms are forgotten past
+        ``MAX_ROOM_ROUTES`` (a decode asks within its bootstrap deadline)."""
+        if not any(m.session == msg.session and dp == msg.dp_rank for (_, dp, _, _), m in self._ranks.items()):
+            why = f"RoomRoute of room {msg.room}: session {msg.session} is no registered prefill rank of DP group {msg.dp_rank}"
+            log.warning("bootstrap refused a %s", why)
+            return self._reply(msg.dp_rank, reason=why, force_not_ready=True)
+        self._rooms[msg.room] = msg.dp_rank
+        self._rooms.move_to_end(msg.room)
+        while len(self._rooms) > MAX_ROOM_ROUTES:
+            self._rooms.popitem(last=False)
+        return dataclasses.replace(self._reply(msg.dp_rank), room_groups=((msg.room, msg.dp_rank),))
+
     def _conflict(self, msg: PrefillRegister) -> str:
         # Every DP group is pp_size PP stages, each an attention-TP group of the same size over
         # the same model; a draft-model pool is served by the same ranks (same sizes and
@@ -240,7 +272,7 @@ class BootstrapServer:
         for (pool, dp, pp, tp), other in self._ranks.items():
             if (pool, dp, pp, tp) == (msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.tp_rank):
                 continue  # a restart of the same rank replaces it
-            names: tuple[str, ...] = ("tp_size", "dp_size", "pp_size", "transport")
+            names: tuple[str, ...] = ("tp_size", "dp_size", "pp_size", "transport", "follows_room")
             if pool == msg.kv_pool:
                 names += ("geometry",) if pp == msg.pp_rank else ()
                 names += ("draft_geometry", "state_pools")
@@ -344,6 +376,7 @@ class BootstrapServer:
             pp_size=pp_size,
             layer_start=ranks[0].layer_start if ranks else 0,
             pp_stages=tuple(stages),
+            follows_room=first.follows_room if first is not None else True,
         )
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -375,6 +408,22 @@ def attempt_timeout(unanswered: int, deadline: float) -> float:
         raise ValueError(f"unanswered={unanswered!r} must be an int >= 0")
     window = min(LAST_ATTEMPT_S, FIRST_ATTEMPT_S * 2 ** min(unanswered, 8))
     return max(0.1, min(window, deadline - time.monotonic()))
+
+
+def room_groups(address: str, rooms, *, session: str, timeout_s: float, key: bytes | None = None) -> dict[int, int]:
+    """room -> DP group of those of ``rooms`` that a prefill's DP group registered with the
+    bootstrap at ``address`` (``RoomQuery``; at most ``MAX_ROOM_QUERY`` rooms a request).
+
+    Raises:
+        as ``request``.
+    """
+    base = split_stage_address(address)[0]
+    found: dict[int, int] = {}
+    rooms = [int(r) for r in rooms]
+    for i in range(0, len(rooms), MAX_ROOM_QUERY):
+        msg = RoomQuery(session=session, rooms=tuple(rooms[i : i + MAX_ROOM_QUERY]))
+        found.update((int(room), int(dp)) for room, dp in request(base, msg, timeout_s, key).room_groups)
+    return found
 
 
 def request(address: str, message, timeout_s: float, key: bytes | None = None) -> BootstrapReply:

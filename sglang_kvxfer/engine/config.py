@@ -87,6 +87,10 @@ class EngineConfig:
             of stages, and the first model layer its pool holds (the geometry's
             ``num_layers`` is the stage's layer count). Registered with the bootstrap; 0, 1
             and 0 without PP.
+        follows_room: a prefill rank with several DP groups: True when a request's group
+            is ``bootstrap_room % dp_size`` (SGLang's ``follow_bootstrap_room``); False when
+            SGLang's load balancer places requests and the group registers each room with
+            the bootstrap (``PrefillManager.route_room``). Registered with the bootstrap.
     """
 
     role: str
@@ -120,6 +124,7 @@ class EngineConfig:
     pp_rank: int = 0
     pp_size: int = 1
     layer_start: int = 0
+    follows_room: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):

@@ -47,6 +47,7 @@ from sglang_kvxfer.protocol.messages import (
     PrefillRegister,
     RegisterReply,
     RequestMeta,
+    RoomRoute,
     TransferFailed,
 )
 from sglang_kvxfer.protocol.state import Event, KVPoll
@@ -57,6 +58,8 @@ __all__ = ["PrefillManager", "KVSender"]
 # How long a closing rank waits for the bootstrap to confirm it left (a bootstrap that has
 # ended first, as at a server's shutdown, is not waited for longer).
 LEAVE_TIMEOUT_S = 0.5
+# How long registering a room's DP group with the bootstrap may take (SGLang's own: 5 s).
+ROUTE_TIMEOUT_S = 5.0
 
 log = logging.getLogger("sglang_kvxfer.prefill")
 
@@ -122,6 +125,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             pp_rank=self.config.pp_rank,
             pp_size=self.config.pp_size,
             layer_start=self.config.layer_start,
+            follows_room=self.config.follows_room,
         )
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         last, unanswered = "no answer", 0
@@ -160,6 +164,24 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             f"prefill rank {self.tp_rank} is not registered with the bootstrap {self.config.bootstrap}, so no "
             f"decode rank can reach it: {self.registration_error}"
         )
+
+    def route_room(self, room: int, timeout_s: float = ROUTE_TIMEOUT_S) -> None:
+        """Tell the bootstrap that this rank's DP group serves ``room`` (``RoomRoute``: SGLang's
+        load balancer placed the request here, so a decode cannot find it as
+        ``bootstrap_room % dp_size``). Blocks for the bootstrap's answer, at most ``timeout_s``.
+
+        Raises:
+            TransferFailedError: the bootstrap refused it (naming why), or did not answer.
+        """
+        msg = RoomRoute(session=self.session, room=room, dp_rank=self.config.dp_rank)
+        try:
+            reply = bootstrap.request(self.config.bootstrap, msg, timeout_s=timeout_s, key=self.config.key)
+        except KVXferError as exc:
+            raise TransferFailedError(
+                f"could not register room {room}'s DP group {self.config.dp_rank} with the bootstrap: {exc}", room
+            ) from None
+        if (room, self.config.dp_rank) not in [tuple(pair) for pair in reply.room_groups]:
+            raise TransferFailedError(f"the bootstrap refused room {room}'s DP group: {reply.reason}", room)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Close (``RankBase.close``), then take this rank's registration back from the

@@ -136,6 +136,9 @@ class ServerPlan:
     pp_size: int = 1  # pipeline-parallel stages (--pp-size); each stage's ranks hold its layers
     attn_cp_size: int = 1  # prefill attention context parallel (--attn-cp-size)
     system_dp_size: int = 1  # data-parallel replicas (--dp-size without --enable-dp-attention)
+    # a prefill of several DP groups: requests placed by bootstrap_room % dp_size (else by
+    # SGLang's load balancer, each room's group registered with the bootstrap)
+    follows_room: bool = True
 
     @property
     def dp_groups(self) -> int:
@@ -209,15 +212,12 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         raise _not_supported("--dp-size", dp, f"it must equal the attention-DP size {attn_dp} or be 1")
     # --dp-size without --enable-dp-attention: full TP replicas, each a DP group of its own
     system_dp = _int("ServerArgs.dp_size", dp, 1) if attn_dp == 1 else 1
+    # A prefill's DP groups follow bootstrap_room % dp_size under SGLang's prefill default
+    # ("auto" resolves to follow_bootstrap_room there); another load balancer places requests
+    # itself and each room's group is registered with the bootstrap, as it is with
+    # SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK (SGLang's CommonKVSender does the same).
     lb = _get(server_args, "load_balance_method", "auto") or "auto"
-    if role == "prefill" and max(attn_dp, system_dp) > 1 and lb not in ("auto", "follow_bootstrap_room"):
-        raise _not_supported(
-            "--load-balance-method",
-            lb,
-            "a decode finds a request's prefill DP group from its bootstrap_room (SGLang's "
-            "follow_bootstrap_room, the prefill default) or from the router's data_parallel_rank; "
-            "the bootstrap's per-request DP rank registry is not implemented",
-        )
+    follows_room = lb in ("auto", "follow_bootstrap_room") and not force_query_prefill_dp_rank()
     policy = _get(server_args, "disaggregation_decode_allocation_policy", "early") or "early"
     if policy != "early":
         raise _not_supported(
@@ -252,6 +252,18 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         pp_size=pp,
         attn_cp_size=attn_cp,
         system_dp_size=system_dp,
+        follows_room=follows_room,
+    )
+
+
+def force_query_prefill_dp_rank() -> bool:
+    """``SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK`` (SGLang's reading of a boolean):
+    every request's prefill DP group is registered and looked up, whatever the load balancer."""
+    return os.environ.get("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "").strip().lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
     )
 
 

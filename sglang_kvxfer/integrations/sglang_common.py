@@ -95,8 +95,8 @@ class PrefillInfo:
 
     attn_tp_size: int
     dp_size: int = 1  # prefill attention-DP groups behind the bootstrap
-    # The decode picks a request's DP group as bootstrap_room % dp_size: a kvxfer prefill
-    # refuses any other load balancing (sglang_args), so this is always True.
+    # True: SGLang's decode picks a request's DP group as bootstrap_room % dp_size; False
+    # (the prefill's load balancer places requests): it asks ``query_prefill_dp_ranks``
     follow_bootstrap_room: bool = True
     problem: str = ""  # why requests to this prefill cannot work ("" if they can)
     dp_groups: tuple[int, ...] = (0,)  # the DP groups registered when this was read

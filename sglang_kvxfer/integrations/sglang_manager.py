@@ -12,8 +12,9 @@ part of a request (``receive_parts``) are decided here; the requests themselves 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-import os
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,37 @@ if TYPE_CHECKING:
 
 __all__ = ["KVXferKVManager", "KVXferKVBootstrapServer", "ReceivePart", "StatePart"]
 
+# How long a decode waits for the bootstrap's answer about rooms' DP groups (SGLang's own: 5 s).
+DP_QUERY_TIMEOUT_S = 5.0
+# This process's decode managers: SGLang's decode asks the class method
+# CommonKVReceiver.query_prefill_dp_ranks, not its manager, which prefill placed a room.
+_DECODE_MANAGERS: weakref.WeakSet[KVXferKVManager] = weakref.WeakSet()
+
+
+def install_dp_rank_query() -> None:
+    """Let SGLang's ``CommonKVReceiver.query_prefill_dp_ranks`` (an HTTP call to SGLang's own
+    bootstrap) answer from our bootstrap for the prefill addresses a kvxfer decode manager of
+    this process has looked up; other addresses still go to SGLang's. Once per process. Where
+    SGLang's common module cannot be imported (the base classes alone) there is nothing to
+    replace: no SGLang decode scheduler runs there."""
+    try:
+        from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+    except ImportError:
+        return
+    original = CommonKVReceiver.__dict__.get("query_prefill_dp_ranks")
+    sglang_query = getattr(original, "__func__", None)
+    if sglang_query is None or getattr(sglang_query, "kvxfer", False):
+        return
+
+    def query_prefill_dp_ranks(bootstrap_addr: str, bootstrap_rooms: list[int]) -> dict[str, int]:
+        for mgr in list(_DECODE_MANAGERS):
+            if bootstrap_addr in getattr(mgr, "prefill_info_table", {}):
+                return mgr.query_prefill_dp_ranks(bootstrap_addr, list(bootstrap_rooms))
+        return sglang_query(bootstrap_addr, bootstrap_rooms)
+
+    query_prefill_dp_ranks.kvxfer = True  # type: ignore[attr-defined]
+    CommonKVReceiver.query_prefill_dp_ranks = staticmethod(query_prefill_dp_ranks)
+
 
 @dataclass(frozen=True)
 class ReceivePart:
@@ -103,14 +135,10 @@ class KVXferKVManager(BaseKVManager):
         self.is_mla_backend = bool(is_mla_backend)
         self.role = role_of(disaggregation_mode)
         self.plan = plan_from_server_args(resolved(server_args), self.role)
-        if self.role == "decode" and os.environ.get(
-            "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", ""
-        ).strip().lower() in ("1", "true", "yes", "on"):
-            raise KVXferError(
-                "the kvxfer transfer backend does not support SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK: "
-                "its bootstrap has no per-request DP rank registry; the decode routes by the router's "
-                "data_parallel_rank or bootstrap_room % dp_size"
-            )
+        self._dp_query_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        if self.role == "decode":
+            install_dp_rank_query()  # SGLang's decode asks its bootstrap for placed rooms' groups
+            _DECODE_MANAGERS.add(self)
         dtype = kv_dtype(getattr(args, "kv_cache_dtype_str", None), getattr(server_args, "dtype", None))
         draft_dtype = getattr(server_args, "speculative_draft_kv_cache_dtype", None)
         self.layout: SglangLayout = layout_from_kv_args(
@@ -159,6 +187,7 @@ class KVXferKVManager(BaseKVManager):
             pp_rank=self.pp_rank if prefill else 0,
             pp_size=self.pp_size if prefill else 1,
             layer_start=layer_start,
+            follows_room=self.plan.follows_room if prefill else True,
         )
         # The draft model's pool: a manager of its own, registered under kv_pool="draft".
         self.draft_config: EngineConfig | None = None
@@ -435,6 +464,7 @@ class KVXferKVManager(BaseKVManager):
             pp_size=topo.pp_size,
             pp_layers=topo.pp_layers,
             state_pools=states,
+            follow_bootstrap_room=topo.follows_room,
         )
         return True
 
@@ -580,6 +610,35 @@ class KVXferKVManager(BaseKVManager):
         info = self.prefill_info_table.get(bootstrap_addr)
         return info is not None and info.attn_tp_size == self.layout.tp_size and info.pp_size == self.pp_size
 
+    def query_prefill_dp_ranks(self, bootstrap_addr: str, bootstrap_rooms: list[int]) -> dict[str, int]:
+        """The prefill DP group of each of ``bootstrap_rooms`` that the prefill behind
+        ``bootstrap_addr`` registered (SGLang's ``CommonKVReceiver.query_prefill_dp_ranks``,
+        answered by our bootstrap: ``{str(room): dp_rank}``). A bootstrap that does not answer
+        is logged and answers nothing: SGLang asks again on its next pass."""
+        from sglang_kvxfer.engine import bootstrap
+
+        try:
+            found = bootstrap.room_groups(
+                bootstrap_addr,
+                bootstrap_rooms,
+                session=self.decode_engine.session,
+                timeout_s=DP_QUERY_TIMEOUT_S,
+                key=self.config.key,
+            )
+        except KVXferError as exc:
+            log.warning(
+                "kvxfer: asking %s for the DP groups of %d room(s): %s", bootstrap_addr, len(bootstrap_rooms), exc
+            )
+            return {}
+        return {str(room): dp for room, dp in found.items()}
+
+    def _ensure_prefill_recompute_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The pool SGLang's decode runs ``query_prefill_dp_ranks`` on ahead of time (its name
+        is SGLang's, which shares one pool with prefill recompute)."""
+        if self._dp_query_pool is None:
+            self._dp_query_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvxfer-dp-query")
+        return self._dp_query_pool
+
     def submit_prefill_recompute(self, receiver: KVXferKVReceiver, payload: Any = None) -> None:
         receiver._fail(
             "PD retraction with prefill recompute (rebootstrap) is not supported by the kvxfer transfer backend"
@@ -595,6 +654,11 @@ class KVXferKVManager(BaseKVManager):
 
     def close(self) -> None:
         """Stop the engine managers (threads, sockets, registrations). Idempotent."""
+        pool = getattr(self, "_dp_query_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+            self._dp_query_pool = None
+        _DECODE_MANAGERS.discard(self)
         for lookup in getattr(self, "_lookups", {}).values():
             lookup.close()
         for engine, _, _ in getattr(self, "_slices", {}).values():

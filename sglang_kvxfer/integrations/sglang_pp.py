@@ -320,6 +320,7 @@ class PrefillTopology:
     # of a prefill of several stages)
     state_counts: tuple[tuple[str, tuple[int, ...]], ...] = ()
     state_pools: tuple[str, ...] = ()  # the state pools the prefill announced
+    follows_room: bool = True  # its DP groups are bootstrap_room % dp_size (else: ask the bootstrap)
 
 
 class TopologyLookup:
@@ -404,6 +405,7 @@ class TopologyLookup:
             pp_layers=tuple(layers),
             state_counts=tuple(counts),
             state_pools=tuple(first.state_pools),
+            follows_room=first.follows_room,
         )
 
     def close(self) -> None:

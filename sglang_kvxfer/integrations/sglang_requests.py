@@ -260,7 +260,16 @@ class KVXferKVSender(_Request, BaseKVSender):
         self._engine = self._pair = _Parts(parts)
         self._pages: list[np.ndarray] = []  # the pages of every chunk sent, in order (KV checksum)
         dp_size = mgr.plan.dp_groups
-        if dp_size > 1 and not req_has_disagg_prefill_dp_rank and self.bootstrap_room % dp_size != mgr.dp_rank:
+        if dp_size > 1 and not req_has_disagg_prefill_dp_rank and not mgr.plan.follows_room:
+            # SGLang's load balancer placed the request in this DP group: the decode asks the
+            # bootstrap which (SGLang's CommonKVSender registers it the same way). One rank of
+            # the group tells it: the group's first attention-TP rank of PP stage 0.
+            if mgr.layout.tp_rank == 0 and mgr.pp_rank == 0:
+                try:
+                    mgr.prefill_engine.route_room(self.bootstrap_room)
+                except KVXferError as exc:
+                    self._fail(str(exc))
+        elif dp_size > 1 and not req_has_disagg_prefill_dp_rank and self.bootstrap_room % dp_size != mgr.dp_rank:
             # The decode looks for this request in DP group bootstrap_room % dp_size
             # (SGLang's follow_bootstrap_room); serving it here would never be found.
             self._fail(

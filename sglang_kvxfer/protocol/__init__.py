@@ -10,6 +10,8 @@ control frames are one-way PUSH -> PULL, the bootstrap lookup is request/reply):
 
     prefill rank  --PrefillRegister-->  bootstrap                 (once per process start and KV pool)
     prefill rank  --PrefillLeave----->  bootstrap                 (as it closes: its own registration)
+    prefill rank  --RoomRoute-------->  bootstrap                 (a room its load balancer placed here)
+    decode rank   --RoomQuery-------->  bootstrap                 (which DP group serves these rooms)
     decode rank   --BootstrapQuery--->  bootstrap
     decode rank   <--BootstrapReply---  bootstrap                 (ready once all ranks registered)
     decode rank   --DecodeRegister--->  each candidate prefill rank (once per session pair)
@@ -63,6 +65,8 @@ from sglang_kvxfer.protocol.messages import (
     PrefillRegister,
     RegisterReply,
     RequestMeta,
+    RoomQuery,
+    RoomRoute,
     StagedChunk,
     TransferDone,
     TransferFailed,
@@ -88,6 +92,8 @@ __all__ = [
     "MESSAGE_TYPES",
     "PrefillRegister",
     "PrefillLeave",
+    "RoomRoute",
+    "RoomQuery",
     "BootstrapQuery",
     "BootstrapReply",
     "PrefillRankInfo",

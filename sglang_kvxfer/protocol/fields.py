@@ -50,6 +50,7 @@ __all__ = [
     "MAX_KV_REGIONS",
     "MAX_TIMINGS",
     "MAX_RECEIPTS",
+    "MAX_ROOM_QUERY",
     "Side",
     "Kind",
     "Record",
@@ -72,7 +73,10 @@ __all__ = [
 # (pp_rank, pp_size, layer_start), queries the stage they ask about and replies the stage's
 # layers and the registered stages; 7: Heartbeat carries the sender's host id and pid;
 # 8: TransferDone carries the landing receipts of writes not yet acknowledged (receipts);
-# 9: PrefillLeave (a closing prefill rank takes its registration back from the bootstrap).
+# 9: PrefillLeave (a closing prefill rank takes its registration back from the bootstrap);
+# prefill registrations and bootstrap replies say whether DP groups follow bootstrap_room
+# (follows_room), RoomRoute registers a room's DP group and RoomQuery asks for it
+# (room_groups in the reply).
 PROTOCOL_VERSION = 9
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name
@@ -86,6 +90,7 @@ MAX_REGION_DESCRIPTOR_BYTES = 16 * 1024  # one registered memory region
 MAX_KV_REGIONS = 8192  # KV buffers of one rank (2 * layers, draft layers)
 MAX_TIMINGS = 32  # entries of TransferDone.timings
 MAX_RECEIPTS = 4096  # entries of TransferDone.receipts (more pending frames: the writer waits instead)
+MAX_ROOM_QUERY = 4096  # rooms of one RoomQuery and (room, DP group) pairs of its reply
 # A staged pair's window (RequestMeta.staging_capacity_bytes) is this many equal slots: the
 # writer fills one while the reader scatters the other (ChunkReady / ChunkAck).
 STAGING_SLOTS = 2

@@ -28,6 +28,7 @@ from sglang_kvxfer.protocol.fields import (
     MAX_REASON_CHARS,
     MAX_RECEIPTS,
     MAX_REGION_DESCRIPTOR_BYTES,
+    MAX_ROOM_QUERY,
     MAX_TIMINGS,
     MAX_TP_SIZE,
     UINT64_MAX,
@@ -55,6 +56,8 @@ __all__ = [
     "PrefillRankInfo",
     "PrefillRegister",
     "PrefillLeave",
+    "RoomRoute",
+    "RoomQuery",
     "BootstrapQuery",
     "BootstrapReply",
     "DecodeRegister",
@@ -77,6 +80,9 @@ DpSize = Annotated[int, Int(1, MAX_TP_SIZE)]  # prefill attention-DP groups behi
 DpRank = Annotated[int, Int(0, MAX_TP_SIZE - 1)]
 PpSize = Annotated[int, Int(1, MAX_TP_SIZE)]  # prefill pipeline-parallel stages (protocol 6)
 PpRank = Annotated[int, Int(0, MAX_TP_SIZE - 1)]
+Rooms = Annotated[tuple[int, ...], ListOf(Int(0, UINT64_MAX), MAX_ROOM_QUERY)]  # protocol 9: RoomQuery
+# protocol 9: (room, DP group) pairs of a RoomQuery's reply
+RoomGroups = Annotated[tuple, ListOf(ListOf(Int(0, UINT64_MAX), 2, min_items=2), MAX_ROOM_QUERY)]
 Count = Annotated[int, Int(0, INT64_MAX)]  # num_* and *_bytes
 Positive = Annotated[int, Int(1, INT64_MAX)]
 OffsetOrNone = Annotated[int, Int(-1, INT64_MAX)]  # -1: not used
@@ -195,6 +201,10 @@ class PrefillRegister(Message):
     pp_rank: PpRank = 0
     pp_size: PpSize = 1
     layer_start: Count = 0
+    # protocol 9, attention DP: True when a request's DP group is bootstrap_room % dp_size
+    # (SGLang's follow_bootstrap_room); False when the prefill's load balancer places requests
+    # and registers each room's group with the bootstrap (``RoomRoute``)
+    follows_room: Bool = True
 
     def _validate(self) -> None:
         _rank_below_size(self)
@@ -231,6 +241,26 @@ class PrefillLeave(Message):
     dp_rank: DpRank = 0
     kv_pool: KVPoolName = ""
     pp_rank: PpRank = 0
+
+
+@message
+class RoomRoute(Message):
+    """Prefill rank -> bootstrap (protocol 9; request/reply): DP group ``dp_rank`` serves
+    ``room`` (SGLang's prefill load balancer placed it there, not at bootstrap_room %
+    dp_size). The bootstrap takes it only from a registered rank of that group."""
+
+    session: SessionId  # the registering prefill process (the envelope's sender)
+    room: Room
+    dp_rank: DpRank
+
+
+@message
+class RoomQuery(Message):
+    """Decode rank -> bootstrap (protocol 9; request/reply): which DP group serves each of
+    ``rooms``? The reply's ``room_groups`` lists those registered so far."""
+
+    session: SessionId
+    rooms: Rooms
 
 
 @record
@@ -270,6 +300,11 @@ class BootstrapReply(Message):
     pp_size: Annotated[int, Int(0, MAX_TP_SIZE)] = 0
     layer_start: Count = 0
     pp_stages: Annotated[tuple[int, ...], ListOf(Int(0, MAX_TP_SIZE - 1), MAX_TP_SIZE)] = ()
+    # protocol 9: whether the registered ranks place requests by bootstrap_room % dp_size
+    # (``PrefillRegister.follows_room``), and the (room, DP group) pairs a ``RoomQuery`` asked
+    # about that are registered (``RoomRoute``; a ``RoomRoute`` taken: its own pair)
+    follows_room: Bool = True
+    room_groups: RoomGroups = ()
 
     def _validate(self) -> None:
         if self.kv_pool and self.draft_geometry is not None:

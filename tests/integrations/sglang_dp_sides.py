@@ -8,8 +8,9 @@ What DP adds to that order, from SGLang's own code:
   rank's ``KVArgs.engine_rank`` its global TP rank (``prefill.py``); the data-parallel
   controller hands a request to one DP group only: the router's ``data_parallel_rank``
   (the sender then gets ``req_has_disagg_prefill_dp_rank=True``), else
-  ``bootstrap_room % D`` (``follow_bootstrap_room``, the prefill default). Polls are reduced
-  (MIN) over that group's attention-TP ranks.
+  ``bootstrap_room % D`` (``follow_bootstrap_room``, the prefill default), or where another
+  ``--load-balance-method`` puts it (the senders then register the room's group with the
+  bootstrap). Polls are reduced (MIN) over that group's attention-TP ranks.
 * prefill attention CP (``--attn-cp-size C``): ``T / (D * C)`` attention-TP ranks, each
   ``C`` times; ``engine_rank = (dp * C + cp) * attn_tp + attn_tp_rank``
   (``derive_attention_ranks``). Every CP rank holds the request's KV; CP rank 0 sends it and
@@ -18,7 +19,8 @@ What DP adds to that order, from SGLang's own code:
 * decode: ``engine_rank = tp_rank % attn_tp``; each decode DP group serves the requests its
   own controller gives it; ``_resolve_prefill_dp_rank`` picks the prefill group: the
   router's rank, else ``0`` for ``dp_size == 1``, else ``bootstrap_room % dp_size`` (read from
-  ``prefill_info_table``); then ``init(prefill_dp_rank)``.
+  ``prefill_info_table``), else (a prefill that does not follow bootstrap_room) the request
+  waits until ``query_prefill_dp_ranks`` names its group; then ``init(prefill_dp_rank)``.
 
 The oracle (``DpOracle``) is independent of the engine: every (room, prefill DP group) has
 its own random full KV (every layer, K/V, token row of every page, head, byte); a prefill
@@ -65,6 +67,7 @@ class DpSpec:
     timeout_s: float = 60.0
     cp: int = 1  # prefill attention CP
     system: bool = False  # DP replicas (--dp-size without --enable-dp-attention), not attention DP
+    load_balance: str = "auto"  # the prefill's --load-balance-method
 
 
 def poison(group: int) -> int:
@@ -144,9 +147,10 @@ def main(spec: DpSpec, out, release) -> None:
 
 def _dp_server_args(spec: DpSpec, port: int):
     cp = spec.cp if spec.role == "prefill" else 1
+    lb = dict(load_balance_method=spec.load_balance) if spec.role == "prefill" else {}
     if spec.system:  # each replica a whole TP group: tp_size is one replica's
-        return server_args(sides.MODEL_PATH, spec.role, spec.attn_tp, port, dp_size=spec.dp)
-    extra: dict = dict(dp_size=spec.dp, enable_dp_attention=True) if spec.dp > 1 else {}
+        return server_args(sides.MODEL_PATH, spec.role, spec.attn_tp, port, dp_size=spec.dp, **lb)
+    extra: dict = dict(dp_size=spec.dp, enable_dp_attention=True, **lb) if spec.dp > 1 else {}
     if cp > 1:
         extra["attn_cp_size"] = cp
     return server_args(sides.MODEL_PATH, spec.role, spec.attn_tp * spec.dp * cp, port, **extra)
@@ -303,18 +307,38 @@ def _decode(spec: DpSpec, closers: list) -> dict:
         time.sleep(0.02)
     info = every[0].prefill_info_table[addr]
     results: dict = {"info": {"attn_tp_size": info.attn_tp_size, "dp_size": info.dp_size}}
+    results["follows_room"] = info.follow_bootstrap_room
+    pending = []
     for w in work:  # _resolve_prefill_dp_rank, then _init_receiver
         req = w["req"]
         if req.route is not None:
             rank = req.route  # the router's data_parallel_rank
         elif info.dp_size == 1:
             rank = 0
-        else:
-            assert info.follow_bootstrap_room
+        elif info.follow_bootstrap_room:
             rank = req.room % info.dp_size
+        else:  # the prefill's load balancer placed it: pending until the bootstrap knows
+            pending.append(w)
+            continue
         w["route"] = rank
         for rx in w["rxs"]:
             rx.init(rank)
+    # _resolve_pending_reqs, pass after pass: SGLang asks CommonKVReceiver.query_prefill_dp_ranks
+    # (answered by our manager, whose method this calls) on the manager's executor
+    asker = every[0]
+    while pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rooms {[w['room'] for w in pending]}: the bootstrap never named their DP group")
+        rooms = [w["room"] for w in pending]
+        found = asker._ensure_prefill_recompute_executor().submit(asker.query_prefill_dp_ranks, addr, rooms).result()
+        for w in list(pending):
+            rank = found.get(str(w["room"]))
+            if rank is not None:
+                pending.remove(w)
+                w["route"] = int(rank)
+                for rx in w["rxs"]:
+                    rx.init(int(rank))
+        time.sleep(0.02)
 
     def failed(w):
         results[w["room"]] = {"status": "Failed", "reasons": sides._failure(w["rxs"]), "route": w["route"]}

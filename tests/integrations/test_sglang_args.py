@@ -276,6 +276,18 @@ def test_system_dp_plan():
     assert (dec.attn_tp_size, dec.system_dp_size, dec.dp_rank(0, 1)) == (1, 2, 0)  # decode routing is its own
 
 
+def test_a_prefill_load_balancer_makes_the_groups_register_their_rooms(monkeypatch):
+    """follow_bootstrap_room (and "auto", its prefill default) place a request by its room;
+    any other --load-balance-method, or SGLang's force-query flag, makes each DP group register
+    the rooms it got with the bootstrap (follows_room=False)."""
+    for lb, follows in (("auto", True), ("follow_bootstrap_room", True), ("round_robin", False)):
+        for over in (dict(attn_dp_size=2), dict(dp_size=2)):
+            plan = plan_from_server_args(server(load_balance_method=lb, **over), "prefill")
+            assert plan.follows_room is follows, (lb, over)
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "1")
+    assert plan_from_server_args(server(attn_dp_size=2), "prefill").follows_room is False
+
+
 def test_pipeline_parallel_plan():
     """--pp-size is served on both sides (the stages' layers come from each rank's KVArgs)."""
     for role in ("prefill", "decode"):
@@ -289,9 +301,6 @@ def test_pipeline_parallel_plan():
 @pytest.mark.parametrize(
     "over, role, flag",
     [
-        # attention DP and DP replicas are served only with the routing a decode can follow
-        (dict(attn_dp_size=2, load_balance_method="round_robin"), "prefill", "--load-balance-method='round_robin'"),
-        (dict(dp_size=2, load_balance_method="round_robin"), "prefill", "--load-balance-method='round_robin'"),
         (dict(dp_size=4, attn_dp_size=2), "decode", "--dp-size=4"),
         (dict(tp_size=2, attn_cp_size=2), "decode", "--attn-cp-size=2"),  # SGLang's decode asserts CP 1 too
         (dict(tp_size=4, attn_cp_size=2, pp_size=2), "prefill", "--attn-cp-size=2"),

@@ -10,12 +10,11 @@ from __future__ import annotations
 import pytest
 
 from sglang_kvxfer.engine import BootstrapServer, bootstrap
-from sglang_kvxfer.errors import KVXferError
 from sglang_kvxfer.geometry import KVGeometry
 from sglang_kvxfer.protocol.messages import BootstrapQuery, PrefillRegister
 from tests.integrations import sglang_dp_sides as dps
 from tests.integrations import sglang_sides as sides
-from tests.integrations.sglang_env import Model, import_sglang_base, load_utils_defs, rank_memory, server_args
+from tests.integrations.sglang_env import Model, import_sglang_base
 from tests.ports import free_port
 
 _base, _reason = import_sglang_base()
@@ -28,14 +27,22 @@ ROOMS = [R(0x5EED_0000_F00D, 37), R(0x5EED_0001_F00D, 9), R(0x7A11_0002_CAFE, 20
 
 
 def run_dp(
-    prefill: tuple, decode: tuple, model: Model, requests, env=None, timeout_s: float = 60.0, system=(False, False)
+    prefill: tuple,
+    decode: tuple,
+    model: Model,
+    requests,
+    env=None,
+    timeout_s: float = 60.0,
+    system=(False, False),
+    load_balance: str = "auto",
 ):
     """``prefill``/``decode``: ``(attn_tp, dp)``; ``system``: which side's DP groups are
-    DP replicas (``--dp-size`` without ``--enable-dp-attention``). Returns both sides' reports."""
+    DP replicas (``--dp-size`` without ``--enable-dp-attention``); ``load_balance``: the
+    prefill's ``--load-balance-method``. Returns both sides' reports."""
     port = free_port()
     env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": "local", **(env or {})}
     specs = [
-        dps.DpSpec(role, model, tp, dp, port, requests, env, timeout_s, system=replicas)
+        dps.DpSpec(role, model, tp, dp, port, requests, env, timeout_s, system=replicas, load_balance=load_balance)
         for role, (tp, dp), replicas in zip(("prefill", "decode"), (prefill, decode), system)
     ]
     return sides.run_in_processes(dps.main, specs, timeout_s)
@@ -131,16 +138,33 @@ def test_routes_never_take_another_groups_bytes_and_wrong_routes_fail_by_name():
 
 
 @needs_sglang
-def test_a_decode_that_would_query_a_dp_rank_registry_is_refused(monkeypatch):
-    """SGLang's decode asks its bootstrap's HTTP registry for a request's prefill DP rank under
-    this flag; ours keeps none, so the manager refuses it at construction, naming it."""
-    from sglang_kvxfer.integrations import sglang as backend
-
-    monkeypatch.setenv("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "1")
-    mem = rank_memory(Model(), 1, 0, "decode")
-    mode = load_utils_defs().DisaggregationMode.DECODE
-    with pytest.raises(KVXferError, match="does not support SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"):
-        backend.KVXferKVManager(mem.kv_args, mode, server_args("m", "decode", 1, free_port()), False)
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "prefill, mla, load_balance, env",
+    [
+        ((1, 2), False, "round_robin", {}),
+        ((2, 2), True, "total_requests", {}),  # MLA (DeepSeek), two writers per group
+        ((1, 2), False, "auto", {"SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK": "1"}),
+    ],
+    ids=["round-robin", "mla-tp2xdp2-total-requests", "force-query"],
+)
+def test_rooms_the_prefill_load_balancer_placed_are_found_through_the_bootstrap(prefill, mla, load_balance, env):
+    """Another --load-balance-method than follow_bootstrap_room (or SGLang's force-query flag):
+    every room is prefilled on the group that bootstrap_room % 2 does NOT name; the group's
+    first rank registers it with the bootstrap and the decode, told the prefill does not follow
+    bootstrap_room, asks for it as SGLang's decode does. Each room lands, byte-exact, from the
+    group that prefilled it."""
+    model = Model(mla=True, head_dim=24, pool_tokens=192) if mla else Model(total_kv_heads=4, pool_tokens=192)
+    requests = [R(q.room, q.tokens, prefill_groups=((q.room + 1) % 2,)) for q in ROOMS]
+    pre, dec = run_dp(prefill, (1, 1), model, requests, env=env, load_balance=load_balance)
+    assert dec["follows_room"] is False
+    for q in requests:
+        group = (q.room + 1) % 2
+        assert dec[q.room]["status"] == "Success", dec[q.room]
+        assert dec[q.room]["route"] == group
+        assert dec[q.room]["problems"] == [], dec[q.room]["problems"]
+        assert pre[(q.room, group)]["status"] == "Success", pre
+    assert dec["pool_problems"] == [], dec["pool_problems"]
 
 
 # -- the bootstrap's DP groups (no SGLang needed) -------------------------------------------------

@@ -19,6 +19,8 @@ from sglang_kvxfer.protocol import (
     PrefillRegister,
     RegisterReply,
     RequestMeta,
+    RoomQuery,
+    RoomRoute,
     StagedChunk,
     TransferDone,
     TransferFailed,
@@ -111,7 +113,11 @@ def prefill_registers(draw):
         pp_rank=pp_rank,
         pp_size=pp_size,
         layer_start=layer_start,
+        follows_room=draw(st.booleans()),
     )
+
+
+room_ids = st.integers(0, 2**64 - 1)
 
 
 @st.composite
@@ -123,6 +129,8 @@ def bootstrap_replies(draw):
     stages = tuple(sorted(draw(st.sets(st.integers(0, pp_size - 1), max_size=pp_size))))
     pp = dict(pp_rank=pp_rank, pp_size=pp_size, layer_start=layer_start, pp_stages=stages)
     pp["state_pools"] = () if pool else tuple(draw(state_pool_lists))
+    pp["follows_room"] = draw(st.booleans())
+    pp["room_groups"] = tuple(draw(st.lists(st.tuples(room_ids, st.integers(0, 1023)), max_size=8)))
     if draw(st.booleans()):
         ranks = [PrefillRankInfo(r, draw(endpoints), draw(names)) for r in range(size)]
         return BootstrapReply(
@@ -132,7 +140,16 @@ def bootstrap_replies(draw):
     ranks = [PrefillRankInfo(r, draw(endpoints), draw(names)) for r in registered]
     geometry = draw(st.one_of(st.none(), geometries()))
     return BootstrapReply(
-        False, draw(st.sampled_from([0, size])), geometry, "", ranks, draw(reasons), kv_pool=pool, draft_geometry=draft
+        False,
+        draw(st.sampled_from([0, size])),
+        geometry,
+        "",
+        ranks,
+        draw(reasons),
+        kv_pool=pool,
+        draft_geometry=draft,
+        follows_room=pp["follows_room"],
+        room_groups=pp["room_groups"],
     )
 
 
@@ -229,6 +246,8 @@ MESSAGE_STRATEGIES = {
         kv_pool=kv_pools,
         pp_rank=st.integers(0, 1023),
     ),
+    "RoomRoute": st.builds(RoomRoute, names, room_ids, st.integers(0, 1023)),
+    "RoomQuery": st.builds(RoomQuery, names, st.lists(room_ids, max_size=64).map(tuple)),
     "BootstrapReply": bootstrap_replies(),
     "DecodeRegister": decode_registers(),
     "RegisterReply": register_replies(),
