@@ -71,15 +71,6 @@ def test_rooms_a_round_robin_prefill_placed_are_found_through_its_bootstrap(bala
     # The negative control: zero what the (attention TP 1) writer delivered; tokens change.
     ids = prompt(PREFILL_CHUNK + 21, 35)
     want = h.output_ids(h.generate_single(reference, ids))
-    control = logs / "corrupt-writer"
-    record = Path(str(control) + ".log")
-    before = record.read_text() if record.exists() else ""
-    control.write_text("0/1")
-    try:
-        pre, dec = h.generate_pd(prefill, decode, port, ids, room(0))
-    finally:
-        control.unlink()
-    got = h.output_ids(dec)
-    assert got is not None, f"decode answered {dec}\n{logs_of}"
-    assert "zeroed heads" in record.read_text()[len(before) :]
+    got, zeroed = h.pair_tokens_corrupted((prefill, decode, port), logs, "0/1", ids, room(0))
+    assert "zeroed heads" in zeroed, zeroed
     assert got != want, f"tokens did not change with the writer's KV zeroed: {got}"
