@@ -579,17 +579,25 @@ def _direct_ops(
     n = t.num_heads
     g = src.geometry
     dims = [g.head_dim] + ([_v_head_dim(g)] if g.has_v else [])
-    if layout is Layout.NHD:
+    if layout is Layout.NHD:  # token runs are maximal: scaled to bytes they need no coalescing
         rows = _token_runs(src_pages, dst_pages, g.page_size, dst.geometry.page_size, start, stop)
-        ops = [coalesce(*(rows.T * np.array([[n * d * g.itemsize]] * 3))) for d in dims]
+        ops = [_scaled(rows, n * d * g.itemsize) for d in dims]
     elif layout is Layout.HND:
         ops = [_hnd_ops(t, src, dst, src_pages, dst_pages, start, stop, d) for d in dims]
     elif layout is Layout.HND_KV:
         ops = [_hnd_ops(t, src, dst, src_pages, dst_pages, start, stop, g.head_dim, kinds=2)]
     else:  # NHD_KV: a token's heads are one row of heads x (K + V): token runs, any page sizes
         rows = _token_runs(src_pages, dst_pages, g.page_size, dst.geometry.page_size, start, stop)
-        ops = [coalesce(*(rows.T * np.array([[n * sum(dims) * g.itemsize]] * 3)))]
+        ops = [_scaled(rows, n * sum(dims) * g.itemsize)]
     return ops[0], (ops[1] if len(ops) > 1 else None)
+
+
+def _scaled(rows: np.ndarray, row_bytes: int) -> np.ndarray:
+    """``_token_runs``' rows as read-only byte ops. The runs end only where a side's rows
+    stop being consecutive, so the ops are already what ``coalesce`` would make of them."""
+    ops = rows * row_bytes
+    ops.setflags(write=False)
+    return ops
 
 
 def _per_token_ops(
@@ -663,15 +671,19 @@ def _token_runs(src_pages: np.ndarray, dst_pages: np.ndarray, ps: int, pd: int, 
     if stop <= start:
         return np.zeros((0, 3), dtype=np.int64)
     # Rows can only stop being consecutive where a page ends on either side.
-    cand = np.union1d(
-        np.arange(-(-(start + 1) // ps) * ps, stop, ps, dtype=np.int64),
-        np.arange(-(-(start + 1) // pd) * pd, stop, pd, dtype=np.int64),
-    )
+    cand = np.arange(-(-(start + 1) // ps) * ps, stop, ps, dtype=np.int64)
+    if pd != ps:
+        cand = np.union1d(cand, np.arange(-(-(start + 1) // pd) * pd, stop, pd, dtype=np.int64))
     cand = cand[(cand > start) & (cand < stop)]
 
     def rows(pages: np.ndarray, size: int, tok: np.ndarray) -> np.ndarray:
         return pages[tok // size] * size + tok % size
 
+    if not cand.size:  # inside one page on both sides: one run
+        return np.array(
+            [[src_pages[start // ps] * ps + start % ps, dst_pages[start // pd] * pd + start % pd, stop - start]],
+            dtype=np.int64,
+        )
     keep = (rows(src_pages, ps, cand) != rows(src_pages, ps, cand - 1) + 1) | (
         rows(dst_pages, pd, cand) != rows(dst_pages, pd, cand - 1) + 1
     )

@@ -65,6 +65,9 @@ class RequestPlan:
     src_pages: np.ndarray
     dst_pages: np.ndarray
     token_nbytes: int
+    # the direct ops ``build`` made of the whole request while choosing its path (pages are
+    # only appended, so they stay right): ``direct`` of that range hands them out again
+    whole: DirectPlan | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -101,6 +104,7 @@ class RequestPlan:
         dst_arr = _as_pages("dst_pages", dst_pages, gd.num_pages, unique=True)
         total = _resolve_num_tokens(num_tokens, src_arr, dst_arr, gs.page_size, gd.page_size)
         choice = _parse_path(path)
+        whole = None
         if choice is DataPath.PER_TOKEN and per_token_possible(src, dst):
             resolved, reason = DataPath.PER_TOKEN, "one op per token (SGLang's pattern; benchmark baseline)"
         else:
@@ -108,6 +112,8 @@ class RequestPlan:
             rule = cost if direct_min_op_bytes is None else direct_min_op_bytes
             pair = _plan_range(transfer, src, dst, src_arr, dst_arr, 0, covered, choice, rule, compat, mapping)
             resolved, reason = pair.path, pair.reason
+            if resolved is DataPath.DIRECT and covered == total and isinstance(pair, DirectPlan):
+                whole = pair
             if (
                 choice is DataPath.AUTO
                 and resolved is DataPath.STAGED
@@ -131,6 +137,7 @@ class RequestPlan:
             src_pages=src_arr,
             dst_pages=dst_arr,
             token_nbytes=token_nbytes,
+            whole=whole,
         )
 
     def extend(self, pages: Any) -> RequestPlan:
@@ -237,6 +244,8 @@ class RequestPlan:
                 f"{self.transfer.decode_rank} is {self.path} ({self.reason}), not direct"
             )
         start, stop = self._range(start, stop)
+        if self.whole is not None and start == 0 and stop == self.num_tokens:
+            return self.whole
         compat = check_compatible(self.src.geometry, self.dst.geometry)
         plan = _plan_range(
             self.transfer,
