@@ -268,14 +268,15 @@ class BootstrapServer:
     def _conflict(self, msg: PrefillRegister) -> str:
         # Every DP group is pp_size PP stages, each an attention-TP group of the same size over
         # the same model; a draft-model pool is served by the same ranks (same sizes and
-        # transport). Stages differ only in their layers and their pool's pages.
+        # transport). Stages differ only in their layers and their pool's pages, and in whether
+        # they hold the draft model's pool (SGLang runs it on the last stage only).
         for (pool, dp, pp, tp), other in self._ranks.items():
             if (pool, dp, pp, tp) == (msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.tp_rank):
                 continue  # a restart of the same rank replaces it
             names: tuple[str, ...] = ("tp_size", "dp_size", "pp_size", "transport", "follows_room")
             if pool == msg.kv_pool:
-                names += ("geometry",) if pp == msg.pp_rank else ()
-                names += ("draft_geometry", "state_pools")
+                names += ("geometry", "draft_geometry") if pp == msg.pp_rank else ()
+                names += ("state_pools",)
             theirs = f"rank {tp} of DP group {dp}" + (f", PP stage {pp}," if other.pp_size > 1 else "")
             for name in names:
                 a, b = getattr(other, name), getattr(msg, name)

@@ -38,7 +38,8 @@ rank (``kv_pool="draft"``, registered and looked up separately, geometry checked
 registration like the model's pool). Each request is then two engine requests over the same
 pages; it succeeds only when both did, and fails with the first failure (the other is
 aborted). Whether the prefill has a draft pool, and its geometry, comes with the parallel
-info; a difference fails the decode's requests naming both sides.
+info; a difference fails the decode's requests naming both sides. With PP the draft pool is
+the last stage's (SGLang runs the draft model there): registered at that stage, looked up there.
 
 Extra per-request state (``KVArgs.state_types``: mamba, swa, dsa; ``sglang_state``): each
 pool of it has a geometry of its own and an engine manager per rank

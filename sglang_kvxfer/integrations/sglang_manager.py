@@ -191,9 +191,9 @@ class KVXferKVManager(BaseKVManager):
         )
         # The draft model's pool: a manager of its own, registered under kv_pool="draft".
         self.draft_config: EngineConfig | None = None
-        if draft is not None:
+        if draft is not None:  # (with PP: the last stage's, registered there with the draft's own layers)
             self.draft_config = dataclasses.replace(
-                self.config, geometry=draft.geometry, kv_pool="draft", draft_geometry=None
+                self.config, geometry=draft.geometry, kv_pool="draft", draft_geometry=None, layer_start=0
             )
         self._device = device
         self.engine: RankBase | None = None
@@ -313,11 +313,13 @@ class KVXferKVManager(BaseKVManager):
         rank = getattr(args, "pp_rank", 0) or 0
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
             raise KVXferError(f"KVArgs.pp_rank={rank!r} must be an int in [0, --pp-size={size})")
-        if size > 1 and self.layout.draft is not None:
+        if size > 1 and self.layout.draft is not None and rank != size - 1:
+            # SGLang 0.5.23 runs the draft model on the last PP stage only (EagleWorkerV2's
+            # _hosts_draft), so only that stage appends a draft pool to its KVArgs.
             raise KVXferError(
-                f"the kvxfer transfer backend does not support a {DRAFT} with --pp-size={size}: which PP stage "
-                "holds the draft model's pool is not implemented; use another --disaggregation-transfer-backend "
-                "for speculative decoding with pipeline parallelism"
+                f"KVArgs of {self.role} PP stage {rank} of --pp-size={size} carry a {DRAFT} "
+                f"(num_draft_entries={self.layout.num_draft_entries}): kvxfer moves it from and to the last PP "
+                f"stage ({size - 1}), where SGLang runs the draft model"
             )
         if self.role != "prefill" or size == 1:
             return size, rank, 0
@@ -452,7 +454,9 @@ class KVXferKVManager(BaseKVManager):
                 f"page_size: prefill={geometry.page_size} decode={ours} (start both servers with the same --page-size)"
             )
         if not failed and not problem:
-            problem = draft_problem(draft, self.layout.draft.geometry if self.layout.draft else None)
+            # a decode of several PP stages holds the draft pool on its last stage only, as the prefill
+            theirs = draft if self.pp_size == 1 or self.pp_rank == self.pp_size - 1 else None
+            problem = draft_problem(theirs, self.layout.draft.geometry if self.layout.draft else None)
         if not failed and not problem:
             problem = state_problem(states, self.layout.states, tp_size, self.layout.tp_size)
         self.prefill_info_table[bootstrap_addr] = PrefillInfo(

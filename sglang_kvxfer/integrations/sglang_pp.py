@@ -313,7 +313,7 @@ class PrefillTopology:
     geometry: KVGeometry  # PP stage 0's (its num_layers: stage 0's layer count)
     dp_size: int
     dp_groups: tuple[int, ...]
-    draft_geometry: KVGeometry | None
+    draft_geometry: KVGeometry | None  # the last PP stage's draft-model pool (None: none)
     pp_size: int
     pp_layers: tuple[range, ...]  # each stage's layers, in stage order
     # each state pool asked about: its entry count on every stage, in stage order (asked only
@@ -380,11 +380,13 @@ class TopologyLookup:
         if first is None or first.geometry is None:
             return
         layers = [range(first.layer_start, first.layer_start + first.geometry.num_layers)]
+        draft = first.draft_geometry
         for s in range(1, max(first.pp_size, 1)):
             reply = self._ready(bootstrap.group_address(self.address, 0, s), deadline)
             if reply is None or reply.geometry is None:
                 return
             layers.append(range(reply.layer_start, reply.layer_start + reply.geometry.num_layers))
+            draft = reply.draft_geometry  # the last stage's: where SGLang runs the draft model
         counts = []
         # (a pool the prefill does not announce is not waited for: state_problem names it)
         for name in [n for n in self._state_pools if n in first.state_pools] if len(layers) > 1 else ():
@@ -400,7 +402,7 @@ class TopologyLookup:
             geometry=first.geometry,
             dp_size=max(first.dp_size, 1),
             dp_groups=tuple(first.dp_groups) or (0,),
-            draft_geometry=first.draft_geometry,
+            draft_geometry=draft,
             pp_size=max(first.pp_size, 1),
             pp_layers=tuple(layers),
             state_counts=tuple(counts),

@@ -559,7 +559,9 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             draft, draft_config, draft_layout = mgr.decode_draft_engine, mgr.draft_config, mgr.layout.draft
             if draft is not None and draft_config is not None and draft_layout is not None:
                 if not (info is not None and info.problem):
-                    group = bootstrap.group_address(self.bootstrap_addr, self.prefill_dp_rank)
+                    # the draft model's pool is the prefill's last PP stage's (SGLang runs the draft there)
+                    last = max(info.pp_size, 1) - 1 if info is not None else 0
+                    group = bootstrap.group_address(self.bootstrap_addr, self.prefill_dp_rank, last)
                     rx = KVReceiver(draft, self.bootstrap_room, group)
                     self._rxs.append(_Rx(DRAFT, rx, draft_config, draft_layout.kv_ptrs, False))
             if not (info is not None and info.problem):

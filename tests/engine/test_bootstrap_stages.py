@@ -193,3 +193,31 @@ def test_engine_config_pp_fields():
         EngineConfig(**common, pp_size=2, layer_start=-1)
     with pytest.raises(ValueError, match=r"layer_start=2 must be 0 without pipeline parallelism \(pp_size=1\)"):
         EngineConfig(**common, layer_start=2)
+
+
+def test_only_the_last_stage_announces_a_draft_pool_and_its_ranks_must_agree():
+    """SGLang runs the draft model on the last PP stage: that stage's ranks announce the draft
+    pool and register it (kv_pool="draft", the draft's own layers) there; stage 0 announces
+    none. Ranks of one stage that disagree about it are still refused naming both values."""
+    draft = KVGeometry(num_layers=1, total_kv_heads=2, head_dim=8, num_pages=12)
+    with BootstrapServer("127.0.0.1", 0, key="off") as srv:
+        addr = srv.address
+        for tp in (0, 1):
+            _register(addr, tp, 0)
+        last = dataclasses.replace(_msg(0, 1), draft_geometry=draft)
+        assert "registers" not in bootstrap.request(addr, last, timeout_s=5.0, key=b"").reason  # accepted
+        other = dataclasses.replace(_msg(1, 1), draft_geometry=None)
+        refused = bootstrap.request(addr, other, timeout_s=5.0, key=b"")
+        assert "registers draft_geometry=None but rank 0 of DP group 0, PP stage 1, registered draft_geometry=" in (
+            refused.reason
+        ), refused.reason
+        bootstrap.request(addr, dataclasses.replace(other, draft_geometry=draft), timeout_s=5.0, key=b"")
+        for tp in (0, 1):  # the draft pool itself, at the last stage, layers from 0
+            pool = dataclasses.replace(_msg(tp, 1, start=0, geometry=draft), kv_pool="draft")
+            assert "registers" not in bootstrap.request(addr, pool, timeout_s=5.0, key=b"").reason
+        assert _query(addr).draft_geometry is None and _query(addr).ready
+        one = _query(addr, pp=1)
+        assert one.ready and one.draft_geometry == draft
+        q = BootstrapQuery(session="d", tp_rank=0, dp_rank=0, pp_rank=1, kv_pool="draft")
+        got = bootstrap.request(addr, q, timeout_s=5.0, key=b"")
+        assert got.ready and got.geometry == draft and got.layer_start == 0

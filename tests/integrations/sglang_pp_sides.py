@@ -41,7 +41,7 @@ import numpy as np
 from tests.integrations import sglang_sides as sides
 from tests.integrations import sglang_state_env as state_env
 from tests.integrations.sglang_dp_sides import heads_of
-from tests.integrations.sglang_env import Model, rank_memory, server_args
+from tests.integrations.sglang_env import Model, model_geometry, rank_memory, server_args
 
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
 SENTINEL = 0xA5  # decode bytes no request may touch
@@ -106,11 +106,24 @@ def stage_state(state, pp_size: int, pp_rank: int):
 
 
 def stage_model(spec: PpSpec) -> Model:
-    """The model as this process's pools hold it: its layers, its part of the state."""
+    """The model as this process's pools hold it: its layers, its part of the state, and the
+    draft model's pool on the last stage only (SGLang runs the draft model there)."""
     a, b = spec.layers
     return dataclasses.replace(
-        spec.model, num_layers=b - a, state=stage_state(spec.model.state, spec.pp_size, spec.pp_rank)
+        spec.model,
+        num_layers=b - a,
+        state=stage_state(spec.model.state, spec.pp_size, spec.pp_rank),
+        draft=spec.model.draft if spec.pp_rank == spec.pp_size - 1 else None,
     )
+
+
+def draft_places(spec: PpSpec) -> list | None:
+    """Each attention-TP rank's placement in the draft model's pool (None: this process has none)."""
+    part = stage_model(spec)
+    if part.draft is None:
+        return None
+    geo = model_geometry(part.draft.model(part))
+    return [geo.placement(spec.tp, r) for r in range(spec.tp)]
 
 
 def stage_of(stage_layers, layer: int) -> int:
@@ -134,6 +147,11 @@ class PpOracle:
         full = rng.integers(0, 256, size=(self.rows_n, heads, dim), dtype=np.uint8)
         full[self.tokens :] = poison(stage_of(self.stage_layers, layer))
         return full
+
+
+def draft_seed(room: int, group: int) -> int:
+    """The seed of a request's draft-model KV on one DP group (not the model's)."""
+    return sides.draft_room(room) ^ (group << 40)
 
 
 def buffers_of(model: Model, layers: tuple[int, int]) -> list[tuple[int, int]]:
@@ -332,10 +350,13 @@ def _forward_and_send(spec: PpSpec, w: dict, mems) -> None:
     rank its heads), then ``send_kv_chunk`` hands the chunk's pages to every rank's sender."""
     import torch
 
+    from sglang_kvxfer.engine.synthetic import fill_request
+
     m, part = spec.model, stage_model(spec)
     oracle = PpOracle(m, w["room"], w["group"], w["tokens"], spec.stage_layers)
     full = [oracle.rows(layer, kind) for layer, kind in buffers_of(m, spec.layers)]
     ps = m.page_size
+    drafts = draft_places(spec)
     for a in range(0, w["tokens"], CHUNK_TOKENS):
         b = min(w["tokens"], a + CHUNK_TOKENS)
         last = b == w["tokens"]
@@ -346,6 +367,9 @@ def _forward_and_send(spec: PpSpec, w: dict, mems) -> None:
             heads = heads_of(m, spec.tp, r)
             for view, want in zip(byte_views(mem), full):
                 view[rows] = torch.from_numpy(np.ascontiguousarray(want[lo : lo + len(chunk) * ps][:, heads, :]))
+            if drafts is not None:  # the last stage's draft model extends over the same pages
+                pages = np.asarray(w["pages"], dtype=np.int64)
+                fill_request(drafts[r], mem.draft_buffers, draft_seed(w["room"], w["group"]), pages, a, b - a)
             if last:  # set_buf on every stage (the outputs reach every stage's scheduler)
                 for name, row in sides.aux_rows(m, w["room"]).items():
                     mem.meta[name][w["slot"]] = row
@@ -360,6 +384,10 @@ def _forward_and_send(spec: PpSpec, w: dict, mems) -> None:
 
 
 def _decode(spec: PpSpec, closers: list, out) -> dict:
+    import torch
+
+    from sglang_kvxfer.engine.synthetic import verify_request
+
     backend, defs = _setup(spec)
     backend._model_total_kv_heads = sides._model_heads(spec.model)
     m, deadline = spec.model, time.monotonic() + spec.timeout_s
@@ -373,6 +401,7 @@ def _decode(spec: PpSpec, closers: list, out) -> dict:
     every = [mgr for row in mgrs for mgr in row]
     pages = sides._allocate(m, spec.requests, seed=2)
     part = stage_model(spec)
+    drafts = draft_places(spec)
     states = state_env.allocate(m, spec.requests, seed=12) if m.state is not None else None
     if spec.corrupt_stage is not None:
         _corrupt_first_landing(backend, spec, groups[0][0], every[0], spec.requests[0][0], pages[0])
@@ -442,6 +471,11 @@ def _decode(spec: PpSpec, closers: list, out) -> dict:
                             part, spec.tp, r, mem.extra["state"], w["room"], w["state"], w["pages"], 0
                         )
                         aux += [f"rank {r}: {p}" for p in got]
+                if drafts is not None:  # every byte of the draft model's KV of the request
+                    for r, mem in enumerate(mems):
+                        seed, pages = draft_seed(w["room"], w["route"]), np.asarray(w["pages"], dtype=np.int64)
+                        got = verify_request(drafts[r], mem.draft_buffers, seed, pages, w["tokens"])
+                        aux += [f"rank {r} draft: {p}" for p in got]
                 verified = [rx.kv_checksum_heads for rx in w["rxs"]]
                 parts = [dict(rx.checksum_parts) for rx in w["rxs"]]
                 results[w["room"]] = {
@@ -481,6 +515,17 @@ def _decode(spec: PpSpec, closers: list, out) -> dict:
                         f"{row // m.page_size} row {row % m.page_size} local head {head} byte {byte} is "
                         f"{int(got[row, head, byte])}, expected {int(want[row, head, byte])}"
                     )
+    if drafts is not None:  # nothing landed in a draft row no request was given
+        for g, mems in enumerate(groups):
+            used = [page_rows(m, w["pages"]) for w in work if w["group"] == g]
+            for r, mem in enumerate(mems):
+                for b, buf in enumerate(mem.draft_buffers):
+                    rest = np.ones(buf.shape[0], dtype=bool)
+                    rest[np.concatenate(used)] = False
+                    if buf.view(torch.uint8)[torch.from_numpy(rest)].any():
+                        problems.append(
+                            f"decode DP group {g} rank {r} draft buffer {b}: a row no request used was written"
+                        )
     if part.state is not None:  # nothing landed in a state row no request was given
         allocs, kv = [w["state"] for w in work], [w["pages"] for w in work]
         for g, mems in enumerate(groups):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integrations import sglang_pp_sides as pps
-from tests.integrations.sglang_env import Model, import_sglang_base
+from tests.integrations.sglang_env import Draft, Model, import_sglang_base
 from tests.integrations.sglang_state_env import StateModel
 from tests.ports import free_port
 
@@ -235,9 +235,63 @@ def test_a_dead_stage_rank_fails_the_request_within_the_heartbeat_bound(tmp_path
     assert "KVXFER_HEARTBEAT_TIMEOUT_S=3.0" in reason, reason
 
 
-def test_a_draft_models_kv_with_pp_and_a_bad_stage_are_refused_at_construction(monkeypatch):
-    """A draft model's pool with --pp-size > 1 is refused naming both; so is a KVArgs.pp_rank
-    outside --pp-size and a prefill stage without its first layer."""
+@pytest.mark.parametrize(
+    "prefill, decode, mla",
+    [
+        ((1, 1, 2), (1, 1, 1), False),  # the last stage's draft pool into the decode's only one
+        ((2, 1, 2), (1, 1, 2), False),  # PP 2 x TP 2 -> PP 2: last stage to last stage, draft heads gathered
+        ((1, 1, 3), (2, 1, 1), True),  # MLA model and MLA draft, PP 3 -> TP 2: the latent to both ranks
+    ],
+    ids=["pp2-to-tp1", "pp2xtp2-to-pp2", "mla-pp3-to-tp2"],
+)
+def test_the_last_stages_draft_model_kv_lands_beside_every_stages_layers(tmp_path, prefill, decode, mla):
+    """Speculative decoding with --pp-size: SGLang runs the draft model on the last PP stage
+    only, so that stage's KVArgs carry the draft pool; its ranks send it (registered with the
+    draft's own layers) beside their layers, and the decode's draft pool (on its last stage)
+    receives it from there. Every byte of both pools is compared; draft rows no request used
+    stay untouched."""
+    if mla:
+        model = Model(mla=True, head_dim=24, num_layers=5, pool_tokens=192, draft=Draft(mla=True, head_dim=16))
+    else:
+        model = Model(total_kv_heads=4, num_layers=4, pool_tokens=192, draft=Draft(num_layers=2, total_kv_heads=2))
+    reports = run(tmp_path, model, prefill, decode)
+    _check_success(reports, model, prefill, decode)  # (the draft pool's bytes are among the problems checked)
+
+
+def test_kv_checksum_covers_the_last_stages_draft_pool(tmp_path):
+    """--disaggregation-enable-kv-checksum with a draft model and PP 2: the decode compares the
+    digests of both stages' layers and of the last stage's draft pool, every head of each."""
+    model = Model(total_kv_heads=4, num_layers=4, pool_tokens=192, draft=Draft(total_kv_heads=2))
+    reports = run(tmp_path, model, (1, 1, 2), (1, 1, 1), kv_checksum=True)
+    _check_success(reports, model, (1, 1, 2), (1, 1, 1))
+    for room, _ in ROOMS:
+        (parts,) = reports["decode pp0"][room]["parts"]
+        assert parts.get("draft-model KV (speculative decoding)") == 2, parts  # the draft's two heads
+        assert sum(parts.values()) == 2 * model.total_kv_heads + 2, parts  # and every head of both stages
+
+
+def test_a_draft_pool_on_one_side_of_a_pp_deployment_fails_naming_both(tmp_path):
+    """A PP prefill without a draft model and a decode with one: the request fails on the
+    decode naming both sides' draft pools (and the prefill hears why)."""
+    with_draft = Model(total_kv_heads=4, num_layers=4, pool_tokens=192, draft=Draft())
+    reports = run(
+        tmp_path,
+        Model(total_kv_heads=4, num_layers=4, pool_tokens=192),
+        (1, 1, 2),
+        (1, 1, 1),
+        requests=ROOMS[:1],
+        decode_model=with_draft,
+    )
+    dec = reports["decode pp0"]
+    assert dec[ROOMS[0][0]]["status"] == "Failed", dec
+    (reason,) = set(dec[ROOMS[0][0]]["reasons"])
+    assert "draft-model KV (speculative decoding): prefill=none (num_draft_entries=0) decode=" in reason, reason
+
+
+def test_a_draft_pool_off_the_last_stage_and_a_bad_stage_are_refused_at_construction(monkeypatch):
+    """A draft model's pool on a PP stage other than the last is refused naming the stage
+    (SGLang runs the draft model on the last one); so is a KVArgs.pp_rank outside --pp-size
+    and a prefill stage without its first layer."""
     from sglang_kvxfer.errors import KVXferError
     from tests.integrations import sglang_sides as sides
     from tests.integrations.sglang_env import Draft, load_utils_defs, rank_memory, server_args
@@ -251,7 +305,9 @@ def test_a_draft_models_kv_with_pp_and_a_bad_stage_are_refused_at_construction(m
     sa = server_args(sides.MODEL_PATH, "prefill", 1, free_port(), pp_size=2, disable_overlap_schedule=True)
     mem = rank_memory(Model(draft=Draft()), 1, 0, "prefill")
     with pytest.raises(
-        KVXferError, match=r"does not support a draft-model KV \(speculative decoding\) with --pp-size=2"
+        KVXferError,
+        match=r"KVArgs of prefill PP stage 0 of --pp-size=2 carry a draft-model KV \(speculative decoding\) "
+        r"\(num_draft_entries=2\): kvxfer moves it from and to the last PP stage \(1\)",
     ):
         backend.KVXferKVManager(mem.kv_args, mode, sa, False)
     mem = rank_memory(Model(), 1, 0, "prefill")
