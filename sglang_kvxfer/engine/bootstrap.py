@@ -378,6 +378,7 @@ class BootstrapServer:
             layer_start=ranks[0].layer_start if ranks else 0,
             pp_stages=tuple(stages),
             follows_room=first.follows_room if first is not None else True,
+            api_port=ranks[0].api_port if ranks else 0,
         )
 
     def close(self, timeout_s: float = 5.0) -> None:

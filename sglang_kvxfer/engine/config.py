@@ -91,6 +91,9 @@ class EngineConfig:
             is ``bootstrap_room % dp_size`` (SGLang's ``follow_bootstrap_room``); False when
             SGLang's load balancer places requests and the group registers each room with
             the bootstrap (``PrefillManager.route_room``). Registered with the bootstrap.
+        api_port: a prefill rank's server's HTTP port (0: none), registered with the
+            bootstrap so a decode can ask that server to compute a request again (SGLang's
+            PD retraction with prefill recompute).
     """
 
     role: str
@@ -125,6 +128,7 @@ class EngineConfig:
     pp_size: int = 1
     layer_start: int = 0
     follows_room: bool = True
+    api_port: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):

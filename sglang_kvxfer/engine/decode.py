@@ -53,7 +53,15 @@ from sglang_kvxfer.errors import (
 )
 from sglang_kvxfer.geometry import check_compatible
 from sglang_kvxfer.metrics import note_writer_done
-from sglang_kvxfer.planning import PathCost, PoolMapping, RequestPlan, candidate_prefill_ranks, plan_tp
+from sglang_kvxfer.planning import (
+    EVERY_TOKEN,
+    PathCost,
+    PoolMapping,
+    RequestPlan,
+    TokenSelection,
+    candidate_prefill_ranks,
+    plan_tp,
+)
 from sglang_kvxfer.protocol.envelope import peer_secret
 from sglang_kvxfer.protocol.fields import Side
 from sglang_kvxfer.protocol.messages import (
@@ -294,11 +302,20 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
         return rec
 
     def set_metadata(
-        self, rec: DecodeRoom, pages: np.ndarray, num_tokens: int, aux_slot: int, prefix_tokens: int = 0
+        self,
+        rec: DecodeRoom,
+        pages: np.ndarray,
+        num_tokens: int,
+        aux_slot: int,
+        prefix_tokens: int = 0,
+        selection: TokenSelection = EVERY_TOKEN,
     ) -> None:
+        """``num_tokens``: the whole request's length after the prefix; ``pages`` hold the
+        ``selection`` of them (all, or a DCP rank's every n-th)."""
         with self._lock:
-            rec.pages, rec.num_tokens, rec.aux_slot = pages, num_tokens, aux_slot
-            rec.prefix_tokens = prefix_tokens
+            rec.pages, rec.aux_slot = pages, aux_slot
+            rec.request_tokens, rec.num_tokens = num_tokens, selection.count(num_tokens)
+            rec.prefix_tokens, rec.selection = prefix_tokens, selection
             rec.meta_pending = True
             ready = rec.state.poll is KVPoll.WaitingForInput
         if ready:
@@ -376,7 +393,7 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
                     session=self.session,
                     tp_rank=self.tp_rank,
                     tp_size=self.config.tp_size,
-                    num_tokens=rec.num_tokens,
+                    num_tokens=rec.request_tokens,
                     dst_page_ids=pages,
                     aux_slot=rec.aux_slot,
                     elected=p in writers,
@@ -385,6 +402,8 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
                     staging_region=region,
                     prefix_tokens=rec.prefix_tokens,
                     fused=p in writers and rec.plans[p].fused,
+                    token_stride=rec.selection.stride,
+                    token_phase=rec.selection.phase,
                 ),
             )
 
@@ -826,13 +845,24 @@ class KVReceiver(RequestHandle):
         """Kept for SGLang-shaped callers: lookup and registration already started."""
 
     def send_metadata(
-        self, page_ids, aux_slot: int = -1, num_tokens: int | None = None, prefix_tokens: int = 0
+        self,
+        page_ids,
+        aux_slot: int = -1,
+        num_tokens: int | None = None,
+        prefix_tokens: int = 0,
+        token_stride: int = 1,
+        token_phase: int = 0,
     ) -> None:
         """Tell the writers where this request's KV goes (this rank's page ids).
 
         ``prefix_tokens``: tokens of the request this rank already holds (a decode radix
         cache hit). ``page_ids`` and ``num_tokens`` then cover only the tokens after them; the
         prefill reads the length (``KVSender.decode_prefix_tokens``) and sends only those.
+
+        ``token_stride`` / ``token_phase`` (decode context parallel): this rank holds only
+        the tokens ``t`` (counted after the prefix) with ``t % token_stride == token_phase``,
+        packed in order into ``page_ids``; ``num_tokens`` (required then) stays the whole
+        request's length, the same on every decode rank.
         """
         if self._sent:
             raise ValueError(f"room {self.room}: send_metadata() was already called")
@@ -846,14 +876,28 @@ class KVReceiver(RequestHandle):
             raise ValueError(f"page_ids must lie in [0, {g.num_pages}), got {pages.min()}..{pages.max()}")
         if len(np.unique(pages)) != pages.size:
             raise ValueError("page_ids repeats a page")
+        for name, value, low in (("token_stride", token_stride, 1), ("token_phase", token_phase, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"{name}={value!r} must be an int >= {low}")
+        if token_phase >= token_stride:
+            raise ValueError(f"token_phase={token_phase} must be below token_stride={token_stride}")
+        if token_stride > 1 and num_tokens is None:
+            raise ValueError(f"token_stride={token_stride} needs num_tokens (the whole request's length)")
+        selection = TokenSelection(int(token_stride), int(token_phase))
         tokens = pages.size * g.page_size if num_tokens is None else int(num_tokens)
+        own = selection.count(tokens)
+        of = (
+            f" ({own} of {tokens} at token_stride {token_stride}, token_phase {token_phase})"
+            if token_stride > 1
+            else ""
+        )
         # A decode that holds the whole prompt (prefix) receives no KV, only the aux data.
-        if pages.size and not (pages.size - 1) * g.page_size < tokens <= pages.size * g.page_size:
-            raise ValueError(f"num_tokens={tokens} does not fit {pages.size} page(s) of {g.page_size} tokens")
-        if not pages.size and tokens:
-            raise ValueError(f"num_tokens={tokens} does not fit 0 pages")
+        if pages.size and not (pages.size - 1) * g.page_size < own <= pages.size * g.page_size:
+            raise ValueError(f"num_tokens={tokens}{of} does not fit {pages.size} page(s) of {g.page_size} tokens")
+        if not pages.size and own:
+            raise ValueError(f"num_tokens={tokens}{of} does not fit 0 pages")
         self._sent = True
-        self.mgr.set_metadata(self._rec, pages, tokens, int(aux_slot), int(prefix_tokens))
+        self.mgr.set_metadata(self._rec, pages, tokens, int(aux_slot), int(prefix_tokens), selection)
 
     @property
     def aux_payload(self) -> bytes:

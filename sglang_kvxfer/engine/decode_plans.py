@@ -15,8 +15,8 @@ import numpy as np
 
 from sglang_kvxfer.engine.decode_rooms import DecodeRoom, PrefillGroup
 from sglang_kvxfer.engine.manager import RankBase
-from sglang_kvxfer.errors import TransferFailedError
-from sglang_kvxfer.planning import HeadTransfer, PoolMapping, RequestPlan
+from sglang_kvxfer.errors import PlanError, TransferFailedError
+from sglang_kvxfer.planning import HeadTransfer, PoolMapping, RequestPlan, TokenSelection
 from sglang_kvxfer.planning.pathcost import PathCost
 from sglang_kvxfer.protocol.fields import STAGING_SLOTS
 
@@ -38,13 +38,19 @@ class DecodePlanning(RankBase[DecodeRoom]):
         plans: dict[int, RequestPlan] = {}
         for p, t in writers.items():
             src = group.placements[p]
-            n_src = -(-rec.num_tokens // src.geometry.page_size)
+            n_src = -(-rec.request_tokens // src.geometry.page_size)
             if n_src > src.geometry.num_pages:
                 raise TransferFailedError(
-                    f"a {rec.num_tokens}-token request needs {n_src} prefill pages; "
+                    f"a {rec.request_tokens}-token request needs {n_src} prefill pages; "
                     f"prefill pools hold {src.geometry.num_pages}",
                     rec.room,
                 )
+            if not rec.selection.every:  # the writer reads this rank's tokens as one-token pages
+                try:
+                    src = TokenSelection.row_view(src)
+                except PlanError as exc:
+                    raise TransferFailedError(f"prefill rank {p}: {exc}", rec.room) from None
+                n_src = rec.num_tokens
             # Path choice with the real decode pages, assuming prefill pages are contiguous
             # (decode cannot know them); prefill follows this choice.
             plans[p] = RequestPlan.build(

@@ -16,7 +16,7 @@ import numpy as np
 from sglang_kvxfer.engine.manager import Peer, Worker
 from sglang_kvxfer.geometry import RankPlacement
 from sglang_kvxfer.metrics import RequestRecord
-from sglang_kvxfer.planning import HeadTransfer, PoolMapping, RequestPlan
+from sglang_kvxfer.planning import EVERY_TOKEN, HeadTransfer, PoolMapping, RequestPlan
 from sglang_kvxfer.protocol.messages import BootstrapReply
 from sglang_kvxfer.protocol.state import KVPoll, RequestState
 
@@ -65,7 +65,9 @@ class DecodeRoom:
         state.on_terminal(self.ended.set)
         self.group = group
         self.pages: np.ndarray | None = None
-        self.num_tokens = 0
+        self.num_tokens = 0  # tokens this rank receives (of a DCP rank: its own share)
+        self.request_tokens = 0  # the whole request's length after the prefix (RequestMeta.num_tokens)
+        self.selection = EVERY_TOKEN  # which of them this rank holds (decode context parallel)
         self.prefix_tokens = 0  # tokens the decode already holds (decode radix cache); not sent
         self.aux_slot = -1
         self.meta_pending = False

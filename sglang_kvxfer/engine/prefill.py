@@ -126,6 +126,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             pp_size=self.config.pp_size,
             layer_start=self.config.layer_start,
             follows_room=self.config.follows_room,
+            api_port=self.config.api_port,
         )
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         last, unanswered = "no answer", 0
@@ -671,6 +672,18 @@ class KVSender(RequestHandle):
         rec = self._rec
         with self.mgr._lock:
             return None if rec.state.poll is KVPoll.Bootstrapping else rec.prefix_tokens
+
+    @property
+    def decode_tokens(self) -> tuple[int, int] | None:
+        """(the request's length after the prefix, as every decode rank sent it; the largest
+        ``token_stride`` among them): a decode-context-parallel decode counts whole pages of
+        ``page_size * stride`` tokens, so it may expect up to ``stride - 1`` pages more than
+        the request fills here. None until every decode rank's request came."""
+        rec = self._rec
+        with self.mgr._lock:
+            if rec.state.poll is KVPoll.Bootstrapping or rec.num_tokens is None:
+                return None
+            return rec.num_tokens, max((m.token_stride for m in rec.metas.values()), default=1)
 
     @property
     def bytes_sent(self) -> int:

@@ -34,7 +34,7 @@ from sglang_kvxfer.engine.prefill_fused import FusedWrites
 from sglang_kvxfer.engine.prefill_rooms import Chunk, PrefillRoom, Synchronizable
 from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeoutError
 from sglang_kvxfer.metrics import SINCE_FIRST_BYTE, SINCE_LAST_CHUNK
-from sglang_kvxfer.planning import DataPath, HeadTransfer, KVSlice, RequestPlan, TPPlan
+from sglang_kvxfer.planning import DataPath, HeadTransfer, KVSlice, RequestPlan, TokenSelection, TPPlan
 from sglang_kvxfer.planning.byteplan import contiguous_layout, per_token_possible, staged_op_count
 from sglang_kvxfer.protocol.fields import MAX_RECEIPTS, STAGING_SLOTS
 from sglang_kvxfer.protocol.messages import ChunkReady, RequestMeta, StagedChunk, TransferDone
@@ -80,6 +80,11 @@ class _Slot(NamedTuple):
     layers: tuple[int, int]
     reader: int
     endpoint: str
+
+
+def selection(meta: RequestMeta) -> TokenSelection:
+    """The tokens a reader holds (``RequestMeta`` checked ``token_phase < token_stride``)."""
+    return TokenSelection(meta.token_stride, meta.token_phase)
 
 
 class _Reader(NamedTuple):
@@ -194,23 +199,29 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
                     if rec.state.poll is not KVPoll.Transferring:
                         rec.state.handle(Event.CHUNK_STARTED, time.monotonic())
                 direct: dict[int, list[Ticket]] = {}  # reader -> its direct writes' tickets
-                # staged readers by the source head slice they need: replicas share a gather
-                staged: dict[tuple[int, int], list[_Reader]] = collections.defaultdict(list)
+                # staged readers by the source head slice and tokens they need: replicas of a
+                # head share a gather; a reader of every n-th token (DCP) counts its own tokens
+                staged: dict[tuple[int, int, TokenSelection], list[_Reader]] = collections.defaultdict(list)
                 for t in readers:
                     meta = rec.metas[t.decode_rank]
+                    sel = selection(meta)
+                    a, b = sel.count(start), sel.count(stop)
+                    if a >= b:  # none of this reader's tokens in the chunk
+                        continue
                     peer = self._peer_of(meta)
                     plan = self._reader_plan(rec, t, peer, meta)
                     if plan.fused:  # one copy per reader: each reader's pool must be written
-                        self._write_fused(rec, plan, peer, start, stop, layers, ready)
+                        self._write_fused(rec, plan, peer, a, b, layers, ready)
                     elif meta.staging_offset < 0:
                         if ready is not None:
                             ready.synchronize()
                             ready = None
-                        direct[t.decode_rank] = self._write_direct(rec, plan, peer, start, stop, layers)
+                        direct[t.decode_rank] = self._write_direct(rec, plan, peer, a, b, layers)
                     else:
-                        staged[(t.src_head_start, t.num_heads)].append(_Reader(plan, peer, meta))
-                for group in staged.values():
-                    held.update(self._write_staged(rec, group, start, stop, ready, hold_last=chunk.last, layers=layers))
+                        staged[(t.src_head_start, t.num_heads, sel)].append(_Reader(plan, peer, meta))
+                for (_, _, sel), group in staged.items():
+                    a, b = sel.count(start), sel.count(stop)
+                    held.update(self._write_staged(rec, group, a, b, ready, hold_last=chunk.last, layers=layers))
                 if chunk.last:  # writes the reader can check by receipt go on with TransferDone
                     early = {r: p for r, ts in direct.items() if (p := self._receipted(pending_or_raise(ts)))}
                 tickets = [t for r, ts in direct.items() if r not in early for t in ts]
@@ -257,6 +268,10 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
             raise TransferFailedError(f"room {rec.room}: chunk scheduled before the decode metadata", rec.room)
         return rec.plan, rec.num_tokens
 
+    def _covered(self, rec: PrefillRoom) -> int:
+        """Tokens of the request the pages handed over so far hold."""
+        return min(self._layout(rec)[1], len(rec.src_pages) * self.config.geometry.page_size)
+
     def _peer_of(self, meta: RequestMeta) -> DecodePeer:
         peer = self._decode_peers.get(meta.session)
         if peer is None or not peer.alive:
@@ -271,6 +286,7 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
         window, a pair whose bytes are not contiguous is written row by row (the decode's
         cost rule found that cheaper than staging, or the per-token benchmark baseline)."""
         t0 = time.perf_counter()
+        g, sel = self.config.geometry, selection(meta)
         plan = rec.readers.get(t.decode_rank)
         if plan is None:
             if meta.fused:
@@ -286,19 +302,24 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
             else:
                 path = DataPath.PER_TOKEN if self.config.data_path == DataPath.PER_TOKEN else DataPath.DIRECT
 
+            src, pages, total = self.placement, rec.src_pages, self._layout(rec)[1]
+            if not sel.every:  # this reader's tokens, each read as a one-token page
+                src = TokenSelection.row_view(self.placement)
+                pages = sel.rows(rec.src_pages, g.page_size, 0, sel.count(self._covered(rec)))
+                total = sel.count(total)
             if (
                 path is DataPath.DIRECT
-                and contiguous_layout(t, self.placement, peer.placement) is None
-                and per_token_possible(self.placement, peer.placement)
+                and contiguous_layout(t, src, peer.placement) is None
+                and per_token_possible(src, peer.placement)
             ):
                 path = DataPath.PER_TOKEN  # a strided pair without a window: the decode chose rows
             plan = RequestPlan.build(
                 t,
-                self.placement,
+                src,
                 peer.placement,
-                rec.src_pages,
+                pages,
                 meta.dst_page_ids,
-                num_tokens=self._layout(rec)[1],
+                num_tokens=total,
                 path=path,
                 mapping=peer.mapping,
             )
@@ -308,8 +329,11 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
                     f"are not contiguous ({plan.reason})",
                     rec.room,
                 )
-        elif len(plan.src_pages) < len(rec.src_pages):
-            plan = plan.extend(rec.src_pages[len(plan.src_pages) :])
+        elif sel.every:
+            if len(plan.src_pages) < len(rec.src_pages):
+                plan = plan.extend(rec.src_pages[len(plan.src_pages) :])
+        elif len(plan.src_pages) < (want := sel.count(self._covered(rec))):
+            plan = plan.extend(sel.rows(rec.src_pages, g.page_size, len(plan.src_pages), want))
         rec.readers[t.decode_rank] = plan
         rec.timings["plan"] += time.perf_counter() - t0
         return plan

@@ -89,6 +89,7 @@ SERVER_ARGS_FIELDS = (
     "host",
     "dist_init_addr",
     "disaggregation_bootstrap_port",
+    "port",
     "disaggregation_ib_device",
     "disaggregation_decode_allocation_policy",
     "enable_pd_role_switch",
@@ -139,6 +140,10 @@ class ServerPlan:
     # a prefill of several DP groups: requests placed by bootstrap_room % dp_size (else by
     # SGLang's load balancer, each room's group registered with the bootstrap)
     follows_room: bool = True
+    # a decode's decode context parallel (--dcp-size): its MLA KV is interleaved over DCP
+    # ranks token by token, each rank holding every dcp_size-th token in its own pages
+    dcp_size: int = 1
+    api_port: int = 0  # the server's HTTP port (--port): a prefill registers it with its bootstrap
 
     @property
     def dp_groups(self) -> int:
@@ -199,8 +204,9 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         ),
         (
             "--dcp-size",
-            _get(server_args, "dcp_size", 1) or 1,
-            "decode context parallel (MLA pages interleaved over DCP ranks, relaid out on the way) is not implemented",
+            _get(server_args, "dcp_size", 1) or 1 if role == "prefill" else 1,
+            "decode context parallel on a prefill is not implemented (a decode's --dcp-size is: each DCP rank "
+            "receives its own tokens)",
         ),
     )
     for flag, value, why in checks:
@@ -231,6 +237,12 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
     if tp % (attn_dp * attn_cp):
         cp = f" times the attention-CP size {attn_cp}" if attn_cp > 1 else ""
         raise GeometryError(f"ServerArgs.tp_size={tp} is not a multiple of the attention-DP size {attn_dp}{cp}")
+    dcp = _int("ServerArgs.dcp_size", _get(server_args, "dcp_size", 1) or 1, 1) if role == "decode" else 1
+    if (tp // attn_dp // attn_cp) % dcp:
+        raise GeometryError(
+            f"ServerArgs.dcp_size={dcp} does not divide the attention TP size {tp // attn_dp // attn_cp} "
+            "(each attention-TP rank is DCP rank tp_rank % dcp_size)"
+        )
     device = _get(server_args, "device", None) or "cuda"  # None: SGLang auto-detects a GPU
     if device not in ("cpu", "cuda"):
         raise _not_supported("--device", device, "KV pools must be CPU or CUDA/ROCm GPU memory")
@@ -253,6 +265,8 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         attn_cp_size=attn_cp,
         system_dp_size=system_dp,
         follows_room=follows_room,
+        dcp_size=dcp,
+        api_port=_int("ServerArgs.port", _get(server_args, "port", 0) or 0, 0),
     )
 
 
@@ -632,6 +646,7 @@ def layout_from_kv_args(
     draft_kv: Callable[[], tuple[int, bool]] | None = None,
     draft_dtype: str | None = None,
     swa_kv_heads: Callable[[], int] | None = None,
+    dcp_size: int = 1,
 ) -> SglangLayout:
     """Translate ``KVArgs`` into a geometry, this rank's placement and its buffers.
 
@@ -648,6 +663,8 @@ def layout_from_kv_args(
         draft_dtype: the draft pool's element type (None: ``dtype``).
         swa_kv_heads: with a ``swa`` entry in ``state_types``, called for the SWA layers'
             un-sharded KV head count (the model's config).
+        dcp_size: a decode's ``--dcp-size``: its draft pool is not split over DCP ranks and
+            has pages of ``page_size * dcp_size`` tokens (SGLang's virtual page).
 
     Extra per-request state (``state_types``: mamba, swa, dsa) becomes ``states``, a pool
     each (``sglang_state``); any other type is refused naming it.
@@ -717,7 +734,7 @@ def layout_from_kv_args(
             main,
             tp_size=tp_size,
             rank=rank,
-            page_size=page_size,
+            page_size=page_size * dcp_size,
             dtype=draft_dtype or dtype,
             draft_kv=draft_kv,
         )

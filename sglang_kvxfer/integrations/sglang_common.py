@@ -108,6 +108,7 @@ class PrefillInfo:
     # PP rule, not tiling this decode's layers): no engine request can be made toward them
     routable: bool = True
     state_pools: tuple[str, ...] = ()  # the prefill's extra per-request state pools (sglang_state)
+    prefill_http_port: int | None = None  # the prefill server's --port (PD retraction's recompute)
 
 
 def role_of(mode: Any) -> str:

@@ -22,12 +22,19 @@ from sglang_kvxfer import envs
 from sglang_kvxfer.engine.config import EngineConfig, parse_host_port
 from sglang_kvxfer.errors import KVXferError
 from sglang_kvxfer.geometry import KVGeometry
-from sglang_kvxfer.integrations.sglang_args import SglangLayout, kv_dtype, layout_from_kv_args, plan_from_server_args
+from sglang_kvxfer.integrations.sglang_args import (
+    SglangLayout,
+    _not_supported,
+    kv_dtype,
+    layout_from_kv_args,
+    plan_from_server_args,
+)
 from sglang_kvxfer.integrations.sglang_common import (
     DRAFT,
     BaseKVBootstrapServer,
     BaseKVManager,
     KVArgs,
+    KVPoll,
     PrefillInfo,
     draft_problem,
     local_host,
@@ -50,7 +57,7 @@ from sglang_kvxfer.integrations.sglang_pp import (
     stage_label,
     tiling_problem,
 )
-from sglang_kvxfer.integrations.sglang_state import StatePool, state_problem
+from sglang_kvxfer.integrations.sglang_state import StatePool, describe, state_problem
 
 if TYPE_CHECKING:
     from sglang_kvxfer.engine.decode import DecodeManager
@@ -118,6 +125,20 @@ class StatePart:
     address: str
 
 
+def _check_dcp(mgr: KVXferKVManager) -> None:
+    """A decode with ``--dcp-size`` > 1: what this backend moves for it (SGLang's own rule:
+    an MLA pool, each DCP rank holding every dcp_size-th token of a request), refused by
+    name otherwise."""
+    n = mgr.dcp_size
+    why = ""
+    if mgr.layout.states:
+        why = f"extra per-request state ({describe([p.name for p in mgr.layout.states])}) with DCP is not implemented"
+    elif mgr.plan.kv_checksum:
+        why = "--disaggregation-enable-kv-checksum digests whole pages, and a DCP rank holds every n-th token"
+    if why:
+        raise _not_supported("--dcp-size", n, why)
+
+
 class KVXferKVManager(BaseKVManager):
     """One SGLang rank's transfer manager: an engine manager over SGLang's KV pool."""
 
@@ -135,6 +156,12 @@ class KVXferKVManager(BaseKVManager):
         self.is_mla_backend = bool(is_mla_backend)
         self.role = role_of(disaggregation_mode)
         self.plan = plan_from_server_args(resolved(server_args), self.role)
+        if self.plan.dcp_size > 1 and not self.is_mla_backend:
+            raise _not_supported(
+                "--dcp-size",
+                self.plan.dcp_size,
+                "decode context parallel needs an MLA KV pool (SGLang's own backends require one too)",
+            )
         self._dp_query_pool: concurrent.futures.ThreadPoolExecutor | None = None
         if self.role == "decode":
             install_dp_rank_query()  # SGLang's decode asks its bootstrap for placed rooms' groups
@@ -150,7 +177,11 @@ class KVXferKVManager(BaseKVManager):
             draft_kv=lambda: seam("_draft_model_kv")(server_args),
             draft_dtype=None if str(draft_dtype or "auto").lower() == "auto" else kv_dtype(draft_dtype),
             swa_kv_heads=lambda: seam("_model_swa_kv_heads")(server_args),
+            dcp_size=self.plan.dcp_size,
         )
+        self.dcp_size, self.dcp_rank = self.plan.dcp_size, self.layout.tp_rank % self.plan.dcp_size
+        if self.dcp_size > 1:
+            _check_dcp(self)
         self.pp_size, self.pp_rank, layer_start = self._pp_stage(args)
         if self.pp_size > 1 and any(p.kind == "swa" for p in self.layout.states):
             self.layout, layer_start = self._swa_stage(server_args, layer_start)
@@ -188,6 +219,7 @@ class KVXferKVManager(BaseKVManager):
             pp_size=self.pp_size if prefill else 1,
             layer_start=layer_start,
             follows_room=self.plan.follows_room if prefill else True,
+            api_port=self.plan.api_port if prefill else 0,
         )
         # The draft model's pool: a manager of its own, registered under kv_pool="draft".
         self.draft_config: EngineConfig | None = None
@@ -469,6 +501,7 @@ class KVXferKVManager(BaseKVManager):
             pp_layers=topo.pp_layers,
             state_pools=states,
             follow_bootstrap_room=topo.follows_room,
+            prefill_http_port=topo.api_port or None,
         )
         return True
 
@@ -644,9 +677,49 @@ class KVXferKVManager(BaseKVManager):
         return self._dp_query_pool
 
     def submit_prefill_recompute(self, receiver: KVXferKVReceiver, payload: Any = None) -> None:
-        receiver._fail(
-            "PD retraction with prefill recompute (rebootstrap) is not supported by the kvxfer transfer backend"
-        )
+        """PD retraction with prefill recompute ("rebootstrap"): SGLang's decode retracted a
+        request (``/pause_generation`` with ``mode="retract"``, around a weight update) and,
+        on resume, receives its KV again through a new receiver of the same room; this asks
+        the prefill server to compute it (``POST /generate`` with SGLang's ``payload``,
+        ``max_new_tokens=1``), which then sends it as for any request. Only the leader (rank
+        0 of the attention-TP group, first PP stage) asks: the prefill sends to every decode
+        rank. The prefill's HTTP port comes from its registration with the bootstrap. A
+        failure (no port registered, an HTTP error, no answer within the waiting timeout)
+        fails the request with the reason."""
+        if self.layout.tp_rank != 0 or self.pp_rank != 0:
+            return
+        info = self.prefill_info_table.get(receiver.bootstrap_addr)
+        port = info.prefill_http_port if info is not None else None
+        if not port:
+            receiver._fail(
+                f"PD retraction's prefill recompute: the prefill behind {receiver.bootstrap_addr} registered no "
+                "HTTP port (a kvxfer older than protocol 10, or not yet looked up)"
+            )
+            return
+        host = parse_host_port(receiver.bootstrap_addr)[0].strip("[]")
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/generate"
+        self._ensure_prefill_recompute_executor().submit(self._recompute, receiver, url, payload or {})
+
+    def _recompute(self, receiver: KVXferKVReceiver, url: str, payload: dict) -> None:
+        import json
+        import urllib.error
+        import urllib.request
+
+        body = json.dumps(payload).encode()
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        timeout = self.config.waiting_timeout_s
+        problem = ""
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as answer:
+                answer.read()
+        except urllib.error.HTTPError as exc:
+            text = exc.read()[:300].decode(errors="replace")
+            problem = f"POST {url} answered {exc.code}: {text}"
+        except Exception as exc:  # refused, unreachable, timed out
+            problem = f"POST {url} failed: {type(exc).__name__}: {exc}"
+        engine = receiver._engine
+        if problem and not (engine is not None and engine.poll() == KVPoll.Success):  # the KV may have landed
+            receiver._fail(f"PD retraction's prefill recompute: {problem}")
 
     def teardown(self) -> None:
         """Release this role's transfer resources for SGLang's runtime role switch: every

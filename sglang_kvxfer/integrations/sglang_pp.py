@@ -321,6 +321,7 @@ class PrefillTopology:
     state_counts: tuple[tuple[str, tuple[int, ...]], ...] = ()
     state_pools: tuple[str, ...] = ()  # the state pools the prefill announced
     follows_room: bool = True  # its DP groups are bootstrap_room % dp_size (else: ask the bootstrap)
+    api_port: int = 0  # the prefill server's HTTP port (0: not registered)
 
 
 class TopologyLookup:
@@ -408,6 +409,7 @@ class TopologyLookup:
             state_counts=tuple(counts),
             state_pools=tuple(first.state_pools),
             follows_room=first.follows_room,
+            api_port=first.api_port,
         )
 
     def close(self) -> None:

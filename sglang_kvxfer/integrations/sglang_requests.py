@@ -342,6 +342,8 @@ class KVXferKVSender(_Request, BaseKVSender):
             pages = page_array(kv_indices)
             index_slice = self._chunk_slice(pages)
             last = index_slice.stop == self.num_kv_indices
+            if last:
+                pages = self._dcp_padded(pages)
             if not last and state_indices and any(s is not None for s in state_indices):
                 raise ValueError("state_indices came with a chunk that is not the request's last")
             state = state_pages([pool for pool, _ in self._states], state_indices) if last else []
@@ -366,6 +368,30 @@ class KVXferKVSender(_Request, BaseKVSender):
             self.curr_idx = index_slice.stop
         except Exception as exc:
             self._fail_from("send()", exc)
+
+    def _dcp_padded(self, pages: np.ndarray) -> np.ndarray:
+        """The last chunk's pages, completed for a decode with ``--dcp-size N``: its pages
+        hold ``page_size * N`` tokens, so it counts up to N - 1 pages more than this request
+        fills here. Those tokens lie past the request's end; the last page is sent again for
+        them (into rows of the decode's last page that decoding overwrites before it reads
+        them), so every page of the decode's list is written."""
+        told = self._sender.decode_tokens
+        if told is None or told[1] == 1:
+            return pages
+        tokens, stride = told
+        page_size = self.kv_mgr.layout.geometry.page_size
+        have = self.num_kv_indices or 0  # SGLang counts them after the decode's prefix
+        extra = -(-tokens // page_size) - have
+        if not 0 <= extra < stride:
+            raise ValueError(
+                f"the decode's DCP pages (token_stride {stride}) hold {tokens} tokens after its prefix; "
+                f"this request fills {have} page(s) of {page_size}, which needs between "
+                f"{have * page_size - page_size + 1} and {(have + stride - 1) * page_size} there"
+            )
+        if not extra:
+            return pages
+        tail = pages[-1:] if pages.size else np.concatenate(self._pages)[-1:]
+        return np.concatenate([pages, np.repeat(tail, extra)])
 
     def _chunk_slice(self, pages: np.ndarray) -> slice:
         """The slice of the request's page list that ``pages``, the next chunk, covers."""
@@ -650,9 +676,26 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             pages = page_array(kv_indices)
             if not self._rxs:
                 raise KVXferError(f"kvxfer room {self.bootstrap_room} has no engine request: {self._reason}")
+            # --dcp-size N: kv_indices are pages of page_size * N tokens, of which this rank
+            # holds every N-th token (phase: its DCP rank) in its page of page_size rows; the
+            # draft pool is not split and has pages of page_size * N tokens.
+            dcp, dcp_rank = self.kv_mgr.dcp_size, self.kv_mgr.dcp_rank
+            if prefix % (page_size * dcp):
+                raise ValueError(
+                    f"decode_prefix_len={decode_prefix_len} is not a whole number of DCP pages "
+                    f"(page_size {page_size} x dcp_size {dcp})"
+                )
             for part in self._rxs:  # the draft's: the same page ids in the draft model's pool
                 slot = -1 if aux_index is None or part.label == DRAFT else int(aux_index)
-                part.rx.send_metadata(pages, aux_slot=slot, num_tokens=len(pages) * page_size, prefix_tokens=prefix)
+                stride = 1 if part.label == DRAFT else dcp
+                part.rx.send_metadata(
+                    pages,
+                    aux_slot=slot,
+                    num_tokens=len(pages) * page_size * dcp,
+                    prefix_tokens=prefix,
+                    token_stride=stride,
+                    token_phase=(dcp_rank - prefix) % stride,
+                )
             rows_of = {pool.name: rows for pool, rows in zip(self.kv_mgr.layout.states, state)}
             for pool, _, rx in self._states:  # the indices already skip the prefix; a pool's stages share them
                 rows = rows_of[pool.name]

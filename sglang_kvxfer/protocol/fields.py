@@ -76,8 +76,10 @@ __all__ = [
 # 9: PrefillLeave (a closing prefill rank takes its registration back from the bootstrap);
 # prefill registrations and bootstrap replies say whether DP groups follow bootstrap_room
 # (follows_room), RoomRoute registers a room's DP group and RoomQuery asks for it
-# (room_groups in the reply).
-PROTOCOL_VERSION = 9
+# (room_groups in the reply); 10: RequestMeta carries the reader's token selection
+# (token_stride, token_phase: a decode-context-parallel rank holds every stride-th token), and
+# prefill registrations and bootstrap replies the serving process's HTTP port (api_port).
+PROTOCOL_VERSION = 10
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name
 MAX_ENDPOINT_CHARS = 256  # "tcp://host:port"

@@ -84,6 +84,7 @@ Rooms = Annotated[tuple[int, ...], ListOf(Int(0, UINT64_MAX), MAX_ROOM_QUERY)]  
 # protocol 9: (room, DP group) pairs of a RoomQuery's reply
 RoomGroups = Annotated[tuple, ListOf(ListOf(Int(0, UINT64_MAX), 2, min_items=2), MAX_ROOM_QUERY)]
 Count = Annotated[int, Int(0, INT64_MAX)]  # num_* and *_bytes
+Port = Annotated[int, Int(0, 65535)]  # a TCP port; 0: none
 Positive = Annotated[int, Int(1, INT64_MAX)]
 OffsetOrNone = Annotated[int, Int(-1, INT64_MAX)]  # -1: not used
 SlotOrNone = Annotated[int, Int(-1, INT32_MAX)]  # -1: no aux slot
@@ -205,6 +206,9 @@ class PrefillRegister(Message):
     # (SGLang's follow_bootstrap_room); False when the prefill's load balancer places requests
     # and registers each room's group with the bootstrap (``RoomRoute``)
     follows_room: Bool = True
+    # protocol 10: the HTTP port of the server this rank belongs to (SGLang's --port), so a
+    # decode can ask that server to compute a request again (0: not known)
+    api_port: Port = 0
 
     def _validate(self) -> None:
         _rank_below_size(self)
@@ -305,6 +309,7 @@ class BootstrapReply(Message):
     # about that are registered (``RoomRoute``; a ``RoomRoute`` taken: its own pair)
     follows_room: Bool = True
     room_groups: RoomGroups = ()
+    api_port: Port = 0  # protocol 10: the registered ranks' server's HTTP port (0: not known)
 
     def _validate(self) -> None:
         if self.kv_pool and self.draft_geometry is not None:
@@ -418,6 +423,11 @@ class RequestMeta(Message):
     with one pool -> pool copy per chunk (its ``RegisterReply`` said ``pool_mapped``): no
     staging window, no ``ChunkReady``, no scatter; its ``TransferDone`` counts as a direct
     writer's.
+    ``token_stride`` / ``token_phase`` (protocol 10, decode context parallel): this decode
+    rank holds only the tokens ``t`` (counted from the first token sent) with ``t %
+    token_stride == token_phase``, packed in order into ``dst_page_ids``; ``num_tokens`` is
+    still the whole request's length (every decode rank sends the same), so this rank's
+    pages cover ``ceil((num_tokens - token_phase) / token_stride)`` tokens.
     """
 
     room: Room
@@ -433,9 +443,13 @@ class RequestMeta(Message):
     staging_region: MaybeRegion
     prefix_tokens: Count = 0
     fused: Bool = False
+    token_stride: Positive = 1
+    token_phase: Count = 0
 
     def _validate(self) -> None:
         _rank_below_size(self)
+        if self.token_phase >= self.token_stride:
+            self._bad("token_phase", f"={self.token_phase} must be below token_stride={self.token_stride}")
         direct = self.staging_offset == -1
         if self.fused and not (direct and self.elected):
             self._bad(

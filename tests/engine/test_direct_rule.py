@@ -89,7 +89,7 @@ def run_p1_d1(shape, transport, **decode_opts):
                 tx = KVSender(pre, 11)
                 tx.send(src[: -(-tokens // ps)], last_chunk=True, aux=b"a")
                 states = wait_terminal([tx, rx])
-                assert states == [KVPoll.Success] * 2, [h.failure_reason() for h in (tx, rx)]
+                assert states == [KVPoll.Success] * 2, [h.failure_reason for h in (tx, rx)]
                 (path, _why), *_ = rx.paths.values()
                 want = place_tokens(dec.placement, empty_pool(dec.placement), k_full, v_full, dst, tokens)
                 problems = [

@@ -94,6 +94,7 @@ class Spec:
     corrupt: str = (
         ""  # decode: "kv", "draft", "state:swa" or "state:mamba": flip a landed byte of rank 0, first request
     )
+    dcp_size: int = 1  # decode: --dcp-size (sglang_dcp_sides)
 
 
 def draft_room(room: int) -> int:

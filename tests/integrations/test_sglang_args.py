@@ -309,7 +309,7 @@ def test_pipeline_parallel_plan():
         (dict(tp_size=2, attn_cp_size=2, enable_dsa_cache_layer_split=True), "prefill", "--enable-dsa-cache-layer"),
         (dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True), "prefill", "--enable-kv-cache-sharding"),
         (dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True), "prefill", "--enable-prefill-cp"),
-        (dict(dcp_size=2), "decode", "--dcp-size=2"),
+        (dict(tp_size=2, dcp_size=2), "prefill", "--dcp-size=2"),  # a decode's DCP is supported
         (
             dict(disaggregation_decode_allocation_policy="prefill_complete"),
             "decode",
@@ -321,6 +321,13 @@ def test_pipeline_parallel_plan():
 def test_unsupported_server_settings_name_the_flag(over, role, flag):
     with pytest.raises(KVXferError, match="does not support " + flag.replace("[", r"\[")):
         plan_from_server_args(server(**over), role)
+
+
+def test_a_decode_dcp_size_must_divide_its_attention_tp_size():
+    assert plan_from_server_args(server(tp_size=4, dcp_size=2), "decode").dcp_size == 2
+    assert plan_from_server_args(server(tp_size=4, dcp_size=4), "decode").dcp_size == 4
+    with pytest.raises(GeometryError, match=r"ServerArgs.dcp_size=3 does not divide the attention TP size 4"):
+        plan_from_server_args(server(tp_size=4, dcp_size=3), "decode")
 
 
 def test_prefill_attention_cp_ranks_and_their_dp_groups_follow_sglangs_layout():

@@ -53,7 +53,9 @@ def failure(handle) -> Exception:
 class Deployment:
     """A bootstrap server, one prefill rank and one decode rank (TP 1 each)."""
 
-    def __init__(self, backend, defs, model: Model, decode_model: Model | None = None):
+    def __init__(
+        self, backend, defs, model: Model, decode_model: Model | None = None, prefill_args: dict | None = None
+    ):
         self.backend, self.model = backend, model
         self.port = free_port()
         self.addr = f"127.0.0.1:{self.port}"
@@ -62,9 +64,10 @@ class Deployment:
         self.dmem = rank_memory(decode_model or model, 1, 0, "decode")
         self.dmem.kv_args.kv_head_num, self.dmem.kv_args.total_kv_head_num = model.total_kv_heads, model.total_kv_heads
         self.closers = [self.boot.close]
-        self.pre = backend.KVXferKVManager(
-            self.pmem.kv_args, defs.DisaggregationMode.PREFILL, server_args("m", "prefill", 1, self.port), False
-        )
+        prefill_sa = server_args("m", "prefill", 1, self.port)
+        for name, value in (prefill_args or {}).items():  # e.g. its HTTP "port"
+            setattr(prefill_sa, name, value)
+        self.pre = backend.KVXferKVManager(self.pmem.kv_args, defs.DisaggregationMode.PREFILL, prefill_sa, False)
         self.closers.append(self.pre.close)
         self.dec = backend.KVXferKVManager(
             self.dmem.kv_args, defs.DisaggregationMode.DECODE, server_args("m", "decode", 1, self.port + 1), False
@@ -254,9 +257,9 @@ def test_wrong_manager_kinds_are_refused(dep):
 
 def test_unsupported_server_settings_refuse_the_manager(sglang_backend):
     backend, defs = sglang_backend
-    mem = rank_memory(Model(), 1, 0, "decode")
-    args = server_args("m", "decode", 1, free_port(), dcp_size=2)
-    with pytest.raises(Exception, match="does not support --dcp-size=2"):
+    mem = rank_memory(Model(), 2, 0, "decode")
+    args = server_args("m", "decode", 2, free_port(), dcp_size=2)
+    with pytest.raises(Exception, match="does not support --dcp-size=2: decode context parallel needs an MLA KV pool"):
         backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.DECODE, args, False)
     with pytest.raises(ValueError, match="disaggregation_mode=.* must be PREFILL or DECODE"):
         backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.NULL, args, False)
@@ -345,3 +348,78 @@ def test_parallel_info_is_known_while_the_prefill_rank_has_not_answered_the_regi
         finally:
             release.set()
             d.close()
+
+
+class _PrefillApi:
+    """A stand-in for the prefill server's HTTP API: records each POST, answers ``status``."""
+
+    def __init__(self, status: int = 200):
+        import http.server
+        import json
+        import threading
+
+        self.posts: list[tuple[str, dict]] = []
+        self.status = status
+        api = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                api.posts.append((self.path, json.loads(body)))
+                self.send_response(api.status)
+                self.end_headers()
+                self.wfile.write(b'{"text": "recomputed"}' if api.status < 400 else b"prefill says no")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_retracted_request_asks_the_prefill_server_to_compute_it_again(sglang_backend):
+    """PD retraction with prefill recompute: the decode's leader POSTs SGLang's payload to
+    ``/generate`` at the HTTP port the prefill registered with the bootstrap (protocol 10,
+    ``api_port``), and the request then moves as any other; an HTTP error fails it naming
+    the URL and the answer."""
+    api = _PrefillApi()
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in ENV.items():
+            mp.setenv(k, v)
+        d = Deployment(*sglang_backend, Model(), prefill_args={"port": api.port})
+        try:
+            room, tx, rx = d.pair()
+            deadline = time.monotonic() + 10
+            while not d.dec.try_ensure_parallel_info(d.addr):
+                assert time.monotonic() < deadline, "prefill info never arrived"
+                time.sleep(0.01)
+            assert d.dec.prefill_info_table[d.addr].prefill_http_port == api.port
+            rx.init(0)
+            payload = {"rid": "r-1", "input_ids": [5, 6, 7], "bootstrap_room": room, "sampling_params": {}}
+            d.dec.submit_prefill_recompute(rx, payload)
+            while not api.posts:
+                assert time.monotonic() < deadline, "the prefill server was never asked"
+                time.sleep(0.01)
+            assert api.posts == [("/generate", payload)]
+            assert poll_until(rx, WAITING) == WAITING  # the request goes on as any other
+            rx.send_metadata(np.asarray([3, 4, 5], dtype=np.int32), 1, [], decode_prefix_len=0)
+            assert poll_until(tx, WAITING) == WAITING
+            tx.init(3, 1)
+            tx.send(np.asarray([7, 8, 9], dtype=np.int32), [])
+            assert poll_until(rx, SUCCESS) == SUCCESS and poll_until(tx, SUCCESS) == SUCCESS
+
+            api.status = 503
+            room, tx, rx = d.pair()
+            rx.init(0)
+            d.dec.submit_prefill_recompute(rx, {"rid": "r-2", "bootstrap_room": room})
+            assert poll_until(rx, SUCCESS) == FAILED  # (no metadata: it can only fail)
+            reason = failure(rx).failure_reason
+            assert f"POST http://127.0.0.1:{api.port}/generate answered 503: prefill says no" in reason, reason
+        finally:
+            d.close()
+            api.close()

@@ -374,8 +374,8 @@ def test_transfer_done_with_its_last_chunk_round_trips():
 def test_an_older_peer_is_refused_at_its_first_frame_naming_both_versions(old):
     _, tag, fields = envelope(REG)  # a decode rank's first frame to a prefill rank
     text = rejected(frame(old, tag, fields))
-    assert PROTOCOL_VERSION == 9
-    assert f"peer speaks protocol version {old}, this engine speaks 9" in text
+    assert PROTOCOL_VERSION == 10
+    assert f"peer speaks protocol version {old}, this engine speaks 10" in text
 
 
 # -- protocol 8: TransferDone carries the landing receipts of unacknowledged writes --------------

@@ -224,3 +224,68 @@ def test_a_killed_prefill_rank_fails_the_request_and_a_restarted_prefill_serves(
         assert again.proc.wait(5) is not None
     finally:
         again.stop()
+
+
+def _retracted_mid_generation(cluster: Cluster, ids: list[int], n: int, rid: int, control: Path | None = None):
+    """One request through the TP 1 pair whose decode is paused with ``mode="retract"`` while
+    it generates, then resumed: SGLang's decode then asks the prefill (our
+    ``submit_prefill_recompute``: ``POST /generate`` at the port the prefill registered) to
+    compute the prompt and the tokens so far again and receives that KV through kvxfer.
+    With ``control``, the negative control's spec is written there while paused: what the
+    recomputed transfer landed is zeroed. Returns the decode's answer."""
+    prefill, decode = cluster.prefill[1], cluster.decode[1]
+    body = {
+        "input_ids": ids,
+        "sampling_params": h.sampling(n),
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": cluster.ports[1],
+        "bootstrap_room": rid,
+    }
+    out: dict = {}
+    threads = {
+        k: threading.Thread(target=lambda s=s, k=k: out.__setitem__(k, s.generate(body)), daemon=True)
+        for k, s in (("prefill", prefill), ("decode", decode))
+    }
+    for t in threads.values():
+        t.start()
+    threads["prefill"].join(h.REQUEST_TIMEOUT_S)  # the prefill answers once its KV was sent
+    time.sleep(0.3)  # the decode generates
+    paused = decode.post("/pause_generation", {"mode": "retract"})
+    try:
+        if control is not None:
+            control.write_text("0/1")
+        time.sleep(0.5)
+    finally:
+        resumed = decode.post("/continue_generation", {})
+    threads["decode"].join(h.REQUEST_TIMEOUT_S + 10)
+    if control is not None:
+        control.unlink()
+    assert "http_error" not in paused and "http_error" not in resumed, (paused, resumed)
+    return out.get("decode", {"error": "no answer"})
+
+
+def test_a_decode_retracted_mid_generation_is_recomputed_by_the_prefill(cluster, reference_tokens, logs):
+    """SGLang 0.5.23's PD retraction with prefill recompute ("rebootstrap", around RL weight
+    updates): the retracted request ends with the reference's tokens, SGLang counts the
+    retraction, and the decode's records show the room's KV landed twice (the original
+    transfer and the recomputed one). Zeroing what the recomputed transfer landed changes the
+    tokens after the retraction (the negative control), so they depend on that KV."""
+    ids, n = prompt(40, 61), 400
+    want = reference_tokens(1, ids, n)
+    rid = room()
+    answer = _retracted_mid_generation(cluster, ids, n, rid)
+    meta = answer.get("meta_info") or {}
+    assert h.output_ids(answer) == want, f"{answer}\n{cluster.logs(1, 1)}"
+    assert meta.get("num_retractions", 0) >= 1, f"the request was not retracted: {meta}"
+    lines = [json.loads(line) for line in cluster.records.read_text().splitlines() if line.strip()]
+    landed = [r for r in lines if r.get("room") == rid and r.get("side") == "decode" and r.get("ok")]
+    assert len(landed) >= 2, f"decode records of room {rid}: {landed}"
+    control = logs / "corrupt-writer"
+    record = Path(str(control) + ".log")
+    before = record.read_text() if record.exists() else ""
+    rid = room()
+    zeroed = _retracted_mid_generation(cluster, ids, n, rid, control=control)
+    logged = record.read_text()[len(before) :] if record.exists() else ""
+    assert f"room {rid}: decode rank 0: zeroed heads" in logged, logged
+    assert (zeroed.get("meta_info") or {}).get("num_retractions", 0) >= 1, zeroed
+    assert h.output_ids(zeroed) != want, "zeroing the recomputed KV did not change the tokens"

@@ -1,0 +1,71 @@
+"""A decode with ``--dcp-size N`` (decode context parallel) through our SGLang classes, driven
+by the scripted scheduler in SGLang's call order (``sglang_dcp_sides``: prefill and decode in
+separate processes, SGLang's real base classes and ``ServerArgs``).
+
+An MLA model's KV lands on every decode rank as SGLang's DCP keeps it: token ``t`` of a
+request on DCP rank ``t % N`` (``N`` = ``--dcp-size``, DCP rank = attention-TP rank % N), packed
+into that rank's pages of the request's page ids. Every row each decode rank must hold is
+compared with what the prefill's forward wrote (prefill TP 1 and 2, DCP 2 and 4, DCP inside a
+larger decode TP, chunked prompts with partial last pages, a decode radix-cache prefix, a
+draft model's KV, which is not split), and no page outside the requests' may change. The
+control: each rank's rows compared with the next DCP rank's tokens must differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integrations import sglang_dcp_sides as dcps
+from tests.integrations import sglang_sides as sides
+from tests.integrations.sglang_env import Draft, Model, import_sglang_base
+from tests.ports import free_port
+
+_base, _reason = import_sglang_base()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_base is None, reason=_reason)]
+
+
+def run(p, d, dcp, model, requests, transport="local", timeout_s=60.0):
+    port = free_port()
+    env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": transport}
+    prefill = sides.Spec("prefill", model, p, port, requests, env, timeout_s)
+    decode = sides.Spec("decode", model, d, port, requests, env, timeout_s, dcp_size=dcp)
+    return sides.run_in_processes(dcps.main, [prefill, decode], timeout_s)
+
+
+def mla(page_size=4, **kw) -> Model:
+    return Model(mla=True, head_dim=24, num_layers=2, page_size=page_size, pool_tokens=192, **kw)
+
+
+def check(pre, dec, requests):
+    for room, *_ in requests:
+        assert pre[room]["status"] == "Success", pre[room]
+        assert dec["requests"][room] == {"status": "Success", "problems": []}, dec["requests"][room]
+    assert dec["pool_problems"] == [], "\n".join(dec["pool_problems"])
+    assert dec["control_problems"] > 0  # the check tells one DCP rank's tokens from another's
+
+
+# (room, prompt tokens): chunks of 16 tokens end inside a decode page of page_size * N
+# tokens, partial last pages on both sides; a one-page request
+REQUESTS = [(0xDC9_0001, 45), (0xDC9_0002, 3), (0xDC9_0003, 32)]
+
+
+@pytest.mark.parametrize(
+    "p, d, dcp, page_size, transport",
+    [
+        (1, 2, 2, 4, "local"),
+        (2, 2, 2, 1, "tcp"),
+        (1, 4, 4, 2, "local"),
+        (2, 4, 2, 4, "tcp"),  # DCP 2 inside attention TP 4: ranks r and r + 2 hold the same tokens
+    ],
+)
+def test_each_dcp_rank_holds_every_nth_token_of_the_prompt(p, d, dcp, page_size, transport):
+    pre, dec = run(p, d, dcp, mla(page_size), REQUESTS, transport)
+    check(pre, dec, REQUESTS)
+
+
+def test_dcp_with_a_decode_radix_cache_prefix_and_a_draft_model():
+    """A prefix of two DCP pages already on the decode (each rank its share); the draft
+    model's KV (MLA, not split over DCP ranks) lands whole on every rank."""
+    requests = [(0xDC9_0011, 41, 16), (0xDC9_0012, 21)]
+    pre, dec = run(1, 2, 2, mla(4, draft=Draft(num_layers=1, head_dim=8, mla=True)), requests)
+    check(pre, dec, requests)
