@@ -273,7 +273,7 @@ class BootstrapServer:
         for (pool, dp, pp, tp), other in self._ranks.items():
             if (pool, dp, pp, tp) == (msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.tp_rank):
                 continue  # a restart of the same rank replaces it
-            names: tuple[str, ...] = ("tp_size", "dp_size", "pp_size", "transport", "follows_room")
+            names: tuple[str, ...] = ("tp_size", "dp_size", "pp_size", "transport", "follows_room", "dcp_size")
             if pool == msg.kv_pool:
                 names += ("geometry", "draft_geometry") if pp == msg.pp_rank else ()
                 names += ("state_pools",)
@@ -379,6 +379,7 @@ class BootstrapServer:
             pp_stages=tuple(stages),
             follows_room=first.follows_room if first is not None else True,
             api_port=ranks[0].api_port if ranks else 0,
+            dcp_size=first.dcp_size if first is not None else 1,
         )
 
     def close(self, timeout_s: float = 5.0) -> None:

@@ -94,6 +94,9 @@ class EngineConfig:
         api_port: a prefill rank's server's HTTP port (0: none), registered with the
             bootstrap so a decode can ask that server to compute a request again (SGLang's
             PD retraction with prefill recompute).
+        dcp_size: a prefill rank's decode-context-parallel size: rank r holds the tokens
+            ``t % dcp_size == r % dcp_size`` of a request in its pages (registered with the
+            bootstrap; a decode of the same size reads them page for page).
     """
 
     role: str
@@ -129,6 +132,7 @@ class EngineConfig:
     layer_start: int = 0
     follows_room: bool = True
     api_port: int = 0
+    dcp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):

@@ -127,6 +127,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             layer_start=self.config.layer_start,
             follows_room=self.config.follows_room,
             api_port=self.config.api_port,
+            dcp_size=self.config.dcp_size,
         )
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         last, unanswered = "no answer", 0

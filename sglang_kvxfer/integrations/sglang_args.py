@@ -140,8 +140,8 @@ class ServerPlan:
     # a prefill of several DP groups: requests placed by bootstrap_room % dp_size (else by
     # SGLang's load balancer, each room's group registered with the bootstrap)
     follows_room: bool = True
-    # a decode's decode context parallel (--dcp-size): its MLA KV is interleaved over DCP
-    # ranks token by token, each rank holding every dcp_size-th token in its own pages
+    # decode context parallel (--dcp-size): the MLA KV is interleaved over DCP ranks token by
+    # token, each rank holding every dcp_size-th token in its own pages
     dcp_size: int = 1
     api_port: int = 0  # the server's HTTP port (--port): a prefill registers it with its bootstrap
 
@@ -202,12 +202,6 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
             attn_cp if role == "decode" else 1,
             "a decode's attention CP must be 1 (SGLang's own backends assert the same)",
         ),
-        (
-            "--dcp-size",
-            _get(server_args, "dcp_size", 1) or 1 if role == "prefill" else 1,
-            "decode context parallel on a prefill is not implemented (a decode's --dcp-size is: each DCP rank "
-            "receives its own tokens)",
-        ),
     )
     for flag, value, why in checks:
         if value != 1:
@@ -237,7 +231,7 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
     if tp % (attn_dp * attn_cp):
         cp = f" times the attention-CP size {attn_cp}" if attn_cp > 1 else ""
         raise GeometryError(f"ServerArgs.tp_size={tp} is not a multiple of the attention-DP size {attn_dp}{cp}")
-    dcp = _int("ServerArgs.dcp_size", _get(server_args, "dcp_size", 1) or 1, 1) if role == "decode" else 1
+    dcp = _int("ServerArgs.dcp_size", _get(server_args, "dcp_size", 1) or 1, 1)
     if (tp // attn_dp // attn_cp) % dcp:
         raise GeometryError(
             f"ServerArgs.dcp_size={dcp} does not divide the attention TP size {tp // attn_dp // attn_cp} "

@@ -109,6 +109,7 @@ class PrefillInfo:
     routable: bool = True
     state_pools: tuple[str, ...] = ()  # the prefill's extra per-request state pools (sglang_state)
     prefill_http_port: int | None = None  # the prefill server's --port (PD retraction's recompute)
+    dcp_size: int = 1  # the prefill's --dcp-size (1, or this decode's: page for page)
 
 
 def role_of(mode: Any) -> str:

@@ -126,9 +126,9 @@ class StatePart:
 
 
 def _check_dcp(mgr: KVXferKVManager) -> None:
-    """A decode with ``--dcp-size`` > 1: what this backend moves for it (SGLang's own rule:
-    an MLA pool, each DCP rank holding every dcp_size-th token of a request), refused by
-    name otherwise."""
+    """A server with ``--dcp-size`` > 1 (SGLang's own rule: an MLA pool, each DCP rank
+    holding every dcp_size-th token of a request): what this backend does not move with it
+    is refused by name."""
     n = mgr.dcp_size
     why = ""
     if mgr.layout.states:
@@ -220,6 +220,7 @@ class KVXferKVManager(BaseKVManager):
             layer_start=layer_start,
             follows_room=self.plan.follows_room if prefill else True,
             api_port=self.plan.api_port if prefill else 0,
+            dcp_size=self.dcp_size,
         )
         # The draft model's pool: a manager of its own, registered under kv_pool="draft".
         self.draft_config: EngineConfig | None = None
@@ -491,6 +492,13 @@ class KVXferKVManager(BaseKVManager):
             problem = draft_problem(theirs, self.layout.draft.geometry if self.layout.draft else None)
         if not failed and not problem:
             problem = state_problem(states, self.layout.states, tp_size, self.layout.tp_size)
+        if not failed and not problem and topo.dcp_size not in (1, self.dcp_size):
+            # SGLang's rule (requires_dcp_relayout): DCP 1 -> N is relaid out, equal sizes move
+            # page for page between ranks of the same DCP rank, anything else is refused
+            problem = (
+                f"--dcp-size: prefill={topo.dcp_size} decode={self.dcp_size} (a decode takes DCP KV from a prefill "
+                "of --dcp-size 1 or of its own --dcp-size)"
+            )
         self.prefill_info_table[bootstrap_addr] = PrefillInfo(
             attn_tp_size=tp_size,
             dp_size=dp_size,
@@ -502,6 +510,7 @@ class KVXferKVManager(BaseKVManager):
             state_pools=states,
             follow_bootstrap_room=topo.follows_room,
             prefill_http_port=topo.api_port or None,
+            dcp_size=topo.dcp_size,
         )
         return True
 

@@ -322,6 +322,7 @@ class PrefillTopology:
     state_pools: tuple[str, ...] = ()  # the state pools the prefill announced
     follows_room: bool = True  # its DP groups are bootstrap_room % dp_size (else: ask the bootstrap)
     api_port: int = 0  # the prefill server's HTTP port (0: not registered)
+    dcp_size: int = 1  # the prefill's --dcp-size
 
 
 class TopologyLookup:
@@ -410,6 +411,7 @@ class TopologyLookup:
             state_pools=tuple(first.state_pools),
             follows_room=first.follows_room,
             api_port=first.api_port,
+            dcp_size=first.dcp_size,
         )
 
     def close(self) -> None:

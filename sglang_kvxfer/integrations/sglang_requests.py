@@ -678,20 +678,25 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
                 raise KVXferError(f"kvxfer room {self.bootstrap_room} has no engine request: {self._reason}")
             # --dcp-size N: kv_indices are pages of page_size * N tokens, of which this rank
             # holds every N-th token (phase: its DCP rank) in its page of page_size rows; the
-            # draft pool is not split and has pages of page_size * N tokens.
+            # draft pool is not split and has pages of page_size * N tokens. From a prefill of
+            # DCP 1 this rank reads its tokens (token_stride N); from one of DCP N, whose
+            # rank of the same DCP rank holds the same tokens, its rows page for page.
             dcp, dcp_rank = self.kv_mgr.dcp_size, self.kv_mgr.dcp_rank
             if prefix % (page_size * dcp):
                 raise ValueError(
                     f"decode_prefix_len={decode_prefix_len} is not a whole number of DCP pages "
                     f"(page_size {page_size} x dcp_size {dcp})"
                 )
+            info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+            relayout = dcp > 1 and (info is None or info.dcp_size == 1)
             for part in self._rxs:  # the draft's: the same page ids in the draft model's pool
                 slot = -1 if aux_index is None or part.label == DRAFT else int(aux_index)
-                stride = 1 if part.label == DRAFT else dcp
+                draft = part.label == DRAFT
+                stride = dcp if relayout and not draft else 1
                 part.rx.send_metadata(
                     pages,
                     aux_slot=slot,
-                    num_tokens=len(pages) * page_size * dcp,
+                    num_tokens=len(pages) * page_size * (dcp if draft or relayout else 1),
                     prefix_tokens=prefix,
                     token_stride=stride,
                     token_phase=(dcp_rank - prefix) % stride,

@@ -78,7 +78,8 @@ __all__ = [
 # (follows_room), RoomRoute registers a room's DP group and RoomQuery asks for it
 # (room_groups in the reply); 10: RequestMeta carries the reader's token selection
 # (token_stride, token_phase: a decode-context-parallel rank holds every stride-th token), and
-# prefill registrations and bootstrap replies the serving process's HTTP port (api_port).
+# prefill registrations and bootstrap replies the serving process's HTTP port (api_port) and
+# its decode-context-parallel size (dcp_size).
 PROTOCOL_VERSION = 10
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name

@@ -209,6 +209,9 @@ class PrefillRegister(Message):
     # protocol 10: the HTTP port of the server this rank belongs to (SGLang's --port), so a
     # decode can ask that server to compute a request again (0: not known)
     api_port: Port = 0
+    # protocol 10, decode context parallel on the prefill (SGLang --dcp-size): rank r holds
+    # the tokens t % dcp_size == r % dcp_size of a request (1: every token)
+    dcp_size: TpSize = 1
 
     def _validate(self) -> None:
         _rank_below_size(self)
@@ -310,6 +313,7 @@ class BootstrapReply(Message):
     follows_room: Bool = True
     room_groups: RoomGroups = ()
     api_port: Port = 0  # protocol 10: the registered ranks' server's HTTP port (0: not known)
+    dcp_size: TpSize = 1  # protocol 10: the registered ranks' --dcp-size
 
     def _validate(self) -> None:
         if self.kv_pool and self.draft_geometry is not None:

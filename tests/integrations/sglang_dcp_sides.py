@@ -1,6 +1,7 @@
-"""The decode side of a PD deployment whose decode runs ``--dcp-size N`` (decode context
-parallel), driven in SGLang 0.5.23's call order like ``sglang_sides._decode``; the prefill side
-is ``sglang_sides._prefill`` unchanged.
+"""The sides of a PD deployment whose decode runs ``--dcp-size N`` (decode context parallel),
+driven in SGLang 0.5.23's call order like ``sglang_sides``; a prefill of DCP 1 is
+``sglang_sides._prefill`` unchanged, one of DCP N (each rank holding its share, as the
+decode's ranks do) is ``_prefill`` here.
 
 What SGLang's DCP decode looks like to a backend (``mem_cache``: the allocator hands out pages
 of ``page_size * N`` tokens, ``layers/dcp/layout.py``: token ``t`` of a request lives on DCP
@@ -24,15 +25,103 @@ from tests.integrations.sglang_env import model_geometry, rank_memory, server_ar
 
 
 def main(spec, out, release) -> None:
-    sides.serve(spec, out, release, sides._prefill, _decode)
+    """A prefill of ``spec.dcp_size`` > 1 runs ``_prefill`` (each rank holding its DCP share),
+    one of DCP 1 ``sglang_sides._prefill``; the decode ``_decode``."""
+    prefill = _prefill if spec.role == "prefill" and spec.dcp_size > 1 else sides._prefill
+    sides.serve(spec, out, release, prefill, _decode)
 
 
-def _dcp_memory(m, tp: int, rank: int, dcp: int):
-    """``rank_memory`` of a DCP decode rank: the draft pool re-made with pages of
-    ``page_size * dcp`` rows (SGLang sizes it in virtual token slots)."""
+def _own_rows(pages, page_size: int, dcp: int, phase: int, tokens: int, start: int = 0):
+    """(tokens, rows): the request's tokens ``[start, tokens)`` DCP rank ``phase`` holds and
+    its rows of them (page ids of ``page_size * dcp`` tokens, ``page_size`` rows each)."""
+    span = page_size * dcp
+    own = np.arange(start + (phase - start) % dcp, tokens, dcp)
+    return own, pages[own // span] * page_size + (own % span) // dcp
+
+
+def _prefill(spec, closers: list) -> dict:
+    """The prefill side with ``--dcp-size N``: SGLang's call order as ``sglang_sides._prefill``;
+    the forward writes each rank's share of every token (and the draft's every token) into
+    its pages, chunks of two DCP pages."""
+    backend, defs = sides.setup(spec)
+    m, dcp, deadline = spec.model, spec.dcp_size, time.monotonic() + spec.timeout_s
+    sa = server_args(sides.MODEL_PATH, "prefill", spec.tp, spec.port, dcp_size=dcp)
+    boot = backend.KVXferKVBootstrapServer(sa.host, sa.disaggregation_bootstrap_port)
+    closers.append(boot.close)
+    mems, mgrs = [], []
+    for r in range(spec.tp):
+        mems.append(_dcp_memory(m, spec.tp, r, dcp, "prefill"))
+        mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.PREFILL, sa, m.mla))
+        closers.append(mgrs[r].close)
+    for mgr in mgrs:
+        mgr.register_to_bootstrap()
+    span = m.page_size * dcp
+    pages = _allocate(m, spec.requests, dcp, seed=1)
+    reqs, results = [], {}
+    for slot, (room, tokens, *_) in enumerate(spec.requests):
+        senders = [
+            backend.KVXferKVSender(mgr=mgr, bootstrap_addr=f"{sa.host}:{spec.port}", bootstrap_room=room)
+            for mgr in mgrs
+        ]
+        reqs.append({"room": room, "tokens": tokens, "slot": slot, "senders": senders, "pages": pages[slot]})
+
+    def failed(req):
+        results[req["room"]] = {"status": "Failed", "reasons": sides._failure(req["senders"])}
+
+    ready = sides._wait(reqs, lambda r: r["senders"], sides.WAITING, deadline, failed)
+    for req in ready:
+        prefix = req["senders"][0].pop_decode_prefix_len()
+        for s in req["senders"][1:]:
+            s.pop_decode_prefix_len()
+        req["prefix"] = prefix
+        for s in req["senders"]:
+            s.init(len(req["pages"]) - prefix // span, req["slot"])
+    for req in ready:
+        ref = _reference(m, req["room"], req["tokens"])
+        dref = _reference(m, req["room"], req["tokens"], draft=True) if m.draft is not None else None
+        for a in range(req["prefix"], req["tokens"], 2 * span):
+            b = min(req["tokens"], a + 2 * span)
+            for r, mem in enumerate(mems):  # the chunk's forward
+                own, rows = _own_rows(req["pages"], m.page_size, dcp, r % dcp, b, a)
+                for buf, want in zip(mem.buffers, ref):
+                    buf[rows] = want[own]
+                if dref is not None:
+                    t = np.arange(a, b)
+                    for buf, want in zip(mem.draft_buffers, dref):
+                        buf[req["pages"][t // span] * span + t % span] = want[t]
+            last = b == req["tokens"]
+            if last:
+                for mem in mems:
+                    for name, row in sides.aux_rows(m, req["room"]).items():
+                        mem.meta[name][req["slot"]] = row
+            chunk = req["pages"][a // span : -(-b // span)].astype(np.int32)
+            for s in req["senders"]:
+                s.send(chunk, [] if last else None, num_kv_tokens=b - a)
+    for req in sides._wait(ready, lambda r: r["senders"], sides.SUCCESS, deadline, failed):
+        results[req["room"]] = {"status": "Success"}
+        for s in req["senders"]:
+            s.clear()
+    return results
+
+
+def _allocate(m, requests, dcp: int, seed: int) -> list:
+    """Disjoint page ids of ``page_size * dcp`` tokens, one list per request (page 0 unused)."""
+    num_pages = (m.pool_tokens + m.page_size) // m.page_size
+    free = np.random.default_rng(seed).permutation(np.arange(1, num_pages))
+    out, at = [], 0
+    for _, tokens, *_ in requests:
+        need = -(-tokens // (m.page_size * dcp))
+        out.append(free[at : at + need])
+        at += need
+    return out
+
+
+def _dcp_memory(m, tp: int, rank: int, dcp: int, role: str = "decode"):
+    """``rank_memory`` of a DCP rank: the draft pool re-made with pages of ``page_size * dcp``
+    rows (SGLang sizes it in virtual token slots)."""
     import torch
 
-    mem = rank_memory(m, tp, rank, "decode")
+    mem = rank_memory(m, tp, rank, role)
     if m.draft is None:
         return mem
     dm = m.draft.model(m)
@@ -84,15 +173,15 @@ def _check_rank(m, mem, dcp: int, phase: int, reqs, label: str) -> list[str]:
     ps, problems, touched = m.page_size, [], []
     for req in reqs:
         ref = _reference(m, req["room"], req["tokens"])
-        own = np.arange(phase, req["tokens"], dcp)
-        rows = req["pages"][own // (ps * dcp)] * ps + (own % (ps * dcp)) // dcp
+        own, rows = _own_rows(req["pages"], ps, dcp, phase, req["tokens"])
         for layer, (buf, want) in enumerate(zip(mem.buffers, ref)):
             got, exp = _bits(buf)[rows], _bits(want)[own]  # bits: the content holds NaN patterns
             if not bool((got == exp).all()):
                 bad = int(np.flatnonzero((got != exp).flatten(1).any(1).numpy())[0])
                 problems.append(f"{label} room {req['room']:#x} layer {layer}: token {int(own[bad])} differs")
         touched.append(req["pages"])
-    untouched = np.setdiff1d(np.arange(len(mem.buffers[0]) // ps), np.concatenate(touched))
+    held = np.concatenate(touched) if touched else np.zeros(0, dtype=np.int64)
+    untouched = np.setdiff1d(np.arange(len(mem.buffers[0]) // ps), held)
     rows = (untouched[:, None] * ps + np.arange(ps)).reshape(-1)
     for layer, buf in enumerate(mem.buffers):
         if bool(_bits(buf)[rows].ne(0).any()):
@@ -124,17 +213,12 @@ def _decode(spec, closers: list) -> dict:
         closers.append(mgrs[r].close)
     addr = f"127.0.0.1:{spec.port}"
     span = m.page_size * dcp  # tokens of one decode page id
-    num_pages = (m.pool_tokens + m.page_size) // m.page_size
-    free = np.random.default_rng(2).permutation(np.arange(1, num_pages))
-    reqs, at = [], 0
+    pages = _allocate(m, spec.requests, dcp, seed=2)
+    reqs = []
     for slot, (room, tokens, *rest) in enumerate(spec.requests):
-        need = -(-tokens // span)
         rxs = [backend.KVXferKVReceiver(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room) for mgr in mgrs]
         prefix = rest[0] if rest else 0
-        reqs.append(
-            {"room": room, "tokens": tokens, "slot": slot, "rxs": rxs, "pages": free[at : at + need], "prefix": prefix}
-        )
-        at += need
+        reqs.append({"room": room, "tokens": tokens, "slot": slot, "rxs": rxs, "pages": pages[slot], "prefix": prefix})
     while not all(mgr.try_ensure_parallel_info(addr) for mgr in mgrs):
         if time.monotonic() > deadline:
             raise TimeoutError(f"prefill parallel info for {addr} never arrived")
@@ -153,8 +237,7 @@ def _decode(spec, closers: list) -> dict:
         if prefix:  # a radix-cache hit: each rank holds its share of the prefix already
             ref = _reference(m, req["room"], prefix)
             for r, mem in enumerate(mems):
-                own = np.arange(r % dcp, prefix, dcp)
-                rows = req["pages"][own // span] * m.page_size + (own % span) // dcp
+                own, rows = _own_rows(req["pages"], m.page_size, dcp, r % dcp, prefix)
                 for buf, want in zip(mem.buffers, ref):
                     buf[rows] = want[own]
             if m.draft is not None:

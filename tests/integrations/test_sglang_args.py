@@ -309,7 +309,6 @@ def test_pipeline_parallel_plan():
         (dict(tp_size=2, attn_cp_size=2, enable_dsa_cache_layer_split=True), "prefill", "--enable-dsa-cache-layer"),
         (dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True), "prefill", "--enable-kv-cache-sharding"),
         (dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True), "prefill", "--enable-prefill-cp"),
-        (dict(tp_size=2, dcp_size=2), "prefill", "--dcp-size=2"),  # a decode's DCP is supported
         (
             dict(disaggregation_decode_allocation_policy="prefill_complete"),
             "decode",
@@ -323,9 +322,10 @@ def test_unsupported_server_settings_name_the_flag(over, role, flag):
         plan_from_server_args(server(**over), role)
 
 
-def test_a_decode_dcp_size_must_divide_its_attention_tp_size():
+def test_a_dcp_size_must_divide_the_attention_tp_size():
     assert plan_from_server_args(server(tp_size=4, dcp_size=2), "decode").dcp_size == 2
     assert plan_from_server_args(server(tp_size=4, dcp_size=4), "decode").dcp_size == 4
+    assert plan_from_server_args(server(tp_size=4, dcp_size=2), "prefill").dcp_size == 2
     with pytest.raises(GeometryError, match=r"ServerArgs.dcp_size=3 does not divide the attention TP size 4"):
         plan_from_server_args(server(tp_size=4, dcp_size=3), "decode")
 

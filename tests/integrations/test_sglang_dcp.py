@@ -24,10 +24,10 @@ _base, _reason = import_sglang_base()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_base is None, reason=_reason)]
 
 
-def run(p, d, dcp, model, requests, transport="local", timeout_s=60.0):
+def run(p, d, dcp, model, requests, transport="local", timeout_s=60.0, prefill_dcp=1):
     port = free_port()
     env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": transport}
-    prefill = sides.Spec("prefill", model, p, port, requests, env, timeout_s)
+    prefill = sides.Spec("prefill", model, p, port, requests, env, timeout_s, dcp_size=prefill_dcp)
     decode = sides.Spec("decode", model, d, port, requests, env, timeout_s, dcp_size=dcp)
     return sides.run_in_processes(dcps.main, [prefill, decode], timeout_s)
 
@@ -69,3 +69,28 @@ def test_dcp_with_a_decode_radix_cache_prefix_and_a_draft_model():
     requests = [(0xDC9_0011, 41, 16), (0xDC9_0012, 21)]
     pre, dec = run(1, 2, 2, mla(4, draft=Draft(num_layers=1, head_dim=8, mla=True)), requests)
     check(pre, dec, requests)
+
+
+@pytest.mark.parametrize("p, d, transport", [(2, 2, "local"), (4, 2, "tcp"), (2, 4, "local")])
+def test_equal_dcp_sizes_move_page_for_page_between_ranks_of_one_dcp_rank(p, d, transport):
+    """A prefill of ``--dcp-size 2`` holds each request as the decode does (SGLang moves it
+    unchanged between ranks of the same DCP rank): every decode rank's writer is a prefill
+    rank of its DCP rank, and every row lands where the decode's DCP rank holds it."""
+    pre, dec = run(p, d, 2, mla(4), REQUESTS, transport, prefill_dcp=2)
+    check(pre, dec, REQUESTS)
+
+
+def test_equal_dcp_sizes_with_a_prefix_and_a_draft_model():
+    requests = [(0xDC9_0021, 41, 16), (0xDC9_0022, 21)]
+    pre, dec = run(2, 2, 2, mla(4, draft=Draft(num_layers=1, head_dim=8, mla=True)), requests, prefill_dcp=2)
+    check(pre, dec, requests)
+
+
+def test_a_dcp_prefill_with_a_decode_of_another_dcp_size_fails_naming_both():
+    """SGLang's own rule: DCP 1 -> N is relaid out, equal sizes move page for page, anything
+    else is refused; here the decode refuses the prefill's requests naming both sizes."""
+    requests = [(0xDC9_0031, 20)]
+    pre, dec = run(2, 2, 1, mla(4), requests, timeout_s=30.0, prefill_dcp=2)
+    report = dec["requests"][0xDC9_0031]
+    assert report["status"] == "Failed", report
+    assert any("--dcp-size: prefill=2 decode=1" in r for r in report["reasons"]), report
