@@ -70,6 +70,7 @@ __all__ = [
     "request",
     "attempt_timeout",
     "group_address",
+    "split_address",
     "split_group_address",
     "split_stage_address",
     "room_groups",
@@ -82,19 +83,22 @@ MAX_ROOM_ROUTES = 1 << 16
 
 _DP_MARK = "#dp"
 _PP_MARK = "#pp"
+_CP_MARK = "#cp"
 
 
-def group_address(address: str, dp_rank: int, pp_rank: int = 0) -> str:
+def group_address(address: str, dp_rank: int, pp_rank: int = 0, cp_rank: int = 0) -> str:
     """The address a decode rank knows PP stage ``pp_rank`` of prefill DP group ``dp_rank``
     of the bootstrap at ``address`` by: ``host:port`` for group 0 stage 0, ``host:port#dpN``
-    for group N, ``host:port#ppS`` / ``host:port#dpN#ppS`` for stage S."""
+    for group N, ``host:port#ppS`` / ``host:port#dpN#ppS`` for stage S; ``...#cpC`` for CP
+    rank C of a prefill whose CP ranks each send their share of a request's pages."""
     parse_host_port(address)
-    for name, value in (("dp_rank", dp_rank), ("pp_rank", pp_rank)):
+    for name, value in (("dp_rank", dp_rank), ("pp_rank", pp_rank), ("cp_rank", cp_rank)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}={value!r} must be an int >= 0")
     dp = f"{_DP_MARK}{dp_rank}" if dp_rank else ""
     pp = f"{_PP_MARK}{pp_rank}" if pp_rank else ""
-    return f"{address}{dp}{pp}"
+    cp = f"{_CP_MARK}{cp_rank}" if cp_rank else ""
+    return f"{address}{dp}{pp}{cp}"
 
 
 def _mark(address: str, text: str, mark: str, what: str) -> int:
@@ -103,13 +107,23 @@ def _mark(address: str, text: str, mark: str, what: str) -> int:
     return int(text)
 
 
-def split_stage_address(address: str) -> tuple[str, int, int]:
-    """``group_address`` reversed: ``(bootstrap host:port, DP group, PP stage)``."""
-    rest, pmark, pp = address.partition(_PP_MARK)
+def split_address(address: str) -> tuple[str, int, int, int]:
+    """``group_address`` reversed: ``(bootstrap host:port, DP group, PP stage, CP rank)``."""
+    rest, cmark, cp = address.partition(_CP_MARK)
+    rest, pmark, pp = rest.partition(_PP_MARK)
     base, dmark, dp = rest.partition(_DP_MARK)
     dp_rank = _mark(address, dp, _DP_MARK, "DP group") if dmark else 0
     pp_rank = _mark(address, pp, _PP_MARK, "PP stage") if pmark else 0
+    cp_rank = _mark(address, cp, _CP_MARK, "CP rank") if cmark else 0
     parse_host_port(base)
+    return base, dp_rank, pp_rank, cp_rank
+
+
+def split_stage_address(address: str) -> tuple[str, int, int]:
+    """``(bootstrap host:port, DP group, PP stage)`` of the address of a stage (CP rank 0)."""
+    base, dp_rank, pp_rank, cp_rank = split_address(address)
+    if cp_rank:
+        raise ValueError(f"bootstrap={address!r} names CP rank {cp_rank}; this call takes a PP stage's address")
     return base, dp_rank, pp_rank
 
 
@@ -157,11 +171,11 @@ class BootstrapServer:
             raise KVXferError(f"bootstrap service cannot listen on {host}:{port}: {exc}") from None
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
-        # (kv_pool, dp_rank, pp_rank, tp_rank) -> the rank's registration
-        self._ranks: dict[tuple[str, int, int, int], PrefillRegister] = {}
-        # (kv_pool, dp_rank, pp_rank) -> the latest refusal of a rank of that group, told to
-        # whoever asks about the group while it is not ready (until that rank registers)
-        self._refused: dict[tuple[str, int, int], tuple[int, str]] = {}
+        # (kv_pool, dp_rank, pp_rank, cp_rank, tp_rank) -> the rank's registration
+        self._ranks: dict[tuple[str, int, int, int, int], PrefillRegister] = {}
+        # (kv_pool, dp_rank, pp_rank, cp_rank) -> the latest refusal of a rank of that group,
+        # told to whoever asks about the group while it is not ready (until that rank registers)
+        self._refused: dict[tuple[str, int, int, int], tuple[int, str]] = {}
         # room -> the DP group a prefill's load balancer placed it in (RoomRoute), oldest first
         self._rooms: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -169,14 +183,14 @@ class BootstrapServer:
         self._thread = threading.Thread(target=self._loop, name="kvxfer-bootstrap", daemon=True)
         self._thread.start()
 
-    def registered(self, dp_rank: int = 0, kv_pool: str = "", pp_rank: int = 0) -> dict[int, str]:
-        """tp_rank -> session of the registered prefill ranks of PP stage ``pp_rank`` of DP
-        group ``dp_rank`` (for KV pool ``kv_pool``)."""
+    def registered(self, dp_rank: int = 0, kv_pool: str = "", pp_rank: int = 0, cp_rank: int = 0) -> dict[int, str]:
+        """tp_rank -> session of the registered prefill ranks of PP stage ``pp_rank`` (CP rank
+        ``cp_rank``) of DP group ``dp_rank`` (for KV pool ``kv_pool``)."""
         with self._lock:
             return {
                 tp: m.session
-                for (pool, dp, pp, tp), m in self._ranks.items()
-                if (pool, dp, pp) == (kv_pool, dp_rank, pp_rank)
+                for (pool, dp, pp, cp, tp), m in self._ranks.items()
+                if (pool, dp, pp, cp) == (kv_pool, dp_rank, pp_rank, cp_rank)
             }
 
     def _loop(self) -> None:
@@ -213,71 +227,84 @@ class BootstrapServer:
     def _handle(self, msg) -> BootstrapReply:
         with self._lock:
             if isinstance(msg, PrefillRegister):
+                group = (msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.cp_rank)
                 conflict = self._conflict(msg)
                 if conflict:
                     log.warning(
-                        "refused prefill rank %d of DP group %d, PP stage %d: %s",
+                        "refused prefill rank %d of DP group %d, PP stage %d, CP rank %d: %s",
                         msg.tp_rank,
                         msg.dp_rank,
                         msg.pp_rank,
+                        msg.cp_rank,
                         conflict,
                     )
-                    self._refused[(msg.kv_pool, msg.dp_rank, msg.pp_rank)] = (msg.tp_rank, conflict)
-                    return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank, reason=conflict, force_not_ready=True)
-                self._ranks[(msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.tp_rank)] = msg
-                if self._refused.get((msg.kv_pool, msg.dp_rank, msg.pp_rank), (-1, ""))[0] == msg.tp_rank:
-                    del self._refused[(msg.kv_pool, msg.dp_rank, msg.pp_rank)]
-                return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank)
+                    self._refused[group] = (msg.tp_rank, conflict)
+                    return self._reply(*group, reason=conflict, force_not_ready=True)
+                self._ranks[group + (msg.tp_rank,)] = msg
+                if self._refused.get(group, (-1, ""))[0] == msg.tp_rank:
+                    del self._refused[group]
+                return self._reply(*group)
             if isinstance(msg, BootstrapQuery):
-                return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank)
+                return self._reply(msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.cp_rank)
             if isinstance(msg, RoomRoute):
                 return self._route(msg)
             if isinstance(msg, RoomQuery):
                 known = tuple((room, self._rooms[room]) for room in msg.rooms if room in self._rooms)
-                return dataclasses.replace(self._reply(0), room_groups=known)
+                return dataclasses.replace(self._reply("", 0), room_groups=known)
             if isinstance(msg, PrefillLeave):
-                key = (msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.tp_rank)
+                key = (msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.cp_rank, msg.tp_rank)
                 held = self._ranks.get(key)
                 if held is not None and held.session == msg.session:  # a restart's entry stays
                     del self._ranks[key]
                     log.info(
-                        "prefill rank %d of DP group %d, PP stage %d%s left (session %s)",
+                        "prefill rank %d of DP group %d, PP stage %d, CP rank %d%s left (session %s)",
                         msg.tp_rank,
                         msg.dp_rank,
                         msg.pp_rank,
+                        msg.cp_rank,
                         f", kv_pool={msg.kv_pool!r}" if msg.kv_pool else "",
                         msg.session,
                     )
-                return self._reply(msg.dp_rank, msg.kv_pool, msg.pp_rank)
-        return self._reply(0, reason=f"bootstrap does not handle {type(msg).__name__}", force_not_ready=True)
+                return self._reply(*key[:4])
+        return self._reply("", 0, reason=f"bootstrap does not handle {type(msg).__name__}", force_not_ready=True)
 
     def _route(self, msg: RoomRoute) -> BootstrapReply:
         """Take a room's DP group from a registered rank of that group only: no other process
         can send a decode to another group's ranks. The oldest rooms are forgotten past
         ``MAX_ROOM_ROUTES`` (a decode asks within its bootstrap deadline)."""
-        if not any(m.session == msg.session and dp == msg.dp_rank for (_, dp, _, _), m in self._ranks.items()):
+        if not any(m.session == msg.session and dp == msg.dp_rank for (_, dp, _, _, _), m in self._ranks.items()):
             why = f"RoomRoute of room {msg.room}: session {msg.session} is no registered prefill rank of DP group {msg.dp_rank}"
             log.warning("bootstrap refused a %s", why)
-            return self._reply(msg.dp_rank, reason=why, force_not_ready=True)
+            return self._reply("", msg.dp_rank, reason=why, force_not_ready=True)
         self._rooms[msg.room] = msg.dp_rank
         self._rooms.move_to_end(msg.room)
         while len(self._rooms) > MAX_ROOM_ROUTES:
             self._rooms.popitem(last=False)
-        return dataclasses.replace(self._reply(msg.dp_rank), room_groups=((msg.room, msg.dp_rank),))
+        return dataclasses.replace(self._reply("", msg.dp_rank), room_groups=((msg.room, msg.dp_rank),))
 
     def _conflict(self, msg: PrefillRegister) -> str:
         # Every DP group is pp_size PP stages, each an attention-TP group of the same size over
         # the same model; a draft-model pool is served by the same ranks (same sizes and
         # transport). Stages differ only in their layers and their pool's pages, and in whether
-        # they hold the draft model's pool (SGLang runs it on the last stage only).
-        for (pool, dp, pp, tp), other in self._ranks.items():
-            if (pool, dp, pp, tp) == (msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.tp_rank):
+        # they hold the draft model's pool (SGLang runs it on the last stage only). The CP
+        # ranks of a stage (cp_size > 1) hold the same layers and pools.
+        for (pool, dp, pp, cp, tp), other in self._ranks.items():
+            if (pool, dp, pp, cp, tp) == (msg.kv_pool, msg.dp_rank, msg.pp_rank, msg.cp_rank, msg.tp_rank):
                 continue  # a restart of the same rank replaces it
-            names: tuple[str, ...] = ("tp_size", "dp_size", "pp_size", "transport", "follows_room", "dcp_size")
+            names: tuple[str, ...] = (
+                "tp_size",
+                "dp_size",
+                "pp_size",
+                "cp_size",
+                "transport",
+                "follows_room",
+                "dcp_size",
+            )
             if pool == msg.kv_pool:
                 names += ("geometry", "draft_geometry") if pp == msg.pp_rank else ()
                 names += ("state_pools",)
             theirs = f"rank {tp} of DP group {dp}" + (f", PP stage {pp}," if other.pp_size > 1 else "")
+            theirs += f" CP rank {cp}" if other.cp_size > 1 else ""
             for name in names:
                 a, b = getattr(other, name), getattr(msg, name)
                 if a != b:
@@ -311,27 +338,42 @@ class BootstrapServer:
     @staticmethod
     def _refusal(msg: PrefillRegister, mine: str, theirs: str, pool: str) -> str:
         stage = f", PP stage {msg.pp_rank}," if msg.pp_size > 1 else ""
+        stage += f" CP rank {msg.cp_rank}" if msg.cp_size > 1 else ""
         what = f" for kv_pool={msg.kv_pool!r}" if msg.kv_pool else ""
         other = f" for kv_pool={pool!r}" if pool else ""
         return f"prefill rank {msg.tp_rank} of DP group {msg.dp_rank}{stage} registers {mine}{what} but {theirs}{other}"
 
     def _reply(
-        self, dp_rank: int, kv_pool: str = "", pp_rank: int = 0, reason: str = "", force_not_ready: bool = False
+        self,
+        kv_pool: str,
+        dp_rank: int,
+        pp_rank: int = 0,
+        cp_rank: int = 0,
+        reason: str = "",
+        force_not_ready: bool = False,
     ) -> BootstrapReply:
-        pooled = {(dp, pp, tp): m for (pool, dp, pp, tp), m in self._ranks.items() if pool == kv_pool}
-        groups = sorted({dp for dp, _, _ in pooled})
-        stages = sorted({pp for dp, pp, _ in pooled if dp == dp_rank})
+        pooled = {(dp, pp, cp, tp): m for (pool, dp, pp, cp, tp), m in self._ranks.items() if pool == kv_pool}
+        groups = sorted({dp for dp, _, _, _ in pooled})
+        stages = sorted({pp for dp, pp, _, _ in pooled if dp == dp_rank})
         first = next(iter(pooled.values()), None)
         dp_size = first.dp_size if first is not None else 0
         pp_size = first.pp_size if first is not None else 0
+        cp_size = first.cp_size if first is not None else 1
         ranks = sorted(
-            (m for (dp, pp, _), m in pooled.items() if (dp, pp) == (dp_rank, pp_rank)), key=lambda m: m.tp_rank
+            (m for (dp, pp, cp, _), m in pooled.items() if (dp, pp, cp) == (dp_rank, pp_rank, cp_rank)),
+            key=lambda m: m.tp_rank,
         )
         size = ranks[0].tp_size if ranks else 0
         ready = bool(ranks) and len(ranks) == size and not force_not_ready
         if not ready and not reason:
             stage = f" PP stage {pp_rank} of" if pp_size > 1 else ""
-            if dp_size and dp_rank >= dp_size:
+            stage = f" CP rank {cp_rank} of{stage}" if cp_size > 1 or cp_rank else stage
+            if cp_rank >= cp_size and first is not None:
+                reason = (
+                    f"cp_rank={cp_rank}: the prefill behind this bootstrap registered cp_size={cp_size} "
+                    "(CP ranks that send their share of a request's pages)"
+                )
+            elif dp_size and dp_rank >= dp_size:
                 reason = (
                     f"dp_rank={dp_rank}: the prefill behind this bootstrap has dp_size={dp_size} "
                     f"(registered DP groups: {groups})"
@@ -346,18 +388,18 @@ class BootstrapServer:
                     f"DP group {dp_rank} has no prefill rank registered "
                     f"(registered DP groups: {groups} of dp_size={dp_size})"
                 )
-            elif not ranks and stages:
+            elif not ranks and stages and pp_rank not in stages:
                 reason = (
                     f"PP stage {pp_rank} of DP group {dp_rank} has no prefill rank registered "
                     f"(registered PP stages: {stages} of pp_size={pp_size})"
                 )
             else:
                 reason = f"{len(ranks)} of {size or '?'} prefill rank(s) registered"
-                if dp_size > 1 or pp_size > 1:
+                if dp_size > 1 or pp_size > 1 or stage:
                     reason += f" in{stage} DP group {dp_rank}"
             if kv_pool:
                 reason += f" (kv_pool={kv_pool!r})"
-            refused = self._refused.get((kv_pool, dp_rank, pp_rank))
+            refused = self._refused.get((kv_pool, dp_rank, pp_rank, cp_rank))
             if refused is not None:
                 reason += f"; refused: {refused[1]}"
         return BootstrapReply(
@@ -380,6 +422,8 @@ class BootstrapServer:
             follows_room=first.follows_room if first is not None else True,
             api_port=ranks[0].api_port if ranks else 0,
             dcp_size=first.dcp_size if first is not None else 1,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
         )
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -420,7 +464,7 @@ def room_groups(address: str, rooms, *, session: str, timeout_s: float, key: byt
     Raises:
         as ``request``.
     """
-    base = split_stage_address(address)[0]
+    base = split_address(address)[0]
     found: dict[int, int] = {}
     rooms = [int(r) for r in rooms]
     for i in range(0, len(rooms), MAX_ROOM_QUERY):
@@ -441,7 +485,7 @@ def request(address: str, message, timeout_s: float, key: bytes | None = None) -
     down or unreachable, or it uses another key: it drops what it cannot authenticate) and
     ``RemoteProtocolError`` for a malformed or unauthenticated reply.
     """
-    base, dp_rank, pp_rank = split_stage_address(address)
+    base, dp_rank, pp_rank, cp_rank = split_address(address)
     host, port = parse_host_port(base)
     if isinstance(message, BootstrapQuery) and dp_rank:
         if message.dp_rank not in (0, dp_rank):
@@ -455,6 +499,12 @@ def request(address: str, message, timeout_s: float, key: bytes | None = None) -
                 f"BootstrapQuery.pp_rank={message.pp_rank} but the address {address!r} names PP stage {pp_rank}"
             )
         message = dataclasses.replace(message, pp_rank=pp_rank)
+    if isinstance(message, BootstrapQuery) and cp_rank:
+        if message.cp_rank not in (0, cp_rank):
+            raise ValueError(
+                f"BootstrapQuery.cp_rank={message.cp_rank} but the address {address!r} names CP rank {cp_rank}"
+            )
+        message = dataclasses.replace(message, cp_rank=cp_rank)
     key = auth.resolve_key() if key is None else key
     seq = envelope.fresh_seq(time.time())
     frame = envelope.seal(key, message.session, seq, codec.encode(message))

@@ -97,6 +97,10 @@ class EngineConfig:
         dcp_size: a prefill rank's decode-context-parallel size: rank r holds the tokens
             ``t % dcp_size == r % dcp_size`` of a request in its pages (registered with the
             bootstrap; a decode of the same size reads them page for page).
+        cp_rank, cp_size: a prefill rank's attention-CP rank and the number of CP ranks that
+            send, each its share of a request's pages (SGLang's sharded prefill CP;
+            registered with the bootstrap, a decode reads each share from its CP rank); 0 and
+            1 where one rank per attention-TP rank sends every page.
     """
 
     role: str
@@ -133,6 +137,8 @@ class EngineConfig:
     follows_room: bool = True
     api_port: int = 0
     dcp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -171,11 +177,11 @@ class EngineConfig:
                 f"staging_bytes={self.staging_bytes} must hold at least two slots of "
                 f"staging_slot_bytes={self.staging_slot_bytes}"
             )
-        for name in ("dp_rank", "dp_size", "pp_rank", "pp_size", "layer_start"):
+        for name in ("dp_rank", "dp_size", "pp_rank", "pp_size", "cp_rank", "cp_size", "layer_start"):
             value, least = getattr(self, name), int(name.endswith("_size"))
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name}={value!r} must be an integer >= {least}")
-        for kind in ("dp", "pp"):
+        for kind in ("dp", "pp", "cp"):
             rank, size = getattr(self, f"{kind}_rank"), getattr(self, f"{kind}_size")
             if rank >= size:
                 raise ValueError(f"{kind}_rank={rank} must be < {kind}_size={size}")

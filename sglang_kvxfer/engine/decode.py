@@ -863,6 +863,10 @@ class KVReceiver(RequestHandle):
         the tokens ``t`` (counted after the prefix) with ``t % token_stride == token_phase``,
         packed in order into ``page_ids``; ``num_tokens`` (required then) stays the whole
         request's length, the same on every decode rank.
+
+        An empty ``page_ids`` needs ``prefix_tokens`` (the decode holds the whole prompt) or
+        ``num_tokens=0`` (a writer with no share of this request: a prefill CP rank whose
+        share of a short request is empty): the writers send only the aux data.
         """
         if self._sent:
             raise ValueError(f"room {self.room}: send_metadata() was already called")
@@ -870,8 +874,8 @@ class KVReceiver(RequestHandle):
             raise ValueError(f"prefix_tokens={prefix_tokens!r} must be an int >= 0")
         g = self.mgr.config.geometry
         pages = np.asarray(page_ids, dtype=np.int64).reshape(-1)
-        if pages.size == 0 and not prefix_tokens:
-            raise ValueError("page_ids is empty")
+        if pages.size == 0 and not prefix_tokens and num_tokens != 0:
+            raise ValueError("page_ids is empty (num_tokens=0 says this rank receives no token, only the aux data)")
         if pages.size and (pages.min() < 0 or pages.max() >= g.num_pages):
             raise ValueError(f"page_ids must lie in [0, {g.num_pages}), got {pages.min()}..{pages.max()}")
         if len(np.unique(pages)) != pages.size:

@@ -128,6 +128,8 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             follows_room=self.config.follows_room,
             api_port=self.config.api_port,
             dcp_size=self.config.dcp_size,
+            cp_rank=self.config.cp_rank,
+            cp_size=self.config.cp_size,
         )
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         last, unanswered = "no answer", 0
@@ -200,6 +202,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             dp_rank=self.config.dp_rank,
             kv_pool=self.config.kv_pool,
             pp_rank=self.config.pp_rank,
+            cp_rank=self.config.cp_rank,
         )
         try:
             bootstrap.request(self.config.bootstrap, leave, timeout_s=LEAVE_TIMEOUT_S, key=self.config.key)

@@ -40,6 +40,7 @@ __all__ = [
     "DraftLayout",
     "SglangLayout",
     "plan_from_server_args",
+    "cp_page_share",
     "pp_layer_split",
     "kv_dtype",
     "nic_list",
@@ -144,6 +145,9 @@ class ServerPlan:
     # token, each rank holding every dcp_size-th token in its own pages
     dcp_size: int = 1
     api_port: int = 0  # the server's HTTP port (--port): a prefill registers it with its bootstrap
+    # a prefill of --attn-cp-size > 1 with SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER: every CP
+    # rank sends its share of a request's pages (else CP rank 0 sends every page)
+    cp_sharded: bool = False
 
     @property
     def dp_groups(self) -> int:
@@ -206,8 +210,7 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
     for flag, value, why in checks:
         if value != 1:
             raise _not_supported(flag, value, why)
-    if attn_cp > 1:
-        _check_cp_replicated(server_args, attn_cp)
+    cp_sharded = attn_cp > 1 and _check_cp(server_args, attn_cp)
     if attn_dp > 1 and dp not in (1, attn_dp):
         raise _not_supported("--dp-size", dp, f"it must equal the attention-DP size {attn_dp} or be 1")
     # --dp-size without --enable-dp-attention: full TP replicas, each a DP group of its own
@@ -261,6 +264,7 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         follows_room=follows_room,
         dcp_size=dcp,
         api_port=_int("ServerArgs.port", _get(server_args, "port", 0) or 0, 0),
+        cp_sharded=cp_sharded,
     )
 
 
@@ -276,7 +280,7 @@ def force_query_prefill_dp_rank() -> bool:
 
 
 # Settings under which SGLang's prefill CP ranks each hold a share of a request's pages (or
-# state layers) and every CP rank sends: not implemented here, where CP rank 0 sends it all.
+# state layers) and every CP rank sends it: not implemented here.
 _CP_SHARDED = (
     (
         "--enable-cp-tp-group-sharing",
@@ -289,30 +293,35 @@ _CP_SHARDED = (
 )
 
 
-def _check_cp_replicated(server_args: Any, attn_cp: int) -> None:
-    """Prefill attention CP as SGLang runs it by default: CP materializes the request's KV
-    in global token order on every CP rank, and CP rank 0 of each attention-TP rank sends
-    it (the other CP ranks are SGLang's dummy participants). Refuse, naming the setting,
-    whatever makes CP ranks hold different pages."""
+def _check_cp(server_args: Any, attn_cp: int) -> bool:
+    """Prefill attention CP: CP materializes the request's KV in global token order on every
+    CP rank. By default CP rank 0 of each attention-TP rank sends it (the other CP ranks are
+    SGLang's dummy participants); with ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`` every
+    CP rank sends its share of the request's pages (returns True). Refuse, naming the setting,
+    whatever makes CP ranks hold different pages or state layers."""
     for flag, field, why in _CP_SHARDED:
         if _get(server_args, field, False):
             raise _not_supported(
                 flag, True, f"with --attn-cp-size={attn_cp}, {why}; sharded CP transfer is not implemented"
             )
-    env = os.environ.get("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "").strip().lower()
-    if env in ("1", "true", "yes", "on"):
-        raise _not_supported(
-            "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER",
-            env,
-            f"with --attn-cp-size={attn_cp} every CP rank would send its share of the pages; sharded CP transfer "
-            "is not implemented (CP rank 0 sends every page)",
-        )
     if (_get(server_args, "pp_size", 1) or 1) > 1:
         raise _not_supported(
             "--attn-cp-size",
             attn_cp,
             f"attention CP with --pp-size={_get(server_args, 'pp_size')} is not implemented",
         )
+    env = os.environ.get("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "").strip().lower()
+    return env in ("1", "true", "yes", "on")
+
+
+def cp_page_share(num_pages: int, cp_rank: int, cp_size: int) -> slice:
+    """The pages ``[start, stop)`` of a request of ``num_pages`` pages that prefill CP rank
+    ``cp_rank`` of ``cp_size`` sends when every CP rank sends (SGLang's split, which both
+    sides compute from the same page count): consecutive shares in CP rank order, the first
+    ``num_pages % cp_size`` ranks one page more than the others."""
+    base, extra = divmod(num_pages, cp_size)
+    start = cp_rank * base + min(cp_rank, extra)
+    return slice(start, start + base + (cp_rank < extra))
 
 
 def pp_layer_split(num_layers: int, pp_size: int, partition: str | None = None) -> list[range]:
@@ -647,7 +656,7 @@ def layout_from_kv_args(
     Args:
         args: SGLang's ``KVArgs`` (any object with its attribute names).
         tp_size: the attention TP size of this side (``plan_from_server_args``).
-        mla: SGLang's ``is_mla_backend``.
+        mla: SGLang's ``is_mla_backend`` (``KVArgs.is_hybrid_mla_backend`` counts too).
         dtype: the pool's element type (``kv_dtype``).
         total_kv_heads: called for the model's un-sharded KV head count when
             ``KVArgs.total_kv_head_num`` is unset (SGLang's decode side sets it only with
@@ -665,8 +674,10 @@ def layout_from_kv_args(
 
     Raises ``GeometryError`` naming the KVArgs field for anything inconsistent.
     """
-    if _get(args, "is_hybrid_mla_backend", False):
-        raise _not_supported("KVArgs.is_hybrid_mla_backend", True, "hybrid MLA pools are not implemented")
+    # A hybrid linear-attention model over an MLA pool (Kimi-Linear): SGLang passes
+    # is_mla_backend=False for its HybridLinearKVPool and says so here; its full-attention KV
+    # is an MLA latent (one buffer per layer), as SGLang's own backends read it.
+    mla = bool(mla) or bool(_get(args, "is_hybrid_mla_backend", False))
     if _get(args, "kv_layout", None) is not None:
         raise _not_supported(
             "KVArgs.kv_layout", _get(args, "kv_layout"), "only plain NHD pools (kv_layout None) are implemented"

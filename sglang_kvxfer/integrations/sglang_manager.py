@@ -111,6 +111,9 @@ class ReceivePart:
     config: EngineConfig
     ptrs: tuple[int, ...]
     aux: bool
+    # (CP rank, CP size) of a prefill whose CP ranks each send their share of a request's
+    # pages (cp_page_share): this part receives that share; (0, 1): every page
+    cp: tuple[int, int] = (0, 1)
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,10 @@ class KVXferKVManager(BaseKVManager):
         self.kv_args = args
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
-        self.is_mla_backend = bool(is_mla_backend)
+        # (a hybrid linear-attention pool over an MLA pool, Kimi-Linear: SGLang passes False
+        # and sets KVArgs.is_hybrid_mla_backend; its full-attention KV is an MLA latent)
+        self.hybrid_mla = bool(getattr(args, "is_hybrid_mla_backend", False))
+        self.is_mla_backend = bool(is_mla_backend) or self.hybrid_mla
         self.role = role_of(disaggregation_mode)
         self.plan = plan_from_server_args(resolved(server_args), self.role)
         if self.plan.dcp_size > 1 and not self.is_mla_backend:
@@ -194,12 +200,25 @@ class KVXferKVManager(BaseKVManager):
         self.dp_rank = self.plan.dp_rank(int(args.engine_rank), int(getattr(args, "system_dp_rank", 0) or 0))
         draft = lay.draft
         prefill = self.role == "prefill"
-        # Prefill attention CP: CP rank 0 of each attention-TP rank sends every page (SGLang
-        # materializes the request's KV on every CP rank); the others are SGLang's dummy
-        # participants (its scheduler reads is_dummy_cp_rank): no engine, nothing registered.
+        # Prefill attention CP: SGLang materializes the request's KV on every CP rank. By
+        # default CP rank 0 of each attention-TP rank sends every page and the others are
+        # SGLang's dummy participants (its scheduler reads is_dummy_cp_rank): no engine,
+        # nothing registered. With SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, and always for
+        # a hybrid MLA model (SGLang's cp_sharded_prefill), every CP rank registers as CP rank
+        # c and sends its share of each request's pages (cp_page_share); the state, the same
+        # on every CP rank, comes from CP rank 0.
         self.cp_rank = self.plan.cp_rank(int(args.engine_rank))
-        self.is_dummy_cp_rank = prefill and self.cp_rank > 0
-        self.enable_all_cp_ranks_for_transfer = False
+        self.cp_sharded = prefill and self.plan.attn_cp_size > 1 and (self.plan.cp_sharded or self.hybrid_mla)
+        if self.cp_sharded and self.dcp_size > 1:
+            raise _not_supported(
+                "--dcp-size",
+                self.dcp_size,
+                f"with --attn-cp-size={self.plan.attn_cp_size} every CP rank sends its share of the pages "
+                "(SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, or a hybrid MLA model), and DCP with it is not "
+                "implemented",
+            )
+        self.is_dummy_cp_rank = prefill and self.cp_rank > 0 and not self.cp_sharded
+        self.enable_all_cp_ranks_for_transfer = self.cp_sharded
         self.config = EngineConfig(
             self.role,
             lay.geometry,
@@ -221,6 +240,8 @@ class KVXferKVManager(BaseKVManager):
             follows_room=self.plan.follows_room if prefill else True,
             api_port=self.plan.api_port if prefill else 0,
             dcp_size=self.dcp_size,
+            cp_rank=self.cp_rank if self.cp_sharded else 0,
+            cp_size=self.plan.attn_cp_size if self.cp_sharded else 1,
         )
         # The draft model's pool: a manager of its own, registered under kv_pool="draft".
         self.draft_config: EngineConfig | None = None
@@ -241,7 +262,8 @@ class KVXferKVManager(BaseKVManager):
             if draft is not None and self.draft_config is not None and self.engine is not None:
                 draft_pool = KVPool.from_pointers(self.draft_config.placement, draft.kv_ptrs, draft.kv_lens, device)
                 self.draft_engine = KVManager(self.draft_config, draft_pool)
-            for state in lay.states if self.engine is not None else ():
+            sends_state = self.engine is not None and not (self.cp_sharded and self.cp_rank > 0)
+            for state in lay.states if sends_state else ():
                 config = self._state_config(state.geometry, state.name)
                 state_pool = KVPool.from_pointers(config.placement, state.ptrs, state.lens, device)
                 self.state_engines.append((state, KVManager(config, state_pool)))
@@ -272,7 +294,8 @@ class KVXferKVManager(BaseKVManager):
         self._unverified: set[str] = set()  # prefill addresses whose missing digests were logged
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._lookups: dict[str, TopologyLookup] = {}  # decode: the prefill behind each bootstrap
-        # decode PP 1 facing PP stages: (engine, config, buffers) per (pool, stage entry range)
+        # decode PP 1 facing PP stages: (engine, config, buffers) per (pool, stage entry range);
+        # facing a prefill whose CP ranks each send their share: per CP rank after the first
         self._slices: dict[tuple[str, int, int], tuple[DecodeManager, EngineConfig, tuple[int, ...]]] = {}
         dp, kind = self.plan.dp_groups, "attention DP" if self.plan.attn_dp_size > 1 else "DP replicas"
         where = f" of DP group {self.dp_rank}/{dp}" if prefill and dp > 1 else f" ({kind} {dp})" if dp > 1 else ""
@@ -283,6 +306,7 @@ class KVXferKVManager(BaseKVManager):
             where += f", PP stage {self.pp_rank}/{self.pp_size}{span}"
         if self.plan.attn_cp_size > 1:
             where += f", attention CP rank {self.cp_rank}/{self.plan.attn_cp_size}"
+            where += " (sends its share of each request's pages)" if self.cp_sharded else ""
         if self.is_dummy_cp_rank:
             log.info(
                 "kvxfer prefill rank %d/%d%s: a CP replica, sends nothing (CP rank 0 sends every page)",
@@ -438,7 +462,6 @@ class KVXferKVManager(BaseKVManager):
         """Non-blocking: True once the prefill at ``bootstrap_addr`` is known (or its lookup
         failed: the requests then fail with the reason). Its PP stages are learned first; each
         engine manager that will receive from it then looks up its group (stage)."""
-        from sglang_kvxfer.engine import bootstrap
 
         if self.role != "decode":
             raise ValueError("try_ensure_parallel_info() is a decode-side call")
@@ -453,6 +476,11 @@ class KVXferKVManager(BaseKVManager):
         if topo is None:
             return False
         problem = self._pp_problem(topo)
+        if not problem and topo.cp_size > 1 and self.dcp_size > 1:
+            problem = (
+                f"--dcp-size={self.dcp_size}: the prefill's {topo.cp_size} attention-CP ranks each send their share of "
+                "a request's pages, which a decode with DCP does not read (start it with --dcp-size 1)"
+            )
         if problem:
             info = PrefillInfo(
                 attn_tp_size=topo.tp_size,
@@ -470,8 +498,7 @@ class KVXferKVManager(BaseKVManager):
         # a prefill rank whose I/O thread is starved of CPU can take longer than that to answer
         # (the requests wait for it under the bootstrap timeout and fail with the reason).
         statuses = [
-            part.engine.prefill_group_status(bootstrap.group_address(bootstrap_addr, 0, pp_rank))
-            for pp_rank, part in self._stage_parts(bootstrap_addr, topo, 0)
+            part.engine.prefill_group_status(part.address) for _, part in self._stage_parts(bootstrap_addr, topo, 0)
         ]
         if any(s[0] == "resolving" for s in statuses):
             return False
@@ -566,10 +593,18 @@ class KVXferKVManager(BaseKVManager):
         pool from the prefill's only stage, or from the stage of this decode's own PP rank;
         with a decode of PP 1 and a prefill of several stages, one part per stage over the
         layers it holds (the last stage's part delivers the metadata slot, as SGLang sends it
-        from the last PP rank)."""
+        from the last PP rank). A prefill whose CP ranks each send their share of a request's
+        pages (one PP stage): one part per CP rank (CP rank 0's delivers the metadata slot)."""
         from sglang_kvxfer.engine import bootstrap
 
         lay = self.layout
+        if topo is not None and topo.cp_size > 1 and topo.pp_size == 1:
+            n, cp_parts = topo.cp_size, []
+            for c in range(n):
+                engine, config, ptrs = self.cp_engine(c)
+                address = bootstrap.group_address(bootstrap_addr, dp_rank, 0, c)
+                cp_parts.append((0, ReceivePart(f"CP rank {c}/{n}", engine, address, config, ptrs, c == 0, (c, n))))
+            return cp_parts
         if topo is None or topo.pp_size == 1 or self.pp_size == topo.pp_size:
             staged = topo is not None and topo.pp_size > 1
             s = self.pp_rank if staged else 0
@@ -616,6 +651,32 @@ class KVXferKVManager(BaseKVManager):
                 address = bootstrap.group_address(bootstrap_addr, dp_rank, s)
                 parts.append(StatePart(pool, f"{pool.label} of {stage_label(s, layers, span)}", engine, address))
         return parts
+
+    def cp_engine(self, cp_rank: int, draft: bool = False) -> tuple[DecodeManager, EngineConfig, tuple[int, ...]]:
+        """``(engine manager, config, buffers)`` receiving prefill CP rank ``cp_rank``'s share of
+        a request (of the draft model's pool with ``draft``) when every CP rank sends its own:
+        an engine manager holds one request per room, so each CP rank after the first gets a
+        manager of its own over the same buffers, made once and closed with this manager."""
+        from sglang_kvxfer.engine import KVManager, KVPool
+        from sglang_kvxfer.engine.decode import DecodeManager
+
+        lay = self.layout
+        main, config, ptrs, lens = self.decode_engine, self.config, lay.kv_ptrs, lay.kv_lens
+        if draft:
+            engine, draft_config = self.decode_draft_engine, self.draft_config
+            if engine is None or draft_config is None or lay.draft is None:
+                raise KVXferError(f"this decode rank has no {DRAFT}")
+            main, config, ptrs, lens = engine, draft_config, lay.draft.kv_ptrs, lay.draft.kv_lens
+        if cp_rank == 0:
+            return main, config, ptrs
+        key = (f"{'draft.' if draft else ''}cp{cp_rank}", 0, 0)
+        made = self._slices.get(key)
+        if made is None:
+            built = KVManager(config, KVPool.from_pointers(config.placement, ptrs, lens, self._device))
+            if not isinstance(built, DecodeManager):  # KVManager builds one for a decode config
+                raise TypeError(f"expected a decode engine for {key}, got {type(built).__name__}")
+            made = self._slices[key] = (built, config, ptrs)
+        return made
 
     def _slice(
         self, entries: range, pool: StatePool | None = None

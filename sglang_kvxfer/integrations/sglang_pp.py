@@ -323,6 +323,7 @@ class PrefillTopology:
     follows_room: bool = True  # its DP groups are bootstrap_room % dp_size (else: ask the bootstrap)
     api_port: int = 0  # the prefill server's HTTP port (0: not registered)
     dcp_size: int = 1  # the prefill's --dcp-size
+    cp_size: int = 1  # the prefill's CP ranks that send, each its share of a request's pages
 
 
 class TopologyLookup:
@@ -412,6 +413,7 @@ class TopologyLookup:
             follows_room=first.follows_room,
             api_port=first.api_port,
             dcp_size=first.dcp_size,
+            cp_size=first.cp_size,
         )
 
     def close(self) -> None:

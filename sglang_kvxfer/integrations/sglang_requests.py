@@ -29,6 +29,7 @@ from sglang_kvxfer import envs
 from sglang_kvxfer.engine.config import EngineConfig, parse_host_port
 from sglang_kvxfer.errors import KVXferError
 from sglang_kvxfer.integrations import sglang_checksum as checksum
+from sglang_kvxfer.integrations.sglang_args import cp_page_share
 from sglang_kvxfer.integrations.sglang_common import (
     DRAFT,
     BaseKVReceiver,
@@ -113,7 +114,8 @@ class _Parts:
 class _PartsRecord:
     """The transfer record of a request: its first part's, with every part's bytes and ops
     added; a draft model's also shown apart (``draft_bytes``/``draft_ops``), each PP stage's
-    in ``pp_stages``, each state pool's in ``state``."""
+    in ``pp_stages``, each prefill CP rank's share in ``cp_ranks``, each state pool's in
+    ``state``."""
 
     parts: tuple[tuple[str, RequestRecord], ...]
 
@@ -121,25 +123,33 @@ class _PartsRecord:
         (first_label, first), rest = self.parts[0], self.parts[1:]
         line = first.to_dict()
         stages = [(first_label, first)] if first_label.startswith(STAGE) else []
+        shares = [(first_label, first)] if first_label.startswith(CP_RANK) else []
         states: list[dict[str, Any]] = []
         for what, d in rest:
             line.update(bytes=line["bytes"] + d.bytes, ops=line["ops"] + d.ops)
-            if what == DRAFT:
-                line.update(draft_bytes=d.bytes, draft_ops=d.ops)
+            if what.startswith(DRAFT):  # (one per CP rank when each sends its share)
+                line.update(
+                    draft_bytes=line.get("draft_bytes", 0) + d.bytes, draft_ops=line.get("draft_ops", 0) + d.ops
+                )
             elif what.startswith(STAGE):
                 stages.append((what, d))
+            elif what.startswith(CP_RANK):
+                shares.append((what, d))
             else:  # a state pool
                 states.append({"pool": what, "bytes": d.bytes, "ops": d.ops, "ok": d.ok})
             if not d.ok and line.get("ok"):
                 line.update(ok=False, reason=f"{what}: {d.reason}")
         if stages:
             line["pp_stages"] = [{"stage": what, "bytes": d.bytes, "ops": d.ops, "ok": d.ok} for what, d in stages]
+        if shares:
+            line["cp_ranks"] = [{"cp_rank": what, "bytes": d.bytes, "ops": d.ops, "ok": d.ok} for what, d in shares]
         if states:
             line.update(state=states, state_bytes=sum(x["bytes"] for x in states))
         return line
 
 
 STAGE = "PP stage "  # how sglang_pp.stage_label starts
+CP_RANK = "CP rank "  # how a prefill CP rank's share is labelled (sglang_manager._stage_parts)
 
 
 class _Request:
@@ -342,11 +352,18 @@ class KVXferKVSender(_Request, BaseKVSender):
             pages = page_array(kv_indices)
             index_slice = self._chunk_slice(pages)
             last = index_slice.stop == self.num_kv_indices
+            if self.kv_mgr.cp_sharded:
+                pages = self._cp_share(pages, index_slice)
+                if not pages.size and not last:  # none of this chunk is this CP rank's to send
+                    self.curr_idx = index_slice.stop
+                    return
             if last:
                 pages = self._dcp_padded(pages)
             if not last and state_indices and any(s is not None for s in state_indices):
                 raise ValueError("state_indices came with a chunk that is not the request's last")
-            state = state_pages([pool for pool, _ in self._states], state_indices) if last else []
+            # (every CP rank holds the same state; with every CP rank sending, CP rank 0 sends it)
+            replica = self.kv_mgr.cp_sharded and self.kv_mgr.cp_rank > 0
+            state = state_pages([pool for pool, _ in self._states], state_indices) if last and not replica else []
             aux = self.kv_mgr.layout.aux.read(self.aux_index) if last and self.aux_index is not None else b""
             self._started = self._started or time.perf_counter()
             self._pages.append(pages)
@@ -392,6 +409,16 @@ class KVXferKVSender(_Request, BaseKVSender):
             return pages
         tail = pages[-1:] if pages.size else np.concatenate(self._pages)[-1:]
         return np.concatenate([pages, np.repeat(tail, extra)])
+
+    def _cp_share(self, pages: np.ndarray, index_slice: slice) -> np.ndarray:
+        """The pages of a chunk (``index_slice`` of the request's page list) that lie in this
+        CP rank's share of the request (``cp_page_share``; the decode splits its page list
+        the same way)."""
+        mgr = self.kv_mgr
+        share = cp_page_share(self.num_kv_indices or 0, mgr.cp_rank, mgr.plan.attn_cp_size)
+        start = max(share.start, index_slice.start) - index_slice.start
+        stop = min(share.stop, index_slice.stop) - index_slice.start
+        return pages[start : max(start, stop)]
 
     def _chunk_slice(self, pages: np.ndarray) -> slice:
         """The slice of the request's page list that ``pages``, the next chunk, covers."""
@@ -515,6 +542,12 @@ class _Rx:
     config: EngineConfig
     ptrs: tuple[int, ...]  # the buffers it lands in (K of its layers, then V)
     aux: bool  # the request's metadata slot comes with this part
+    draft: bool = False  # the draft model's KV (the same page ids in its pool)
+    cp: tuple[int, int] = (0, 1)  # (CP rank, CP size): the share of the pages it receives
+
+    def share(self, pages: np.ndarray) -> np.ndarray:
+        """The request's pages this part receives: all, or its prefill CP rank's share."""
+        return pages if self.cp[1] == 1 else pages[cp_page_share(len(pages), *self.cp)]
 
 
 class KVXferKVReceiver(_Request, BaseKVReceiver):
@@ -579,17 +612,24 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             self._tell_stages(info)  # no engine request can move the KV: the stages still hear why
             return self._fail(info.problem)
         try:
+            cp = 1
             for part in mgr.receive_parts(self.bootstrap_addr, self.prefill_dp_rank):
                 rx = KVReceiver(part.engine, self.bootstrap_room, part.address)
-                self._rxs.append(_Rx(part.label, rx, part.config, part.ptrs, part.aux))
+                self._rxs.append(_Rx(part.label, rx, part.config, part.ptrs, part.aux, cp=part.cp))
+                cp = part.cp[1]
             draft, draft_config, draft_layout = mgr.decode_draft_engine, mgr.draft_config, mgr.layout.draft
             if draft is not None and draft_config is not None and draft_layout is not None:
                 if not (info is not None and info.problem):
-                    # the draft model's pool is the prefill's last PP stage's (SGLang runs the draft there)
+                    # the draft model's pool is the prefill's last PP stage's (SGLang runs the draft
+                    # there); with every prefill CP rank sending, each sends its share of it too
                     last = max(info.pp_size, 1) - 1 if info is not None else 0
-                    group = bootstrap.group_address(self.bootstrap_addr, self.prefill_dp_rank, last)
-                    rx = KVReceiver(draft, self.bootstrap_room, group)
-                    self._rxs.append(_Rx(DRAFT, rx, draft_config, draft_layout.kv_ptrs, False))
+                    for c in range(cp):
+                        group = bootstrap.group_address(self.bootstrap_addr, self.prefill_dp_rank, last, c)
+                        rx = KVReceiver(mgr.cp_engine(c, draft=True)[0], self.bootstrap_room, group)
+                        label = DRAFT if cp == 1 else f"{DRAFT} of CP rank {c}/{cp}"
+                        self._rxs.append(
+                            _Rx(label, rx, draft_config, draft_layout.kv_ptrs, False, draft=True, cp=(c, cp))
+                        )
             if not (info is not None and info.problem):
                 for state in mgr.state_parts(self.bootstrap_addr, self.prefill_dp_rank):
                     rx = KVReceiver(state.engine, self.bootstrap_room, state.address)
@@ -690,13 +730,13 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
             relayout = dcp > 1 and (info is None or info.dcp_size == 1)
             for part in self._rxs:  # the draft's: the same page ids in the draft model's pool
-                slot = -1 if aux_index is None or part.label == DRAFT else int(aux_index)
-                draft = part.label == DRAFT
-                stride = dcp if relayout and not draft else 1
+                slot = -1 if aux_index is None or part.draft else int(aux_index)
+                stride = dcp if relayout and not part.draft else 1
+                share = part.share(pages)  # (num_tokens=0 for an empty share: the aux data only)
                 part.rx.send_metadata(
-                    pages,
+                    share,
                     aux_slot=slot,
-                    num_tokens=len(pages) * page_size * (dcp if draft or relayout else 1),
+                    num_tokens=len(share) * page_size * (dcp if part.draft or relayout else 1),
                     prefix_tokens=prefix,
                     token_stride=stride,
                     token_phase=(dcp_rank - prefix) % stride,
@@ -742,7 +782,7 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         mgr = self.kv_mgr
         if not mgr.kv_checksum or not self._rxs or self._pages is None:
             return ""
-        parts = [(p.label, p.rx, p.config.placement, p.ptrs, self._pages) for p in self._rxs]
+        parts = [(p.label, p.rx, p.config.placement, p.ptrs, p.share(self._pages)) for p in self._rxs]
         # state pools: each engine's own placement and (on a decode of PP 1, sliced) buffers
         parts += [
             (label, rx, rx.mgr.placement, _buffer_ptrs(rx.mgr), self._state_rows[pool.name])

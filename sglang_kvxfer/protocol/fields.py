@@ -79,8 +79,10 @@ __all__ = [
 # (room_groups in the reply); 10: RequestMeta carries the reader's token selection
 # (token_stride, token_phase: a decode-context-parallel rank holds every stride-th token), and
 # prefill registrations and bootstrap replies the serving process's HTTP port (api_port) and
-# its decode-context-parallel size (dcp_size).
-PROTOCOL_VERSION = 10
+# its decode-context-parallel size (dcp_size); 11: prefill registrations, queries, leaves and
+# bootstrap replies name an attention-CP rank (cp_rank; registrations and replies cp_size: the
+# CP ranks that send, each its share of a request's pages).
+PROTOCOL_VERSION = 11
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name
 MAX_ENDPOINT_CHARS = 256  # "tcp://host:port"

@@ -80,6 +80,8 @@ DpSize = Annotated[int, Int(1, MAX_TP_SIZE)]  # prefill attention-DP groups behi
 DpRank = Annotated[int, Int(0, MAX_TP_SIZE - 1)]
 PpSize = Annotated[int, Int(1, MAX_TP_SIZE)]  # prefill pipeline-parallel stages (protocol 6)
 PpRank = Annotated[int, Int(0, MAX_TP_SIZE - 1)]
+CpSize = Annotated[int, Int(1, MAX_TP_SIZE)]  # prefill attention-CP ranks that send (protocol 11)
+CpRank = Annotated[int, Int(0, MAX_TP_SIZE - 1)]
 Rooms = Annotated[tuple[int, ...], ListOf(Int(0, UINT64_MAX), MAX_ROOM_QUERY)]  # protocol 9: RoomQuery
 # protocol 9: (room, DP group) pairs of a RoomQuery's reply
 RoomGroups = Annotated[tuple, ListOf(ListOf(Int(0, UINT64_MAX), 2, min_items=2), MAX_ROOM_QUERY)]
@@ -212,11 +214,17 @@ class PrefillRegister(Message):
     # protocol 10, decode context parallel on the prefill (SGLang --dcp-size): rank r holds
     # the tokens t % dcp_size == r % dcp_size of a request (1: every token)
     dcp_size: TpSize = 1
+    # protocol 11, prefill attention CP where every CP rank sends (SGLang's sharded CP): this
+    # rank's CP rank of cp_size, each CP rank sending its share of a request's pages (cp_size
+    # 1: one rank per attention-TP rank sends every page)
+    cp_rank: CpRank = 0
+    cp_size: CpSize = 1
 
     def _validate(self) -> None:
         _rank_below_size(self)
         _rank_below_size(self, "dp_rank", "dp_size")
         _rank_below_size(self, "pp_rank", "pp_size")
+        _rank_below_size(self, "cp_rank", "cp_size")
         if self.kv_pool and self.draft_geometry is not None:
             self._bad("draft_geometry", f"must be None in a registration of kv_pool={self.kv_pool!r}")
         _state_pools_valid(self, "a registration of")
@@ -227,27 +235,29 @@ class PrefillRegister(Message):
 @message
 class BootstrapQuery(Message):
     """Decode rank -> bootstrap: where are the prefill ranks of DP group ``dp_rank``, PP
-    stage ``pp_rank``? (request/reply)."""
+    stage ``pp_rank``, CP rank ``cp_rank``? (request/reply)."""
 
     session: SessionId  # the asking decode process
     tp_rank: TpRank
     dp_rank: DpRank = 0
     kv_pool: KVPoolName = ""  # protocol 6: the pool asked about
     pp_rank: PpRank = 0  # protocol 6: the PP stage asked about
+    cp_rank: CpRank = 0  # protocol 11: the CP rank asked about
 
 
 @message
 class PrefillLeave(Message):
     """Prefill rank -> bootstrap as it closes (protocol 9; request/reply): drop this
     session's registration of ``kv_pool`` as rank ``tp_rank`` of DP group ``dp_rank``, PP
-    stage ``pp_rank``. A registration of the same rank by another session (a restart) stays:
-    a rank only ever takes back its own."""
+    stage ``pp_rank``, CP rank ``cp_rank``. A registration of the same rank by another
+    session (a restart) stays: a rank only ever takes back its own."""
 
     session: SessionId  # the leaving prefill process (the envelope's sender)
     tp_rank: TpRank
     dp_rank: DpRank = 0
     kv_pool: KVPoolName = ""
     pp_rank: PpRank = 0
+    cp_rank: CpRank = 0  # protocol 11
 
 
 @message
@@ -314,6 +324,10 @@ class BootstrapReply(Message):
     room_groups: RoomGroups = ()
     api_port: Port = 0  # protocol 10: the registered ranks' server's HTTP port (0: not known)
     dcp_size: TpSize = 1  # protocol 10: the registered ranks' --dcp-size
+    # protocol 11: the CP rank asked about, and the registered ranks' cp_size (the CP ranks
+    # that send, each its share of a request's pages; 1: one)
+    cp_rank: CpRank = 0
+    cp_size: CpSize = 1
 
     def _validate(self) -> None:
         if self.kv_pool and self.draft_geometry is not None:
@@ -340,6 +354,8 @@ class BootstrapReply(Message):
             self._bad("dp_rank", f"={self.dp_rank} must be < dp_size={self.dp_size} when ready")
         if self.pp_rank >= max(self.pp_size, 1):
             self._bad("pp_rank", f"={self.pp_rank} must be < pp_size={self.pp_size} when ready")
+        if self.cp_rank >= self.cp_size:
+            self._bad("cp_rank", f"={self.cp_rank} must be < cp_size={self.cp_size} when ready")
         if seen != list(range(self.tp_size)):
             self._bad("ranks", f"must list tp_rank 0..{self.tp_size - 1} once each, got {seen}")
 

@@ -51,7 +51,7 @@ def _prefill(spec, closers: list) -> dict:
     mems, mgrs = [], []
     for r in range(spec.tp):
         mems.append(_dcp_memory(m, spec.tp, r, dcp, "prefill"))
-        mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.PREFILL, sa, m.mla))
+        mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.PREFILL, sa, m.is_mla_backend))
         closers.append(mgrs[r].close)
     for mgr in mgrs:
         mgr.register_to_bootstrap()
@@ -209,7 +209,7 @@ def _decode(spec, closers: list) -> dict:
     mems, mgrs = [], []
     for r in range(spec.tp):
         mems.append(_dcp_memory(m, spec.tp, r, dcp))
-        mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.DECODE, sa, m.mla))
+        mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.DECODE, sa, m.is_mla_backend))
         closers.append(mgrs[r].close)
     addr = f"127.0.0.1:{spec.port}"
     span = m.page_size * dcp  # tokens of one decode page id

@@ -15,7 +15,12 @@ What DP adds to that order, from SGLang's own code:
   ``C`` times; ``engine_rank = (dp * C + cp) * attn_tp + attn_tp_rank``
   (``derive_attention_ranks``). Every CP rank holds the request's KV; CP rank 0 sends it and
   the others are dummy participants whose polls join the MIN. Here the CP replicas' pools
-  hold a poison of their own and are never written, so a byte taken from one shows.
+  hold a poison of their own and are never written, so a byte taken from one shows. With
+  ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`` (``cp_sharded``) every CP rank sends its
+  share of a request's pages (SGLang's ``_get_cp_rank_page_bounds``, read from its source):
+  here each CP rank's pool holds the request's KV in its own share's pages only, and its
+  poison elsewhere, so every decode byte matching the oracle shows each page came from the
+  CP rank whose share it is.
 * decode: ``engine_rank = tp_rank % attn_tp``; each decode DP group serves the requests its
   own controller gives it; ``_resolve_prefill_dp_rank`` picks the prefill group: the
   router's rank, else ``0`` for ``dp_size == 1``, else ``bootstrap_room % dp_size`` (read from
@@ -32,13 +37,14 @@ every decode buffer is compared (pages no request used must still hold the senti
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from tests.integrations import sglang_sides as sides
-from tests.integrations.sglang_env import Model, rank_memory, server_args
+from tests.integrations.sglang_env import Model, load_utils_defs, rank_memory, server_args
 
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
 SENTINEL = 0xA5  # decode bytes no request may touch
@@ -66,6 +72,9 @@ class DpSpec:
     env: dict = field(default_factory=dict)
     timeout_s: float = 60.0
     cp: int = 1  # prefill attention CP
+    cp_sharded: bool = False  # every CP rank sends its share (SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER)
+    kv_checksum: bool = False  # --disaggregation-enable-kv-checksum on this side
+    corrupt_room: int | None = None  # decode: flip a byte of this room's last page on rank 0 once landed
     system: bool = False  # DP replicas (--dp-size without --enable-dp-attention), not attention DP
     load_balance: str = "auto"  # the prefill's --load-balance-method
 
@@ -118,6 +127,20 @@ def byte_views(mem) -> list:
     return [t.view(torch.uint8) for t in mem.buffers]
 
 
+DRAFT_SALT = 0xD4AF7  # a draft model's KV content: seeded apart from the model's
+
+
+def pools_of(model: Model, mem) -> list[tuple[Model, list, int]]:
+    """``(shape, byte views, oracle salt)`` of each KV pool of a rank: the model's, then a
+    speculative decoding draft model's (``Model.draft``: the same pages, its own heads)."""
+    import torch
+
+    out = [(model, byte_views(mem), 0)]
+    if model.draft is not None:
+        out.append((model.draft.model(model), [t.view(torch.uint8) for t in mem.draft_buffers], DRAFT_SALT))
+    return out
+
+
 def place(model: Model, views, heads: list[int], oracle: DpOracle, pages) -> None:
     """Write ``heads`` of every page row of ``oracle`` into ``pages`` of ``views``."""
     import torch
@@ -151,6 +174,8 @@ def _dp_server_args(spec: DpSpec, port: int):
     if spec.system:  # each replica a whole TP group: tp_size is one replica's
         return server_args(sides.MODEL_PATH, spec.role, spec.attn_tp, port, dp_size=spec.dp, **lb)
     extra: dict = dict(dp_size=spec.dp, enable_dp_attention=True, **lb) if spec.dp > 1 else {}
+    if spec.kv_checksum:
+        extra["disaggregation_enable_kv_checksum"] = True
     if cp > 1:
         extra["attn_cp_size"] = cp
     return server_args(sides.MODEL_PATH, spec.role, spec.attn_tp * spec.dp * cp, port, **extra)
@@ -177,18 +202,19 @@ def _prefill(spec: DpSpec, closers: list) -> dict:
     sa = _dp_server_args(spec, spec.port)
     boot = backend.KVXferKVBootstrapServer(sa.host, sa.disaggregation_bootstrap_port)
     closers.append(boot.close)
-    groups = []  # per DP group: (CP rank 0's memories, the managers of every CP rank)
+    groups = []  # per DP group: (each CP rank's memories, the managers of every CP rank)
     for g in range(spec.dp):
-        mems, mgrs = [], []
+        mems: list[list] = [[] for _ in range(spec.cp)]
+        mgrs = []
         for c in range(spec.cp):
             for r in range(spec.attn_tp):
                 mem = rank_memory(m, spec.attn_tp, r, "prefill")
                 _place_rank(spec, mem.kv_args, g, c, r)
-                for view in byte_views(mem):
-                    view.fill_(poison(g) if c == 0 else replica_poison(g, c))
-                if c == 0:
-                    mems.append(mem)
-                mgrs.append(backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.PREFILL, sa, m.mla))
+                for _, views, _ in pools_of(m, mem):
+                    for view in views:
+                        view.fill_(poison(g) if c == 0 else replica_poison(g, c))
+                mems[c].append(mem)
+                mgrs.append(backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.PREFILL, sa, m.is_mla_backend))
                 closers.append(mgrs[-1].close)
         groups.append((mems, mgrs))
     for _, mgrs in groups:
@@ -220,7 +246,8 @@ def _prefill(spec: DpSpec, closers: list) -> dict:
         _forward_and_send(spec, w, groups[w["group"]][0])
 
     def done(w):
-        results[(w["room"], w["group"])] = {"status": "Success"}
+        sent = [s.get_transfer_metric().transfer_total_bytes for s in w["senders"]]  # (cp, tp) order
+        results[(w["room"], w["group"])] = {"status": "Success", "bytes": sent}
         for s in w["senders"]:
             s.clear()
 
@@ -255,22 +282,42 @@ def _event_loop(work, pollers_of, on_waiting, on_success, on_failed, deadline) -
         time.sleep(0.002)
 
 
-def _forward_and_send(spec: DpSpec, w: dict, mems) -> None:
+@functools.cache
+def _sglang_cp_bounds():
+    return load_utils_defs(("_get_cp_rank_page_bounds",))._get_cp_rank_page_bounds
+
+
+def cp_share(num_pages: int, cp_rank: int, cp_size: int) -> range:
+    """The request pages CP rank ``cp_rank`` sends when every CP rank sends: SGLang 0.5.23's
+    own ``_get_cp_rank_page_bounds``, taken from its source (independent of ours)."""
+    return range(*_sglang_cp_bounds()(num_pages, cp_rank, cp_size))
+
+
+def _forward_and_send(spec: DpSpec, w: dict, cp_mems) -> None:
     m, req = spec.model, w["req"]
-    oracle = DpOracle(m, req.room, w["group"], req.tokens)
+    oracles = [DpOracle(pm, req.room ^ salt, w["group"], req.tokens) for pm, _, salt in pools_of(m, cp_mems[0][0])]
     ps = m.page_size
     for a in range(0, req.tokens, CHUNK_TOKENS):
         b = min(req.tokens, a + CHUNK_TOKENS)
         last = b == req.tokens
-        chunk = w["pages"][a // ps : -(-b // ps)]
-        for r, mem in enumerate(mems):  # this chunk's forward: its pages' rows of the group's KV
-            sub = DpOracle.__new__(DpOracle)
-            lo = (a // ps) * ps
-            sub.rows = [full[lo : lo + len(chunk) * ps] for full in oracle.rows]
-            place(m, byte_views(mem), heads_of(m, spec.attn_tp, r), sub, chunk)
-            if last:
-                for name, row in sides.aux_rows(m, req.room).items():
-                    mem.meta[name][w["slot"]] = row
+        first = a // ps
+        # this chunk's forward: its pages' rows of the group's KV, on CP rank 0 (the replicas
+        # keep their poison) or, with every CP rank sending, on each CP rank in its share only
+        for c, mems in enumerate(cp_mems if spec.cp_sharded else cp_mems[:1]):
+            held = range(first, -(-b // ps))
+            if spec.cp_sharded:
+                share = cp_share(len(w["pages"]), c, spec.cp)
+                held = range(max(held.start, share.start), min(held.stop, share.stop))
+            for r, mem in enumerate(mems):
+                for (pm, views, _), oracle in zip(pools_of(m, mem), oracles):
+                    sub = DpOracle.__new__(DpOracle)
+                    sub.rows = [full[held.start * ps : held.stop * ps] for full in oracle.rows]
+                    if len(held):
+                        place(pm, views, heads_of(pm, spec.attn_tp, r), sub, w["pages"][held.start : held.stop])
+                if last and c == 0:
+                    for name, row in sides.aux_rows(m, req.room).items():
+                        mem.meta[name][w["slot"]] = row
+        chunk = w["pages"][first : -(-b // ps)]
         for s in w["senders"]:
             if s.should_send_kv_chunk(len(chunk), last):
                 s.send(np.asarray(chunk, dtype=np.int32), [] if last else None, num_kv_tokens=b - a)
@@ -288,13 +335,23 @@ def _decode(spec: DpSpec, closers: list) -> dict:
         for r in range(spec.attn_tp):
             mem = rank_memory(m, spec.attn_tp, r, "decode")  # engine_rank = tp_rank % attn_tp
             _place_rank(spec, mem.kv_args, g, 0, r)
-            for view in byte_views(mem):
-                view.fill_(SENTINEL)
+            for _, views, _ in pools_of(m, mem):
+                for view in views:
+                    view.fill_(SENTINEL)
             mems.append(mem)
-            mgrs.append(backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.DECODE, sa, m.mla))
+            mgrs.append(backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.DECODE, sa, m.is_mla_backend))
             closers.append(mgrs[-1].close)
         groups.append((mems, mgrs))
     pages = sides._allocate(m, [(r.room, r.tokens) for r in spec.requests], seed=2)
+    if spec.corrupt_room is not None:  # after every writer is done, before the KV checksum
+        slot = next(i for i, r in enumerate(spec.requests) if r.room == spec.corrupt_room)
+        row = int(pages[slot][-1]) * m.page_size
+
+        def corrupt(rx) -> None:
+            if rx.bootstrap_room == spec.corrupt_room and rx.kv_mgr is groups[0][1][0]:
+                byte_views(groups[0][0][0])[0][row, 0, 0] ^= 0x5A
+
+        backend.after_kv_landed = corrupt
     work = []
     for slot, req in enumerate(spec.requests):
         mems, mgrs = groups[req.decode_group]
@@ -358,6 +415,10 @@ def _decode(spec: DpSpec, closers: list) -> dict:
             if not bool((mem.meta[name][w["slot"]] == row).all())
         ]
         results[w["room"]] = {"status": "Success", "route": w["route"], "problems": aux}
+        results[w["room"]]["checksum_parts"] = [dict(rx.checksum_parts) for rx in w["rxs"]]
+        # each prefill CP rank's share, as decode rank 0's record shows it (when each sends one)
+        shares = w["rxs"][0]._engine.record.to_dict().get("cp_ranks", [])
+        results[w["room"]]["cp_ranks"] = [(d["cp_rank"], d["bytes"], d["ok"]) for d in shares]
         served.append(w)
         for rx in w["rxs"]:
             rx.clear()
@@ -367,18 +428,18 @@ def _decode(spec: DpSpec, closers: list) -> dict:
     problems = []
     for g, (mems, _) in enumerate(groups):
         for r, mem in enumerate(mems):
-            views = byte_views(mem)
-            expected = [np.full(tuple(v.shape), SENTINEL, dtype=np.uint8) for v in views]
-            heads = heads_of(m, spec.attn_tp, r)
-            for w in served:
-                if w["req"].decode_group != g:
-                    continue
-                oracle = DpOracle(m, w["room"], w["route"], w["req"].tokens)
-                rows = (np.asarray(w["pages"], dtype=np.int64)[:, None] * m.page_size + np.arange(m.page_size)).reshape(
-                    -1
-                )
-                for want, full in zip(expected, oracle.rows):
-                    want[rows] = full[:, heads, :]
-            problems += compare(m, views, expected, f"decode DP group {g} rank {r}")
+            for pm, views, salt in pools_of(m, mem):
+                expected = [np.full(tuple(v.shape), SENTINEL, dtype=np.uint8) for v in views]
+                heads = heads_of(pm, spec.attn_tp, r)
+                for w in served:
+                    if w["req"].decode_group != g:
+                        continue
+                    oracle = DpOracle(pm, w["room"] ^ salt, w["route"], w["req"].tokens)
+                    pages = np.asarray(w["pages"], dtype=np.int64)
+                    rows = (pages[:, None] * m.page_size + np.arange(m.page_size)).reshape(-1)
+                    for want, full in zip(expected, oracle.rows):
+                        want[rows] = full[:, heads, :]
+                label = f"decode DP group {g} rank {r}" + (" draft" if salt else "")
+                problems += compare(pm, views, expected, label)
     results["pool_problems"] = problems
     return results

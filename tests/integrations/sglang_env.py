@@ -116,6 +116,18 @@ class Model:
     # extra per-request state (KVArgs.state_types): a sglang_state_env.StateModel
     state: Any = None
 
+    @property
+    def hybrid_mla(self) -> bool:
+        """A hybrid linear-attention model over an MLA pool (Kimi-Linear): SGLang's
+        HybridLinearKVPool, for which it passes ``is_mla_backend=False`` and sets
+        ``KVArgs.is_hybrid_mla_backend``."""
+        return self.mla and self.state is not None and "mamba" in self.state.kinds
+
+    @property
+    def is_mla_backend(self) -> bool:
+        """What SGLang's schedulers pass the manager (``is_mla_backend(token_to_kv_pool)``)."""
+        return self.mla and not self.hybrid_mla
+
 
 @dataclass
 class Draft:
@@ -244,7 +256,7 @@ def rank_memory(model: Model, tp: int, rank: int, role: str) -> RankMemory:
     args.state_data_ptrs, args.state_data_lens, args.state_item_lens = [], [], []
     args.state_layer_ids, args.state_dim_per_tensor, args.state_slice_outer_counts = [], [], []
     args.state_conv_shard_groups = []
-    args.is_hybrid_mla_backend = False
+    args.is_hybrid_mla_backend = model.hybrid_mla
     args.swa_kv_cache_layout = None
     mem = RankMemory(k, v, meta, args, draft_k=draft_k, draft_v=draft_v)
     if model.state is not None:  # setup_state_kv_args of a hybrid pool

@@ -276,7 +276,12 @@ def _prefill(spec: PpSpec, closers: list, out) -> dict:
     groups = _memories(spec, poison(spec.pp_rank))
     mgrs = []
     for mems in groups:
-        mgrs.append([backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.PREFILL, sa, m.mla) for mem in mems])
+        mgrs.append(
+            [
+                backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.PREFILL, sa, m.is_mla_backend)
+                for mem in mems
+            ]
+        )
         closers.extend(mgr.close for mgr in mgrs[-1])
     for row in mgrs:
         for mgr in row:
@@ -396,7 +401,9 @@ def _decode(spec: PpSpec, closers: list, out) -> dict:
     groups = _memories(spec, SENTINEL)
     mgrs = []
     for mems in groups:
-        mgrs.append([backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.DECODE, sa, m.mla) for mem in mems])
+        mgrs.append(
+            [backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.DECODE, sa, m.is_mla_backend) for mem in mems]
+        )
         closers.extend(mgr.close for mgr in mgrs[-1])
     every = [mgr for row in mgrs for mgr in row]
     pages = sides._allocate(m, spec.requests, seed=2)

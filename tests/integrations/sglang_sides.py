@@ -294,7 +294,7 @@ def _prefill(spec: Spec, closers: list) -> dict:
     mems, mgrs = [], []
     for r in range(spec.tp):
         mems.append(rank_memory(m, spec.tp, r, "prefill"))
-        mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.PREFILL, sa, m.mla))
+        mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.PREFILL, sa, m.is_mla_backend))
         closers.append(mgrs[r].close)
     for mgr in mgrs:
         mgr.register_to_bootstrap()
@@ -410,7 +410,7 @@ def _decode(spec: Spec, closers: list) -> dict:
     mems, mgrs = [], []
     for r in range(spec.tp):
         mems.append(rank_memory(m, spec.tp, r, "decode"))
-        mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.DECODE, sa, m.mla))
+        mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.DECODE, sa, m.is_mla_backend))
         closers.append(mgrs[r].close)
     addr = f"127.0.0.1:{spec.port}"  # the request's bootstrap_host:bootstrap_port (router)
     results: dict = {}

@@ -191,12 +191,20 @@ def test_an_odd_mha_entry_count_is_refused():
     [
         ("state_types", ["dsa_tail"], r"KVArgs.state_types\[0\]='dsa_tail': the backend moves mamba, swa, dsa"),
         ("kv_layout", "dsv4_unified", r"KVArgs.kv_layout='dsv4_unified'"),
-        ("is_hybrid_mla_backend", True, r"KVArgs.is_hybrid_mla_backend=True"),
     ],
 )
 def test_unsupported_pools_are_refused_by_name(field, value, message):
     with pytest.raises(KVXferError, match=message):
         layout_from_kv_args(kv_args(**{field: value}), tp_size=2, mla=False, dtype="bfloat16")
+
+
+def test_a_hybrid_mla_pool_is_read_as_mla():
+    """SGLang passes is_mla_backend=False for a HybridLinearKVPool over an MLA pool
+    (Kimi-Linear) and sets KVArgs.is_hybrid_mla_backend: one latent buffer per layer."""
+    hybrid = kv_args(mla=True, head_dim=24, is_hybrid_mla_backend=True)
+    got = layout_from_kv_args(hybrid, tp_size=4, mla=False, dtype="bfloat16").geometry
+    want = layout_from_kv_args(kv_args(mla=True, head_dim=24), tp_size=4, mla=True, dtype="bfloat16").geometry
+    assert got == want and got.mla and got.num_layers == 3
 
 
 def test_kv_dtype_strings():
@@ -340,11 +348,15 @@ def test_prefill_attention_cp_ranks_and_their_dp_groups_follow_sglangs_layout():
     assert decode.cp_rank(1) == 0 and decode.attn_cp_size == 1
 
 
-def test_all_cp_ranks_transfer_is_refused_naming_the_variable(monkeypatch):
+def test_all_cp_ranks_transfer_makes_every_cp_rank_a_sender(monkeypatch):
+    assert not plan_from_server_args(server(tp_size=2, attn_cp_size=2), "prefill").cp_sharded
     monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
-    with pytest.raises(KVXferError, match="does not support SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER='1'"):
-        plan_from_server_args(server(tp_size=2, attn_cp_size=2), "prefill")
-    assert plan_from_server_args(server(tp_size=2), "prefill").attn_cp_size == 1  # without CP it does not matter
+    assert plan_from_server_args(server(tp_size=2, attn_cp_size=2), "prefill").cp_sharded
+    plan = plan_from_server_args(server(tp_size=2), "prefill")
+    assert plan.attn_cp_size == 1 and not plan.cp_sharded  # without CP it does not matter
+    assert not plan_from_server_args(server(tp_size=2), "decode").cp_sharded
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "0")
+    assert not plan_from_server_args(server(tp_size=2, attn_cp_size=2), "prefill").cp_sharded
 
 
 def test_nic_lists(tmp_path):

@@ -11,9 +11,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sglang_kvxfer.errors import KVXferError
 from tests.integrations import sglang_dp_sides as dps
 from tests.integrations import sglang_sides as sides
-from tests.integrations.sglang_env import Model, import_sglang_base, load_utils_defs, rank_memory, server_args
+from tests.integrations.sglang_env import (
+    Draft,
+    Model,
+    import_sglang_base,
+    load_utils_defs,
+    rank_memory,
+    server_args,
+)
 from tests.ports import free_port
 
 _base, _reason = import_sglang_base()
@@ -23,14 +31,27 @@ R = dps.DpRequest
 ROOMS = [R(0x0C90_0000_F00D, 37), R(0x0C90_0001_F00D, 9), R(0x0C91_0002_CAFE, 41)]
 
 
-def run_cp(prefill: tuple, decode: tuple, model: Model, requests, timeout_s: float = 60.0):
-    """``prefill``: ``(attn_tp, dp, cp)``; ``decode``: ``(attn_tp, dp)``."""
+def run_cp(
+    prefill: tuple,
+    decode: tuple,
+    model: Model,
+    requests,
+    timeout_s: float = 60.0,
+    sharded: bool = False,
+    checksum: bool = False,
+    corrupt_room: int | None = None,
+):
+    """``prefill``: ``(attn_tp, dp, cp)``; ``decode``: ``(attn_tp, dp)``; ``sharded``: the
+    prefill runs with SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER (the decode without it);
+    ``checksum``: both with --disaggregation-enable-kv-checksum."""
     port = free_port()
     env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": "local"}
+    prefill_env = {**env, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"} if sharded else env
     (ptp, pdp, pcp), (dtp, ddp) = prefill, decode
+    common = dict(timeout_s=timeout_s, kv_checksum=checksum)
     specs = [
-        dps.DpSpec("prefill", model, ptp, pdp, port, requests, env, timeout_s, cp=pcp),
-        dps.DpSpec("decode", model, dtp, ddp, port, requests, env, timeout_s),
+        dps.DpSpec("prefill", model, ptp, pdp, port, requests, prefill_env, cp=pcp, cp_sharded=sharded, **common),
+        dps.DpSpec("decode", model, dtp, ddp, port, requests, env, corrupt_room=corrupt_room, **common),
     ]
     return sides.run_in_processes(dps.main, specs, timeout_s)
 
@@ -102,5 +123,170 @@ def test_a_cp_replica_sender_moves_nothing_and_follows_sglangs_dummy_states(monk
         aborted = backend.KVXferKVSender(mgr, sa.host, 80)
         aborted.abort()
         assert aborted.poll() == dps.FAILED
+    finally:
+        mgr.close()
+
+
+# -- every CP rank sends its share (SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER) -----------------
+SHARDED_ROOMS = ROOMS + [R(0x0C92_0003_BEEF, 3)]  # one page: the later CP ranks' shares are empty
+
+
+@needs_sglang
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "prefill, decode, mla",
+    [
+        ((1, 1, 2), (1, 1), False),  # attn TP 1 x CP 2 -> TP 1
+        ((2, 1, 2), (1, 1), False),  # attn TP 2 x CP 2 -> TP 1: each share from two writers
+        ((1, 1, 3), (2, 1), False),  # CP 3 -> TP 2 (heads split on the decode), uneven shares
+        ((1, 2, 2), (2, 1), True),  # MLA (DeepSeek): DP 2 x CP 2 -> TP 2
+    ],
+    ids=["tp1xcp2-to-tp1", "tp2xcp2-to-tp1", "cp3-to-tp2", "mla-dp2xcp2-to-tp2"],
+)
+def test_every_cp_rank_sends_its_share_of_the_pages(prefill, decode, mla):
+    """Each CP rank's pool holds the request's KV in its own share of the pages only (its
+    poison elsewhere): every decode byte matching the oracle shows that each page came from
+    the CP rank whose share it is (SGLang's split), the metadata slot from CP rank 0. The
+    decode runs without the environment variable: it reads the prefill's registration."""
+    model = Model(mla=True, head_dim=24, pool_tokens=192) if mla else Model(total_kv_heads=4, pool_tokens=192)
+    pre, dec = run_cp(prefill, decode, model, SHARDED_ROOMS, sharded=True)
+    assert "error" not in pre and "error" not in dec, (pre.get("error"), dec.get("error"))
+    assert dec["info"] == {"attn_tp_size": prefill[0], "dp_size": prefill[1]}
+    ptp, pdp, pcp = prefill
+    for q in SHARDED_ROOMS:
+        assert dec[q.room]["status"] == "Success", dec[q.room]
+        assert dec[q.room]["problems"] == [], dec[q.room]["problems"]
+        pages = -(-q.tokens // model.page_size)
+        shares = [len(dps.cp_share(pages, c, pcp)) for c in range(pcp)]
+        assert [c for c, _, ok in dec[q.room]["cp_ranks"] if ok] == [f"CP rank {c}/{pcp}" for c in range(pcp)]
+        # the prefill's senders, CP rank by CP rank: bytes in proportion to each one's share
+        sent = pre[(q.room, q.room % pdp)]["bytes"]
+        per_cp = [sum(sent[c * ptp : (c + 1) * ptp]) for c in range(pcp)]
+        assert all(b * pages == sum(per_cp) * n for b, n in zip(per_cp, shares)), (per_cp, shares)
+        assert [b > 0 for _, b, _ in dec[q.room]["cp_ranks"]] == [n > 0 for n in shares]
+    assert dec["pool_problems"] == [], dec["pool_problems"]  # each share's bytes, every one
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_every_cp_rank_sends_its_share_of_the_draft_models_kv_too():
+    """Speculative decoding: the draft model's KV (the same pages of its own pool) comes
+    share by share from the same CP ranks, each into its own engine request; every byte of
+    both pools is compared."""
+    model = Model(total_kv_heads=4, pool_tokens=192, draft=Draft(num_layers=1, total_kv_heads=2))
+    pre, dec = run_cp((2, 1, 2), (1, 1), model, SHARDED_ROOMS, sharded=True)
+    assert "error" not in pre and "error" not in dec, (pre.get("error"), dec.get("error"))
+    for q in SHARDED_ROOMS:
+        assert dec[q.room]["status"] == "Success", dec[q.room]
+    assert dec["pool_problems"] == [], dec["pool_problems"]  # both pools, every byte
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_the_kv_checksum_covers_every_cp_ranks_share():
+    """--disaggregation-enable-kv-checksum with every CP rank sending: each CP rank digests
+    the pages of its share and the decode compares each share's heads apart; a byte flipped
+    in the last page (CP rank 1's share) after landing fails that request naming the share,
+    and the others still succeed."""
+    bad = SHARDED_ROOMS[0]
+    pre, dec = run_cp(
+        (1, 1, 2),
+        (1, 1),
+        Model(total_kv_heads=4, pool_tokens=192),
+        SHARDED_ROOMS,
+        sharded=True,
+        checksum=True,
+        corrupt_room=bad.room,
+    )
+    assert "error" not in pre and "error" not in dec, (pre.get("error"), dec.get("error"))
+    for q in SHARDED_ROOMS[1:]:
+        assert dec[q.room]["status"] == "Success", dec[q.room]
+        # every head (4) of each CP rank's share was compared (an empty share's digests too)
+        assert dec[q.room]["checksum_parts"][0] == {"CP rank 0/2": 4, "CP rank 1/2": 4}, dec[q.room]
+    assert dec[bad.room]["status"] == "Failed", dec[bad.room]
+    (reason,) = {r for r in dec[bad.room]["reasons"]}
+    assert "KV checksum mismatch (--disaggregation-enable-kv-checksum) in the CP rank 1/2: KV head 0" in reason, reason
+
+
+@needs_sglang
+def test_cp_page_shares_are_sglangs():
+    """Both sides split a request's pages with ``cp_page_share``: SGLang's own split, for
+    every page count up to 40 and CP sizes 1-8 (a share may be empty)."""
+    from sglang_kvxfer.integrations.sglang_args import cp_page_share
+
+    for size in range(1, 9):
+        for pages in range(41):
+            ours = [cp_page_share(pages, c, size) for c in range(size)]
+            assert [range(s.start, s.stop) for s in ours] == [dps.cp_share(pages, c, size) for c in range(size)]
+
+
+@needs_sglang
+def test_a_hybrid_mla_prefill_with_cp_has_every_cp_rank_send_its_share(monkeypatch):
+    """SGLang's rule (cp_sharded_prefill): a hybrid MLA model (Kimi-Linear's pools) with
+    attention CP has every CP rank send its share, without the environment variable. In
+    process: CP rank 1's manager is a sender (not a dummy) registering as CP rank 1 of 2 and
+    builds no state manager (the state comes from CP rank 0, whose manager has them);
+    --dcp-size with every CP rank sending is refused by name."""
+    from sglang_kvxfer.integrations import sglang as backend
+    from tests.integrations.sglang_state_env import StateModel
+
+    for name, value in sides.ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", raising=False)
+    model = Model(mla=True, head_dim=24, kv_cache_dtype_str="bfloat16", state=StateModel(kinds=("mamba",)))
+    mode = load_utils_defs().DisaggregationMode.PREFILL
+    port = free_port()
+    made = []
+    try:
+        for cp in range(2):
+            mem = rank_memory(model, 1, 0, "prefill")
+            mem.kv_args.engine_rank = cp  # --tp 2 --attn-cp-size 2: attention-TP rank 0, CP rank cp
+            sa = server_args("m", "prefill", 2, port, attn_cp_size=2)
+            made.append(backend.KVXferKVManager(mem.kv_args, mode, sa, model.is_mla_backend))
+        zero, one = made
+        assert (one.cp_sharded, one.is_dummy_cp_rank, one.config.cp_rank, one.config.cp_size) == (True, False, 1, 2)
+        assert (zero.config.cp_rank, zero.config.cp_size, zero.enable_all_cp_ranks_for_transfer) == (0, 2, True)
+        assert len(zero.state_engines) == 2 and one.state_engines == []  # mamba conv and SSM rows
+        assert len(one.config.state_pools) == 2 and one.config.state_pools == zero.config.state_pools  # announced
+        # (a hybrid model's state refuses DCP first; an MLA model with the variable set:)
+        monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+        mla = Model(mla=True, head_dim=24)
+        mem = rank_memory(mla, 1, 0, "prefill")
+        sa = server_args("m", "prefill", 4, port, attn_cp_size=2, dcp_size=2)
+        with pytest.raises(KVXferError, match=r"does not support --dcp-size=2: with --attn-cp-size=2 every"):
+            backend.KVXferKVManager(mem.kv_args, mode, sa, mla.is_mla_backend)
+    finally:
+        for mgr in made:
+            mgr.close()
+
+
+@needs_sglang
+def test_a_decode_with_dcp_refuses_a_prefill_whose_cp_ranks_each_send(monkeypatch):
+    """A decode of --dcp-size 2 facing a prefill that registered cp_size=2: every request
+    routed there fails at init naming both settings (and tells the prefill's CP rank 0 why)."""
+    from types import SimpleNamespace
+
+    from sglang_kvxfer.integrations import sglang as backend
+    from sglang_kvxfer.integrations.sglang_pp import PrefillTopology
+
+    for name, value in sides.ENV.items():
+        monkeypatch.setenv(name, value)
+    model = Model(mla=True, head_dim=24)
+    mem = rank_memory(model, 2, 0, "decode")
+    sa = server_args("m", "decode", 2, free_port(), dcp_size=2)
+    mgr = backend.KVXferKVManager(mem.kv_args, load_utils_defs().DisaggregationMode.DECODE, sa, True)
+    try:
+        addr, g = "127.0.0.1:9", mgr.layout.geometry
+        topo = PrefillTopology(1, g, 1, (0,), None, 1, (range(g.num_layers),), cp_size=2)
+        mgr._lookups[addr] = SimpleNamespace(result=topo, error="", close=lambda: None)  # as looked up
+        assert mgr.try_ensure_parallel_info(addr)
+        info = mgr.prefill_info_table[addr]
+        want = "--dcp-size=2: the prefill's 2 attention-CP ranks each send their share of a request's pages"
+        assert want in info.problem and not info.routable, info
+        rx = backend.KVXferKVReceiver(mgr, addr, 5)
+        rx.init(0)
+        assert rx.poll() == dps.FAILED and [p.label for p in rx._rxs] == ["PP stage 0"]
+        with pytest.raises(backend.KVXferTransferError, match=want):
+            rx.failure_exception()
     finally:
         mgr.close()

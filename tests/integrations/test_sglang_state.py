@@ -120,6 +120,19 @@ def test_mamba_state_is_resliced_by_channel_between_tp_sizes(p, d, state, transp
     succeeded(*run(p, d, model("mamba", **state), transport=transport))
 
 
+@pytest.mark.parametrize(
+    "p, d, transport", [(1, 1, "local"), (2, 1, "tcp"), (1, 2, "local")], ids=["1to1", "2to1", "1to2"]
+)
+def test_a_hybrid_mla_model_moves_its_latent_and_its_mamba_state(p, d, transport):
+    """Kimi-Linear's pools: SGLang's HybridLinearKVPool over an MLA pool, for which it passes
+    is_mla_backend=False and sets KVArgs.is_hybrid_mla_backend. The latent is replicated on
+    every rank, the conv and SSM channels are re-sliced between TP sizes; every byte of both
+    is compared."""
+    m = model("mamba", mla=True, **KIMI)
+    assert m.hybrid_mla and not m.is_mla_backend
+    succeeded(*run(p, d, m, transport=transport))
+
+
 def test_every_state_pool_of_a_request_lands_beside_its_kv():
     succeeded(*run(2, 2, model("mamba", "swa", "dsa"), transport="tcp"))
 
