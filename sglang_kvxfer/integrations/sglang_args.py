@@ -85,7 +85,6 @@ SERVER_ARGS_FIELDS = (
     "enable_cp_tp_group_sharing",
     "enable_dsa_cache_layer_split",
     "enable_kv_cache_sharding",
-    "enable_prefill_cp",
     "device",
     "host",
     "dist_init_addr",
@@ -289,7 +288,6 @@ _CP_SHARDED = (
     ),
     ("--enable-dsa-cache-layer-split", "enable_dsa_cache_layer_split", "each CP rank holds other DSA state layers"),
     ("--enable-kv-cache-sharding", "enable_kv_cache_sharding", "no CP rank holds a whole page"),
-    ("--enable-prefill-cp", "enable_prefill_cp", "the DSA prefill CP splits pages over the CP ranks"),
 )
 
 

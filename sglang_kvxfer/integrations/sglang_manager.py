@@ -131,11 +131,14 @@ class StatePart:
 def _check_dcp(mgr: KVXferKVManager) -> None:
     """A server with ``--dcp-size`` > 1 (SGLang's own rule: an MLA pool, each DCP rank
     holding every dcp_size-th token of a request): what this backend does not move with it
-    is refused by name."""
+    (SWA or DSA state, the KV checksum) is refused by name."""
     n = mgr.dcp_size
     why = ""
-    if mgr.layout.states:
-        why = f"extra per-request state ({describe([p.name for p in mgr.layout.states])}) with DCP is not implemented"
+    # mamba state is per request slot, its channels split over attention TP as without DCP
+    # (Kimi-Linear); SWA and DSA pages would be split over the DCP ranks token by token
+    paged = [p.name for p in mgr.layout.states if p.kind != "mamba"]
+    if paged:
+        why = f"extra per-request state ({describe(paged)}) with DCP is not implemented (mamba state is)"
     elif mgr.plan.kv_checksum:
         why = "--disaggregation-enable-kv-checksum digests whole pages, and a DCP rank holds every n-th token"
     if why:

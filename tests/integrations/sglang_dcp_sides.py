@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from tests.integrations import sglang_sides as sides
+from tests.integrations import sglang_state_env as state_env
 from tests.integrations.sglang_env import model_geometry, rank_memory, server_args
 
 
@@ -214,11 +215,14 @@ def _decode(spec, closers: list) -> dict:
     addr = f"127.0.0.1:{spec.port}"
     span = m.page_size * dcp  # tokens of one decode page id
     pages = _allocate(m, spec.requests, dcp, seed=2)
+    # (mamba state only: one slot per request, its channels split over attention TP as without DCP)
+    states = state_env.allocate(m, spec.requests, seed=12) if m.state is not None else None
     reqs = []
     for slot, (room, tokens, *rest) in enumerate(spec.requests):
         rxs = [backend.KVXferKVReceiver(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room) for mgr in mgrs]
         prefix = rest[0] if rest else 0
         reqs.append({"room": room, "tokens": tokens, "slot": slot, "rxs": rxs, "pages": pages[slot], "prefix": prefix})
+        reqs[-1]["state"] = states[slot] if states is not None else None
     while not all(mgr.try_ensure_parallel_info(addr) for mgr in mgrs):
         if time.monotonic() > deadline:
             raise TimeoutError(f"prefill parallel info for {addr} never arrived")
@@ -247,8 +251,9 @@ def _decode(spec, closers: list) -> dict:
                     for buf, want in zip(mem.draft_buffers, dref):
                         buf[req["pages"][t // span] * span + t % span] = want
         after = req["pages"][prefix // span :].astype(np.int32)
+        state_indices = [] if m.state is None else state_env.payload(m, req["state"], req["pages"], prefix)
         for rx in req["rxs"]:
-            rx.send_metadata(after, req["slot"], [], decode_prefix_len=prefix)
+            rx.send_metadata(after, req["slot"], state_indices, decode_prefix_len=prefix)
 
     class Gated:
         def __init__(self, rx, mem, slot):
@@ -275,10 +280,21 @@ def _decode(spec, closers: list) -> dict:
                     problems.append(f"rank {r}: metadata {name} of slot {req['slot']} differs")
             if m.draft is not None:
                 problems += _check_draft(m, mem, dcp, req, f"rank {r}")
+            if m.state is not None:  # every state row of the request, on every rank
+                st = mem.extra["state"]
+                got = state_env.verify(m, spec.tp, r, st, req["room"], req["state"], req["pages"], req["prefix"])
+                problems += [f"rank {r}: {p}" for p in got]
         results[req["room"]] = {"status": "Success", "problems": problems}
     landed = [req for req in reqs if results.get(req["room"], {}).get("status") == "Success"]
     pool_problems = [p for r, mem in enumerate(mems) for p in _check_rank(m, mem, dcp, r % dcp, landed, f"rank {r}")]
     control = [p for r, mem in enumerate(mems) for p in _check_rank(m, mem, dcp, (r + 1) % dcp, landed, f"rank {r}")]
+    if m.state is not None:  # nothing landed in a state row no request was given
+        allocs, kv = [r["state"] for r in reqs], [r["pages"] for r in reqs]
+        pool_problems += [
+            f"rank {r}: {p}"
+            for r, mem in enumerate(mems)
+            for p in state_env.untouched(m, mem.extra["state"], allocs, kv)
+        ]
     for req in landed:
         for rx in req["rxs"]:
             rx.clear()

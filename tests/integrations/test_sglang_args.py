@@ -316,7 +316,6 @@ def test_pipeline_parallel_plan():
         (dict(tp_size=2, attn_cp_size=2, enable_cp_tp_group_sharing=True), "prefill", "--enable-cp-tp-group-sharing"),
         (dict(tp_size=2, attn_cp_size=2, enable_dsa_cache_layer_split=True), "prefill", "--enable-dsa-cache-layer"),
         (dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True), "prefill", "--enable-kv-cache-sharding"),
-        (dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True), "prefill", "--enable-prefill-cp"),
         (
             dict(disaggregation_decode_allocation_policy="prefill_complete"),
             "decode",
@@ -346,6 +345,13 @@ def test_prefill_attention_cp_ranks_and_their_dp_groups_follow_sglangs_layout():
     assert got == [(dp, cp, tp) for dp in range(2) for cp in range(2) for tp in range(2)]
     decode = plan_from_server_args(server(tp_size=2), "decode")
     assert decode.cp_rank(1) == 0 and decode.attn_cp_size == 1
+
+
+def test_enable_prefill_cp_is_served_as_attention_cp():
+    """--enable-prefill-cp turns SGLang's prefill CP strategy on (zigzag or interleave); its
+    transfer code never reads it: CP rank 0 sends every page (each CP rank holds the KV)."""
+    plan = plan_from_server_args(server(tp_size=2, attn_cp_size=2, enable_prefill_cp=True), "prefill")
+    assert (plan.attn_cp_size, plan.attn_tp_size, plan.cp_sharded) == (2, 1, False)
 
 
 def test_all_cp_ranks_transfer_makes_every_cp_rank_a_sender(monkeypatch):

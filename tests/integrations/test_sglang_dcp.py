@@ -18,7 +18,10 @@ import pytest
 from tests.integrations import sglang_dcp_sides as dcps
 from tests.integrations import sglang_sides as sides
 from tests.integrations.sglang_env import Draft, Model, import_sglang_base
+from tests.integrations.sglang_state_env import StateModel
 from tests.ports import free_port
+
+KIMI = dict(mamba_conv_dim=12, mamba_groups=(4, 4, 4), mamba_kimi=True)  # Kimi's conv: [k - 1, q|k|v]
 
 _base, _reason = import_sglang_base()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_base is None, reason=_reason)]
@@ -71,6 +74,18 @@ def test_dcp_with_a_decode_radix_cache_prefix_and_a_draft_model():
     check(pre, dec, requests)
 
 
+@pytest.mark.parametrize("p, d", [(1, 2), (2, 2), (2, 4)])
+def test_dcp_of_a_hybrid_mla_model_with_its_mamba_state(p, d):
+    """Kimi-Linear's pools (a HybridLinearKVPool over an MLA pool) with a DCP 2 decode: the
+    latent lands token by token on its DCP rank, the mamba state (one slot per request, its
+    channels split over attention TP as without DCP) on every rank; every row of both is
+    compared, and no other state row may change."""
+    m = mla(4, state=StateModel(kinds=("mamba",), **KIMI))
+    assert m.hybrid_mla
+    pre, dec = run(p, d, 2, m, REQUESTS, "tcp" if p == 2 else "local")
+    check(pre, dec, REQUESTS)
+
+
 @pytest.mark.parametrize("p, d, transport", [(2, 2, "local"), (4, 2, "tcp"), (2, 4, "local")])
 def test_equal_dcp_sizes_move_page_for_page_between_ranks_of_one_dcp_rank(p, d, transport):
     """A prefill of ``--dcp-size 2`` holds each request as the decode does (SGLang moves it
@@ -94,3 +109,27 @@ def test_a_dcp_prefill_with_a_decode_of_another_dcp_size_fails_naming_both():
     report = dec["requests"][0xDC9_0031]
     assert report["status"] == "Failed", report
     assert any("--dcp-size: prefill=2 decode=1" in r for r in report["reasons"]), report
+
+
+@pytest.mark.parametrize(
+    "state, extra, why",
+    [
+        (("dsa",), {}, r"extra per-request state \(state:dsa\) with DCP is not implemented \(mamba state is\)"),
+        ((), dict(disaggregation_enable_kv_checksum=True), "--disaggregation-enable-kv-checksum digests whole pages"),
+    ],
+    ids=["dsa-state", "kv-checksum"],
+)
+def test_what_dcp_does_not_move_is_refused_at_construction_naming_it(monkeypatch, state, extra, why):
+    """In process: a DCP decode manager with DSA state (its indexer pages would be split over
+    the DCP ranks token by token) or the KV checksum is refused naming --dcp-size and why."""
+    from sglang_kvxfer.errors import KVXferError
+    from sglang_kvxfer.integrations import sglang as backend
+    from tests.integrations.sglang_env import load_utils_defs, rank_memory, server_args
+
+    for name, value in sides.ENV.items():
+        monkeypatch.setenv(name, value)
+    m = mla(4, state=StateModel(kinds=state)) if state else mla(4)
+    mem = rank_memory(m, 2, 0, "decode")
+    sa = server_args("m", "decode", 2, free_port(), dcp_size=2, **extra)
+    with pytest.raises(KVXferError, match=r"does not support --dcp-size=2: " + why):
+        backend.KVXferKVManager(mem.kv_args, load_utils_defs().DisaggregationMode.DECODE, sa, m.is_mla_backend)
