@@ -495,18 +495,18 @@ class KVXferKVManager(BaseKVManager):
             )
             self.prefill_info_table[bootstrap_addr] = info
             return True
-        # Each stage's group lookup starts here (the receivers wait for it). Only the bootstrap's
-        # answer is waited for, not the prefill ranks' acknowledgement of this rank's
-        # registration: SGLang gives up on an address after 15 calls about a second apart, and
-        # a prefill rank whose I/O thread is starved of CPU can take longer than that to answer
-        # (the requests wait for it under the bootstrap timeout and fail with the reason).
+        # Each group's lookup starts here (the receivers wait for it). Only the topology's
+        # bootstrap answer is waited for, not the groups' own lookups nor the prefill ranks'
+        # acknowledgement of this rank's registration: SGLang gives up on an address after 15
+        # calls about a second apart, and a bootstrap or prefill rank starved of CPU can take
+        # longer than that to answer (the requests wait for it under the bootstrap timeout and
+        # fail with the reason). A group that has already failed fails its requests with its
+        # reason, so nothing is checked here then.
         statuses = [
             part.engine.prefill_group_status(part.address) for _, part in self._stage_parts(bootstrap_addr, topo, 0)
         ]
-        if any(s[0] == "resolving" for s in statuses):
-            return False
-        failed = any(s[0] == "failed" for s in statuses)  # (the receivers fail with the reason)
-        tp_size, geometry = statuses[0][2] or topo.tp_size, statuses[0][3] or topo.geometry
+        failed = any(s[0] == "failed" for s in statuses)
+        tp_size, geometry = topo.tp_size, topo.geometry  # (stage 0 of DP group 0, as the first group's)
         # The DP groups, draft pool and state pools came with the topology (one bootstrap reply).
         dp_size, dp_groups, draft, states = topo.dp_size, topo.dp_groups, topo.draft_geometry, topo.state_pools
         ours = self.layout.geometry.page_size
