@@ -542,7 +542,8 @@ def main(argv=None) -> int:
         parser.error(f"unknown workload(s) {bad}; choose from {list(WORKLOADS)}")
     wanted = (args.transport or "local,tcp,nixl,mori").split(",")
     variants, skipped = pick_variants(wanted, args.transport is not None, parser)
-    from sglang_kvxfer.transports._memory import shmem_thp_setting
+    from sglang_kvxfer import envs
+    from sglang_kvxfer.transports._memory import hugetlb_pages, shmem_thp_setting
 
     results, staging = [], []
     for variant in variants:
@@ -568,6 +569,9 @@ def main(argv=None) -> int:
             "python": platform.python_version(),
             "platform": platform.platform(),
             "shmem_thp": shmem_thp_setting(),
+            # the host's reserved huge pages free after the runs (KVXFER_SHM_HUGETLB puts pools there)
+            "hugetlb_free_pages": hugetlb_pages()[1],
+            "shm_hugetlb": envs.KVXFER_SHM_HUGETLB.get(),
         },
         "config": {
             "region_bytes": REGION,

@@ -240,6 +240,16 @@ KVXFER_LOCAL_PTRACE_ANY = _define(
     "memory and need no ptrace.",
 )
 
+KVXFER_SHM_HUGETLB = _define(
+    "KVXFER_SHM_HUGETLB",
+    "auto",
+    lambda s: _tristate(s),
+    "Shared-memory pools (`alloc_shared`, the `local` transport's one-copy destination): "
+    "`auto` backs each pool with the host's reserved 2 MiB huge pages (`vm.nr_hugepages`, "
+    "`MFD_HUGETLB`) while enough are free, else 4 KiB pages; `1` requires them (the "
+    "allocation fails naming the pages needed and free); `0` never uses them.",
+)
+
 KVXFER_SGLANG_TRANSPORT = _define(
     "KVXFER_SGLANG_TRANSPORT",
     "auto",

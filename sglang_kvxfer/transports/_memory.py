@@ -41,6 +41,7 @@ __all__ = [
     "alloc_shared",
     "find_shared",
     "huge_page_bytes",
+    "hugetlb_pages",
     "memmove_rate",
     "shmem_thp_setting",
 ]
@@ -241,8 +242,13 @@ SHMEM_THP_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
 
 def _map_shared(fd: int, nbytes: int) -> mmap.mmap:
-    """Map ``fd`` shared and writable, huge pages requested, every page faulted in."""
+    """Map ``fd`` shared and writable, huge pages requested, every page faulted in. A
+    hugetlbfs file (``MFD_HUGETLB``) is mapped whole pages long (``st_blksize``, the page
+    size), as the kernel maps it and as ``munmap`` must release it."""
     prot = mmap.PROT_READ | mmap.PROT_WRITE
+    page = os.fstat(fd).st_blksize
+    if page > mmap.PAGESIZE:
+        nbytes = -(-nbytes // page) * page
     mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, prot)
     try:
         if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -280,18 +286,81 @@ def huge_page_bytes(addr: int, nbytes: int) -> int:
                 if not head.endswith(":"):
                     start, end = (int(x, 16) for x in head.split("-"))
                     inside = start < addr + nbytes and addr < end
-                elif inside and head in ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"):
+                elif inside and head in (
+                    "AnonHugePages:",
+                    "ShmemPmdMapped:",
+                    "FilePmdMapped:",
+                    "Shared_Hugetlb:",
+                    "Private_Hugetlb:",
+                ):
                     total += int(line.split()[1]) * 1024
     except (OSError, ValueError):
         return 0
     return total
 
 
+HUGETLB_MEMINFO = "/proc/meminfo"
+
+
+def hugetlb_pages() -> tuple[int, int]:
+    """``(page bytes, pages free for a new mapping)`` of the host's reserved huge pages
+    (``vm.nr_hugepages``: ``Hugepagesize``, ``HugePages_Free - HugePages_Rsvd``), or
+    ``(0, 0)`` where ``/proc/meminfo`` does not say."""
+    info: dict[str, int] = {}
+    try:
+        with open(HUGETLB_MEMINFO) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("Hugepagesize", "HugePages_Free", "HugePages_Rsvd"):
+                    info[key] = int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    if len(info) < 3:
+        return 0, 0
+    return info["Hugepagesize"] * 1024, max(0, info["HugePages_Free"] - info["HugePages_Rsvd"])
+
+
+def _shared_memory(nbytes: int) -> tuple[int, mmap.mmap, bool]:
+    """``(memfd, its mapping, on huge pages)`` of ``nbytes`` shared bytes, by
+    ``KVXFER_SHM_HUGETLB``: the host's reserved huge pages (``MFD_HUGETLB``, the file sized
+    to whole pages) where enough are free and allowed, else 4 KiB shmem pages (THP asked
+    for, which the kernel gives only under ``shmem_enabled`` ``advise`` or above)."""
+    mode = envs.KVXFER_SHM_HUGETLB.get()
+    flag = getattr(os, "MFD_HUGETLB", 0)
+    if mode != "0":
+        page, free = hugetlb_pages()
+        need = -(-nbytes // page) if page else 0
+        if mode == "1" and (not flag or not page or need > free):
+            raise MemoryError(
+                f"KVXFER_SHM_HUGETLB=1: a shared buffer of {nbytes} bytes needs {need} huge pages of "
+                f"{page} bytes, the host has {free} free (vm.nr_hugepages)"
+                + ("" if flag else "; this Python has no os.MFD_HUGETLB")
+            )
+        if flag and page and need <= free:
+            fd = os.memfd_create("kvxfer-pool", os.MFD_CLOEXEC | flag)
+            try:
+                os.ftruncate(fd, need * page)
+                return fd, _map_shared(fd, need * page), True
+            except OSError as exc:  # taken meanwhile by another process
+                os.close(fd)
+                if mode == "1":
+                    raise MemoryError(f"KVXFER_SHM_HUGETLB=1: {need} huge pages of {page} bytes: {exc}") from None
+                log.debug("huge pages for %d bytes: %s; 4 KiB pages instead", nbytes, exc)
+    fd = os.memfd_create("kvxfer-pool", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        return fd, _map_shared(fd, nbytes), False
+    except OSError:
+        os.close(fd)
+        raise
+
+
 class SharedBuffer:
     """Host memory backed by a memfd, so a peer on this host can map the same pages.
 
     ``ptr``/``nbytes`` give the address to register; ``path`` (``/proc/<pid>/fd/<fd>``) and
-    ``inode`` let a peer open and verify it. The memory disappears with the last mapping,
+    ``inode`` let a peer open and verify it. ``hugetlb`` says whether the host's reserved
+    huge pages back it (``KVXFER_SHM_HUGETLB``). The memory disappears with the last mapping,
     even if this process crashes (no ``/dev/shm`` leftovers). ``close()`` releases it;
     views from ``as_numpy``/``as_tensor`` keep the mapping alive until they are dropped.
     """
@@ -302,13 +371,7 @@ class SharedBuffer:
         if nbytes <= 0:
             raise ValueError(f"nbytes must be > 0, got {nbytes}")
         self.nbytes = int(nbytes)
-        self._fd = os.memfd_create("kvxfer-pool", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self._fd, self.nbytes)
-            mm = _map_shared(self._fd, self.nbytes)
-        except OSError:
-            os.close(self._fd)
-            raise
+        self._fd, mm, self.hugetlb = _shared_memory(self.nbytes)
         self._mm: mmap.mmap | None = mm  # None once closed
         anchor = ctypes.c_char.from_buffer(mm)  # an export only while we read the address
         self.ptr = ctypes.addressof(anchor)
@@ -326,7 +389,7 @@ class SharedBuffer:
 
     def as_numpy(self) -> np.ndarray:
         """The whole buffer as ``uint8[nbytes]`` (shares memory)."""
-        return np.frombuffer(self._check_open(), dtype=np.uint8)
+        return np.frombuffer(self._check_open(), dtype=np.uint8, count=self.nbytes)
 
     def as_tensor(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         """A CPU torch tensor of ``dtype`` and ``shape`` over the start of the buffer."""

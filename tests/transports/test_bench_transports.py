@@ -30,3 +30,4 @@ def test_quick_tcp_and_local_runs_verify_every_byte():
     assert shm and all(r["baseline_shm"]["verified"] is True for r in shm), shm
     assert all(set(r["huge_page_bytes"]) == {"destination", "baseline"} for r in shm), shm
     assert report["machine"]["shmem_thp"] in ("never", "advise", "within_size", "always", "deny", "force", "unknown")
+    assert report["machine"]["shm_hugetlb"] in ("auto", "0", "1") and report["machine"]["hugetlb_free_pages"] >= 0

@@ -196,7 +196,17 @@ def _forge_region(descriptor: bytes, **changes) -> bytes:
 
 @pytest.fixture(scope="module")
 def shm_peer():
-    peer = PeerProcess("local", {}, "shm", 1 << 20)
+    """A peer whose region is a 1 MiB shared buffer of 4 KiB pages (a file of exactly its
+    size, even on a host with reserved huge pages, where the file would be 2 MiB)."""
+    old = os.environ.get("KVXFER_SHM_HUGETLB")
+    os.environ["KVXFER_SHM_HUGETLB"] = "0"
+    try:
+        peer = PeerProcess("local", {}, "shm", 1 << 20)
+    finally:
+        if old is None:
+            del os.environ["KVXFER_SHM_HUGETLB"]
+        else:
+            os.environ["KVXFER_SHM_HUGETLB"] = old
     yield peer
     peer.close()
 
@@ -346,8 +356,8 @@ def _rss_bytes(addr: int) -> int:
             if "-" in head and ":" not in head:
                 start, end = (int(x, 16) for x in head.split("-"))
                 inside = start <= addr < end
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
+            elif inside and head in ("Rss:", "Shared_Hugetlb:", "Private_Hugetlb:") and int(line.split()[1]):
+                return int(line.split()[1]) * 1024  # (hugetlb pages are not counted in Rss)
     raise AssertionError(f"no mapping holds {addr:#x}")
 
 
@@ -409,3 +419,98 @@ def test_memmove_rate_is_measured_once_and_prices_the_local_path_cost():
         assert (cost.per_op_s, cost.bytes_per_s, cost.copy_bytes_per_s) == (per_op, rate, rate)
     finally:
         t.close()
+
+
+def _read_nr_hugepages() -> int:
+    with open("/proc/sys/vm/nr_hugepages") as f:
+        return int(f.read())
+
+
+@pytest.fixture
+def reserved_huge_pages():
+    """At least 8 free 2 MiB huge pages for the test: the host's own, or (as root) the host's
+    reservation raised by 8 for the test and put back after it."""
+    page, free = _memory.hugetlb_pages()
+    if page != 2 << 20 or not hasattr(os, "MFD_HUGETLB"):
+        pytest.skip(f"no 2 MiB hugetlb pages on this host (Hugepagesize {page} bytes)")
+    if free >= 8:
+        yield page
+        return
+    if os.geteuid() != 0:
+        pytest.skip(f"{free} free huge pages and no root to reserve more (sysctl vm.nr_hugepages)")
+    before = _read_nr_hugepages()
+    with open("/proc/sys/vm/nr_hugepages", "w") as f:
+        f.write(str(before + 8))
+    try:
+        if _memory.hugetlb_pages()[1] < 8:
+            pytest.skip("the kernel could not reserve 8 huge pages (memory fragmented)")
+        yield page
+    finally:
+        with open("/proc/sys/vm/nr_hugepages", "w") as f:
+            f.write(str(before))
+
+
+def _peer_writes_the_tail(path: str, inode: int, nbytes: int, out) -> None:
+    mm = _memory.open_shared(path, inode, nbytes)
+    mm[nbytes - 3 : nbytes] = b"end"
+    mm[:5] = b"start"
+    out.put(len(mm))
+    mm.close()
+
+
+def test_a_shared_buffer_on_reserved_huge_pages_is_mapped_by_a_peer_and_given_back(monkeypatch, reserved_huge_pages):
+    """``KVXFER_SHM_HUGETLB=auto`` on a host with free huge pages: the buffer is a hugetlb memfd
+    of whole pages (3 MiB + 5 bytes: two pages), resident from the start, exactly ``nbytes``
+    long to its user; a peer process maps it by its path and writes both ends; closing it gives
+    the pages back. A forged size past the file's whole pages is refused."""
+    page = reserved_huge_pages
+    monkeypatch.setenv("KVXFER_SHM_HUGETLB", "auto")
+    nbytes = 3 * (1 << 20) + 5
+    _, free_before = _memory.hugetlb_pages()
+    buf = alloc_shared(nbytes)
+    try:
+        assert buf.hugetlb
+        assert os.fstat(buf.fd).st_size == 2 * page and os.fstat(buf.fd).st_blksize == page
+        assert _memory.hugetlb_pages()[1] == free_before - 2
+        assert _memory.huge_page_bytes(buf.ptr, buf.nbytes) == 2 * page
+        assert _rss_bytes(buf.ptr) == 2 * page  # faulted in at allocation
+        assert len(buf.as_numpy()) == nbytes
+        out = mp.get_context("spawn").Queue()
+        child = mp.get_context("spawn").Process(target=_peer_writes_the_tail, args=(buf.path, buf.inode, nbytes, out))
+        child.start()
+        mapped = out.get(timeout=TIMEOUT_S)
+        child.join(TIMEOUT_S)
+        assert child.exitcode == 0 and mapped == 2 * page
+        arr = buf.as_numpy()
+        assert bytes(arr[:5]) == b"start" and bytes(arr[-3:]) == b"end"
+        del arr
+        with pytest.raises(TransportError, match=f"has {2 * page} bytes, descriptor says {3 * page}"):
+            _memory.open_shared(buf.path, buf.inode, 3 * page)
+    finally:
+        buf.close()
+    assert _memory.hugetlb_pages()[1] == free_before
+
+
+def test_huge_pages_are_taken_only_where_enough_are_free_or_required_naming_the_counts(monkeypatch):
+    """``auto`` falls back to 4 KiB pages when too few huge pages are free, ``0`` never takes
+    them, ``1`` fails naming the pages needed and free; the 4 KiB buffer still works."""
+    monkeypatch.setattr(_memory, "hugetlb_pages", lambda: (2 << 20, 1))
+    monkeypatch.setenv("KVXFER_SHM_HUGETLB", "auto")
+    with alloc_shared(3 << 20) as buf:  # needs 2
+        assert not buf.hugetlb and os.fstat(buf.fd).st_size == 3 << 20
+        buf.as_numpy()[-1] = 9
+        assert buf.as_numpy()[-1] == 9
+    monkeypatch.setenv("KVXFER_SHM_HUGETLB", "1")
+    with pytest.raises(
+        MemoryError,
+        match=r"KVXFER_SHM_HUGETLB=1: a shared buffer of 3145728 bytes needs 2 huge "
+        r"pages of 2097152 bytes, the host has 1 free \(vm.nr_hugepages\)",
+    ):
+        alloc_shared(3 << 20)
+    monkeypatch.setattr(_memory, "hugetlb_pages", lambda: (2 << 20, 1 << 20))
+    monkeypatch.setenv("KVXFER_SHM_HUGETLB", "0")
+    with alloc_shared(1 << 20) as buf:
+        assert not buf.hugetlb and os.fstat(buf.fd).st_size == 1 << 20
+    monkeypatch.setenv("KVXFER_SHM_HUGETLB", "sometimes")
+    with pytest.raises(ValueError, match="KVXFER_SHM_HUGETLB='sometimes' is invalid"):
+        alloc_shared(1 << 20)
