@@ -295,19 +295,14 @@ def _check_cp(server_args: Any, attn_cp: int) -> bool:
     """Prefill attention CP: CP materializes the request's KV in global token order on every
     CP rank. By default CP rank 0 of each attention-TP rank sends it (the other CP ranks are
     SGLang's dummy participants); with ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`` every
-    CP rank sends its share of the request's pages (returns True). Refuse, naming the setting,
-    whatever makes CP ranks hold different pages or state layers."""
+    CP rank sends its share of the request's pages (returns True). With ``--pp-size``, each PP
+    stage does so for its layers. Refuse, naming the setting, whatever makes CP ranks hold
+    different pages or state layers."""
     for flag, field, why in _CP_SHARDED:
         if _get(server_args, field, False):
             raise _not_supported(
                 flag, True, f"with --attn-cp-size={attn_cp}, {why}; sharded CP transfer is not implemented"
             )
-    if (_get(server_args, "pp_size", 1) or 1) > 1:
-        raise _not_supported(
-            "--attn-cp-size",
-            attn_cp,
-            f"attention CP with --pp-size={_get(server_args, 'pp_size')} is not implemented",
-        )
     env = os.environ.get("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "").strip().lower()
     return env in ("1", "true", "yes", "on")
 

@@ -116,6 +116,13 @@ class ReceivePart:
     cp: tuple[int, int] = (0, 1)
 
 
+def _cp_label(label: str, cp_rank: int, cp_size: int) -> str:
+    """A part's label with the prefill CP rank whose share it receives (when CP ranks send)."""
+    if cp_size == 1:
+        return label
+    return f"{label}, CP rank {cp_rank}/{cp_size}" if label else f"CP rank {cp_rank}/{cp_size}"
+
+
 @dataclass(frozen=True)
 class StatePart:
     """One engine request of a decode request's extra per-request state: which engine
@@ -131,18 +138,13 @@ class StatePart:
 def _check_dcp(mgr: KVXferKVManager) -> None:
     """A server with ``--dcp-size`` > 1 (SGLang's own rule: an MLA pool, each DCP rank
     holding every dcp_size-th token of a request): what this backend does not move with it
-    (SWA or DSA state, the KV checksum) is refused by name."""
-    n = mgr.dcp_size
-    why = ""
+    (SWA or DSA state) is refused by name. (The KV checksum is digested per token phase.)"""
     # mamba state is per request slot, its channels split over attention TP as without DCP
     # (Kimi-Linear); SWA and DSA pages would be split over the DCP ranks token by token
     paged = [p.name for p in mgr.layout.states if p.kind != "mamba"]
     if paged:
         why = f"extra per-request state ({describe(paged)}) with DCP is not implemented (mamba state is)"
-    elif mgr.plan.kv_checksum:
-        why = "--disaggregation-enable-kv-checksum digests whole pages, and a DCP rank holds every n-th token"
-    if why:
-        raise _not_supported("--dcp-size", n, why)
+        raise _not_supported("--dcp-size", mgr.dcp_size, why)
 
 
 class KVXferKVManager(BaseKVManager):
@@ -597,17 +599,12 @@ class KVXferKVManager(BaseKVManager):
         with a decode of PP 1 and a prefill of several stages, one part per stage over the
         layers it holds (the last stage's part delivers the metadata slot, as SGLang sends it
         from the last PP rank). A prefill whose CP ranks each send their share of a request's
-        pages (one PP stage): one part per CP rank (CP rank 0's delivers the metadata slot)."""
+        pages: one part per CP rank of each of those stages (CP rank 0's delivers the
+        metadata slot)."""
         from sglang_kvxfer.engine import bootstrap
 
         lay = self.layout
-        if topo is not None and topo.cp_size > 1 and topo.pp_size == 1:
-            n, cp_parts = topo.cp_size, []
-            for c in range(n):
-                engine, config, ptrs = self.cp_engine(c)
-                address = bootstrap.group_address(bootstrap_addr, dp_rank, 0, c)
-                cp_parts.append((0, ReceivePart(f"CP rank {c}/{n}", engine, address, config, ptrs, c == 0, (c, n))))
-            return cp_parts
+        n = topo.cp_size if topo is not None else 1
         if topo is None or topo.pp_size == 1 or self.pp_size == topo.pp_size:
             staged = topo is not None and topo.pp_size > 1
             s = self.pp_rank if staged else 0
@@ -615,17 +612,22 @@ class KVXferKVManager(BaseKVManager):
             if topo is not None and staged:  # (a hybrid model's: the entries of this stage's pool)
                 mine = range(lay.geometry.num_layers) if lay.states else None
                 label = stage_label(s, topo.pp_layers[s], mine)
-            address = bootstrap.group_address(bootstrap_addr, dp_rank, s)
-            return [(s, ReceivePart(label, self.decode_engine, address, self.config, lay.kv_ptrs, True))]
+            parts = []
+            for c in range(n):
+                engine, config, ptrs = self.cp_engine(c)
+                address = bootstrap.group_address(bootstrap_addr, dp_rank, s, c)
+                parts.append((s, ReceivePart(_cp_label(label, c, n), engine, address, config, ptrs, c == 0, (c, n))))
+            return parts
         parts = []
         # a hybrid model's KV pool holds the full-attention layers only: stage by entry counts
         spans = entry_spans([len(r) for r in topo.pp_layers]) if lay.states else topo.pp_layers
         for s, (layers, span) in enumerate(zip(topo.pp_layers, spans)):
-            engine, config, ptrs = self._slice(span)
-            address = bootstrap.group_address(bootstrap_addr, dp_rank, s)
-            aux = s == topo.pp_size - 1
             label = stage_label(s, layers, span if lay.states else None)
-            parts.append((s, ReceivePart(label, engine, address, config, ptrs, aux)))
+            for c in range(n):
+                engine, config, ptrs = self._slice(span, cp_rank=c)
+                address = bootstrap.group_address(bootstrap_addr, dp_rank, s, c)
+                aux = s == topo.pp_size - 1 and c == 0
+                parts.append((s, ReceivePart(_cp_label(label, c, n), engine, address, config, ptrs, aux, (c, n))))
         return parts
 
     def state_parts(self, bootstrap_addr: str, dp_rank: int) -> list[StatePart]:
@@ -682,15 +684,17 @@ class KVXferKVManager(BaseKVManager):
         return made
 
     def _slice(
-        self, entries: range, pool: StatePool | None = None
+        self, entries: range, pool: StatePool | None = None, cp_rank: int = 0
     ) -> tuple[DecodeManager, EngineConfig, tuple[int, ...]]:
         """An engine manager over ``entries`` (layers) of this rank's KV pool, or of its state
-        pool ``pool`` (a layer-slice view of SGLang's buffers), made once per pool and range and
-        closed with this manager."""
+        pool ``pool`` (a layer-slice view of SGLang's buffers), made once per pool, range and
+        prefill CP rank (each CP rank's share of a request is an engine request of its own,
+        and an engine manager holds one request per room) and closed with this manager."""
         from sglang_kvxfer.engine import KVManager, KVPool
         from sglang_kvxfer.engine.decode import DecodeManager
 
-        key = ("" if pool is None else pool.name, entries.start, entries.stop)
+        name = "" if pool is None else pool.name
+        key = (f"{name}.cp{cp_rank}" if cp_rank else name, entries.start, entries.stop)
         made = self._slices.get(key)
         if made is None:
             lay = self.layout
@@ -716,9 +720,15 @@ class KVXferKVManager(BaseKVManager):
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         # A decode rank of another TP width receives a slice of what the prefill digested; a
-        # decode of PP 1 receives every stage's layers, where each stage digested its own.
+        # decode of PP 1 receives every stage's layers, where each stage digested its own; a
+        # decode DCP rank of a prefill of DCP 1 every N-th token of its pages.
         info = self.prefill_info_table.get(bootstrap_addr)
-        return info is not None and info.attn_tp_size == self.layout.tp_size and info.pp_size == self.pp_size
+        return (
+            info is not None
+            and info.attn_tp_size == self.layout.tp_size
+            and info.pp_size == self.pp_size
+            and info.dcp_size == self.dcp_size
+        )
 
     def query_prefill_dp_ranks(self, bootstrap_addr: str, bootstrap_rooms: list[int]) -> dict[str, int]:
         """The prefill DP group of each of ``bootstrap_rooms`` that the prefill behind

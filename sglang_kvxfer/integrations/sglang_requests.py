@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -434,11 +435,25 @@ class KVXferKVSender(_Request, BaseKVSender):
 
     def _digests(self, aux: bytes) -> tuple[bytes, bytes]:
         """``aux`` and the draft's (empty) aux with this rank's KV checksums in front: each
-        head it owns over every page of the request it sent."""
+        head it owns over every page of the request it sent. Toward a decode with
+        ``--dcp-size N`` (told ``token_stride`` N), over the tokens of its pages instead, one
+        set per token phase (what each DCP rank holds), the draft's over its tokens in order
+        (its decode pages hold ``page_size * N`` tokens)."""
         mgr = self.kv_mgr
         pages = np.concatenate(self._pages) if self._pages else np.zeros(0, dtype=np.int64)
-        aux = checksum.attach(aux, checksum.head_digests(mgr.config.placement, mgr.layout.kv_ptrs, pages))
         draft, config = mgr.layout.draft, mgr.draft_config
+        told = self._sender.decode_tokens
+        if told is not None and told[1] > 1:
+            have = self.num_kv_indices or 0  # (the pages after it repeat the last for the DCP decode)
+            tokens, place = have * mgr.layout.geometry.page_size, mgr.config.placement
+            aux = checksum.attach_tokens(
+                aux, checksum.token_digests(place, mgr.layout.kv_ptrs, pages[:have], tokens, told[1])
+            )
+            if draft is None or config is None:
+                return aux, b""
+            digests = checksum.token_digests(config.placement, draft.kv_ptrs, pages[:have], tokens, 1)
+            return aux, checksum.attach_tokens(b"", digests)
+        aux = checksum.attach(aux, checksum.head_digests(mgr.config.placement, mgr.layout.kv_ptrs, pages))
         if draft is None or config is None:
             return aux, b""
         return aux, checksum.attach(b"", checksum.head_digests(config.placement, draft.kv_ptrs, pages))
@@ -573,6 +588,7 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         self._states: list[tuple[StatePool, str, KVReceiver]] = []
         self._pages: np.ndarray | None = None  # this rank's pages of the request (KV checksum)
         self._state_rows: dict[str, np.ndarray] = {}  # each state pool's rows of the request (checksum)
+        self._prefix = 0  # decode_prefix_len in tokens (a DCP rank's token phase, for the checksum)
         self.kv_checksum_heads = 0  # heads (of every part) whose checksum was compared on landing
         self.checksum_parts: dict[str, int] = {}  # the same, per part's label ("" the model's KV)
         try:
@@ -745,7 +761,7 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             for pool, _, rx in self._states:  # the indices already skip the prefix; a pool's stages share them
                 rows = rows_of[pool.name]
                 rx.send_metadata(rows, aux_slot=-1, num_tokens=len(rows) * pool.geometry.page_size, prefix_tokens=0)
-            self.aux_index, self._pages, self._state_rows = aux_index, pages, rows_of
+            self.aux_index, self._pages, self._state_rows, self._prefix = aux_index, pages, rows_of, prefix
         except Exception as exc:
             self._fail_from("send_metadata()", exc)
 
@@ -789,8 +805,8 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             for pool, label, rx in self._states
         ]
         for label, rx, placement, ptrs, rows in parts:
-            writers = {p: checksum.detach(b)[0] for p, b in rx.writer_aux.items()}
-            if all(d is None for d in writers.values()):
+            sent = {p: checksum.detach(b)[0] for p, b in rx.writer_aux.items()}
+            if all(d is None for d in sent.values()):
                 if self.bootstrap_addr not in mgr._unverified:
                     mgr._unverified.add(self.bootstrap_addr)
                     log.warning(
@@ -799,7 +815,13 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
                         self.bootstrap_addr,
                     )
                 return ""
-            mine = checksum.head_digests(placement, ptrs, rows)
+            writers: dict[int, Mapping[int, int] | None]
+            if any(isinstance(d, checksum.TokenDigests) for d in sent.values()):
+                # toward this rank's DCP tokens: the writers' digests of its phase over its rows
+                writers, mine = self._token_digests(label, sent, placement, ptrs, rows)
+            else:
+                writers = {p: d for p, d in sent.items() if not isinstance(d, checksum.TokenDigests)}
+                mine = checksum.head_digests(placement, ptrs, rows)
             compared = sum(len(set(d) & set(mine)) for d in writers.values() if d is not None)
             self.kv_checksum_heads += compared
             self.checksum_parts[label] = self.checksum_parts.get(label, 0) + compared
@@ -815,6 +837,33 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
                     f"prefill sent){more}"
                 )
         return ""
+
+    def _token_digests(
+        self, label: str, writers: Mapping[int, Any], placement, ptrs, pages
+    ) -> tuple[dict[int, Mapping[int, int] | None], dict[int, int]]:
+        """``(each writer's digests of this rank's tokens, this rank's)`` of a part whose writers
+        digested token phases (toward a decode with ``--dcp-size``): the model's KV holds the
+        tokens of this rank's phase, the draft model's every token (stride 1)."""
+        mgr, where = self.kv_mgr, f" of the {label}" if label else ""
+        first = next(d for d in writers.values() if isinstance(d, checksum.TokenDigests))
+        phase = (mgr.dcp_rank - self._prefix) % first.stride
+        out: dict[int, Mapping[int, int] | None] = {}
+        for rank, d in writers.items():
+            if not isinstance(d, checksum.TokenDigests) or (d.tokens, d.stride) != (first.tokens, first.stride):
+                did = "whole pages" if d is not None else "nothing"
+                if isinstance(d, checksum.TokenDigests):
+                    did = f"{d.tokens} tokens with stride {d.stride}"
+                raise ValueError(
+                    f"prefill rank {rank} digested {did}{where}, another of its writers {first.tokens} tokens "
+                    f"with stride {first.stride}: the writers of one part must agree"
+                )
+            out[rank] = d.of_phase(phase)
+        if first.stride not in (1, mgr.dcp_size):
+            raise ValueError(
+                f"the prefill digested{where} token stride {first.stride}, this decode rank holds every "
+                f"{mgr.dcp_size}-th token (--dcp-size={mgr.dcp_size})"
+            )
+        return out, checksum.phase_digests(placement, ptrs, pages, first, phase)
 
     def _deliver_aux(self) -> bool:
         """Write the prefill's aux slot into ours before Success is reported."""

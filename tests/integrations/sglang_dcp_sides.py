@@ -46,7 +46,14 @@ def _prefill(spec, closers: list) -> dict:
     its pages, chunks of two DCP pages."""
     backend, defs = sides.setup(spec)
     m, dcp, deadline = spec.model, spec.dcp_size, time.monotonic() + spec.timeout_s
-    sa = server_args(sides.MODEL_PATH, "prefill", spec.tp, spec.port, dcp_size=dcp)
+    sa = server_args(
+        sides.MODEL_PATH,
+        "prefill",
+        spec.tp,
+        spec.port,
+        dcp_size=dcp,
+        disaggregation_enable_kv_checksum=spec.kv_checksum,
+    )
     boot = backend.KVXferKVBootstrapServer(sa.host, sa.disaggregation_bootstrap_port)
     closers.append(boot.close)
     mems, mgrs = [], []
@@ -206,7 +213,14 @@ def _decode(spec, closers: list) -> dict:
     backend, defs = sides.setup(spec)
     backend._model_total_kv_heads = sides._model_heads(spec.model)
     m, dcp, deadline = spec.model, spec.dcp_size, time.monotonic() + spec.timeout_s
-    sa = server_args(sides.MODEL_PATH, "decode", spec.tp, spec.port + 1, dcp_size=dcp)
+    sa = server_args(
+        sides.MODEL_PATH,
+        "decode",
+        spec.tp,
+        spec.port + 1,
+        dcp_size=dcp,
+        disaggregation_enable_kv_checksum=spec.kv_checksum,
+    )
     mems, mgrs = [], []
     for r in range(spec.tp):
         mems.append(_dcp_memory(m, spec.tp, r, dcp))
@@ -223,6 +237,8 @@ def _decode(spec, closers: list) -> dict:
         prefix = rest[0] if rest else 0
         reqs.append({"room": room, "tokens": tokens, "slot": slot, "rxs": rxs, "pages": pages[slot], "prefix": prefix})
         reqs[-1]["state"] = states[slot] if states is not None else None
+    if spec.corrupt:
+        _corrupt_first_landing(backend, spec, mgrs, mems, reqs[0])
     while not all(mgr.try_ensure_parallel_info(addr) for mgr in mgrs):
         if time.monotonic() > deadline:
             raise TimeoutError(f"prefill parallel info for {addr} never arrived")
@@ -272,6 +288,7 @@ def _decode(spec, closers: list) -> dict:
         deadline,
         failed,
     )
+    verified: dict = {}  # room -> KV checksum heads compared per decode rank
     for req in done:
         problems = []
         for r, mem in enumerate(mems):
@@ -285,6 +302,7 @@ def _decode(spec, closers: list) -> dict:
                 got = state_env.verify(m, spec.tp, r, st, req["room"], req["state"], req["pages"], req["prefix"])
                 problems += [f"rank {r}: {p}" for p in got]
         results[req["room"]] = {"status": "Success", "problems": problems}
+        verified[req["room"]] = [rx.kv_checksum_heads for rx in req["rxs"]]
     landed = [req for req in reqs if results.get(req["room"], {}).get("status") == "Success"]
     pool_problems = [p for r, mem in enumerate(mems) for p in _check_rank(m, mem, dcp, r % dcp, landed, f"rank {r}")]
     control = [p for r, mem in enumerate(mems) for p in _check_rank(m, mem, dcp, (r + 1) % dcp, landed, f"rank {r}")]
@@ -298,4 +316,31 @@ def _decode(spec, closers: list) -> dict:
     for req in landed:
         for rx in req["rxs"]:
             rx.clear()
-    return {"requests": results, "pool_problems": pool_problems, "control_problems": len(control)}
+    return {
+        "requests": results,
+        "pool_problems": pool_problems,
+        "control_problems": len(control),
+        "verified": verified,
+    }
+
+
+def _corrupt_first_landing(backend, spec, mgrs, mems, req) -> None:
+    """Flip one byte of decode rank 0's first landed token of ``req`` (its own DCP token in
+    the model's first buffer, or the draft's first token), after every writer reported done
+    and before the checksum is checked."""
+    import torch
+
+    m, dcp = spec.model, spec.dcp_size
+    prefix, span = (req["prefix"], m.page_size * dcp)
+
+    def corrupt(rx) -> None:
+        if rx.bootstrap_room != req["room"] or rx.kv_mgr is not mgrs[0]:
+            return
+        if spec.corrupt == "draft":
+            row = int(req["pages"][prefix // span]) * span + prefix % span
+            mems[0].draft_buffers[0].view(torch.uint8)[row, 0, 0] ^= 0x5A
+            return
+        _, rows = _own_rows(req["pages"], m.page_size, dcp, 0, req["tokens"], prefix)
+        mems[0].buffers[0].view(torch.uint8)[int(rows[0]), 0, 0] ^= 0x5A
+
+    backend.after_kv_landed = corrupt

@@ -16,6 +16,15 @@ What PP adds to that order, from SGLang's own code:
   (``_pp_pd_get_prefill_transferred_ids``).
 * decode: PP 1 holds every layer; PP equal to the prefill's gives each decode stage its own
   layers (``kv_args.pp_rank``), and it receives from the prefill stage of its rank.
+* prefill attention CP on every stage (``--attn-cp-size C``): each stage process holds
+  ``dp * C * tp`` ranks, ``engine_rank = (dp * C + cp) * tp + tp_rank``; stage 0's consensus
+  is the lowest status over the attention-TP and CP ranks (SGLang's
+  ``poll_and_all_reduce_prefill_pp`` reduces over both groups). By default CP rank 0 writes
+  the KV and the CP replicas keep their own poison (they send nothing); with
+  ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`` (``cp_sharded``) each CP rank holds the KV
+  (and the draft model's) only in its share of the request's pages (SGLang's own
+  ``_get_cp_rank_page_bounds``) and its poison elsewhere, so a decode byte that came from the
+  wrong CP rank is that rank's poison. The state is written on CP rank 0 only.
 
 The oracle (``PpOracle``) is independent of the engine: every (room, DP group, layer, K/V)
 has its own random rows; the unused rows of a request's last page hold the poison byte of the
@@ -40,7 +49,7 @@ import numpy as np
 
 from tests.integrations import sglang_sides as sides
 from tests.integrations import sglang_state_env as state_env
-from tests.integrations.sglang_dp_sides import heads_of
+from tests.integrations.sglang_dp_sides import cp_share, heads_of
 from tests.integrations.sglang_env import Model, model_geometry, rank_memory, server_args
 
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
@@ -50,6 +59,11 @@ CHUNK_TOKENS = 16
 
 def poison(stage: int) -> int:
     return 0x30 + stage
+
+
+def cp_poison(stage: int, cp_rank: int) -> int:
+    """What a prefill CP rank's pools hold where it writes no KV (CP rank 0: the stage's poison)."""
+    return poison(stage) if cp_rank == 0 else 0x60 + 8 * stage + cp_rank
 
 
 def pp_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
@@ -83,6 +97,8 @@ class PpSpec:
     die: bool = False  # prefill stage > 0: exit once the first request is bootstrapped, before sending
     kv_checksum: bool = False  # --disaggregation-enable-kv-checksum on this side
     corrupt_stage: int | None = None  # decode: flip a landed byte of this prefill stage's first layer
+    cp: int = 1  # prefill attention CP of every stage
+    cp_sharded: bool = False  # every CP rank sends its share (SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER)
 
 
 def stage_state(state, pp_size: int, pp_rank: int):
@@ -229,21 +245,27 @@ def _server_args(spec: PpSpec, port: int):
     )
     if spec.dp > 1:
         extra.update(dp_size=spec.dp, enable_dp_attention=True)
-    return server_args(sides.MODEL_PATH, spec.role, spec.tp * spec.dp, port, **extra)
+    if spec.cp > 1:
+        extra["attn_cp_size"] = spec.cp
+    return server_args(sides.MODEL_PATH, spec.role, spec.tp * spec.dp * spec.cp, port, **extra)
 
 
 def _memories(spec: PpSpec, fill: int):
-    """Every rank of this process (DP group by DP group): its memory over this process's
-    layers, as SGLang's ``_init_kv_manager`` fills KVArgs for a PP stage."""
+    """Every rank of this process (DP group by DP group; in a group, CP rank by CP rank): its
+    memory over this process's layers, as SGLang's ``_init_kv_manager`` fills KVArgs for a PP
+    stage; a prefill CP rank's filled with ``cp_poison``."""
+    import torch
+
     a, b = spec.layers
     part = stage_model(spec)
     groups = []
     for g in range(spec.dp):
         mems = []
-        for r in range(spec.tp):
+        for i in range(spec.cp * spec.tp):
+            c, r = divmod(i, spec.tp)
             mem = rank_memory(part, spec.tp, r, spec.role)
             args = mem.kv_args
-            args.engine_rank = g * spec.tp + r if spec.role == "prefill" else r
+            args.engine_rank = (g * spec.cp + c) * spec.tp + r if spec.role == "prefill" else r
             args.pp_rank = spec.pp_rank
             args.prefill_start_layer, args.prefill_end_layer = (a, b) if spec.role == "prefill" else (0, b - a)
             if spec.role == "prefill" and part.state is not None:
@@ -251,7 +273,9 @@ def _memories(spec: PpSpec, fill: int):
                 # first model layer is not its first KV entry (here: one other layer before each)
                 args.prefill_start_layer, args.prefill_end_layer = 2 * a, 2 * b
             for view in byte_views(mem):
-                view.fill_(fill)
+                view.fill_(fill if c == 0 else cp_poison(spec.pp_rank, c))
+            for buf in mem.draft_buffers if c else ():
+                buf.view(torch.uint8).fill_(cp_poison(spec.pp_rank, c))
             mems.append(mem)
         groups.append(mems)
     return groups
@@ -368,17 +392,30 @@ def _forward_and_send(spec: PpSpec, w: dict, mems) -> None:
         chunk = w["pages"][a // ps : -(-b // ps)]
         rows = torch.from_numpy(page_rows(m, chunk))
         lo = (a // ps) * ps
-        for r, mem in enumerate(mems):
+        for i, mem in enumerate(mems):
+            c, r = divmod(i, spec.tp)
+            # the chunk's pages this rank holds the KV of (by their index in the request)
+            held = np.arange(a // ps, a // ps + len(chunk))
+            if c and not spec.cp_sharded:
+                held = held[:0]  # a CP replica: CP rank 0 sends every page
+            elif spec.cp > 1 and spec.cp_sharded:
+                share = cp_share(len(w["pages"]), c, spec.cp)
+                held = held[(held >= share.start) & (held < share.stop)]
+            keep = torch.from_numpy(np.isin(np.arange(len(chunk)), held - a // ps).repeat(ps))
             heads = heads_of(m, spec.tp, r)
             for view, want in zip(byte_views(mem), full):
-                view[rows] = torch.from_numpy(np.ascontiguousarray(want[lo : lo + len(chunk) * ps][:, heads, :]))
-            if drafts is not None:  # the last stage's draft model extends over the same pages
+                rows_held = rows[keep]
+                got = torch.from_numpy(np.ascontiguousarray(want[lo : lo + len(chunk) * ps][:, heads, :]))
+                view[rows_held] = got[keep]
+            if drafts is not None and len(held):  # the last stage's draft model extends over the same pages
                 pages = np.asarray(w["pages"], dtype=np.int64)
                 fill_request(drafts[r], mem.draft_buffers, draft_seed(w["room"], w["group"]), pages, a, b - a)
+                for buf in mem.draft_buffers if not bool(keep.all()) else ():  # not its share: its poison
+                    buf.view(torch.uint8)[rows[~keep]] = cp_poison(spec.pp_rank, c)
             if last:  # set_buf on every stage (the outputs reach every stage's scheduler)
                 for name, row in sides.aux_rows(m, w["room"]).items():
                     mem.meta[name][w["slot"]] = row
-            if last and part.state is not None:  # this stage's layers' state rows, final after its forward
+            if last and part.state is not None and c == 0:  # this stage's layers' state rows, final after its forward
                 state_env.fill(part, spec.tp, r, mem.extra["state"], w["room"], w["state"], w["pages"], 0)
         state_indices = [] if last else None
         if last and part.state is not None:
@@ -576,9 +613,14 @@ def deployment(
     die_stage: int | None = None,
     kv_checksum: bool = False,
     corrupt_stage: int | None = None,
+    prefill_cp: int = 1,
+    cp_sharded: bool = False,
 ) -> list[PpSpec]:
-    """The specs of one deployment: a process per prefill stage and per decode stage."""
+    """The specs of one deployment: a process per prefill stage and per decode stage (with
+    ``cp_sharded``, the prefill's alone get ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER``:
+    the decode learns it from the bootstrap)."""
     env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": "local", **(env or {})}
+    p_env = {**env, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"} if cp_sharded else env
     p_tp, p_dp, p_pp = prefill
     d_tp, d_dp, d_pp = decode
     stages = prefill_layers or pp_layers(model.num_layers, p_pp)
@@ -597,11 +639,13 @@ def deployment(
             port,
             requests,
             exchange_dir,
-            env,
+            p_env,
             timeout_s,
             stage_layers=stages,
             die=s == die_stage,
             kv_checksum=kv_checksum,
+            cp=prefill_cp,
+            cp_sharded=cp_sharded,
         )
         for s in range(p_pp)
     ]

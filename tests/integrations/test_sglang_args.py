@@ -302,6 +302,9 @@ def test_pipeline_parallel_plan():
         plan = plan_from_server_args(server(pp_size=4, tp_size=2), role)
         assert (plan.pp_size, plan.attn_tp_size) == (4, 2)
     assert plan_from_server_args(server(), "prefill").pp_size == 1
+    # with prefill attention CP: each stage's CP ranks (SGLang polls them in its PP consensus)
+    plan = plan_from_server_args(server(pp_size=2, tp_size=4, attn_cp_size=2), "prefill")
+    assert (plan.pp_size, plan.attn_cp_size, plan.attn_tp_size) == (2, 2, 2)
     with pytest.raises(GeometryError, match=r"ServerArgs.pp_size='0' must be an integer >= 1"):
         plan_from_server_args(server(pp_size="0"), "prefill")
 
@@ -311,7 +314,6 @@ def test_pipeline_parallel_plan():
     [
         (dict(dp_size=4, attn_dp_size=2), "decode", "--dp-size=4"),
         (dict(tp_size=2, attn_cp_size=2), "decode", "--attn-cp-size=2"),  # SGLang's decode asserts CP 1 too
-        (dict(tp_size=4, attn_cp_size=2, pp_size=2), "prefill", "--attn-cp-size=2"),
         # CP ranks that hold different pages (sharded CP): every CP rank would send
         (dict(tp_size=2, attn_cp_size=2, enable_cp_tp_group_sharing=True), "prefill", "--enable-cp-tp-group-sharing"),
         (dict(tp_size=2, attn_cp_size=2, enable_dsa_cache_layer_split=True), "prefill", "--enable-dsa-cache-layer"),

@@ -69,14 +69,47 @@ def test_head_digests_refuse_what_they_cannot_read():
         checksum.head_digests(hnd.placement(1, 0), [1, 2], [0])
 
 
+def test_token_digests_of_each_phase_match_a_dcp_rank_holding_every_nth_token():
+    """A writer digests a request's first 21 tokens (its pages of 4) per phase of stride 3; a
+    DCP rank of phase f holding tokens f, f + 3, ... one after another in its own pages digests
+    the same, and sees one flipped byte."""
+    p = GEO.placement(1, 0)
+    src = pool(p, 4)
+    src_pages, tokens, stride, ps = [5, 0, 3, 1, 2, 4], 21, 3, GEO.page_size
+    theirs = checksum.token_digests(p, ptrs(src), src_pages, tokens, stride)
+    assert (theirs.tokens, theirs.stride, len(theirs.crcs)) == (21, 3, 3 * 4)
+    for phase in range(stride):
+        dst, dst_pages = pool(p, 10 + phase), [4, 2]  # 7 tokens of this phase: two pages
+        for i, t in enumerate(range(phase, tokens, stride)):
+            s_row, d_row = src_pages[t // ps] * ps + t % ps, dst_pages[i // ps] * ps + i % ps
+            for b in range(GEO.num_buffers):
+                dst[b][d_row] = src[b][s_row]
+        mine = checksum.phase_digests(p, ptrs(dst), dst_pages, theirs, phase)
+        assert checksum.mismatches({0: theirs.of_phase(phase)}, mine) == []
+        other = checksum.phase_digests(p, ptrs(dst), dst_pages, theirs, (phase + 1) % stride)
+        assert checksum.mismatches({0: theirs.of_phase((phase + 1) % stride)}, other) != []  # the control
+        dst[0][dst_pages[1] * ps + 2, 0, 0] ^= 1  # this phase's 7th token, head 0, layer 0's K
+        bad = checksum.mismatches(
+            {0: theirs.of_phase(phase)}, checksum.phase_digests(p, ptrs(dst), dst_pages, theirs, phase)
+        )
+        assert [head for _, head, _, _ in bad] == [0]
+    with pytest.raises(ValueError, match=r"token 24 lies past the 6 page\(s\) of 4 tokens given"):
+        checksum.token_digests(p, ptrs(src), src_pages, 25, 2)
+
+
 def test_digests_ride_in_front_of_the_aux_payload():
     aux = b"KVXA" + bytes(range(20))
     digests = {3: 0xDEADBEEF, 0: 1}
     assert checksum.detach(checksum.attach(aux, digests)) == (digests, aux)
     assert checksum.detach(checksum.attach(b"", {})) == ({}, b"")
     assert checksum.detach(aux) == (None, aux) and checksum.detach(b"") == (None, b"")
-    with pytest.raises(ValueError, match=r"version 2 with 1 digests in 16 bytes \(expected version 1"):
+    with pytest.raises(ValueError, match=r"version 2 with 1 digests in 16 bytes \(expected version 1 or 2"):
         checksum.detach(b"KVXD\x02\x00\x01\x00" + bytes(8))
+    with pytest.raises(ValueError, match=r"version 3 with 0 digests in 8 bytes \(expected version 1 or 2"):
+        checksum.detach(b"KVXD\x03\x00\x00\x00")
+    tokens = checksum.TokenDigests(37, 2, {(0, 0): 5, (1, 0): 0xFFFFFFFF})
+    assert checksum.detach(checksum.attach_tokens(aux, tokens)) == (tokens, aux)
+    assert tokens.of_phase(1) == {0: 0xFFFFFFFF}
     with pytest.raises(ValueError, match="version 1 with 2 digests in 16 bytes"):
         checksum.detach(checksum.attach(b"", {1: 2})[:6] + b"\x02\x00" + bytes(8))
 

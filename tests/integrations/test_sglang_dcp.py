@@ -27,11 +27,11 @@ _base, _reason = import_sglang_base()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_base is None, reason=_reason)]
 
 
-def run(p, d, dcp, model, requests, transport="local", timeout_s=60.0, prefill_dcp=1):
+def run(p, d, dcp, model, requests, transport="local", timeout_s=60.0, prefill_dcp=1, checksum=False, corrupt=""):
     port = free_port()
     env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": transport}
-    prefill = sides.Spec("prefill", model, p, port, requests, env, timeout_s, dcp_size=prefill_dcp)
-    decode = sides.Spec("decode", model, d, port, requests, env, timeout_s, dcp_size=dcp)
+    prefill = sides.Spec("prefill", model, p, port, requests, env, timeout_s, checksum, dcp_size=prefill_dcp)
+    decode = sides.Spec("decode", model, d, port, requests, env, timeout_s, checksum, corrupt, dcp_size=dcp)
     return sides.run_in_processes(dcps.main, [prefill, decode], timeout_s)
 
 
@@ -111,17 +111,51 @@ def test_a_dcp_prefill_with_a_decode_of_another_dcp_size_fails_naming_both():
     assert any("--dcp-size: prefill=2 decode=1" in r for r in report["reasons"]), report
 
 
+CHECKSUM_REQUESTS = [(0xDC9_0041, 45), (0xDC9_0042, 41, 16), (0xDC9_0043, 3)]
+
+
+@pytest.mark.parametrize(
+    "p, d, prefill_dcp, transport",
+    [(1, 2, 1, "local"), (2, 4, 1, "tcp"), (2, 2, 2, "local")],
+    ids=["dcp1-to-2", "tp2-to-tp4-dcp2", "equal-dcp2"],
+)
+def test_the_kv_checksum_is_compared_on_every_dcp_rank(p, d, prefill_dcp, transport):
+    """``--disaggregation-enable-kv-checksum`` with a DCP 2 decode: from a prefill of DCP 1 the
+    writers digest the request's tokens once per token phase and each DCP rank compares its
+    phase's digests over its own rows (the draft model's KV, not split, over its tokens);
+    from a prefill of DCP 2, page for page. Every rank compared the latent of every part."""
+    model = mla(4, draft=Draft(num_layers=1, head_dim=8, mla=True))
+    pre, dec = run(p, d, 2, model, CHECKSUM_REQUESTS, transport, prefill_dcp=prefill_dcp, checksum=True)
+    check(pre, dec, CHECKSUM_REQUESTS)
+    for room, *_ in CHECKSUM_REQUESTS:  # the latent (one "head", one writer) of the model and of the draft
+        assert dec["verified"][room] == [2] * d, (room, dec["verified"][room])
+
+
+@pytest.mark.parametrize("what, part", [("kv", ""), ("draft", " in the draft-model KV (speculative decoding)")])
+def test_a_byte_flipped_on_a_dcp_rank_fails_its_request_naming_the_checksums(what, part):
+    """One byte of decode rank 0's first landed token (the latent of its DCP phase, or the
+    draft's) flipped after landing: that request fails naming the mismatch and both
+    checksums; the others succeed."""
+    model = mla(4, draft=Draft(num_layers=1, head_dim=8, mla=True))
+    requests = CHECKSUM_REQUESTS[:2]
+    pre, dec = run(1, 2, 2, model, requests, checksum=True, corrupt=what)
+    report = dec["requests"][requests[0][0]]
+    assert report["status"] == "Failed", report
+    want = f"KV checksum mismatch (--disaggregation-enable-kv-checksum){part}: KV head 0 written by prefill rank 0"
+    assert any(want in r and "prefill crc32=0x" in r and "decode crc32=0x" in r for r in report["reasons"]), report
+    assert dec["requests"][requests[1][0]] == {"status": "Success", "problems": []}
+
+
 @pytest.mark.parametrize(
     "state, extra, why",
     [
         (("dsa",), {}, r"extra per-request state \(state:dsa\) with DCP is not implemented \(mamba state is\)"),
-        ((), dict(disaggregation_enable_kv_checksum=True), "--disaggregation-enable-kv-checksum digests whole pages"),
     ],
-    ids=["dsa-state", "kv-checksum"],
+    ids=["dsa-state"],
 )
 def test_what_dcp_does_not_move_is_refused_at_construction_naming_it(monkeypatch, state, extra, why):
     """In process: a DCP decode manager with DSA state (its indexer pages would be split over
-    the DCP ranks token by token) or the KV checksum is refused naming --dcp-size and why."""
+    the DCP ranks token by token; SWA state likewise) is refused naming --dcp-size and why."""
     from sglang_kvxfer.errors import KVXferError
     from sglang_kvxfer.integrations import sglang as backend
     from tests.integrations.sglang_env import load_utils_defs, rank_memory, server_args
