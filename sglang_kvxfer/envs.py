@@ -245,9 +245,10 @@ KVXFER_SHM_HUGETLB = _define(
     "auto",
     lambda s: _tristate(s),
     "Shared-memory pools (`alloc_shared`, the `local` transport's one-copy destination): "
-    "`auto` backs each pool with the host's reserved 2 MiB huge pages (`vm.nr_hugepages`, "
-    "`MFD_HUGETLB`) while enough are free, else 4 KiB pages; `1` requires them (the "
-    "allocation fails naming the pages needed and free); `0` never uses them.",
+    "`auto` backs each pool of at least one huge page with the host's reserved 2 MiB huge "
+    "pages (`vm.nr_hugepages`, `MFD_HUGETLB`) while enough are free, else 4 KiB pages; `1` "
+    "requires them for every pool (the allocation fails naming the pages needed and free); "
+    "`0` never uses them.",
 )
 
 KVXFER_SGLANG_TRANSPORT = _define(

@@ -323,8 +323,9 @@ def hugetlb_pages() -> tuple[int, int]:
 def _shared_memory(nbytes: int) -> tuple[int, mmap.mmap, bool]:
     """``(memfd, its mapping, on huge pages)`` of ``nbytes`` shared bytes, by
     ``KVXFER_SHM_HUGETLB``: the host's reserved huge pages (``MFD_HUGETLB``, the file sized
-    to whole pages) where enough are free and allowed, else 4 KiB shmem pages (THP asked
-    for, which the kernel gives only under ``shmem_enabled`` ``advise`` or above)."""
+    to whole pages) where enough are free and allowed (``auto``: for a buffer of at least
+    one huge page), else 4 KiB shmem pages (THP asked for, which the kernel gives only under
+    ``shmem_enabled`` ``advise`` or above)."""
     mode = envs.KVXFER_SHM_HUGETLB.get()
     flag = getattr(os, "MFD_HUGETLB", 0)
     if mode != "0":
@@ -336,7 +337,7 @@ def _shared_memory(nbytes: int) -> tuple[int, mmap.mmap, bool]:
                 f"{page} bytes, the host has {free} free (vm.nr_hugepages)"
                 + ("" if flag else "; this Python has no os.MFD_HUGETLB")
             )
-        if flag and page and need <= free:
+        if flag and page and need <= free and (mode == "1" or nbytes >= page):
             fd = os.memfd_create("kvxfer-pool", os.MFD_CLOEXEC | flag)
             try:
                 os.ftruncate(fd, need * page)

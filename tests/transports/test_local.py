@@ -492,8 +492,9 @@ def test_a_shared_buffer_on_reserved_huge_pages_is_mapped_by_a_peer_and_given_ba
 
 
 def test_huge_pages_are_taken_only_where_enough_are_free_or_required_naming_the_counts(monkeypatch):
-    """``auto`` falls back to 4 KiB pages when too few huge pages are free, ``0`` never takes
-    them, ``1`` fails naming the pages needed and free; the 4 KiB buffer still works."""
+    """``auto`` falls back to 4 KiB pages when too few huge pages are free or the buffer is
+    smaller than one, ``0`` never takes them, ``1`` fails naming the pages needed and free;
+    the 4 KiB buffer still works."""
     monkeypatch.setattr(_memory, "hugetlb_pages", lambda: (2 << 20, 1))
     monkeypatch.setenv("KVXFER_SHM_HUGETLB", "auto")
     with alloc_shared(3 << 20) as buf:  # needs 2
@@ -508,6 +509,9 @@ def test_huge_pages_are_taken_only_where_enough_are_free_or_required_naming_the_
     ):
         alloc_shared(3 << 20)
     monkeypatch.setattr(_memory, "hugetlb_pages", lambda: (2 << 20, 1 << 20))
+    monkeypatch.setenv("KVXFER_SHM_HUGETLB", "auto")
+    with alloc_shared(1 << 20) as buf:  # auto: under one huge page, 4 KiB pages (no page half wasted)
+        assert not buf.hugetlb and os.fstat(buf.fd).st_size == 1 << 20
     monkeypatch.setenv("KVXFER_SHM_HUGETLB", "0")
     with alloc_shared(1 << 20) as buf:
         assert not buf.hugetlb and os.fstat(buf.fd).st_size == 1 << 20
