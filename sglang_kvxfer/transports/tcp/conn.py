@@ -340,7 +340,10 @@ class _Conn:
     def _sent(self, job: _Job) -> None:
         with self.cond:
             self.sending = None
-            self.cond.notify_all()  # the sender thread waits while a claimed job is sent
+            if self.queue or self.stopping or self.retiring:
+                # the sender thread waits while a claimed job is sent; with nothing for it to
+                # do it would only wake to wait again (a thread switch per small write)
+                self.cond.notify_all()
         self.owner.release_lease(job.lease)  # the source is no longer read
 
     def _start(self) -> None:
