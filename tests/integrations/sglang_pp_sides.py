@@ -402,11 +402,10 @@ def _forward_and_send(spec: PpSpec, w: dict, mems) -> None:
                 share = cp_share(len(w["pages"]), c, spec.cp)
                 held = held[(held >= share.start) & (held < share.stop)]
             keep = torch.from_numpy(np.isin(np.arange(len(chunk)), held - a // ps).repeat(ps))
-            heads = heads_of(m, spec.tp, r)
+            heads, rows_held = heads_of(m, spec.tp, r), rows[keep]
             for view, want in zip(byte_views(mem), full):
-                rows_held = rows[keep]
-                got = torch.from_numpy(np.ascontiguousarray(want[lo : lo + len(chunk) * ps][:, heads, :]))
-                view[rows_held] = got[keep]
+                written = torch.from_numpy(np.ascontiguousarray(want[lo : lo + len(chunk) * ps][:, heads, :]))
+                view[rows_held] = written[keep]
             if drafts is not None and len(held):  # the last stage's draft model extends over the same pages
                 pages = np.asarray(w["pages"], dtype=np.int64)
                 fill_request(drafts[r], mem.draft_buffers, draft_seed(w["room"], w["group"]), pages, a, b - a)

@@ -135,3 +135,27 @@ def test_sglangs_cuda_digest_stands_aside_for_cpu_index_tensors(monkeypatch):
     computer = KvChecksumComputer()
     assert computer.compute(types.SimpleNamespace(is_cuda=False)) == 0  # "no digest": SGLang's decode skips it
     assert computer.compute(types.SimpleNamespace(is_cuda=True)) == 0x1234  # CUDA: SGLang's own digest
+
+
+@pytest.mark.skipif(_base is None, reason=_reason)
+def test_a_dcp_rank_refuses_token_digests_its_writers_disagree_on_or_of_another_stride():
+    """The decode side's reading of token digests: each writer's digests of this rank's phase
+    against its own rows; writers that digested other token counts or strides, or a stride
+    that is neither 1 nor this rank's --dcp-size, are refused naming both."""
+    from sglang_kvxfer.integrations.sglang_requests import KVXferKVReceiver
+
+    p = GEO.placement(1, 0)
+    src = pool(p, 5)
+    pages = [1, 2, 3]
+    rx = types.SimpleNamespace(kv_mgr=types.SimpleNamespace(dcp_rank=1, dcp_size=2), _prefix=0)
+    theirs = checksum.token_digests(p, ptrs(src), pages, 12, 2)
+    writers, mine = KVXferKVReceiver._token_digests(rx, "", {0: theirs}, p, ptrs(src), pages)
+    assert writers == {0: theirs.of_phase(1)} and set(mine) == {0, 1, 2, 3}
+    other = checksum.token_digests(p, ptrs(src), pages, 8, 2)
+    with pytest.raises(ValueError, match=r"prefill rank 1 digested 8 tokens with stride 2 of the draft, another of "):
+        KVXferKVReceiver._token_digests(rx, "draft", {0: theirs, 1: other}, p, ptrs(src), pages)
+    with pytest.raises(ValueError, match=r"prefill rank 1 digested whole pages, another of its writers 12 tokens"):
+        KVXferKVReceiver._token_digests(rx, "", {0: theirs, 1: {0: 1}}, p, ptrs(src), pages)
+    stride3 = checksum.token_digests(p, ptrs(src), pages, 12, 3)
+    with pytest.raises(ValueError, match=r"digested token stride 3, this decode rank holds every 2-th token"):
+        KVXferKVReceiver._token_digests(rx, "", {0: stride3}, p, ptrs(src), pages)
