@@ -219,8 +219,8 @@ class KVXferKVManager(BaseKVManager):
                 "--dcp-size",
                 self.dcp_size,
                 f"with --attn-cp-size={self.plan.attn_cp_size} every CP rank sends its share of the pages "
-                "(SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, or a hybrid MLA model), and DCP with it is not "
-                "implemented",
+                "(SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, or a hybrid MLA model), and a prefill's own DCP with "
+                "it is not implemented (a decode's --dcp-size is; SGLang refuses --dcp-size with --enable-prefill-cp)",
             )
         self.is_dummy_cp_rank = prefill and self.cp_rank > 0 and not self.cp_sharded
         self.enable_all_cp_ranks_for_transfer = self.cp_sharded
@@ -481,10 +481,11 @@ class KVXferKVManager(BaseKVManager):
         if topo is None:
             return False
         problem = self._pp_problem(topo)
-        if not problem and topo.cp_size > 1 and self.dcp_size > 1:
+        if not problem and topo.cp_size > 1 and self.dcp_size > 1 and topo.dcp_size != 1:
             problem = (
                 f"--dcp-size={self.dcp_size}: the prefill's {topo.cp_size} attention-CP ranks each send their share of "
-                "a request's pages, which a decode with DCP does not read (start it with --dcp-size 1)"
+                f"a request's pages and it runs --dcp-size={topo.dcp_size} itself, which is not implemented (a decode "
+                "with DCP reads CP shares from a prefill of --dcp-size 1)"
             )
         if problem:
             info = PrefillInfo(

@@ -398,7 +398,7 @@ class KVXferKVSender(_Request, BaseKVSender):
             return pages
         tokens, stride = told
         page_size = self.kv_mgr.layout.geometry.page_size
-        have = self.num_kv_indices or 0  # SGLang counts them after the decode's prefix
+        have = self._pages_sent()  # SGLang counts them after the decode's prefix
         extra = -(-tokens // page_size) - have
         if not 0 <= extra < stride:
             raise ValueError(
@@ -413,13 +413,35 @@ class KVXferKVSender(_Request, BaseKVSender):
 
     def _cp_share(self, pages: np.ndarray, index_slice: slice) -> np.ndarray:
         """The pages of a chunk (``index_slice`` of the request's page list) that lie in this
-        CP rank's share of the request (``cp_page_share``; the decode splits its page list
-        the same way)."""
-        mgr = self.kv_mgr
-        share = cp_page_share(self.num_kv_indices or 0, mgr.cp_rank, mgr.plan.attn_cp_size)
+        CP rank's share of the request (``_share``)."""
+        share = self._share()
         start = max(share.start, index_slice.start) - index_slice.start
         stop = min(share.stop, index_slice.stop) - index_slice.start
         return pages[start : max(start, stop)]
+
+    def _share(self) -> slice:
+        """The request's pages this CP rank sends when every CP rank sends its share: SGLang's
+        split (``cp_page_share``) of the page list, which the decode splits the same way.
+        Toward a decode with ``--dcp-size N`` (told ``token_stride`` N), whose pages hold
+        ``page_size * N`` tokens, the decode's page list is split instead and each share is
+        its pages' tokens here (N pages per decode page; the decode does not know how many
+        pages the request fills here, this side knows how many it fills there)."""
+        mgr, pages = self.kv_mgr, self.num_kv_indices or 0
+        told = self._sender.decode_tokens
+        if told is None:
+            raise ValueError("send() came before the decode's request arrived (poll is not WaitingForInput)")
+        stride = told[1]
+        if stride == 1:
+            return cp_page_share(pages, mgr.cp_rank, mgr.plan.attn_cp_size)
+        theirs = cp_page_share(-(-pages // stride), mgr.cp_rank, mgr.plan.attn_cp_size)
+        return slice(min(pages, theirs.start * stride), min(pages, theirs.stop * stride))
+
+    def _pages_sent(self) -> int:
+        """How many of the request's pages this rank sends: all, or its CP share's."""
+        if not self.kv_mgr.cp_sharded:
+            return self.num_kv_indices or 0
+        share = self._share()
+        return share.stop - share.start
 
     def _chunk_slice(self, pages: np.ndarray) -> slice:
         """The slice of the request's page list that ``pages``, the next chunk, covers."""
@@ -444,7 +466,7 @@ class KVXferKVSender(_Request, BaseKVSender):
         draft, config = mgr.layout.draft, mgr.draft_config
         told = self._sender.decode_tokens
         if told is not None and told[1] > 1:
-            have = self.num_kv_indices or 0  # (the pages after it repeat the last for the DCP decode)
+            have = self._pages_sent()  # (the pages after it repeat the last for the DCP decode)
             tokens, place = have * mgr.layout.geometry.page_size, mgr.config.placement
             aux = checksum.attach_tokens(
                 aux, checksum.token_digests(place, mgr.layout.kv_ptrs, pages[:have], tokens, told[1])

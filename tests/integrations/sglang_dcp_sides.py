@@ -58,13 +58,13 @@ def _prefill(spec, closers: list) -> dict:
     closers.append(boot.close)
     mems, mgrs = [], []
     for r in range(spec.tp):
-        mems.append(_dcp_memory(m, spec.tp, r, dcp, "prefill"))
+        mems.append(dcp_memory(m, spec.tp, r, dcp, "prefill"))
         mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.PREFILL, sa, m.is_mla_backend))
         closers.append(mgrs[r].close)
     for mgr in mgrs:
         mgr.register_to_bootstrap()
     span = m.page_size * dcp
-    pages = _allocate(m, spec.requests, dcp, seed=1)
+    pages = allocate(m, spec.requests, dcp, seed=1)
     reqs, results = [], {}
     for slot, (room, tokens, *_) in enumerate(spec.requests):
         senders = [
@@ -112,7 +112,7 @@ def _prefill(spec, closers: list) -> dict:
     return results
 
 
-def _allocate(m, requests, dcp: int, seed: int) -> list:
+def allocate(m, requests, dcp: int, seed: int) -> list:
     """Disjoint page ids of ``page_size * dcp`` tokens, one list per request (page 0 unused)."""
     num_pages = (m.pool_tokens + m.page_size) // m.page_size
     free = np.random.default_rng(seed).permutation(np.arange(1, num_pages))
@@ -124,7 +124,7 @@ def _allocate(m, requests, dcp: int, seed: int) -> list:
     return out
 
 
-def _dcp_memory(m, tp: int, rank: int, dcp: int, role: str = "decode"):
+def dcp_memory(m, tp: int, rank: int, dcp: int, role: str = "decode"):
     """``rank_memory`` of a DCP rank: the draft pool re-made with pages of ``page_size * dcp``
     rows (SGLang sizes it in virtual token slots)."""
     import torch
@@ -223,12 +223,12 @@ def _decode(spec, closers: list) -> dict:
     )
     mems, mgrs = [], []
     for r in range(spec.tp):
-        mems.append(_dcp_memory(m, spec.tp, r, dcp))
+        mems.append(dcp_memory(m, spec.tp, r, dcp))
         mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.DECODE, sa, m.is_mla_backend))
         closers.append(mgrs[r].close)
     addr = f"127.0.0.1:{spec.port}"
     span = m.page_size * dcp  # tokens of one decode page id
-    pages = _allocate(m, spec.requests, dcp, seed=2)
+    pages = allocate(m, spec.requests, dcp, seed=2)
     # (mamba state only: one slot per request, its channels split over attention TP as without DCP)
     states = state_env.allocate(m, spec.requests, seed=12) if m.state is not None else None
     reqs = []

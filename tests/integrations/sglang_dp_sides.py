@@ -20,7 +20,9 @@ What DP adds to that order, from SGLang's own code:
   share of a request's pages (SGLang's ``_get_cp_rank_page_bounds``, read from its source):
   here each CP rank's pool holds the request's KV in its own share's pages only, and its
   poison elsewhere, so every decode byte matching the oracle shows each page came from the
-  CP rank whose share it is.
+  CP rank whose share it is. Toward a decode with ``--dcp-size N`` (``dcp``), whose pages hold
+  ``page_size * N`` tokens, kvxfer splits the decode's page list that way instead and each
+  CP rank sends its share's tokens (N prefill pages per decode page); the pools here follow.
 * decode: ``engine_rank = tp_rank % attn_tp``; each decode DP group serves the requests its
   own controller gives it; ``_resolve_prefill_dp_rank`` picks the prefill group: the
   router's rank, else ``0`` for ``dp_size == 1``, else ``bootstrap_room % dp_size`` (read from
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tests.integrations import sglang_dcp_sides as dcps
 from tests.integrations import sglang_sides as sides
 from tests.integrations.sglang_env import Model, load_utils_defs, rank_memory, server_args
 
@@ -77,6 +80,9 @@ class DpSpec:
     corrupt_room: int | None = None  # decode: flip a byte of this room's last page on rank 0 once landed
     system: bool = False  # DP replicas (--dp-size without --enable-dp-attention), not attention DP
     load_balance: str = "auto"  # the prefill's --load-balance-method
+    # the decode's --dcp-size (MLA: each DCP rank holds every dcp-th token in pages of
+    # page_size * dcp tokens); on the prefill side, the decode's, which decides the CP shares
+    dcp: int = 1
 
 
 def poison(group: int) -> int:
@@ -178,6 +184,8 @@ def _dp_server_args(spec: DpSpec, port: int):
         extra["disaggregation_enable_kv_checksum"] = True
     if cp > 1:
         extra["attn_cp_size"] = cp
+    if spec.role == "decode" and spec.dcp > 1:
+        extra["dcp_size"] = spec.dcp
     return server_args(sides.MODEL_PATH, spec.role, spec.attn_tp * spec.dp * cp, port, **extra)
 
 
@@ -287,10 +295,15 @@ def _sglang_cp_bounds():
     return load_utils_defs(("_get_cp_rank_page_bounds",))._get_cp_rank_page_bounds
 
 
-def cp_share(num_pages: int, cp_rank: int, cp_size: int) -> range:
+def cp_share(num_pages: int, cp_rank: int, cp_size: int, dcp: int = 1) -> range:
     """The request pages CP rank ``cp_rank`` sends when every CP rank sends: SGLang 0.5.23's
-    own ``_get_cp_rank_page_bounds``, taken from its source (independent of ours)."""
-    return range(*_sglang_cp_bounds()(num_pages, cp_rank, cp_size))
+    own ``_get_cp_rank_page_bounds``, taken from its source (independent of ours); toward a
+    decode of ``--dcp-size`` ``dcp``, its share of the decode's pages (of ``dcp`` pages here
+    each) cut at this request's end."""
+    if dcp == 1:
+        return range(*_sglang_cp_bounds()(num_pages, cp_rank, cp_size))
+    start, stop = _sglang_cp_bounds()(-(-num_pages // dcp), cp_rank, cp_size)
+    return range(min(num_pages, start * dcp), min(num_pages, stop * dcp))
 
 
 def _forward_and_send(spec: DpSpec, w: dict, cp_mems) -> None:
@@ -306,7 +319,7 @@ def _forward_and_send(spec: DpSpec, w: dict, cp_mems) -> None:
         for c, mems in enumerate(cp_mems if spec.cp_sharded else cp_mems[:1]):
             held = range(first, -(-b // ps))
             if spec.cp_sharded:
-                share = cp_share(len(w["pages"]), c, spec.cp)
+                share = cp_share(len(w["pages"]), c, spec.cp, spec.dcp)
                 held = range(max(held.start, share.start), min(held.stop, share.stop))
             for r, mem in enumerate(mems):
                 for (pm, views, _), oracle in zip(pools_of(m, mem), oracles):
@@ -323,6 +336,30 @@ def _forward_and_send(spec: DpSpec, w: dict, cp_mems) -> None:
                 s.send(np.asarray(chunk, dtype=np.int32), [] if last else None, num_kv_tokens=b - a)
 
 
+def _landing(m: Model, dcp: int, rank: int, w: dict, draft: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tokens, rows, loose)`` of a served request on decode rank ``rank``: which token of
+    the request each of ``rows`` must hold, and the rows whose content is free. Without DCP
+    every row of its pages (the last page's unused rows hold the prefill's poison, as sent).
+    With ``--dcp-size`` ``dcp``: the tokens of the rank's DCP phase (``rank % dcp``) in its
+    pages of ``page_size * dcp`` tokens, ``page_size`` rows each (a draft pool, not split:
+    every token, ``page_size * dcp`` rows a page); the rest of the last page is loose (the
+    prefill fills the decode's last page with a copy of its last page, rows the decode
+    overwrites before it reads them)."""
+    ps, pages = m.page_size, np.asarray(w["pages"], dtype=np.int64)
+    if dcp == 1:
+        rows = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
+        return np.arange(rows.size), rows, rows[:0]
+    span, n = ps * dcp, w["req"].tokens
+    if draft:
+        t = np.arange(n)
+        rows, per_page = pages[t // span] * span + t % span, span
+    else:
+        t = np.arange(rank % dcp, n, dcp)
+        rows, per_page = pages[t // span] * ps + (t % span) // dcp, ps
+    last = pages[-1] * per_page + np.arange(per_page)
+    return t, rows, np.setdiff1d(last, rows)
+
+
 def _decode(spec: DpSpec, closers: list) -> dict:
     backend, defs = sides.setup(spec)
     backend._model_total_kv_heads = sides._model_heads(spec.model)
@@ -333,7 +370,12 @@ def _decode(spec: DpSpec, closers: list) -> dict:
     for g in range(spec.dp):
         mems, mgrs = [], []
         for r in range(spec.attn_tp):
-            mem = rank_memory(m, spec.attn_tp, r, "decode")  # engine_rank = tp_rank % attn_tp
+            # engine_rank = tp_rank % attn_tp; with DCP a draft pool of page_size * dcp rows a page
+            mem = (
+                rank_memory(m, spec.attn_tp, r, "decode")
+                if spec.dcp == 1
+                else dcps.dcp_memory(m, spec.attn_tp, r, spec.dcp)
+            )
             _place_rank(spec, mem.kv_args, g, 0, r)
             for _, views, _ in pools_of(m, mem):
                 for view in views:
@@ -342,7 +384,8 @@ def _decode(spec: DpSpec, closers: list) -> dict:
             mgrs.append(backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.DECODE, sa, m.is_mla_backend))
             closers.append(mgrs[-1].close)
         groups.append((mems, mgrs))
-    pages = sides._allocate(m, [(r.room, r.tokens) for r in spec.requests], seed=2)
+    asked = [(r.room, r.tokens) for r in spec.requests]
+    pages = sides._allocate(m, asked, seed=2) if spec.dcp == 1 else dcps.allocate(m, asked, spec.dcp, seed=2)
     if spec.corrupt_room is not None:  # after every writer is done, before the KV checksum
         slot = next(i for i, r in enumerate(spec.requests) if r.room == spec.corrupt_room)
         row = int(pages[slot][-1]) * m.page_size
@@ -435,10 +478,10 @@ def _decode(spec: DpSpec, closers: list) -> dict:
                     if w["req"].decode_group != g:
                         continue
                     oracle = DpOracle(pm, w["room"] ^ salt, w["route"], w["req"].tokens)
-                    pages = np.asarray(w["pages"], dtype=np.int64)
-                    rows = (pages[:, None] * m.page_size + np.arange(m.page_size)).reshape(-1)
-                    for want, full in zip(expected, oracle.rows):
-                        want[rows] = full[:, heads, :]
+                    tokens, rows, loose = _landing(m, spec.dcp, r, w, draft=bool(salt))
+                    for want, full, view in zip(expected, oracle.rows, views):
+                        want[rows] = full[tokens][:, heads, :]
+                        want[loose] = view.numpy()[loose]
                 label = f"decode DP group {g} rank {r}" + (" draft" if salt else "")
                 problems += compare(pm, views, expected, label)
     results["pool_problems"] = problems

@@ -40,18 +40,22 @@ def run_cp(
     sharded: bool = False,
     checksum: bool = False,
     corrupt_room: int | None = None,
+    dcp: int = 1,
 ):
     """``prefill``: ``(attn_tp, dp, cp)``; ``decode``: ``(attn_tp, dp)``; ``sharded``: the
     prefill runs with SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER (the decode without it);
-    ``checksum``: both with --disaggregation-enable-kv-checksum."""
+    ``checksum``: both with --disaggregation-enable-kv-checksum; ``dcp``: the decode's
+    --dcp-size."""
     port = free_port()
     env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": "local"}
     prefill_env = {**env, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"} if sharded else env
     (ptp, pdp, pcp), (dtp, ddp) = prefill, decode
     common = dict(timeout_s=timeout_s, kv_checksum=checksum)
     specs = [
-        dps.DpSpec("prefill", model, ptp, pdp, port, requests, prefill_env, cp=pcp, cp_sharded=sharded, **common),
-        dps.DpSpec("decode", model, dtp, ddp, port, requests, env, corrupt_room=corrupt_room, **common),
+        dps.DpSpec(
+            "prefill", model, ptp, pdp, port, requests, prefill_env, cp=pcp, cp_sharded=sharded, dcp=dcp, **common
+        ),
+        dps.DpSpec("decode", model, dtp, ddp, port, requests, env, corrupt_room=corrupt_room, dcp=dcp, **common),
     ]
     return sides.run_in_processes(dps.main, specs, timeout_s)
 
@@ -208,6 +212,56 @@ def test_the_kv_checksum_covers_every_cp_ranks_share():
     assert "KV checksum mismatch (--disaggregation-enable-kv-checksum) in the CP rank 1/2: KV head 0" in reason, reason
 
 
+DCP_ROOMS = SHARDED_ROOMS + [R(0x0C93_0004_D00D, 29)]  # 8 pages here, 4 decode pages of DCP 2
+
+
+@needs_sglang
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "prefill, decode, dcp, extra",
+    [
+        ((1, 1, 2), (2, 1), 2, {}),  # CP 2 -> TP 2 with DCP 2
+        ((1, 1, 3), (2, 1), 2, {}),  # CP 3: uneven and empty shares of the decode's pages
+        ((1, 2, 2), (4, 1), 2, {}),  # DP 2 x CP 2 -> TP 4 with DCP 2: ranks r and r + 2 hold the same tokens
+        ((1, 1, 2), (2, 1), 2, {"draft": True}),  # and the draft model's KV, not split over DCP ranks
+        ((1, 1, 2), (4, 1), 4, {"checksum": True}),  # DCP 4, KV checksum per token phase and share
+    ],
+    ids=["cp2-to-dcp2", "cp3-to-dcp2", "dp2xcp2-to-tp4-dcp2", "draft", "dcp4-checksum"],
+)
+def test_every_cp_rank_sends_its_share_to_a_decode_with_dcp(prefill, decode, dcp, extra):
+    """A decode with ``--dcp-size N`` (MLA; each DCP rank holds every N-th token in pages of
+    ``page_size * N`` tokens) does not know how many pages a request fills on the prefill, so
+    the CP ranks split the decode's page list (SGLang's split of it) and each sends the
+    tokens of its share, N of its pages per decode page. Each CP rank's pool holds the
+    request's KV only in those pages (its poison elsewhere): every row each DCP rank must
+    hold matches the oracle, every page no request was given holds its sentinel, the bytes
+    per CP rank are in proportion to the shares; with the checksum, every share's digests
+    of the rank's token phase are compared."""
+    draft = Draft(num_layers=1, head_dim=8, mla=True) if extra.get("draft") else None
+    model = Model(mla=True, head_dim=24, pool_tokens=192, draft=draft)
+    checksum = bool(extra.get("checksum"))
+    pre, dec = run_cp(prefill, decode, model, DCP_ROOMS, sharded=True, dcp=dcp, checksum=checksum)
+    assert "error" not in pre and "error" not in dec, (pre.get("error"), dec.get("error"))
+    ptp, pdp, pcp = prefill
+    differs = 0  # requests whose shares are not SGLang's split of the pages here
+    for q in DCP_ROOMS:
+        assert dec[q.room]["status"] == "Success", dec[q.room]
+        assert dec[q.room]["problems"] == [], dec[q.room]["problems"]
+        pages = -(-q.tokens // model.page_size)
+        shares = [len(dps.cp_share(pages, c, pcp, dcp)) for c in range(pcp)]
+        assert sum(shares) == pages
+        differs += shares != [len(dps.cp_share(pages, c, pcp)) for c in range(pcp)]
+        labels = [f"CP rank {c}/{pcp}" for c in range(pcp)]
+        assert [c for c, _, ok in dec[q.room]["cp_ranks"] if ok] == labels
+        # the tokens a CP rank sends follow its share (the last one's up to the decode page's end)
+        landed = [b for _, b, _ in dec[q.room]["cp_ranks"]]
+        assert [b > 0 for b in landed] == [n > 0 for n in shares], (landed, shares)
+        if checksum:  # the latent (one head) of each share on each decode rank
+            assert dec[q.room]["checksum_parts"] == [dict.fromkeys(labels, 1)] * decode[0], dec[q.room]
+    assert differs, "no request tells the decode's split from the prefill's"
+    assert dec["pool_problems"] == [], "\n".join(dec["pool_problems"])
+
+
 @needs_sglang
 def test_cp_page_shares_are_sglangs():
     """Both sides split a request's pages with ``cp_page_share``: SGLang's own split, for
@@ -261,9 +315,10 @@ def test_a_hybrid_mla_prefill_with_cp_has_every_cp_rank_send_its_share(monkeypat
 
 
 @needs_sglang
-def test_a_decode_with_dcp_refuses_a_prefill_whose_cp_ranks_each_send(monkeypatch):
-    """A decode of --dcp-size 2 facing a prefill that registered cp_size=2: every request
-    routed there fails at init naming both settings (and tells the prefill's CP rank 0 why)."""
+def test_a_decode_with_dcp_refuses_a_prefill_whose_cp_ranks_each_send_with_its_own_dcp(monkeypatch):
+    """A decode of --dcp-size 2 facing a prefill that registered cp_size=2 and dcp_size=2 (our
+    prefill refuses that itself; a defence against another build): every request routed
+    there fails at init naming both settings (and tells the prefill's CP rank 0 why)."""
     from types import SimpleNamespace
 
     from sglang_kvxfer.integrations import sglang as backend
@@ -277,11 +332,14 @@ def test_a_decode_with_dcp_refuses_a_prefill_whose_cp_ranks_each_send(monkeypatc
     mgr = backend.KVXferKVManager(mem.kv_args, load_utils_defs().DisaggregationMode.DECODE, sa, True)
     try:
         addr, g = "127.0.0.1:9", mgr.layout.geometry
-        topo = PrefillTopology(1, g, 1, (0,), None, 1, (range(g.num_layers),), cp_size=2)
+        topo = PrefillTopology(1, g, 1, (0,), None, 1, (range(g.num_layers),), cp_size=2, dcp_size=2)
         mgr._lookups[addr] = SimpleNamespace(result=topo, error="", close=lambda: None)  # as looked up
         assert mgr.try_ensure_parallel_info(addr)
         info = mgr.prefill_info_table[addr]
-        want = "--dcp-size=2: the prefill's 2 attention-CP ranks each send their share of a request's pages"
+        want = (
+            "--dcp-size=2: the prefill's 2 attention-CP ranks each send their share of a request's pages and it "
+            "runs --dcp-size=2 itself"
+        )
         assert want in info.problem and not info.routable, info
         rx = backend.KVXferKVReceiver(mgr, addr, 5)
         rx.init(0)
