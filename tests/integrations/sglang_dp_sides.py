@@ -47,6 +47,7 @@ import numpy as np
 
 from tests.integrations import sglang_dcp_sides as dcps
 from tests.integrations import sglang_sides as sides
+from tests.integrations import sglang_state_env as state_env
 from tests.integrations.sglang_env import Model, load_utils_defs, rank_memory, server_args
 
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
@@ -229,6 +230,8 @@ def _prefill(spec: DpSpec, closers: list) -> dict:
         for mgr in mgrs:
             mgr.register_to_bootstrap()
     pages = sides._allocate(m, [(r.room, r.tokens) for r in spec.requests], seed=1)
+    # extra per-request state (mamba: one slot a request), written by CP rank 0's forward only
+    states = state_env.allocate(m, [(r.room, r.tokens) for r in spec.requests], seed=11) if m.state else None
     work = []
     for slot, req in enumerate(spec.requests):
         for g in _prefill_groups(req, spec.dp):
@@ -242,6 +245,7 @@ def _prefill(spec: DpSpec, closers: list) -> dict:
             work.append(
                 {"room": req.room, "group": g, "req": req, "slot": slot, "senders": senders, "pages": pages[slot]}
             )
+            work[-1]["state"] = states[slot] if states is not None else None
     results: dict = {}
 
     def failed(w):
@@ -330,10 +334,15 @@ def _forward_and_send(spec: DpSpec, w: dict, cp_mems) -> None:
                 if last and c == 0:
                     for name, row in sides.aux_rows(m, req.room).items():
                         mem.meta[name][w["slot"]] = row
+                    if m.state is not None:  # (the other CP ranks' state rows stay zero here)
+                        state_env.fill(m, spec.attn_tp, r, mem.extra["state"], req.room, w["state"], w["pages"], 0)
         chunk = w["pages"][first : -(-b // ps)]
+        state_indices = None
+        if last:
+            state_indices = [] if m.state is None else state_env.payload(m, w["state"], w["pages"], 0)
         for s in w["senders"]:
             if s.should_send_kv_chunk(len(chunk), last):
-                s.send(np.asarray(chunk, dtype=np.int32), [] if last else None, num_kv_tokens=b - a)
+                s.send(np.asarray(chunk, dtype=np.int32), state_indices, num_kv_tokens=b - a)
 
 
 def _landing(m: Model, dcp: int, rank: int, w: dict, draft: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -395,11 +404,13 @@ def _decode(spec: DpSpec, closers: list) -> dict:
                 byte_views(groups[0][0][0])[0][row, 0, 0] ^= 0x5A
 
         backend.after_kv_landed = corrupt
+    states = state_env.allocate(m, asked, seed=12) if m.state is not None else None
     work = []
     for slot, req in enumerate(spec.requests):
         mems, mgrs = groups[req.decode_group]
         rxs = [backend.KVXferKVReceiver(mgr, addr, req.room) for mgr in mgrs]
         work.append({"room": req.room, "req": req, "slot": slot, "rxs": rxs, "pages": pages[slot]})
+        work[-1]["state"] = states[slot] if states is not None else None
     every = [mgr for _, mgrs in groups for mgr in mgrs]
     while not all(mgr.try_ensure_parallel_info(addr) for mgr in every):
         if time.monotonic() > deadline:
@@ -444,8 +455,9 @@ def _decode(spec: DpSpec, closers: list) -> dict:
         results[w["room"]] = {"status": "Failed", "reasons": sides._failure(w["rxs"]), "route": w["route"]}
 
     def handshaken(w):  # _update_handshake_waiters -> pop_preallocated
+        state_indices = [] if m.state is None else state_env.payload(m, w["state"], w["pages"], 0)
         for rx in w["rxs"]:
-            rx.send_metadata(np.asarray(w["pages"], dtype=np.int32), w["slot"], [], decode_prefix_len=0)
+            rx.send_metadata(np.asarray(w["pages"], dtype=np.int32), w["slot"], state_indices, decode_prefix_len=0)
 
     served = []
 
@@ -457,6 +469,11 @@ def _decode(spec: DpSpec, closers: list) -> dict:
             for name, row in sides.aux_rows(m, w["room"]).items()
             if not bool((mem.meta[name][w["slot"]] == row).all())
         ]
+        if m.state is not None:  # every state row of the request each rank must hold
+            for r, mem in enumerate(mems):
+                st = mem.extra["state"]
+                got = state_env.verify(m, spec.attn_tp, r, st, w["room"], w["state"], w["pages"], 0)
+                aux += [f"rank {r}: {p}" for p in got]
         results[w["room"]] = {"status": "Success", "route": w["route"], "problems": aux}
         results[w["room"]]["checksum_parts"] = [dict(rx.checksum_parts) for rx in w["rxs"]]
         # each prefill CP rank's share, as decode rank 0's record shows it (when each sends one)
@@ -484,5 +501,12 @@ def _decode(spec: DpSpec, closers: list) -> dict:
                         want[loose] = view.numpy()[loose]
                 label = f"decode DP group {g} rank {r}" + (" draft" if salt else "")
                 problems += compare(pm, views, expected, label)
+    if m.state is not None:  # nothing landed in a state row no request was given
+        allocs, kv = [w["state"] for w in work], [w["pages"] for w in work]
+        for g, (mems, _) in enumerate(groups):
+            for r, mem in enumerate(mems):
+                problems += [
+                    f"decode DP group {g} rank {r}: {p}" for p in state_env.untouched(m, mem.extra["state"], allocs, kv)
+                ]
     results["pool_problems"] = problems
     return results

@@ -225,8 +225,11 @@ DCP_ROOMS = SHARDED_ROOMS + [R(0x0C93_0004_D00D, 29)]  # 8 pages here, 4 decode 
         ((1, 2, 2), (4, 1), 2, {}),  # DP 2 x CP 2 -> TP 4 with DCP 2: ranks r and r + 2 hold the same tokens
         ((1, 1, 2), (2, 1), 2, {"draft": True}),  # and the draft model's KV, not split over DCP ranks
         ((1, 1, 2), (4, 1), 4, {"checksum": True}),  # DCP 4, KV checksum per token phase and share
+        # Kimi-Linear's pools: a hybrid MLA prefill always has every CP rank send (SGLang's
+        # cp_sharded_prefill); its mamba state, from CP rank 0, re-sliced by channel for TP 2
+        ((1, 1, 2), (2, 1), 2, {"state": True}),
     ],
-    ids=["cp2-to-dcp2", "cp3-to-dcp2", "dp2xcp2-to-tp4-dcp2", "draft", "dcp4-checksum"],
+    ids=["cp2-to-dcp2", "cp3-to-dcp2", "dp2xcp2-to-tp4-dcp2", "draft", "dcp4-checksum", "hybrid-mla-mamba"],
 )
 def test_every_cp_rank_sends_its_share_to_a_decode_with_dcp(prefill, decode, dcp, extra):
     """A decode with ``--dcp-size N`` (MLA; each DCP rank holds every N-th token in pages of
@@ -236,9 +239,15 @@ def test_every_cp_rank_sends_its_share_to_a_decode_with_dcp(prefill, decode, dcp
     request's KV only in those pages (its poison elsewhere): every row each DCP rank must
     hold matches the oracle, every page no request was given holds its sentinel, the bytes
     per CP rank are in proportion to the shares; with the checksum, every share's digests
-    of the rank's token phase are compared."""
+    of the rank's token phase are compared; a hybrid model's mamba state (written on CP rank
+    0 only) lands in every decode rank's slot, each rank's channels, and nowhere else."""
+    from tests.integrations.sglang_state_env import StateModel
+
     draft = Draft(num_layers=1, head_dim=8, mla=True) if extra.get("draft") else None
-    model = Model(mla=True, head_dim=24, pool_tokens=192, draft=draft)
+    kimi = dict(mamba_conv_dim=12, mamba_groups=(4, 4, 4), mamba_kimi=True)  # Kimi's conv: [k - 1, q|k|v]
+    state = StateModel(kinds=("mamba",), **kimi) if extra.get("state") else None
+    model = Model(mla=True, head_dim=24, pool_tokens=192, draft=draft, state=state)
+    assert model.hybrid_mla == bool(state)
     checksum = bool(extra.get("checksum"))
     pre, dec = run_cp(prefill, decode, model, DCP_ROOMS, sharded=True, dcp=dcp, checksum=checksum)
     assert "error" not in pre and "error" not in dec, (pre.get("error"), dec.get("error"))
