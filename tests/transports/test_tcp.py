@@ -657,3 +657,32 @@ def test_a_second_connection_naming_a_taken_id_is_refused(receiver):
             )
             assert _closed_by_peer(sock)
     assert rt.refused_connections == 1
+
+
+def test_a_reader_that_closes_says_bye_and_its_writers_count_no_lost_peer(caplog):
+    """An orderly close of the reader's transport tells every connected writer BYE: the
+    writer sends what it queued, says BYE and retires the connection, so neither side
+    records a lost peer or logs one. A write after that finds the reader gone and fails
+    naming it. (A reader that dies says nothing: see the connection-loss tests.)"""
+    mem, src = np.zeros(N, np.uint8), np.random.default_rng(5).integers(0, 256, N, np.uint8)
+    with TcpTransport(num_connections=2, split_min_bytes=N // 4) as st:
+        sregion = st.register(src.ctypes.data, N)
+        rt = TcpTransport()
+        rregion = rt.register(mem.ctypes.data, N)
+        rt.authorize_peer("s", SECRET, [rregion])
+        st.add_peer("r", rt.agent_descriptor(), secret=SECRET)
+        remote = st.import_region("r", rregion.descriptor)
+        offsets = np.arange(4, dtype=np.int64) * (N // 4)
+        st.write(sregion, remote, offsets, offsets, np.full(4, N // 4)).wait(TIMEOUT_S)  # over two connections
+        np.testing.assert_array_equal(mem, src)
+        conns = list(st._peers["r"].conns)
+        assert sum(c.connected for c in conns) == 2
+        with caplog.at_level("WARNING", logger="sglang_kvxfer"):
+            rt.close()
+            assert wait_until(lambda: all(c.dead is not None for c in conns if c.connected), TIMEOUT_S)
+        assert [c.dead for c in conns if c.connected] == ["retired after the reader's BYE"] * 2
+        assert st.peer_failures() == [] and rt.peer_failures() == []
+        assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+        late = st.write(sregion, remote, np.array([0]), np.array([0]), np.array([64]))
+        with pytest.raises((PeerGoneError, TransportError)):
+            late.wait(TIMEOUT_S)

@@ -548,7 +548,9 @@ def _describe(exc: BaseException) -> str:
 
 class _Inbound:
     """One accepted connection: authenticates the writer, checks WRITE frames against its
-    grant, reads payloads into regions, ACKs; says BYE when idle too long."""
+    grant, reads payloads into regions, ACKs; says BYE when idle too long, or when this
+    transport closes (``say_bye``: the writer retires the connection instead of counting a
+    lost peer)."""
 
     def __init__(self, owner: ConnOwner, sock: socket.socket, addr):
         self.owner, self.sock, self.addr = owner, sock, addr
@@ -556,6 +558,7 @@ class _Inbound:
         self.key_id: bytes | None = None
         self.region_id: int | None = None  # the region being filled right now
         self.bye_sent = False
+        self.send_lock = threading.Lock()  # ACKs (this thread) and a closing BYE (another) share the socket
         self.cut = False  # closed here on purpose (revoke_peer): not a peer failure
         self.bounce: BounceBuffers | None = None  # allocated on the first device frame
         self.conn_id = 0  # the writer's name for this connection (HELLO), once bound
@@ -646,8 +649,9 @@ class _Inbound:
             except TimeoutError:
                 if self.bye_sent:
                     raise TimeoutError(f"no BYE within {settings.io_timeout_s} s of ours") from None
-                self.sock.sendall(ACK.pack(T_BYE, 0, 0, 0))
-                self.bye_sent = True
+                with self.send_lock:
+                    self.sock.sendall(ACK.pack(T_BYE, 0, 0, 0))
+                    self.bye_sent = True
                 continue
             if got == 0:
                 return False
@@ -714,4 +718,21 @@ class _Inbound:
 
     def _ack(self, xfer_id: int, status: int, reason: str) -> None:
         text = reason.encode()[:MAX_TEXT]
-        self.sock.sendall(ACK.pack(T_ACK, status, len(text), xfer_id) + text)
+        with self.send_lock:
+            self.sock.sendall(ACK.pack(T_ACK, status, len(text), xfer_id) + text)
+
+    def say_bye(self) -> None:
+        """Tell the writer (from the closing thread) that this side closes: it sends what it
+        has queued, says BYE and retires the connection, which then ends here without a
+        failure on either side. Not before the handshake, nor twice; a socket already gone
+        is left to the close."""
+        if self.peer_id is None:
+            return
+        with self.send_lock:
+            if self.bye_sent:
+                return
+            try:
+                self.sock.sendall(ACK.pack(T_BYE, 0, 0, 0))
+            except OSError:
+                return
+            self.bye_sent = True

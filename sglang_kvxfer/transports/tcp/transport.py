@@ -84,6 +84,9 @@ INLINE_SEND_BYTES = 256 << 10
 # and the refusals one connection may collect before it is closed as misbehaving.
 _ENDED_KEPT = 1024
 _MAX_REFUSED = 1 << 16
+# At close, how long the writers told BYE get to answer with theirs before their
+# connections are cut (an idle writer answers within a thread wake-up).
+_BYE_GRACE_S = 0.5
 
 
 @dataclass
@@ -704,6 +707,14 @@ class TcpTransport(Transport):
                 conn.stop("the tcp transport was closed with the write pending", deadline)
         with self._lock:
             inbound = list(self._inbound)
+        # A writer told BYE retires its connection (its frames in flight still land and are
+        # ACKed): no lost peer on its side for an orderly close here. Those that do not
+        # answer within the grace are cut.
+        for conn in inbound:
+            conn.say_bye()
+        grace = min(deadline, time.monotonic() + _BYE_GRACE_S)
+        for conn in inbound:
+            conn.thread.join(max(0.0, grace - time.monotonic()))
         for conn in inbound:
             _shutdown(conn.sock)
         for conn in inbound:
