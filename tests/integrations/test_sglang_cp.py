@@ -8,6 +8,8 @@ decode sees a prefill of the attention-TP size (the replicas never register)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -321,6 +323,35 @@ def test_a_hybrid_mla_prefill_with_cp_has_every_cp_rank_send_its_share(monkeypat
     finally:
         for mgr in made:
             mgr.close()
+
+
+@needs_sglang
+def test_a_cp_share_sent_before_the_decodes_request_fails_the_request_saying_so(monkeypatch):
+    """A CP rank's share depends on the decode's DCP size, which comes with the decode's
+    request: a ``send()`` before it (SGLang's scheduler never does that: it sends after
+    WaitingForInput) fails the request naming why, and nothing is sent."""
+    from sglang_kvxfer.integrations import sglang as backend
+
+    for name, value in sides.ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+    model = Model(mla=True, head_dim=24)
+    mem = rank_memory(model, 1, 0, "prefill")
+    mem.kv_args.engine_rank = 1  # --tp 2 --attn-cp-size 2: CP rank 1
+    sa = server_args("m", "prefill", 2, free_port(), attn_cp_size=2)
+    mgr = backend.KVXferKVManager(mem.kv_args, load_utils_defs().DisaggregationMode.PREFILL, sa, True)
+    try:
+        assert mgr.cp_sharded and not mgr.is_dummy_cp_rank
+        sender = backend.KVXferKVSender(mgr, sa.host, 0xC9_05)
+        sender.init(4, 0)
+        sender.send(np.arange(1, 5, dtype=np.int32), [])
+        assert sender.poll() == dps.FAILED
+        want = "send(): send() came before the decode's request arrived (poll is not WaitingForInput)"
+        with pytest.raises(backend.KVXferTransferError, match=re.escape(want)):
+            sender.failure_exception()
+        assert sender.get_transfer_metric().transfer_total_bytes == 0
+    finally:
+        mgr.close()
 
 
 @needs_sglang
