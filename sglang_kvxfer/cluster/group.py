@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from sglang_kvxfer.errors import KVXferError, TransferTimeoutError
+from sglang_kvxfer.transports import check_transport
 
 __all__ = ["RankGroup", "make_spec", "open_groups", "arm_parent_death_signal", "describe_exit", "StopFlag"]
 
@@ -63,6 +64,7 @@ def make_spec(
         raise ValueError(
             f"metrics_port={metrics_port!r} must be 0 (off) or a port with room for {tp_size} rank(s) below 65536"
         )
+    check_transport(transport)  # before any rank starts: one error, not one per rank
     return {
         "role": role,
         "geometry": geometry.to_dict(),

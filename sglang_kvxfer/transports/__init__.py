@@ -20,6 +20,7 @@ from sglang_kvxfer.transports.ticket import Ticket, TicketState, wait_all
 
 __all__ = [
     "get_transport",
+    "check_transport",
     "available_transports",
     "registered_transports",
     "register_transport",
@@ -82,12 +83,10 @@ def available_transports() -> list[str]:
     return [name for name in sorted(_REGISTRY) if not _missing(_REGISTRY[name])]
 
 
-def get_transport(name: str, **options) -> Transport:
-    """Create transport ``name`` with its keyword ``options`` (see each class's docstring).
-
-    Raises ``ValueError`` for an unknown name (listing the registered ones) and
-    ``TransportUnavailableError`` when a package it needs is not installed.
-    """
+def check_transport(name: str) -> _Entry:
+    """Raise what ``get_transport(name)`` would for an unknown name or a missing package,
+    importing nothing: a launcher calls it before it starts rank processes, so a typo fails
+    once, in one line, instead of once per rank."""
     entry = _REGISTRY.get(name)
     if entry is None:
         raise ValueError(f"unknown transport {name!r}; registered: {', '.join(registered_transports())}")
@@ -98,6 +97,16 @@ def get_transport(name: str, **options) -> Transport:
             f"transport {name!r} needs {needs}, which is not installed; "
             f"pip install {' '.join(pkg for _, pkg in missing)}"
         )
+    return entry
+
+
+def get_transport(name: str, **options) -> Transport:
+    """Create transport ``name`` with its keyword ``options`` (see each class's docstring).
+
+    Raises ``ValueError`` for an unknown name (listing the registered ones) and
+    ``TransportUnavailableError`` when a package it needs is not installed.
+    """
+    entry = check_transport(name)
     module_name, _, attr = entry.target.partition(":")
     try:
         module = importlib.import_module(module_name)

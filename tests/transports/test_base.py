@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from sglang_kvxfer.errors import PeerGoneError, TransferTimeoutError, TransportError, TransportUnavailableError
-from sglang_kvxfer.transports import available_transports, get_transport, register_transport, registered_transports
+from sglang_kvxfer.transports import (
+    available_transports,
+    check_transport,
+    get_transport,
+    register_transport,
+    registered_transports,
+)
 from sglang_kvxfer.transports._common import UseTable, pack_descriptor, unpack_descriptor
 from sglang_kvxfer.transports.base import Entries, coalesce, parse_device, tensor_memory, validate_batch
 from sglang_kvxfer.transports.ticket import Ticket, TicketState, wait_all
@@ -293,6 +299,8 @@ def test_builtin_transports_are_available():
 def test_unknown_transport_lists_registered_ones():
     with pytest.raises(ValueError, match="unknown transport 'rdma'; registered: .*local.*tcp"):
         get_transport("rdma")
+    with pytest.raises(ValueError, match="unknown transport 'rdma'; registered: .*local.*tcp"):
+        check_transport("rdma")  # what a launcher calls before it starts any rank
 
 
 def test_missing_package_names_it():
@@ -307,6 +315,9 @@ def test_missing_package_names_it():
         assert "'nixl-fake' (module 'nixl_fake_module_xyz')" in str(info.value)
         assert "pip install nixl-fake" in str(info.value)
         assert isinstance(info.value, ImportError)
+        with pytest.raises(TransportUnavailableError) as checked:
+            check_transport("fake-nixl")
+        assert str(checked.value) == str(info.value)
     finally:
         from sglang_kvxfer import transports
 
