@@ -691,7 +691,10 @@ def _reference(call: KVCall, staging: torch.Tensor, gather: bool) -> None:
             staging.copy_(aligned)
         return
     dev = call.device
-    ids = torch.as_tensor(call.page_ids, dtype=torch.int64, device=dev)
+    ids = call.page_ids
+    if isinstance(ids, np.ndarray) and not ids.flags.writeable:
+        ids = ids.copy()  # torch warns on a read-only array (a plan's slice); this path only reads it
+    ids = torch.as_tensor(ids, dtype=torch.int64, device=dev)
     tokens = torch.arange(call.token_offset, call.token_offset + call.num_tokens, device=dev)
     pages = ids[tokens // call.page_size][:, None]  # [T, 1]
     slots = (tokens % call.page_size)[:, None]  # [T, 1]
