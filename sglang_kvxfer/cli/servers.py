@@ -217,6 +217,10 @@ def serve(args: argparse.Namespace, role: str) -> int:
     geometry = side_geometry(args, None, args.num_pages or 512)
     geometry.placement(args.tp, 0)
     key = auth.resolve_key(args.host)  # none usable (a non-loopback --host without one): one line, exit 2
+    if args.transport != "auto":
+        from sglang_kvxfer.transports import check_transport
+
+        check_transport(args.transport)  # before the bootstrap service starts: one line, exit 2
     boot = None
     if role == "prefill" and not args.bootstrap:
         boot = BootstrapServer(args.host, args.bootstrap_port)

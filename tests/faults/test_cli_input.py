@@ -61,6 +61,8 @@ def test_demo_refuses_bad_numbers_in_one_line(args, words):
         ("prefill", ["--concurrency", "0"], "--concurrency=0 must be >= 1"),
         ("prefill", ["--restart-ranks", "-1"], "--restart-ranks=-1 must be >= 0"),
         ("prefill", ["--page-size", "0"], "--page-size=0 must be >= 1"),
+        ("prefill", ["--transport", "pigeon"], "unknown transport 'pigeon'; registered: local"),
+        ("decode", ["--bootstrap", "127.0.0.1:1", "--transport", "pigeon"], "unknown transport 'pigeon'"),
         (
             "decode",
             ["--bootstrap", "127.0.0.1:1", "--heartbeat-timeout", "0"],
