@@ -266,8 +266,8 @@ class KVGeometry:
             raise GeometryError(f"buffer_index={buffer_index} must be in [0, {self.num_buffers})")
         return self.head_dim if buffer_index < self.num_layers else self._v_dim
 
-    def placement(self, tp_size: int, tp_rank: int) -> RankPlacement:
-        return RankPlacement(self, tp_size, tp_rank)
+    def placement(self, tp_size: int, tp_rank: int, all_heads: bool = False) -> RankPlacement:
+        return RankPlacement(self, tp_size, tp_rank, all_heads)
 
     # -- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -330,22 +330,37 @@ class RankPlacement:
     buffer of a kind has the same shape: NHD ``[num_pages * page_size, local_heads, dim]``,
     HND ``[num_pages, local_heads, page_size, dim]``, HND_KV ``[num_pages, local_heads, 2,
     page_size, dim]``, NHD_KV ``[num_pages, page_size, local_heads, head_dim + v_head_dim]``.
+
+    ``heads`` are the heads the rank owns as TP rank ``tp_rank`` of ``tp_size`` (what a plan
+    moves from or to it); ``stored_heads`` the heads its pool holds, in order (``local_heads``
+    above). They are the same except with ``all_heads``: a pool of every KV head of the model
+    on a rank that sends only the heads of its TP rank (SGLang's CP-TP group sharing, where
+    prefill CP rank r holds the whole KV and transfers as TP rank r).
     """
 
     geometry: KVGeometry
     tp_size: int
     tp_rank: int
+    all_heads: bool = False
     heads: range = field(init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.geometry, KVGeometry):
             raise GeometryError(f"geometry must be a KVGeometry, got {type(self.geometry).__name__}")
+        if not isinstance(self.all_heads, bool):
+            raise GeometryError(f"all_heads={self.all_heads!r} must be a bool")
         g = self.geometry
         object.__setattr__(self, "heads", owned_heads(g.total_kv_heads, self.tp_size, self.tp_rank, g.mla))
 
     @property
+    def stored_heads(self) -> range:
+        """The global heads this rank's pool holds, in pool order."""
+        return range(0, 1 if self.geometry.mla else self.geometry.total_kv_heads) if self.all_heads else self.heads
+
+    @property
     def num_local_heads(self) -> int:
-        return len(self.heads)
+        """Heads per token in this rank's buffers (``stored_heads``)."""
+        return len(self.stored_heads)
 
     def buffer_shape(self, buffer_index: int) -> tuple[int, ...]:
         g = self.geometry
@@ -369,17 +384,26 @@ class RankPlacement:
         return self.buffer_nbytes(buffer_index) // self.geometry.num_pages
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "schema": GEOMETRY_SCHEMA_VERSION,
             "geometry": self.geometry.to_dict(),
             "tp_size": self.tp_size,
             "tp_rank": self.tp_rank,
         }
+        if self.all_heads:  # (only when set: a reader of the plain form keeps reading it)
+            out["all_heads"] = True
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RankPlacement:
-        fields = _check_schema("RankPlacement", data, ("geometry", "tp_size", "tp_rank"))
-        return cls(KVGeometry.from_dict(fields["geometry"]), fields["tp_size"], fields["tp_rank"])
+        optional = ("all_heads",) if isinstance(data, Mapping) and "all_heads" in data else ()
+        fields = _check_schema("RankPlacement", data, ("geometry", "tp_size", "tp_rank", *optional))
+        return cls(
+            KVGeometry.from_dict(fields["geometry"]),
+            fields["tp_size"],
+            fields["tp_rank"],
+            fields.get("all_heads", False),
+        )
 
 
 # Fields that must agree between prefill and decode, with what to fix when they do not.

@@ -102,6 +102,21 @@ def test_placement_validation():
         RankPlacement({"num_layers": 1}, 1, 0)
 
 
+def test_a_pool_of_every_head_owns_its_tp_ranks_heads():
+    """``all_heads`` (CP-TP group sharing): the rank owns (sends) the heads of its TP rank,
+    its buffers hold every head; the dict form carries it only when set."""
+    g = KVGeometry(**BASE, v_head_dim=64, page_size=16, num_pages=10, dtype="bf16")
+    p = g.placement(4, 3, all_heads=True)
+    assert (p.heads, p.stored_heads, p.num_local_heads) == (range(6, 8), range(0, 8), 8)
+    assert p.buffer_shape(0) == (160, 8, 128) and p.buffer_nbytes(4) == 160 * 8 * 64 * 2
+    assert g.placement(4, 3).stored_heads == range(6, 8) and "all_heads" not in g.placement(4, 3).to_dict()
+    back = RankPlacement.from_dict(msgpack.unpackb(msgpack.packb(p.to_dict())))
+    assert back == p and back.all_heads
+    assert KVGeometry(**{**BASE, "total_kv_heads": 1}, mla=True).placement(3, 2, True).stored_heads == range(0, 1)
+    with pytest.raises(GeometryError, match="all_heads=1 must be a bool"):
+        RankPlacement.from_dict({**p.to_dict(), "all_heads": 1})
+
+
 def test_owned_heads_rule():
     assert [list(owned_heads(8, 4, r)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert [owned_heads(2, 8, r).start for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]

@@ -99,7 +99,7 @@ def _kind_bytes(place: RankPlacement, kind: int) -> int:
 def fill_request(
     place: RankPlacement, buffers: Sequence, room: int, pages, token_start: int, num_tokens: int, layer_start: int = 0
 ) -> None:
-    """Write the content of this rank's owned heads for tokens ``[token_start, +num_tokens)``
+    """Write the content of the heads this rank's pool holds for tokens ``[token_start, +num_tokens)``
     into ``pages`` of ``buffers`` (torch tensors, K of every layer then V; HND_KV, NHD_KV: one
     per layer). ``layer_start``: the model layer of the pool's first layer (a pool of some
     of the model's layers holds their content)."""
@@ -107,7 +107,7 @@ def fill_request(
 
     pages = np.asarray(pages, dtype=np.int64)
     pg, slot = _token_rows(place, pages, token_start, num_tokens)
-    heads = list(place.heads)
+    heads = list(place.stored_heads)
     for b, layer, kind in _kinds(place):
         data = row_bytes(room, layer_start + layer, kind, heads, token_start, num_tokens, _kind_bytes(place, kind))
         dst = _byte_view(place, buffers[b], b)
@@ -117,12 +117,12 @@ def fill_request(
 def verify_request(
     place: RankPlacement, buffers: Sequence, room: int, pages, num_tokens: int, layer_start: int = 0
 ) -> list[str]:
-    """Compare every byte of this rank's owned heads for tokens ``[0, num_tokens)`` in
+    """Compare every byte of the heads this rank's pool holds for tokens ``[0, num_tokens)`` in
     ``pages`` with the expected content (``layer_start`` as ``fill_request``'s). Returns a
     list of problems (empty when exact)."""
     pages = np.asarray(pages, dtype=np.int64)
     pg, slot = _token_rows(place, pages, 0, num_tokens)
-    heads = list(place.heads)
+    heads = list(place.stored_heads)
     problems = []
     for b, layer, kind in _kinds(place):
         want = row_bytes(room, layer_start + layer, kind, heads, 0, num_tokens, _kind_bytes(place, kind))

@@ -24,6 +24,7 @@ validated, never truncated. No I/O, no torch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypedDict
 
@@ -308,7 +309,7 @@ def plan_pair(
         IncompatibleGeometryError: the two geometries cannot exchange KV.
     """
     compat = check_compatible(src.geometry, dst.geometry)
-    _check_transfer(transfer, src, dst)
+    transfer = _check_transfer(transfer, src, dst)
     gs, gd = src.geometry, dst.geometry
     src_arr = _as_pages("src_pages", src_pages, gs.num_pages, unique=False)
     dst_arr = _as_pages("dst_pages", dst_pages, gd.num_pages, unique=True)
@@ -471,24 +472,41 @@ def _why_strided(transfer: HeadTransfer, src: RankPlacement, dst: RankPlacement,
     return "; ".join(parts) or "not contiguous on both sides"
 
 
-def _check_transfer(t: HeadTransfer, src: RankPlacement, dst: RankPlacement) -> None:
+def _check_transfer(t: HeadTransfer, src: RankPlacement, dst: RankPlacement) -> HeadTransfer:
+    """Check that ``t`` moves heads each side owns, and return it with its head starts as
+    indices into each side's pool (``stored_heads``): the same as ``plan_tp``'s (indices into
+    the owned heads) except for a rank whose pool holds every head (``all_heads``). Indices
+    already into the pool are taken as they are, so a plan's own transfer checks again."""
     if t.prefill_rank != src.tp_rank or t.decode_rank != dst.tp_rank:
         raise PlanError(
             f"transfer is for prefill rank {t.prefill_rank} -> decode rank {t.decode_rank}, "
             f"but the placements are prefill rank {src.tp_rank} -> decode rank {dst.tp_rank}"
         )
+    starts = []
     for side, place, start in (("src", src, t.src_head_start), ("dst", dst, t.dst_head_start)):
+        owned, stored = place.heads, place.stored_heads
         if start < 0 or t.num_heads < 1 or start + t.num_heads > place.num_local_heads:
             raise PlanError(
                 f"{side} heads [{start}, {start + t.num_heads}) are outside the "
                 f"{place.num_local_heads} local head(s) of the {side} rank"
             )
-        if place.heads.start + start != t.global_head_start:
+        pool = t.global_head_start - stored.start
+        if start not in (pool, t.global_head_start - owned.start):
             raise PlanError(
-                f"{side} local head {start} is global head {place.heads.start + start}, but the "
+                f"{side} local head {start} is global head {stored.start + start}, but the "
                 f"transfer starts at global head {t.global_head_start}: the plan was built for "
                 f"another TP layout"
             )
+        if not (owned.start <= t.global_head_start and t.global_head_start + t.num_heads <= owned.stop):
+            raise PlanError(
+                f"{side} heads [{t.global_head_start}, {t.global_head_start + t.num_heads}) (global) are not "
+                f"owned by {side} rank {place.tp_rank} of {place.tp_size}, which owns heads [{owned.start}, "
+                f"{owned.stop}): the plan was built for another TP layout"
+            )
+        starts.append(pool)
+    if (starts[0], starts[1]) == (t.src_head_start, t.dst_head_start):
+        return t
+    return dataclasses.replace(t, src_head_start=starts[0], dst_head_start=starts[1])
 
 
 def _resolve_num_tokens(num_tokens: int | None, src: np.ndarray, dst: np.ndarray, ps: int, pd: int) -> int:

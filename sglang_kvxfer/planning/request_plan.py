@@ -98,7 +98,7 @@ class RequestPlan:
             PlanError, IncompatibleGeometryError: as ``plan_pair``.
         """
         compat = check_compatible(src.geometry, dst.geometry)
-        _check_transfer(transfer, src, dst)
+        transfer = _check_transfer(transfer, src, dst)
         gs, gd = src.geometry, dst.geometry
         src_arr = _as_pages("src_pages", src_pages, gs.num_pages, unique=False)
         dst_arr = _as_pages("dst_pages", dst_pages, gd.num_pages, unique=True)

@@ -68,7 +68,7 @@ class TokenSelection:
         if g.page_size == 1:
             return placement
         view = dataclasses.replace(g, page_size=1, num_pages=g.num_pages * g.page_size)
-        return RankPlacement(view, placement.tp_size, placement.tp_rank)
+        return RankPlacement(view, placement.tp_size, placement.tp_rank, placement.all_heads)
 
 
 EVERY_TOKEN = TokenSelection()

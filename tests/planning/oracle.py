@@ -31,10 +31,10 @@ def empty_pool(place: RankPlacement, fill: float = SENTINEL):
 
 
 def place_tokens(place: RankPlacement, pool, k_full, v_full, pages, num_tokens):
-    """Write this rank's owned heads of tokens [0, num_tokens) into its pages, one element
-    row at a time."""
+    """Write the heads this rank's pool holds (its owned heads; every head with
+    ``all_heads``) of tokens [0, num_tokens) into its pages, one element row at a time."""
     g = place.geometry
-    heads = list(place.heads)
+    heads = list(place.stored_heads)
     for layer in range(g.num_layers):
         if g.packed_kv:  # one buffer per layer: HND_KV [page, head, K|V, slot, dim], NHD_KV [page, slot, head, K+V]
             kinds = [(layer, 0, k_full), (layer, 1, v_full)]

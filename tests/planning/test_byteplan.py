@@ -39,13 +39,14 @@ def scenarios(draw):
     v_head_dim = None if mla or "HND_KV" in (lp, ld) else draw(st.integers(1, 4))
     path = draw(st.sampled_from(["auto", "direct", "staged", "per_token"]))
     seed = draw(st.integers(0, 2**16))
-    return mla, h, p, d, ps, pd, lp, ld, num_tokens, cuts, head_dim, v_head_dim, path, seed
+    all_heads = draw(st.booleans())  # prefill pools of every head (CP-TP group sharing)
+    return mla, h, p, d, ps, pd, lp, ld, num_tokens, cuts, head_dim, v_head_dim, path, seed, all_heads
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_plans_move_exactly_the_right_bytes(s):
-    mla, h, p, d, ps, pd, lp, ld, num_tokens, cuts, head_dim, v_head_dim, path, seed = s
+    mla, h, p, d, ps, pd, lp, ld, num_tokens, cuts, head_dim, v_head_dim, path, seed, all_heads = s
     common = dict(num_layers=2, total_kv_heads=h, head_dim=head_dim, v_head_dim=v_head_dim, dtype="float32", mla=mla)
     gp = KVGeometry(**common, page_size=ps, layout=lp, num_pages=25)
     gd = KVGeometry(**common, page_size=pd, layout=ld, num_pages=22)
@@ -53,7 +54,7 @@ def test_random_plans_move_exactly_the_right_bytes(s):
     src_pages = rng.permutation(gp.num_pages)[: -(-num_tokens // ps)]
     dst_pages = rng.permutation(gd.num_pages)[: -(-num_tokens // pd)]
     k_full, v_full = full_kv(2, h, num_tokens, head_dim, gp.v_head_dim, seed)
-    pre = [gp.placement(p, r) for r in range(p)]
+    pre = [gp.placement(p, r, all_heads) for r in range(p)]
     dec = [gd.placement(d, r) for r in range(d)]
     src_pools = [place_tokens(pl, empty_pool(pl, POISON), k_full, v_full, src_pages, num_tokens) for pl in pre]
     dst_pools = [empty_pool(pl) for pl in dec]
@@ -224,6 +225,22 @@ def test_transfer_built_for_another_layout_is_rejected():
     shifted = type(t)(t.prefill_rank, t.decode_rank, t.src_head_start, 0, t.num_heads, t.global_head_start)
     with pytest.raises(PlanError, match="dst local head 0 is global head 0, but the transfer starts at global head 4"):
         plan_pair(shifted, g.placement(2, 1), g.placement(1, 0), [0], [0])
+
+
+def test_a_pool_of_every_head_is_read_at_the_owned_heads_places():
+    """From a prefill rank whose pool holds every head (``all_heads``), the plan's heads are
+    rebased into the pool (rank 1 of 2 owns heads 4..7: pool heads 4..7); a transfer of heads
+    the rank does not own is refused, though its pool holds them; the plan's own (rebased)
+    transfer plans again unchanged."""
+    g = KVGeometry(num_layers=1, total_kv_heads=8, head_dim=8)
+    t = plan_tp(8, 2, 1).transfers[1]
+    assert (t.src_head_start, t.global_head_start) == (0, 4)
+    pair = plan_pair(t, g.placement(2, 1, all_heads=True), g.placement(1, 0), [0], [0], path="staged")
+    assert (pair.transfer.src_head_start, pair.transfer.dst_head_start) == (4, 4)
+    assert plan_pair(pair.transfer, pair.src, pair.dst, [0], [0], path="staged").transfer == pair.transfer
+    stolen = type(t)(1, 0, 0, 0, 4, 0)  # heads 0..3 (prefill rank 0's) from rank 1
+    with pytest.raises(PlanError, match=r"src heads \[0, 4\) \(global\) are not owned by src rank 1 of 2"):
+        plan_pair(stolen, g.placement(2, 1, all_heads=True), g.placement(1, 0), [0], [0])
 
 
 def test_incompatible_geometries_are_rejected_before_planning():
