@@ -302,7 +302,7 @@ class BootstrapServer:
             )
             if pool == msg.kv_pool:
                 names += ("geometry", "draft_geometry") if pp == msg.pp_rank else ()
-                names += ("state_pools",)
+                names += ("state_pools", "all_heads")
             theirs = f"rank {tp} of DP group {dp}" + (f", PP stage {pp}," if other.pp_size > 1 else "")
             theirs += f" CP rank {cp}" if other.cp_size > 1 else ""
             for name in names:
@@ -424,6 +424,7 @@ class BootstrapServer:
             dcp_size=first.dcp_size if first is not None else 1,
             cp_rank=cp_rank,
             cp_size=cp_size,
+            all_heads=first.all_heads if first is not None else False,
         )
 
     def close(self, timeout_s: float = 5.0) -> None:

@@ -101,6 +101,10 @@ class EngineConfig:
             send, each its share of a request's pages (SGLang's sharded prefill CP;
             registered with the bootstrap, a decode reads each share from its CP rank); 0 and
             1 where one rank per attention-TP rank sends every page.
+        all_heads: a prefill rank whose pool holds every KV head of the model while it sends
+            the heads of TP rank ``tp_rank`` of ``tp_size`` (SGLang's CP-TP group sharing:
+            CP rank r holds the whole KV and transfers as TP rank r). Registered with the
+            bootstrap, so a decode addresses the heads in that pool.
     """
 
     role: str
@@ -139,12 +143,17 @@ class EngineConfig:
     dcp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
+    all_heads: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role={self.role!r} must be 'prefill' or 'decode'")
         if not isinstance(self.geometry, KVGeometry):
             raise ValueError(f"geometry must be a KVGeometry, got {type(self.geometry).__name__}")
+        if not isinstance(self.all_heads, bool) or (self.all_heads and self.role != "prefill"):
+            raise ValueError(
+                f"all_heads={self.all_heads!r} must be a bool, and True only on a prefill (role={self.role!r})"
+            )
         self.geometry.placement(self.tp_size, self.tp_rank)  # validates (H, T) and the rank
         parse_host_port(self.bootstrap)
         for name in (
@@ -218,4 +227,4 @@ class EngineConfig:
 
     @property
     def placement(self) -> RankPlacement:
-        return self.geometry.placement(self.tp_size, self.tp_rank)
+        return self.geometry.placement(self.tp_size, self.tp_rank, self.all_heads)

@@ -175,7 +175,7 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
             for info in reply.ranks:
                 if info.tp_rank in candidates:
                     group.peers[info.tp_rank] = Peer(info.session, info.tp_rank, info.endpoint, now)
-                    group.placements[info.tp_rank] = geometry.placement(reply.tp_size, info.tp_rank)
+                    group.placements[info.tp_rank] = geometry.placement(reply.tp_size, info.tp_rank, reply.all_heads)
         try:
             self._export([group])
         except KVXferError as exc:

@@ -130,6 +130,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             dcp_size=self.config.dcp_size,
             cp_rank=self.config.cp_rank,
             cp_size=self.config.cp_size,
+            all_heads=self.config.all_heads,
         )
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         last, unanswered = "no answer", 0

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_kvxfer.errors import GeometryError, KVXferError
-from sglang_kvxfer.geometry import DTYPE_ITEMSIZE, KVGeometry, Layout, normalize_dtype, owned_heads
+from sglang_kvxfer.geometry import DTYPE_ITEMSIZE, KVGeometry, Layout, RankPlacement, normalize_dtype, owned_heads
 
 if TYPE_CHECKING:
     from sglang_kvxfer.integrations.sglang_state import StatePool
@@ -147,6 +147,9 @@ class ServerPlan:
     # a prefill of --attn-cp-size > 1 with SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER: every CP
     # rank sends its share of a request's pages (else CP rank 0 sends every page)
     cp_sharded: bool = False
+    # a prefill of --enable-cp-tp-group-sharing (the CP group is the TP group, attention TP 1):
+    # CP rank r holds every KV head and transfers as TP rank r of attn_cp_size
+    cp_tp_sharing: bool = False
 
     @property
     def dp_groups(self) -> int:
@@ -210,6 +213,9 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         if value != 1:
             raise _not_supported(flag, value, why)
     cp_sharded = attn_cp > 1 and _check_cp(server_args, attn_cp)
+    cp_tp = role == "prefill" and attn_cp > 1 and bool(_get(server_args, "enable_cp_tp_group_sharing", False))
+    if cp_tp:
+        cp_sharded = False  # (SGLang: CP-TP group sharing is not its all-CP-ranks transfer)
     if attn_dp > 1 and dp not in (1, attn_dp):
         raise _not_supported("--dp-size", dp, f"it must equal the attention-DP size {attn_dp} or be 1")
     # --dp-size without --enable-dp-attention: full TP replicas, each a DP group of its own
@@ -239,6 +245,17 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
             f"ServerArgs.dcp_size={dcp} does not divide the attention TP size {tp // attn_dp // attn_cp} "
             "(each attention-TP rank is DCP rank tp_rank % dcp_size)"
         )
+    if cp_tp:  # SGLang's own rules for it (cp_tp_group_sharing_hook), in case they were bypassed
+        if attn_cp != tp:
+            raise _not_supported(
+                "--enable-cp-tp-group-sharing",
+                True,
+                f"it needs --attn-cp-size == --tp-size (the CP group is the TP group), got attn_cp_size={attn_cp}, "
+                f"tp_size={tp}",
+            )
+        for flag, value in (("--pp-size", pp), ("--dcp-size", dcp)):
+            if value > 1:
+                raise _not_supported(flag, value, "with --enable-cp-tp-group-sharing (SGLang refuses it too)")
     device = _get(server_args, "device", None) or "cuda"  # None: SGLang auto-detects a GPU
     if device not in ("cpu", "cuda"):
         raise _not_supported("--device", device, "KV pools must be CPU or CUDA/ROCm GPU memory")
@@ -264,6 +281,7 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         dcp_size=dcp,
         api_port=_int("ServerArgs.port", _get(server_args, "port", 0) or 0, 0),
         cp_sharded=cp_sharded,
+        cp_tp_sharing=cp_tp,
     )
 
 
@@ -281,11 +299,6 @@ def force_query_prefill_dp_rank() -> bool:
 # Settings under which SGLang's prefill CP ranks each hold a share of a request's pages (or
 # state layers) and every CP rank sends it: not implemented here.
 _CP_SHARDED = (
-    (
-        "--enable-cp-tp-group-sharing",
-        "enable_cp_tp_group_sharing",
-        "CP ranks transfer as the TP ranks of a CP-1 prefill",
-    ),
     ("--enable-dsa-cache-layer-split", "enable_dsa_cache_layer_split", "each CP rank holds other DSA state layers"),
     ("--enable-kv-cache-sharding", "enable_kv_cache_sharding", "no CP rank holds a whole page"),
 )
@@ -507,6 +520,14 @@ class SglangLayout:
     num_draft_entries: int  # trailing draft-model entries of kv_data_ptrs (``draft``)
     draft: DraftLayout | None = None  # None without a draft model
     states: tuple[StatePool, ...] = ()  # extra per-request state (KVArgs.state_types), a pool each
+    # the KV pool holds every KV head while the rank transfers as TP rank tp_rank of tp_size
+    # (--enable-cp-tp-group-sharing; RankPlacement.all_heads)
+    all_heads: bool = False
+
+    @property
+    def placement(self) -> RankPlacement:
+        """The KV pool's placement."""
+        return self.geometry.placement(self.tp_size, self.tp_rank, self.all_heads)
 
 
 def _per_entry_dim(
@@ -643,6 +664,7 @@ def layout_from_kv_args(
     draft_dtype: str | None = None,
     swa_kv_heads: Callable[[], int] | None = None,
     dcp_size: int = 1,
+    cp_tp: int = 1,
 ) -> SglangLayout:
     """Translate ``KVArgs`` into a geometry, this rank's placement and its buffers.
 
@@ -661,6 +683,10 @@ def layout_from_kv_args(
             un-sharded KV head count (the model's config).
         dcp_size: a decode's ``--dcp-size``: its draft pool is not split over DCP ranks and
             has pages of ``page_size * dcp_size`` tokens (SGLang's virtual page).
+        cp_tp: a prefill's CP ranks under ``--enable-cp-tp-group-sharing`` (1: off): the KV
+            pool holds every KV head (attention TP ``tp_size`` is 1), and the rank transfers
+            as TP rank ``engine_rank % cp_tp`` of ``cp_tp`` (``all_heads``), its extra state
+            sharded over that TP group (linear attention keeps its TP partition).
 
     Extra per-request state (``state_types``: mamba, swa, dsa) becomes ``states``, a pool
     each (``sglang_state``); any other type is refused naming it.
@@ -689,7 +715,20 @@ def layout_from_kv_args(
             f"{main} main entries, expected {'one per layer' if mla else 'K and V of every layer (an even count)'}"
         )
     page_size = _int("KVArgs.page_size", _get(args, "page_size", None), 1)
-    rank = _int("KVArgs.engine_rank", _get(args, "engine_rank", None), 0) % tp_size
+    engine_rank = _int("KVArgs.engine_rank", _get(args, "engine_rank", None), 0)
+    rank = engine_rank % tp_size
+    if cp_tp > 1:
+        if tp_size != 1:
+            raise GeometryError(
+                f"--enable-cp-tp-group-sharing over {cp_tp} CP ranks needs an attention TP size of 1, got {tp_size}"
+            )
+        if draft:
+            raise _not_supported(
+                "KVArgs.num_draft_entries",
+                draft,
+                "a draft model's KV with --enable-cp-tp-group-sharing is not implemented (SGLang refuses "
+                "--speculative-algorithm with it for every model that can use another backend)",
+            )
     if mla:
         heads_total, local = 1, 1
     else:
@@ -738,6 +777,8 @@ def layout_from_kv_args(
         )
     from sglang_kvxfer.integrations.sglang_state import states_from_kv_args  # it builds on this module
 
+    if cp_tp > 1:  # transfers as TP rank engine_rank % cp_tp, its pool holding every head
+        tp_size, rank = cp_tp, engine_rank % cp_tp
     states = states_from_kv_args(
         args, tp_size=tp_size, rank=rank, mla=mla, dtype=dtype, page_size=page_size, swa_kv_heads=swa_kv_heads
     )
@@ -747,5 +788,14 @@ def layout_from_kv_args(
         tuple(_get(args, "aux_item_lens", None) or ()),
     )
     return SglangLayout(
-        geometry, tp_size, rank, tuple(ptrs[:main]), tuple(lens[:main]), aux, draft, draft_layout, states
+        geometry,
+        tp_size,
+        rank,
+        tuple(ptrs[:main]),
+        tuple(lens[:main]),
+        aux,
+        draft,
+        draft_layout,
+        states,
+        all_heads=cp_tp > 1,
     )

@@ -131,7 +131,8 @@ def _row_digests(place: RankPlacement, ptrs: Sequence[int], rows: np.ndarray) ->
         raise ValueError(f"KV checksums read NHD pools; this pool is {g.layout}")
     if len(ptrs) != g.num_buffers:
         raise ValueError(f"{len(ptrs)} buffer addresses for a geometry of {g.num_buffers} buffers")
-    heads = list(place.heads)
+    heads = list(place.heads)  # (a pool of every head, all_heads: the owned ones, at their places in it)
+    first = place.heads.start - place.stored_heads.start
     crc = [0] * len(heads)
     for b, ptr in enumerate(ptrs):
         shape = place.buffer_shape(b)
@@ -139,7 +140,7 @@ def _row_digests(place: RankPlacement, ptrs: Sequence[int], rows: np.ndarray) ->
         view = _buffer(ptr, shape[0] * shape[1] * dim_bytes).reshape(shape[0], shape[1], dim_bytes)
         picked = view[rows]  # [tokens, local heads, dim bytes], a copy
         for j in range(len(heads)):
-            crc[j] = zlib.crc32(np.ascontiguousarray(picked[:, j, :]).reshape(-1).data, crc[j])
+            crc[j] = zlib.crc32(np.ascontiguousarray(picked[:, first + j, :]).reshape(-1).data, crc[j])
     return dict(zip(heads, crc))
 
 

@@ -110,6 +110,9 @@ class PrefillInfo:
     state_pools: tuple[str, ...] = ()  # the prefill's extra per-request state pools (sglang_state)
     prefill_http_port: int | None = None  # the prefill server's --port (PD retraction's recompute)
     dcp_size: int = 1  # the prefill's --dcp-size (1, or this decode's: page for page)
+    # the prefill's ranks hold every KV head and each sends those of its TP rank
+    # (--enable-cp-tp-group-sharing): a rank's digest covers more than its TP rank's heads
+    all_heads: bool = False
 
 
 def role_of(mode: Any) -> str:

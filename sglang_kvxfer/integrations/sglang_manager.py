@@ -189,6 +189,7 @@ class KVXferKVManager(BaseKVManager):
             draft_dtype=None if str(draft_dtype or "auto").lower() == "auto" else kv_dtype(draft_dtype),
             swa_kv_heads=lambda: seam("_model_swa_kv_heads")(server_args),
             dcp_size=self.plan.dcp_size,
+            cp_tp=self.plan.attn_cp_size if self.plan.cp_tp_sharing else 1,
         )
         self.dcp_size, self.dcp_rank = self.plan.dcp_size, self.layout.tp_rank % self.plan.dcp_size
         if self.dcp_size > 1:
@@ -212,8 +213,17 @@ class KVXferKVManager(BaseKVManager):
         # a hybrid MLA model (SGLang's cp_sharded_prefill), every CP rank registers as CP rank
         # c and sends its share of each request's pages (cp_page_share); the state, the same
         # on every CP rank, comes from CP rank 0.
+        # With --enable-cp-tp-group-sharing (the CP group is the TP group), CP rank r holds
+        # every KV head and its share of the linear-attention state, and transfers as TP rank r
+        # of a CP-1 prefill (the layout says so: all_heads), as SGLang's own backends register it.
         self.cp_rank = self.plan.cp_rank(int(args.engine_rank))
-        self.cp_sharded = prefill and self.plan.attn_cp_size > 1 and (self.plan.cp_sharded or self.hybrid_mla)
+        self.cp_tp_sharing = prefill and self.plan.cp_tp_sharing
+        self.cp_sharded = (
+            prefill
+            and self.plan.attn_cp_size > 1
+            and not self.cp_tp_sharing
+            and (self.plan.cp_sharded or self.hybrid_mla)
+        )
         if self.cp_sharded and self.dcp_size > 1:
             raise _not_supported(
                 "--dcp-size",
@@ -222,7 +232,7 @@ class KVXferKVManager(BaseKVManager):
                 "(SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, or a hybrid MLA model), and a prefill's own DCP with "
                 "it is not implemented (a decode's --dcp-size is; SGLang refuses --dcp-size with --enable-prefill-cp)",
             )
-        self.is_dummy_cp_rank = prefill and self.cp_rank > 0 and not self.cp_sharded
+        self.is_dummy_cp_rank = prefill and self.cp_rank > 0 and not self.cp_sharded and not self.cp_tp_sharing
         self.enable_all_cp_ranks_for_transfer = self.cp_sharded
         self.config = EngineConfig(
             self.role,
@@ -247,12 +257,18 @@ class KVXferKVManager(BaseKVManager):
             dcp_size=self.dcp_size,
             cp_rank=self.cp_rank if self.cp_sharded else 0,
             cp_size=self.plan.attn_cp_size if self.cp_sharded else 1,
+            all_heads=lay.all_heads,
         )
         # The draft model's pool: a manager of its own, registered under kv_pool="draft".
         self.draft_config: EngineConfig | None = None
         if draft is not None:  # (with PP: the last stage's, registered there with the draft's own layers)
             self.draft_config = dataclasses.replace(
-                self.config, geometry=draft.geometry, kv_pool="draft", draft_geometry=None, layer_start=0
+                self.config,
+                geometry=draft.geometry,
+                kv_pool="draft",
+                draft_geometry=None,
+                layer_start=0,
+                all_heads=False,
             )
         self._device = device
         self.engine: RankBase | None = None
@@ -312,6 +328,7 @@ class KVXferKVManager(BaseKVManager):
         if self.plan.attn_cp_size > 1:
             where += f", attention CP rank {self.cp_rank}/{self.plan.attn_cp_size}"
             where += " (sends its share of each request's pages)" if self.cp_sharded else ""
+            where += " (holds every KV head, sends those of its TP rank)" if self.cp_tp_sharing else ""
         if self.is_dummy_cp_rank:
             log.info(
                 "kvxfer prefill rank %d/%d%s: a CP replica, sends nothing (CP rank 0 sends every page)",
@@ -365,7 +382,9 @@ class KVXferKVManager(BaseKVManager):
 
     def _state_config(self, geometry: KVGeometry, name: str) -> EngineConfig:
         """The engine config of a state pool's manager (registered under ``kv_pool=name``)."""
-        return dataclasses.replace(self.config, geometry=geometry, kv_pool=name, draft_geometry=None, state_pools=())
+        return dataclasses.replace(
+            self.config, geometry=geometry, kv_pool=name, draft_geometry=None, state_pools=(), all_heads=False
+        )
 
     def _pp_stage(self, args: KVArgs) -> tuple[int, int, int]:
         """``(pp_size, pp_rank, first layer of this rank's pool)`` from SGLang's ``--pp-size``
@@ -544,6 +563,7 @@ class KVXferKVManager(BaseKVManager):
             follow_bootstrap_room=topo.follows_room,
             prefill_http_port=topo.api_port or None,
             dcp_size=topo.dcp_size,
+            all_heads=topo.all_heads,
         )
         return True
 
@@ -722,10 +742,12 @@ class KVXferKVManager(BaseKVManager):
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         # A decode rank of another TP width receives a slice of what the prefill digested; a
         # decode of PP 1 receives every stage's layers, where each stage digested its own; a
-        # decode DCP rank of a prefill of DCP 1 every N-th token of its pages.
+        # decode DCP rank of a prefill of DCP 1 every N-th token of its pages; a prefill rank
+        # of CP-TP group sharing holds (and digests) every head, the decode rank a TP share.
         info = self.prefill_info_table.get(bootstrap_addr)
         return (
             info is not None
+            and not info.all_heads
             and info.attn_tp_size == self.layout.tp_size
             and info.pp_size == self.pp_size
             and info.dcp_size == self.dcp_size

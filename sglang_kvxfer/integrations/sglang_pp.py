@@ -324,6 +324,7 @@ class PrefillTopology:
     api_port: int = 0  # the prefill server's HTTP port (0: not registered)
     dcp_size: int = 1  # the prefill's --dcp-size
     cp_size: int = 1  # the prefill's CP ranks that send, each its share of a request's pages
+    all_heads: bool = False  # its ranks' pools hold every KV head (--enable-cp-tp-group-sharing)
 
 
 class TopologyLookup:
@@ -414,6 +415,7 @@ class TopologyLookup:
             api_port=first.api_port,
             dcp_size=first.dcp_size,
             cp_size=first.cp_size,
+            all_heads=first.all_heads,
         )
 
     def close(self) -> None:

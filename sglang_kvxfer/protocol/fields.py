@@ -82,7 +82,7 @@ __all__ = [
 # its decode-context-parallel size (dcp_size); 11: prefill registrations, queries, leaves and
 # bootstrap replies name an attention-CP rank (cp_rank; registrations and replies cp_size: the
 # CP ranks that send, each its share of a request's pages).
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name
 MAX_ENDPOINT_CHARS = 256  # "tcp://host:port"

@@ -219,6 +219,10 @@ class PrefillRegister(Message):
     # 1: one rank per attention-TP rank sends every page)
     cp_rank: CpRank = 0
     cp_size: CpSize = 1
+    # protocol 12: the rank's pool holds every KV head of the model while it sends the heads
+    # of TP rank tp_rank of tp_size (SGLang's CP-TP group sharing: prefill CP rank r holds the
+    # whole KV and transfers as TP rank r of a CP-1 prefill)
+    all_heads: Bool = False
 
     def _validate(self) -> None:
         _rank_below_size(self)
@@ -328,6 +332,7 @@ class BootstrapReply(Message):
     # that send, each its share of a request's pages; 1: one)
     cp_rank: CpRank = 0
     cp_size: CpSize = 1
+    all_heads: Bool = False  # protocol 12: the registered ranks' pools hold every KV head
 
     def _validate(self) -> None:
         if self.kv_pool and self.draft_geometry is not None:

@@ -127,3 +127,24 @@ def test_cp_fields_are_checked():
         EngineConfig("prefill", geo, 1, 0, "127.0.0.1:1", cp_size=0)
     with pytest.raises(Exception, match="cp_rank"):
         _msg(0, 2, cp_size=2)
+
+
+def test_pools_of_every_head_are_told_to_the_decode_and_must_agree():
+    """Protocol 12 (CP-TP group sharing): ranks whose pools hold every KV head register
+    ``all_heads``; the reply carries it, so a decode addresses heads in those pools; a rank of
+    the same pool that says otherwise is refused naming both; a state pool of the same ranks
+    (their TP share) registers without it."""
+    with BootstrapServer("127.0.0.1", 0, key="off") as srv:
+        addr = srv.address
+        bootstrap.request(addr, dataclasses.replace(_msg(0, 0, cp_size=1), all_heads=True), timeout_s=5.0, key=b"")
+        reply = bootstrap.request(addr, _msg(1, 0, cp_size=1), timeout_s=5.0, key=b"")
+        assert not reply.ready
+        assert reply.reason == (
+            "prefill rank 1 of DP group 0 registers all_heads=False but rank 0 of DP group 0 registered all_heads=True"
+        )
+        state = dataclasses.replace(_msg(1, 0, cp_size=1), kv_pool="state:mamba.0", session="p0.0.0")
+        assert "all_heads" not in bootstrap.request(addr, state, timeout_s=5.0, key=b"").reason  # another pool
+        bootstrap.request(addr, dataclasses.replace(_msg(1, 0, cp_size=1), all_heads=True), timeout_s=5.0, key=b"")
+        got = _query(addr)
+        assert got.ready and got.all_heads and got.tp_size == 2
+        assert srv.registered() == {0: "p0.0.0", 1: "p0.0.1"}

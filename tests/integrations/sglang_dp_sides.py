@@ -23,6 +23,11 @@ What DP adds to that order, from SGLang's own code:
   CP rank whose share it is. Toward a decode with ``--dcp-size N`` (``dcp``), whose pages hold
   ``page_size * N`` tokens, kvxfer splits the decode's page list that way instead and each
   CP rank sends its share's tokens (N prefill pages per decode page); the pools here follow.
+  With ``--enable-cp-tp-group-sharing`` (``cp_tp``: ``--tp C --attn-cp-size C``, attention
+  TP 1) CP rank c holds every KV head and its TP share of the linear-attention state, and
+  transfers as TP rank c of C: here its pool holds the oracle in the heads TP rank c of C owns
+  and its own poison in the others, so every decode byte matching the oracle shows each head
+  came from its owner (SGLang's forward writes every head on every CP rank).
 * decode: ``engine_rank = tp_rank % attn_tp``; each decode DP group serves the requests its
   own controller gives it; ``_resolve_prefill_dp_rank`` picks the prefill group: the
   router's rank, else ``0`` for ``dp_size == 1``, else ``bootstrap_room % dp_size`` (read from
@@ -84,6 +89,7 @@ class DpSpec:
     # the decode's --dcp-size (MLA: each DCP rank holds every dcp-th token in pages of
     # page_size * dcp tokens); on the prefill side, the decode's, which decides the CP shares
     dcp: int = 1
+    cp_tp: bool = False  # prefill --enable-cp-tp-group-sharing (attn_tp 1, cp = tp)
 
 
 def poison(group: int) -> int:
@@ -185,6 +191,8 @@ def _dp_server_args(spec: DpSpec, port: int):
         extra["disaggregation_enable_kv_checksum"] = True
     if cp > 1:
         extra["attn_cp_size"] = cp
+    if spec.cp_tp and spec.role == "prefill":
+        extra["enable_cp_tp_group_sharing"] = True
     if spec.role == "decode" and spec.dcp > 1:
         extra["dcp_size"] = spec.dcp
     return server_args(sides.MODEL_PATH, spec.role, spec.attn_tp * spec.dp * cp, port, **extra)
@@ -217,7 +225,7 @@ def _prefill(spec: DpSpec, closers: list) -> dict:
         mgrs = []
         for c in range(spec.cp):
             for r in range(spec.attn_tp):
-                mem = rank_memory(m, spec.attn_tp, r, "prefill")
+                mem = rank_memory(m, spec.attn_tp, r, "prefill", state_tp=(spec.cp, c) if spec.cp_tp else None)
                 _place_rank(spec, mem.kv_args, g, c, r)
                 for _, views, _ in pools_of(m, mem):
                     for view in views:
@@ -320,7 +328,7 @@ def _forward_and_send(spec: DpSpec, w: dict, cp_mems) -> None:
         first = a // ps
         # this chunk's forward: its pages' rows of the group's KV, on CP rank 0 (the replicas
         # keep their poison) or, with every CP rank sending, on each CP rank in its share only
-        for c, mems in enumerate(cp_mems if spec.cp_sharded else cp_mems[:1]):
+        for c, mems in enumerate(cp_mems if spec.cp_sharded or spec.cp_tp else cp_mems[:1]):
             held = range(first, -(-b // ps))
             if spec.cp_sharded:
                 share = cp_share(len(w["pages"]), c, spec.cp, spec.dcp)
@@ -329,13 +337,21 @@ def _forward_and_send(spec: DpSpec, w: dict, cp_mems) -> None:
                 for (pm, views, _), oracle in zip(pools_of(m, mem), oracles):
                     sub = DpOracle.__new__(DpOracle)
                     sub.rows = [full[held.start * ps : held.stop * ps] for full in oracle.rows]
+                    heads = heads_of(pm, spec.attn_tp, r)
+                    if spec.cp_tp:  # (a pool of every head: the oracle in TP rank c's, at their places)
+                        heads = heads_of(pm, spec.cp, c)
+                        sub.rows = [np.zeros_like(x) + replica_poison(w["group"], c) for x in sub.rows]
+                        for x, full in zip(sub.rows, oracle.rows):
+                            x[:, heads] = full[held.start * ps : held.stop * ps][:, heads]
+                        heads = list(range(views[0].shape[1]))
                     if len(held):
-                        place(pm, views, heads_of(pm, spec.attn_tp, r), sub, w["pages"][held.start : held.stop])
-                if last and c == 0:
+                        place(pm, views, heads, sub, w["pages"][held.start : held.stop])
+                if last and (c == 0 or spec.cp_tp):
                     for name, row in sides.aux_rows(m, req.room).items():
                         mem.meta[name][w["slot"]] = row
-                    if m.state is not None:  # (the other CP ranks' state rows stay zero here)
-                        state_env.fill(m, spec.attn_tp, r, mem.extra["state"], req.room, w["state"], w["pages"], 0)
+                    if m.state is not None:  # (CP replicas' state rows stay zero here; CP-TP: its shard)
+                        tp, rank = (spec.cp, c) if spec.cp_tp else (spec.attn_tp, r)
+                        state_env.fill(m, tp, rank, mem.extra["state"], req.room, w["state"], w["pages"], 0)
         chunk = w["pages"][first : -(-b // ps)]
         state_indices = None
         if last:

@@ -198,11 +198,13 @@ def metadata_buffers(model: Model):
     }
 
 
-def rank_memory(model: Model, tp: int, rank: int, role: str) -> RankMemory:
+def rank_memory(model: Model, tp: int, rank: int, role: str, state_tp: tuple[int, int] | None = None) -> RankMemory:
     """KV buffers as ``MHATokenToKVPool``/``MLATokenToKVPool`` allocate them (NHD,
     ``size + page_size`` rows per layer; K of every layer then V in ``kv_data_ptrs``), the
     metadata buffers, and ``KVArgs`` filled the way SGLang's ``_init_kv_manager`` of
-    ``role`` fills it (the decode side sets no head counts)."""
+    ``role`` fills it (the decode side sets no head counts). ``state_tp``: the ``(TP size,
+    rank)`` the extra state is sharded by when it is not the KV's (CP-TP group sharing: KV of
+    attention TP 1, linear attention over the whole TP group)."""
     import torch
 
     base, _ = import_sglang_base()
@@ -263,7 +265,7 @@ def rank_memory(model: Model, tp: int, rank: int, role: str) -> RankMemory:
         from tests.integrations import sglang_state_env
 
         defs = load_utils_defs(("append_state_component",))
-        mem.extra["state"] = sglang_state_env.attach(model, tp, rank, args, defs)
+        mem.extra["state"] = sglang_state_env.attach(model, *(state_tp or (tp, rank)), args, defs)
     return mem
 
 

@@ -315,7 +315,8 @@ def test_pipeline_parallel_plan():
         (dict(dp_size=4, attn_dp_size=2), "decode", "--dp-size=4"),
         (dict(tp_size=2, attn_cp_size=2), "decode", "--attn-cp-size=2"),  # SGLang's decode asserts CP 1 too
         # CP ranks that hold different pages (sharded CP): every CP rank would send
-        (dict(tp_size=2, attn_cp_size=2, enable_cp_tp_group_sharing=True), "prefill", "--enable-cp-tp-group-sharing"),
+        (dict(tp_size=4, attn_cp_size=2, enable_cp_tp_group_sharing=True), "prefill", "--enable-cp-tp-group-sharing"),
+        (dict(tp_size=2, attn_cp_size=2, pp_size=2, enable_cp_tp_group_sharing=True), "prefill", "--pp-size=2"),
         (dict(tp_size=2, attn_cp_size=2, enable_dsa_cache_layer_split=True), "prefill", "--enable-dsa-cache-layer"),
         (dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True), "prefill", "--enable-kv-cache-sharding"),
         (
@@ -329,6 +330,19 @@ def test_pipeline_parallel_plan():
 def test_unsupported_server_settings_name_the_flag(over, role, flag):
     with pytest.raises(KVXferError, match="does not support " + flag.replace("[", r"\[")):
         plan_from_server_args(server(**over), role)
+
+
+def test_cp_tp_group_sharing_is_a_prefill_of_attention_tp_1_over_its_cp_ranks(monkeypatch):
+    """--enable-cp-tp-group-sharing (--tp C --attn-cp-size C): attention TP 1, C CP ranks,
+    not SGLang's all-CP-ranks transfer even with its variable set; a decode ignores the flag
+    (SGLang refuses it there); the refusal for --tp 4 --attn-cp-size 2 names both sizes."""
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+    plan = plan_from_server_args(server(tp_size=2, attn_cp_size=2, enable_cp_tp_group_sharing=True), "prefill")
+    assert (plan.attn_tp_size, plan.attn_cp_size, plan.cp_tp_sharing, plan.cp_sharded) == (1, 2, True, False)
+    assert plan.cp_rank(1) == 1
+    assert not plan_from_server_args(server(tp_size=2, enable_cp_tp_group_sharing=True), "prefill").cp_tp_sharing
+    with pytest.raises(KVXferError, match=r"attn_cp_size=2, tp_size=4"):
+        plan_from_server_args(server(tp_size=4, attn_cp_size=2, enable_cp_tp_group_sharing=True), "prefill")
 
 
 def test_a_dcp_size_must_divide_the_attention_tp_size():

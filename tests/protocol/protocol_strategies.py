@@ -114,6 +114,7 @@ def prefill_registers(draw):
         pp_size=pp_size,
         layer_start=layer_start,
         follows_room=draw(st.booleans()),
+        all_heads=draw(st.booleans()),
     )
 
 
@@ -130,6 +131,7 @@ def bootstrap_replies(draw):
     pp = dict(pp_rank=pp_rank, pp_size=pp_size, layer_start=layer_start, pp_stages=stages)
     pp["state_pools"] = () if pool else tuple(draw(state_pool_lists))
     pp["follows_room"] = draw(st.booleans())
+    pp["all_heads"] = draw(st.booleans())
     pp["room_groups"] = tuple(draw(st.lists(st.tuples(room_ids, st.integers(0, 1023)), max_size=8)))
     if draw(st.booleans()):
         ranks = [PrefillRankInfo(r, draw(endpoints), draw(names)) for r in range(size)]
