@@ -124,12 +124,24 @@ def allocate(m, requests, dcp: int, seed: int) -> list:
     return out
 
 
+def state_rows(m, pages, tokens: int, dcp: int) -> np.ndarray:
+    """A DCP decode's DSA indexer rows of a request, in order: one row per ``page_size``
+    tokens of its page ids of ``page_size * dcp`` tokens (SGLang's ``suffix_page_indices`` at
+    the pool's page size over the widened id space: row ``page * dcp + j`` for the ``j``-th
+    ``page_size`` tokens of a page), as many as the request has ``page_size`` pages."""
+    rows = (np.asarray(pages, dtype=np.int64)[:, None] * dcp + np.arange(dcp)).reshape(-1)
+    return rows[: -(-tokens // m.page_size)]
+
+
 def dcp_memory(m, tp: int, rank: int, dcp: int, role: str = "decode"):
     """``rank_memory`` of a DCP rank: the draft pool re-made with pages of ``page_size * dcp``
-    rows (SGLang sizes it in virtual token slots)."""
+    rows (SGLang sizes it in virtual token slots); DSA indexer buffers re-made with a row per
+    ``page_size`` tokens of the widened id space, replicated on every DCP rank."""
     import torch
 
     mem = rank_memory(m, tp, rank, role)
+    if m.state is not None and "dsa" in m.state.kinds and dcp > 1:
+        _widen_dsa(m, mem, dcp)
     if m.draft is None:
         return mem
     dm = m.draft.model(m)
@@ -148,6 +160,21 @@ def dcp_memory(m, tp: int, rank: int, dcp: int, role: str = "decode"):
     args.kv_data_lens = args.kv_data_lens[:main_entries] + [t.nbytes for t in bufs]
     args.kv_item_lens = args.kv_item_lens[:main_entries] + [t[0].nbytes * m.page_size * dcp for t in bufs]
     return mem
+
+
+def _widen_dsa(m, mem, dcp: int) -> None:
+    """The DSA entries of ``mem``'s state re-made as SGLang sizes them under DCP (its
+    ``(size + page_size) * dcp`` token slots, a row of ``page_size`` tokens each), in place
+    in ``KVArgs.state_data_ptrs``/``state_data_lens``."""
+    import torch
+
+    args, kind = mem.kv_args, [str(getattr(t, "value", t)) for t in mem.kv_args.state_types].index("dsa")
+    rows = (m.pool_tokens + m.page_size) // m.page_size * dcp
+    old = mem.extra["state"].buffers["dsa"]
+    bufs = [torch.zeros((rows if b.shape[0] else 0, b.shape[1]), dtype=torch.uint8) for b in old]
+    mem.extra["state"].buffers["dsa"] = bufs
+    args.state_data_ptrs[kind] = [b.data_ptr() for b in bufs]
+    args.state_data_lens[kind] = [b.nbytes for b in bufs]
 
 
 def _reference(m, room: int, tokens: int, draft: bool = False):
@@ -229,7 +256,8 @@ def _decode(spec, closers: list) -> dict:
     addr = f"127.0.0.1:{spec.port}"
     span = m.page_size * dcp  # tokens of one decode page id
     pages = allocate(m, spec.requests, dcp, seed=2)
-    # (mamba state only: one slot per request, its channels split over attention TP as without DCP)
+    # (mamba: one slot per request, its channels split over attention TP as without DCP; DSA: the
+    # request's indexer rows, req['rows'])
     states = state_env.allocate(m, spec.requests, seed=12) if m.state is not None else None
     reqs = []
     for slot, (room, tokens, *rest) in enumerate(spec.requests):
@@ -237,6 +265,7 @@ def _decode(spec, closers: list) -> dict:
         prefix = rest[0] if rest else 0
         reqs.append({"room": room, "tokens": tokens, "slot": slot, "rxs": rxs, "pages": pages[slot], "prefix": prefix})
         reqs[-1]["state"] = states[slot] if states is not None else None
+        reqs[-1]["rows"] = state_rows(m, pages[slot], tokens, dcp)  # (DSA state: rows of page_size tokens)
     if spec.corrupt:
         _corrupt_first_landing(backend, spec, mgrs, mems, reqs[0])
     while not all(mgr.try_ensure_parallel_info(addr) for mgr in mgrs):
@@ -267,7 +296,7 @@ def _decode(spec, closers: list) -> dict:
                     for buf, want in zip(mem.draft_buffers, dref):
                         buf[req["pages"][t // span] * span + t % span] = want
         after = req["pages"][prefix // span :].astype(np.int32)
-        state_indices = [] if m.state is None else state_env.payload(m, req["state"], req["pages"], prefix)
+        state_indices = [] if m.state is None else state_env.payload(m, req["state"], req["rows"], prefix)
         for rx in req["rxs"]:
             rx.send_metadata(after, req["slot"], state_indices, decode_prefix_len=prefix)
 
@@ -299,7 +328,7 @@ def _decode(spec, closers: list) -> dict:
                 problems += _check_draft(m, mem, dcp, req, f"rank {r}")
             if m.state is not None:  # every state row of the request, on every rank
                 st = mem.extra["state"]
-                got = state_env.verify(m, spec.tp, r, st, req["room"], req["state"], req["pages"], req["prefix"])
+                got = state_env.verify(m, spec.tp, r, st, req["room"], req["state"], req["rows"], req["prefix"])
                 problems += [f"rank {r}: {p}" for p in got]
         results[req["room"]] = {"status": "Success", "problems": problems}
         verified[req["room"]] = [rx.kv_checksum_heads for rx in req["rxs"]]
@@ -307,7 +336,7 @@ def _decode(spec, closers: list) -> dict:
     pool_problems = [p for r, mem in enumerate(mems) for p in _check_rank(m, mem, dcp, r % dcp, landed, f"rank {r}")]
     control = [p for r, mem in enumerate(mems) for p in _check_rank(m, mem, dcp, (r + 1) % dcp, landed, f"rank {r}")]
     if m.state is not None:  # nothing landed in a state row no request was given
-        allocs, kv = [r["state"] for r in reqs], [r["pages"] for r in reqs]
+        allocs, kv = [r["state"] for r in reqs], [r["rows"] for r in reqs]
         pool_problems += [
             f"rank {r}: {p}"
             for r, mem in enumerate(mems)

@@ -86,6 +86,19 @@ def test_dcp_of_a_hybrid_mla_model_with_its_mamba_state(p, d):
     check(pre, dec, REQUESTS)
 
 
+@pytest.mark.parametrize("p, d", [(1, 2), (2, 4)])
+def test_dcp_of_a_dsa_model_with_its_indexer_rows(p, d):
+    """DeepSeek-V3.2's pools (an MLA latent and DSA indexer buffers, one with no indexer) with
+    a DCP 2 decode: the latent lands token by token on its DCP rank; the indexer rows, which
+    SGLang does not split over DCP ranks (one row per ``page_size`` tokens of the widened id
+    space, listed in order), land whole on every rank, row for row from the prefill's pages,
+    after a radix-cache prefix too; every row is compared, and no other row may change."""
+    m = mla(4, state=StateModel(kinds=("dsa",)))
+    requests = REQUESTS + [(0xDC9_0004, 41, 16)]
+    pre, dec = run(p, d, 2, m, requests, "tcp" if p == 2 else "local")
+    check(pre, dec, requests)
+
+
 @pytest.mark.parametrize("p, d, transport", [(2, 2, "local"), (4, 2, "tcp"), (2, 4, "local")])
 def test_equal_dcp_sizes_move_page_for_page_between_ranks_of_one_dcp_rank(p, d, transport):
     """A prefill of ``--dcp-size 2`` holds each request as the decode does (SGLang moves it
@@ -147,23 +160,28 @@ def test_a_byte_flipped_on_a_dcp_rank_fails_its_request_naming_the_checksums(wha
 
 
 @pytest.mark.parametrize(
-    "state, extra, why",
+    "role, state, why",
     [
-        (("dsa",), {}, r"extra per-request state \(state:dsa\) with DCP is not implemented \(mamba state is\)"),
+        ("prefill", ("dsa",), r"extra per-request state \(state:dsa\) with DCP is not implemented \(mamba state"),
+        ("decode", ("swa",), r"extra per-request state \(state:swa\) with DCP is not implemented \(mamba state"),
     ],
-    ids=["dsa-state"],
+    ids=["dsa-state-on-a-prefill", "swa-state"],
 )
-def test_what_dcp_does_not_move_is_refused_at_construction_naming_it(monkeypatch, state, extra, why):
-    """In process: a DCP decode manager with DSA state (its indexer pages would be split over
-    the DCP ranks token by token; SWA state likewise) is refused naming --dcp-size and why."""
+def test_what_dcp_does_not_move_is_refused_at_construction_naming_it(monkeypatch, role, state, why):
+    """In process: a DCP manager with SWA state (its pages would be split over the DCP ranks
+    token by token; SGLang refuses an SWA pool with PD DCP too), or a prefill of DCP N with
+    DSA state (a decode's is moved row for row; a prefill's is not implemented), is refused
+    naming --dcp-size and why."""
     from sglang_kvxfer.errors import KVXferError
     from sglang_kvxfer.integrations import sglang as backend
     from tests.integrations.sglang_env import load_utils_defs, rank_memory, server_args
 
     for name, value in sides.ENV.items():
         monkeypatch.setenv(name, value)
-    m = mla(4, state=StateModel(kinds=state)) if state else mla(4)
-    mem = rank_memory(m, 2, 0, "decode")
-    sa = server_args("m", "decode", 2, free_port(), dcp_size=2, **extra)
+    m = mla(4, state=StateModel(kinds=state))
+    monkeypatch.setattr(backend, "_model_swa_kv_heads", lambda server_args: m.state.swa_heads)
+    mem = rank_memory(m, 2, 0, role)
+    sa = server_args("m", role, 2, free_port(), dcp_size=2)
+    mode = getattr(load_utils_defs().DisaggregationMode, role.upper())
     with pytest.raises(KVXferError, match=r"does not support --dcp-size=2: " + why):
-        backend.KVXferKVManager(mem.kv_args, load_utils_defs().DisaggregationMode.DECODE, sa, m.is_mla_backend)
+        backend.KVXferKVManager(mem.kv_args, mode, sa, m.is_mla_backend)
