@@ -140,16 +140,13 @@ def _check_dcp(mgr: KVXferKVManager) -> None:
     holding every dcp_size-th token of a request): what this backend does not move with it
     is refused by name. (The KV checksum is digested per token phase.)"""
     # mamba state is per request slot, its channels split over attention TP as without DCP
-    # (Kimi-Linear); a decode's DSA indexer rows are not split over DCP ranks either (SGLang
-    # replicates them, one row per page_size tokens of the widened id space, and lists the
-    # request's rows in order as a prefill of DCP 1 does), so they move row for row. SWA
-    # pages would be split token by token (SGLang refuses an SWA pool with PD DCP too).
-    refused = [p.name for p in mgr.layout.states if p.kind == "swa" or (p.kind == "dsa" and mgr.role == "prefill")]
+    # (Kimi-Linear); DSA indexer rows are not split over DCP ranks either (SGLang replicates
+    # them, one row per page_size tokens of the widened id space, and lists a request's rows
+    # in order, as a prefill of DCP 1 lists its pages), so they move row for row. SWA pages
+    # would be split token by token (SGLang refuses an SWA pool with PD DCP too).
+    refused = [p.name for p in mgr.layout.states if p.kind == "swa"]
     if refused:
-        why = (
-            f"extra per-request state ({describe(refused)}) with DCP is not implemented (mamba state is, and DSA "
-            "state on a decode)"
-        )
+        why = f"extra per-request state ({describe(refused)}) with DCP is not implemented (mamba and DSA state are)"
         raise _not_supported("--dcp-size", mgr.dcp_size, why)
 
 

@@ -65,6 +65,7 @@ def _prefill(spec, closers: list) -> dict:
         mgr.register_to_bootstrap()
     span = m.page_size * dcp
     pages = allocate(m, spec.requests, dcp, seed=1)
+    states = state_env.allocate(m, spec.requests, seed=11) if m.state is not None else None
     reqs, results = [], {}
     for slot, (room, tokens, *_) in enumerate(spec.requests):
         senders = [
@@ -72,6 +73,8 @@ def _prefill(spec, closers: list) -> dict:
             for mgr in mgrs
         ]
         reqs.append({"room": room, "tokens": tokens, "slot": slot, "senders": senders, "pages": pages[slot]})
+        reqs[-1]["state"] = states[slot] if states is not None else None
+        reqs[-1]["rows"] = state_rows(m, pages[slot], tokens, dcp)  # (DSA state: rows of page_size tokens)
 
     def failed(req):
         results[req["room"]] = {"status": "Failed", "reasons": sides._failure(req["senders"])}
@@ -98,13 +101,19 @@ def _prefill(spec, closers: list) -> dict:
                     for buf, want in zip(mem.draft_buffers, dref):
                         buf[req["pages"][t // span] * span + t % span] = want[t]
             last = b == req["tokens"]
+            state_indices: list | None = [] if last else None
             if last:
                 for mem in mems:
                     for name, row in sides.aux_rows(m, req["room"]).items():
                         mem.meta[name][req["slot"]] = row
+                if m.state is not None:  # the state rows, final after the last chunk's forward
+                    rows, first = req["rows"], req["prefix"]
+                    for r, mem in enumerate(mems):
+                        state_env.fill(m, len(mems), r, mem.extra["state"], req["room"], req["state"], rows, first)
+                    state_indices = state_env.payload(m, req["state"], rows, first)
             chunk = req["pages"][a // span : -(-b // span)].astype(np.int32)
             for s in req["senders"]:
-                s.send(chunk, [] if last else None, num_kv_tokens=b - a)
+                s.send(chunk, state_indices, num_kv_tokens=b - a)
     for req in sides._wait(ready, lambda r: r["senders"], sides.SUCCESS, deadline, failed):
         results[req["room"]] = {"status": "Success"}
         for s in req["senders"]:

@@ -99,6 +99,16 @@ def test_dcp_of_a_dsa_model_with_its_indexer_rows(p, d):
     check(pre, dec, requests)
 
 
+def test_equal_dcp_sizes_move_dsa_indexer_rows_row_for_row():
+    """A prefill of ``--dcp-size 2`` with DSA state: its indexer rows (the widened id space, as
+    the decode's) go row for row beside its latent, page for page between ranks of one DCP
+    rank, after a radix-cache prefix too."""
+    m = mla(4, state=StateModel(kinds=("dsa",)))
+    requests = REQUESTS + [(0xDC9_0005, 41, 16)]
+    pre, dec = run(2, 2, 2, m, requests, prefill_dcp=2)
+    check(pre, dec, requests)
+
+
 @pytest.mark.parametrize("p, d, transport", [(2, 2, "local"), (4, 2, "tcp"), (2, 4, "local")])
 def test_equal_dcp_sizes_move_page_for_page_between_ranks_of_one_dcp_rank(p, d, transport):
     """A prefill of ``--dcp-size 2`` holds each request as the decode does (SGLang moves it
@@ -159,19 +169,13 @@ def test_a_byte_flipped_on_a_dcp_rank_fails_its_request_naming_the_checksums(wha
     assert dec["requests"][requests[1][0]] == {"status": "Success", "problems": []}
 
 
-@pytest.mark.parametrize(
-    "role, state, why",
-    [
-        ("prefill", ("dsa",), r"extra per-request state \(state:dsa\) with DCP is not implemented \(mamba state"),
-        ("decode", ("swa",), r"extra per-request state \(state:swa\) with DCP is not implemented \(mamba state"),
-    ],
-    ids=["dsa-state-on-a-prefill", "swa-state"],
-)
-def test_what_dcp_does_not_move_is_refused_at_construction_naming_it(monkeypatch, role, state, why):
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_what_dcp_does_not_move_is_refused_at_construction_naming_it(monkeypatch, role):
     """In process: a DCP manager with SWA state (its pages would be split over the DCP ranks
-    token by token; SGLang refuses an SWA pool with PD DCP too), or a prefill of DCP N with
-    DSA state (a decode's is moved row for row; a prefill's is not implemented), is refused
-    naming --dcp-size and why."""
+    token by token; SGLang refuses an SWA pool with PD DCP too) is refused naming --dcp-size
+    and why."""
+    state = ("swa",)
+    why = r"extra per-request state \(state:swa\) with DCP is not implemented \(mamba and DSA state are\)"
     from sglang_kvxfer.errors import KVXferError
     from sglang_kvxfer.integrations import sglang as backend
     from tests.integrations.sglang_env import load_utils_defs, rank_memory, server_args
