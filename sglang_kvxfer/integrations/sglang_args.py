@@ -150,6 +150,9 @@ class ServerPlan:
     # a prefill of --enable-cp-tp-group-sharing (the CP group is the TP group, attention TP 1):
     # CP rank r holds every KV head and transfers as TP rank r of attn_cp_size
     cp_tp_sharing: bool = False
+    # a prefill of --enable-dsa-cache-layer-split: each CP rank holds a contiguous share of the
+    # layers (KV and DSA indexer), every page of them, and sends them as a PP stage would
+    cp_layer_split: bool = False
 
     @property
     def dp_groups(self) -> int:
@@ -216,6 +219,7 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
     cp_tp = role == "prefill" and attn_cp > 1 and bool(_get(server_args, "enable_cp_tp_group_sharing", False))
     if cp_tp:
         cp_sharded = False  # (SGLang: CP-TP group sharing is not its all-CP-ranks transfer)
+    split = role == "prefill" and attn_cp > 1 and bool(_get(server_args, "enable_dsa_cache_layer_split", False))
     if attn_dp > 1 and dp not in (1, attn_dp):
         raise _not_supported("--dp-size", dp, f"it must equal the attention-DP size {attn_dp} or be 1")
     # --dp-size without --enable-dp-attention: full TP replicas, each a DP group of its own
@@ -256,6 +260,11 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         for flag, value in (("--pp-size", pp), ("--dcp-size", dcp)):
             if value > 1:
                 raise _not_supported(flag, value, "with --enable-cp-tp-group-sharing (SGLang refuses it too)")
+    if split:  # SGLang's own rules for it (model_hook), in case they were bypassed
+        for flag, value in (("--pp-size", pp), ("--enable-cp-tp-group-sharing", cp_tp)):
+            if value not in (1, False):
+                raise _not_supported(flag, value, "with --enable-dsa-cache-layer-split (SGLang refuses it too)")
+        cp_sharded = False  # every CP rank sends every page of its layers
     device = _get(server_args, "device", None) or "cuda"  # None: SGLang auto-detects a GPU
     if device not in ("cpu", "cuda"):
         raise _not_supported("--device", device, "KV pools must be CPU or CUDA/ROCm GPU memory")
@@ -282,6 +291,7 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         api_port=_int("ServerArgs.port", _get(server_args, "port", 0) or 0, 0),
         cp_sharded=cp_sharded,
         cp_tp_sharing=cp_tp,
+        cp_layer_split=split,
     )
 
 
@@ -298,10 +308,7 @@ def force_query_prefill_dp_rank() -> bool:
 
 # Settings under which SGLang's prefill CP ranks each hold a share of a request's pages (or
 # state layers) and every CP rank sends it: not implemented here.
-_CP_SHARDED = (
-    ("--enable-dsa-cache-layer-split", "enable_dsa_cache_layer_split", "each CP rank holds other DSA state layers"),
-    ("--enable-kv-cache-sharding", "enable_kv_cache_sharding", "no CP rank holds a whole page"),
-)
+_CP_SHARDED = (("--enable-kv-cache-sharding", "enable_kv_cache_sharding", "no CP rank holds a whole page"),)
 
 
 def _check_cp(server_args: Any, attn_cp: int) -> bool:

@@ -225,6 +225,7 @@ class KVXferKVManager(BaseKVManager):
             prefill
             and self.plan.attn_cp_size > 1
             and not self.cp_tp_sharing
+            and not self.plan.cp_layer_split
             and (self.plan.cp_sharded or self.hybrid_mla)
         )
         if self.cp_sharded and self.dcp_size > 1:
@@ -235,7 +236,10 @@ class KVXferKVManager(BaseKVManager):
                 "(SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, or a hybrid MLA model), and a prefill's own DCP with "
                 "it is not implemented (a decode's --dcp-size is; SGLang refuses --dcp-size with --enable-prefill-cp)",
             )
-        self.is_dummy_cp_rank = prefill and self.cp_rank > 0 and not self.cp_sharded and not self.cp_tp_sharing
+        # (with --enable-dsa-cache-layer-split each CP rank is a stage of its layers: _pp_stage)
+        self.is_dummy_cp_rank = (
+            prefill and self.cp_rank > 0 and not (self.cp_sharded or self.cp_tp_sharing or self.plan.cp_layer_split)
+        )
         self.enable_all_cp_ranks_for_transfer = self.cp_sharded
         self.config = EngineConfig(
             self.role,
@@ -291,7 +295,7 @@ class KVXferKVManager(BaseKVManager):
                 config = self._state_config(state.geometry, state.name)
                 state_pool = KVPool.from_pointers(config.placement, state.ptrs, state.lens, device)
                 self.state_engines.append((state, KVManager(config, state_pool)))
-            if prefill and self.pp_size > 1 and self.engine is not None:
+            if prefill and self.plan.pp_size > 1 and self.engine is not None:
                 # SGLang's PP prefill asks stage 0 whether a request is bootstrapped on every stage.
                 self.stage_status = StageStatus(
                     self.pp_rank,
@@ -323,12 +327,15 @@ class KVXferKVManager(BaseKVManager):
         self._slices: dict[tuple[str, int, int], tuple[DecodeManager, EngineConfig, tuple[int, ...]]] = {}
         dp, kind = self.plan.dp_groups, "attention DP" if self.plan.attn_dp_size > 1 else "DP replicas"
         where = f" of DP group {self.dp_rank}/{dp}" if prefill and dp > 1 else f" ({kind} {dp})" if dp > 1 else ""
-        if self.pp_size > 1:
+        if self.pp_size > 1 and self.plan.cp_layer_split:  # (a prefill: CP ranks as stages of layers)
+            where += f", attention CP rank {self.pp_rank}/{self.pp_size} of a DSA cache layer split"
+            where += f", layers [{layer_start}, {layer_start + lay.geometry.num_layers})"
+        elif self.pp_size > 1:
             span = f", layers [{layer_start}, {layer_start + lay.geometry.num_layers})" if prefill else ""
             if prefill and lay.states:  # a hybrid model: the KV pool holds some of the stage's layers
                 span = f", from layer {layer_start} ({lay.geometry.num_layers} full-attention KV layers)"
             where += f", PP stage {self.pp_rank}/{self.pp_size}{span}"
-        if self.plan.attn_cp_size > 1:
+        if self.plan.attn_cp_size > 1 and not self.plan.cp_layer_split:
             where += f", attention CP rank {self.cp_rank}/{self.plan.attn_cp_size}"
             where += " (sends its share of each request's pages)" if self.cp_sharded else ""
             where += " (holds every KV head, sends those of its TP rank)" if self.cp_tp_sharing else ""
@@ -397,7 +404,17 @@ class KVXferKVManager(BaseKVManager):
         rank = getattr(args, "pp_rank", 0) or 0
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
             raise KVXferError(f"KVArgs.pp_rank={rank!r} must be an int in [0, --pp-size={size})")
-        if size > 1 and self.layout.draft is not None and rank != size - 1:
+        if self.role == "prefill" and self.plan.cp_layer_split:
+            # --enable-dsa-cache-layer-split: each CP rank's pool holds a contiguous share of the
+            # layers (KVArgs list those only, from prefill_start_layer, the draft model's on the
+            # last CP rank), every page of them: it sends as a PP stage of its layers would.
+            size, rank = self.plan.attn_cp_size, self.plan.cp_rank(int(args.engine_rank))
+            if self.layout.draft is not None and rank != size - 1:
+                raise KVXferError(
+                    f"KVArgs of attention CP rank {rank} of {size} with --enable-dsa-cache-layer-split carry a {DRAFT} "
+                    f"(num_draft_entries={self.layout.num_draft_entries}): SGLang hands it to the last CP rank only"
+                )
+        elif size > 1 and self.layout.draft is not None and rank != size - 1:
             # SGLang 0.5.23 runs the draft model on the last PP stage only (EagleWorkerV2's
             # _hosts_draft), so only that stage appends a draft pool to its KVArgs.
             raise KVXferError(
@@ -409,7 +426,8 @@ class KVXferKVManager(BaseKVManager):
             return size, rank, 0
         start = getattr(args, "prefill_start_layer", None)
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise KVXferError(f"KVArgs.prefill_start_layer={start!r} must be an int >= 0 (PP stage {rank})")
+            what = f"CP rank {rank}, DSA cache layer split" if self.plan.cp_layer_split else f"PP stage {rank}"
+            raise KVXferError(f"KVArgs.prefill_start_layer={start!r} must be an int >= 0 ({what})")
         return size, rank, start
 
     @property

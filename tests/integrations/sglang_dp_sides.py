@@ -28,6 +28,10 @@ What DP adds to that order, from SGLang's own code:
   transfers as TP rank c of C: here its pool holds the oracle in the heads TP rank c of C owns
   and its own poison in the others, so every decode byte matching the oracle shows each head
   came from its owner (SGLang's forward writes every head on every CP rank).
+  With ``--enable-dsa-cache-layer-split`` (``cp_layer_split``, MLA) CP rank c's pools hold a
+  contiguous share of the layers (SGLang's ``get_layer_shard_range``; ``KVArgs`` list those
+  only, from ``prefill_start_layer``), latent and DSA indexer, every page of them; its
+  poison elsewhere shows a byte taken from another CP rank.
 * decode: ``engine_rank = tp_rank % attn_tp``; each decode DP group serves the requests its
   own controller gives it; ``_resolve_prefill_dp_rank`` picks the prefill group: the
   router's rank, else ``0`` for ``dp_size == 1``, else ``bootstrap_room % dp_size`` (read from
@@ -90,6 +94,7 @@ class DpSpec:
     # page_size * dcp tokens); on the prefill side, the decode's, which decides the CP shares
     dcp: int = 1
     cp_tp: bool = False  # prefill --enable-cp-tp-group-sharing (attn_tp 1, cp = tp)
+    cp_layer_split: bool = False  # prefill --enable-dsa-cache-layer-split (MLA: each CP rank its layers)
 
 
 def poison(group: int) -> int:
@@ -99,6 +104,26 @@ def poison(group: int) -> int:
 def replica_poison(group: int, cp_rank: int) -> int:
     """What a CP replica's pool holds (never written by the forward here)."""
     return 0x60 + 8 * group + cp_rank
+
+
+@functools.cache
+def _sglang_layer_shard_range():
+    return load_utils_defs(("get_layer_shard_range",), "layers/cp/utils.py").get_layer_shard_range
+
+
+def split_model(model: Model, cp: int, cp_rank: int) -> tuple[Model, int]:
+    """``(the model as CP rank cp_rank's pools hold it, its first layer)`` under
+    --enable-dsa-cache-layer-split: SGLang's contiguous share of the layers (the first
+    ``layers % cp`` ranks one more), the DSA indexer entries of the same layers."""
+    import dataclasses
+
+    start, stop = _sglang_layer_shard_range()(cp_rank, cp, model.num_layers)
+    state = model.state
+    if state is not None:
+        assert state.kinds == ("dsa",) and state.dsa_layers == model.num_layers, "a DSA model: an indexer per layer"
+        skip = tuple(i - start for i in state.dsa_skip if start <= i < stop)
+        state = dataclasses.replace(state, dsa_layers=stop - start, dsa_first=start, dsa_skip=skip)
+    return dataclasses.replace(model, num_layers=stop - start, state=state), start
 
 
 def heads_of(model: Model, attn_tp: int, rank: int) -> list[int]:
@@ -193,6 +218,8 @@ def _dp_server_args(spec: DpSpec, port: int):
         extra["attn_cp_size"] = cp
     if spec.cp_tp and spec.role == "prefill":
         extra["enable_cp_tp_group_sharing"] = True
+    if spec.cp_layer_split and spec.role == "prefill":
+        extra["enable_dsa_cache_layer_split"] = True
     if spec.role == "decode" and spec.dcp > 1:
         extra["dcp_size"] = spec.dcp
     return server_args(sides.MODEL_PATH, spec.role, spec.attn_tp * spec.dp * cp, port, **extra)
@@ -225,9 +252,12 @@ def _prefill(spec: DpSpec, closers: list) -> dict:
         mgrs = []
         for c in range(spec.cp):
             for r in range(spec.attn_tp):
-                mem = rank_memory(m, spec.attn_tp, r, "prefill", state_tp=(spec.cp, c) if spec.cp_tp else None)
+                pm, start = split_model(m, spec.cp, c) if spec.cp_layer_split else (m, 0)
+                mem = rank_memory(pm, spec.attn_tp, r, "prefill", state_tp=(spec.cp, c) if spec.cp_tp else None)
                 _place_rank(spec, mem.kv_args, g, c, r)
-                for _, views, _ in pools_of(m, mem):
+                if spec.cp_layer_split:  # (LayerSplitDSATokenToKVPool's KVArgs: its layers only)
+                    mem.kv_args.prefill_start_layer, mem.kv_args.prefill_end_layer = start, start + pm.num_layers
+                for _, views, _ in pools_of(pm, mem):
                     for view in views:
                         view.fill_(poison(g) if c == 0 else replica_poison(g, c))
                 mems[c].append(mem)
@@ -328,7 +358,8 @@ def _forward_and_send(spec: DpSpec, w: dict, cp_mems) -> None:
         first = a // ps
         # this chunk's forward: its pages' rows of the group's KV, on CP rank 0 (the replicas
         # keep their poison) or, with every CP rank sending, on each CP rank in its share only
-        for c, mems in enumerate(cp_mems if spec.cp_sharded or spec.cp_tp else cp_mems[:1]):
+        for c, mems in enumerate(cp_mems if spec.cp_sharded or spec.cp_tp or spec.cp_layer_split else cp_mems[:1]):
+            sm, first_layer = split_model(m, spec.cp, c) if spec.cp_layer_split else (m, 0)
             held = range(first, -(-b // ps))
             if spec.cp_sharded:
                 share = cp_share(len(w["pages"]), c, spec.cp, spec.dcp)
@@ -338,6 +369,8 @@ def _forward_and_send(spec: DpSpec, w: dict, cp_mems) -> None:
                     sub = DpOracle.__new__(DpOracle)
                     sub.rows = [full[held.start * ps : held.stop * ps] for full in oracle.rows]
                     heads = heads_of(pm, spec.attn_tp, r)
+                    if spec.cp_layer_split:  # its layers' latents (MLA: a buffer per layer), every page
+                        sub.rows = sub.rows[first_layer : first_layer + sm.num_layers]
                     if spec.cp_tp:  # (a pool of every head: the oracle in TP rank c's, at their places)
                         heads = heads_of(pm, spec.cp, c)
                         sub.rows = [np.zeros_like(x) + replica_poison(w["group"], c) for x in sub.rows]
@@ -346,12 +379,12 @@ def _forward_and_send(spec: DpSpec, w: dict, cp_mems) -> None:
                         heads = list(range(views[0].shape[1]))
                     if len(held):
                         place(pm, views, heads, sub, w["pages"][held.start : held.stop])
-                if last and (c == 0 or spec.cp_tp):
+                if last and (c == 0 or spec.cp_tp or spec.cp_layer_split):
                     for name, row in sides.aux_rows(m, req.room).items():
                         mem.meta[name][w["slot"]] = row
                     if m.state is not None:  # (CP replicas' state rows stay zero here; CP-TP: its shard)
                         tp, rank = (spec.cp, c) if spec.cp_tp else (spec.attn_tp, r)
-                        state_env.fill(m, tp, rank, mem.extra["state"], req.room, w["state"], w["pages"], 0)
+                        state_env.fill(sm, tp, rank, mem.extra["state"], req.room, w["state"], w["pages"], 0)
         chunk = w["pages"][first : -(-b // ps)]
         state_indices = None
         if last:

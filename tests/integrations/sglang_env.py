@@ -56,15 +56,19 @@ def import_sglang_base():
             del sys.modules["triton"]
 
 
-def load_utils_defs(names=("DisaggregationMode", "TransferBackend", "KVClassType", "get_kv_class")):
+def load_utils_defs(
+    names=("DisaggregationMode", "TransferBackend", "KVClassType", "get_kv_class"),
+    relpath: str = "disaggregation/utils.py",
+):
     """A module holding SGLang's own definitions ``names`` from its installed
-    ``disaggregation/utils.py`` (the implementation of ``get_kv_class``, not its overloads)."""
+    ``disaggregation/utils.py`` (or another module of ``sglang/srt``: ``relpath``; the
+    implementation of ``get_kv_class``, not its overloads)."""
     import enum
     import typing
 
     import sglang
 
-    path = Path(sglang.__file__).parent / "srt" / "disaggregation" / "utils.py"
+    path = Path(sglang.__file__).parent / "srt" / relpath
     tree = ast.parse(path.read_text(), str(path))
 
     def is_overload(node) -> bool:

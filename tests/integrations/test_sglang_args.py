@@ -317,7 +317,7 @@ def test_pipeline_parallel_plan():
         # CP ranks that hold different pages (sharded CP): every CP rank would send
         (dict(tp_size=4, attn_cp_size=2, enable_cp_tp_group_sharing=True), "prefill", "--enable-cp-tp-group-sharing"),
         (dict(tp_size=2, attn_cp_size=2, pp_size=2, enable_cp_tp_group_sharing=True), "prefill", "--pp-size=2"),
-        (dict(tp_size=2, attn_cp_size=2, enable_dsa_cache_layer_split=True), "prefill", "--enable-dsa-cache-layer"),
+        (dict(tp_size=2, attn_cp_size=2, pp_size=2, enable_dsa_cache_layer_split=True), "prefill", "--pp-size=2"),
         (dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True), "prefill", "--enable-kv-cache-sharding"),
         (
             dict(disaggregation_decode_allocation_policy="prefill_complete"),
@@ -343,6 +343,15 @@ def test_cp_tp_group_sharing_is_a_prefill_of_attention_tp_1_over_its_cp_ranks(mo
     assert not plan_from_server_args(server(tp_size=2, enable_cp_tp_group_sharing=True), "prefill").cp_tp_sharing
     with pytest.raises(KVXferError, match=r"attn_cp_size=2, tp_size=4"):
         plan_from_server_args(server(tp_size=4, attn_cp_size=2, enable_cp_tp_group_sharing=True), "prefill")
+
+
+def test_a_dsa_cache_layer_split_has_every_cp_rank_send_its_layers(monkeypatch):
+    """--enable-dsa-cache-layer-split (prefill CP): each CP rank sends every page of its layers,
+    not a share of the pages, even with SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER set."""
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+    plan = plan_from_server_args(server(tp_size=2, attn_cp_size=2, enable_dsa_cache_layer_split=True), "prefill")
+    assert (plan.cp_layer_split, plan.cp_sharded, plan.attn_tp_size, plan.pp_size) == (True, False, 1, 1)
+    assert not plan_from_server_args(server(tp_size=2, enable_dsa_cache_layer_split=True), "prefill").cp_layer_split
 
 
 def test_a_dcp_size_must_divide_the_attention_tp_size():

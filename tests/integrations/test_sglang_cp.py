@@ -388,3 +388,75 @@ def test_a_decode_with_dcp_refuses_a_prefill_whose_cp_ranks_each_send_with_its_o
             rx.failure_exception()
     finally:
         mgr.close()
+
+
+# -- --enable-dsa-cache-layer-split: each CP rank holds (and sends) a share of the layers -------
+@needs_sglang
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "prefill, decode, layers",
+    [
+        ((1, 1, 2), (1, 1), 3),  # CP 2 over 3 layers (SGLang's split: 2 + 1) -> TP 1
+        ((1, 1, 3), (2, 1), 4),  # CP 3 over 4 layers (2 + 1 + 1) -> TP 2
+        ((1, 2, 2), (2, 1), 4),  # DP 2 x CP 2 -> TP 2: each group's CP ranks their two layers
+    ],
+    ids=["cp2-to-tp1", "cp3-to-tp2", "dp2xcp2-to-tp2"],
+)
+def test_each_cp_rank_sends_its_layers_of_a_dsa_cache_layer_split(prefill, decode, layers):
+    """DeepSeek-V3.2's pools (an MLA latent and a DSA indexer per layer, one layer without an
+    indexer) with --enable-dsa-cache-layer-split: each CP rank's KVArgs list its contiguous
+    share of the layers only (SGLang's split, from prefill_start_layer), latent and indexer,
+    every page of them; it registers as a stage of those layers and sends them. Each CP rank's
+    pools hold its own poison outside what it wrote, so every decode byte matching the oracle
+    (latent and indexer rows, every layer) shows each layer came from its owner."""
+    from tests.integrations.sglang_state_env import StateModel
+
+    state = StateModel(kinds=("dsa",), dsa_layers=layers, dsa_skip=(1,))
+    model = Model(mla=True, head_dim=24, num_layers=layers, pool_tokens=192, state=state)
+    port = free_port()
+    env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": "local"}
+    (ptp, pdp, pcp), (dtp, ddp) = prefill, decode
+    specs = [
+        dps.DpSpec("prefill", model, ptp, pdp, port, SHARDED_ROOMS, env, cp=pcp, cp_layer_split=True),
+        dps.DpSpec("decode", model, dtp, ddp, port, SHARDED_ROOMS, env),
+    ]
+    pre, dec = sides.run_in_processes(dps.main, specs, 60.0)
+    assert "error" not in pre and "error" not in dec, (pre.get("error"), dec.get("error"))
+    for q in SHARDED_ROOMS:
+        assert dec[q.room]["status"] == "Success", dec[q.room]
+        assert dec[q.room]["problems"] == [], dec[q.room]["problems"]  # the indexer rows of every layer
+        sent = pre[(q.room, q.room % pdp)]["bytes"]
+        assert all(b > 0 for b in sent), sent  # every CP rank sent its layers
+    assert dec["pool_problems"] == [], dec["pool_problems"]
+
+
+@needs_sglang
+def test_a_cp_rank_of_a_dsa_cache_layer_split_registers_as_a_stage_of_its_layers(monkeypatch):
+    """In process: CP rank 1 of 2 over 3 layers (SGLang's split: [2, 3)) is a sender of the
+    stage of its layers (PP stage 1 of 2 to the bootstrap, first layer 2) with no SGLang PP
+    consensus, sending every page (no CP page share), its DSA indexer on its own layer;
+    KVArgs without prefill_start_layer are refused naming the field."""
+    from sglang_kvxfer.integrations import sglang as backend
+    from tests.integrations.sglang_state_env import StateModel
+
+    for name, value in sides.ENV.items():
+        monkeypatch.setenv(name, value)
+    model = Model(mla=True, head_dim=24, num_layers=3, state=StateModel(kinds=("dsa",), dsa_layers=3, dsa_skip=()))
+    sub, start = dps.split_model(model, 2, 1)
+    assert (start, sub.num_layers) == (2, 1)
+    mode = load_utils_defs().DisaggregationMode.PREFILL
+    sa = server_args("m", "prefill", 2, free_port(), attn_cp_size=2, enable_dsa_cache_layer_split=True)
+    mem = rank_memory(sub, 1, 0, "prefill")
+    mem.kv_args.engine_rank, mem.kv_args.prefill_start_layer = 1, 2
+    mgr = backend.KVXferKVManager(mem.kv_args, mode, sa, sub.is_mla_backend)
+    try:
+        cfg = mgr.config
+        assert (cfg.pp_rank, cfg.pp_size, cfg.layer_start, cfg.cp_rank, cfg.cp_size) == (1, 2, 2, 0, 1)
+        assert (mgr.is_dummy_cp_rank, mgr.cp_sharded, mgr.stage_status) == (False, False, None)
+        assert cfg.geometry.num_layers == 1 and [s.name for s, _ in mgr.state_engines] == ["state:dsa"]
+    finally:
+        mgr.close()
+    mem = rank_memory(sub, 1, 0, "prefill")
+    mem.kv_args.engine_rank, mem.kv_args.prefill_start_layer = 1, None
+    with pytest.raises(KVXferError, match=r"KVArgs.prefill_start_layer=None must be an int >= 0 \(CP rank 1, DSA"):
+        backend.KVXferKVManager(mem.kv_args, mode, sa, sub.is_mla_backend)
