@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_kvxfer.errors import GeometryError, KVXferError
-from sglang_kvxfer.geometry import DTYPE_ITEMSIZE, KVGeometry, Layout, RankPlacement, normalize_dtype, owned_heads
+from sglang_kvxfer.geometry import DTYPE_ITEMSIZE, KVGeometry, Layout, normalize_dtype, owned_heads
 
 if TYPE_CHECKING:
     from sglang_kvxfer.integrations.sglang_state import StatePool
@@ -261,8 +261,8 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
             if value > 1:
                 raise _not_supported(flag, value, "with --enable-cp-tp-group-sharing (SGLang refuses it too)")
     if split:  # SGLang's own rules for it (model_hook), in case they were bypassed
-        for flag, value in (("--pp-size", pp), ("--enable-cp-tp-group-sharing", cp_tp)):
-            if value not in (1, False):
+        for flag, value, refused in (("--pp-size", pp, pp > 1), ("--enable-cp-tp-group-sharing", cp_tp, cp_tp)):
+            if refused:
                 raise _not_supported(flag, value, "with --enable-dsa-cache-layer-split (SGLang refuses it too)")
         cp_sharded = False  # every CP rank sends every page of its layers
     device = _get(server_args, "device", None) or "cuda"  # None: SGLang auto-detects a GPU
@@ -530,11 +530,6 @@ class SglangLayout:
     # the KV pool holds every KV head while the rank transfers as TP rank tp_rank of tp_size
     # (--enable-cp-tp-group-sharing; RankPlacement.all_heads)
     all_heads: bool = False
-
-    @property
-    def placement(self) -> RankPlacement:
-        """The KV pool's placement."""
-        return self.geometry.placement(self.tp_size, self.tp_rank, self.all_heads)
 
 
 def _per_entry_dim(

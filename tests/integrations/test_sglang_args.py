@@ -318,6 +318,11 @@ def test_pipeline_parallel_plan():
         (dict(tp_size=4, attn_cp_size=2, enable_cp_tp_group_sharing=True), "prefill", "--enable-cp-tp-group-sharing"),
         (dict(tp_size=2, attn_cp_size=2, pp_size=2, enable_cp_tp_group_sharing=True), "prefill", "--pp-size=2"),
         (dict(tp_size=2, attn_cp_size=2, pp_size=2, enable_dsa_cache_layer_split=True), "prefill", "--pp-size=2"),
+        (
+            dict(tp_size=2, attn_cp_size=2, enable_dsa_cache_layer_split=True, enable_cp_tp_group_sharing=True),
+            "prefill",
+            "--enable-cp-tp-group-sharing=True: with --enable-dsa-cache-layer-split",
+        ),
         (dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True), "prefill", "--enable-kv-cache-sharding"),
         (
             dict(disaggregation_decode_allocation_policy="prefill_complete"),
