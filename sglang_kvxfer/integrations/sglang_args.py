@@ -257,9 +257,8 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
                 f"it needs --attn-cp-size == --tp-size (the CP group is the TP group), got attn_cp_size={attn_cp}, "
                 f"tp_size={tp}",
             )
-        for flag, value in (("--pp-size", pp), ("--dcp-size", dcp)):
-            if value > 1:
-                raise _not_supported(flag, value, "with --enable-cp-tp-group-sharing (SGLang refuses it too)")
+        if pp > 1:  # (--dcp-size > 1 cannot divide its attention TP of 1: refused above)
+            raise _not_supported("--pp-size", pp, "with --enable-cp-tp-group-sharing (SGLang refuses it too)")
     if split:  # SGLang's own rules for it (model_hook), in case they were bypassed
         for flag, value, refused in (("--pp-size", pp, pp > 1), ("--enable-cp-tp-group-sharing", cp_tp, cp_tp)):
             if refused:

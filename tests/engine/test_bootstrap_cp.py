@@ -148,3 +148,15 @@ def test_pools_of_every_head_are_told_to_the_decode_and_must_agree():
         got = _query(addr)
         assert got.ready and got.all_heads and got.tp_size == 2
         assert srv.registered() == {0: "p0.0.0", 1: "p0.0.1"}
+
+
+def test_a_pool_of_every_head_is_a_prefills_only():
+    """EngineConfig: ``all_heads`` is a bool, and only a prefill rank's pool holds every head
+    while it sends its TP rank's (a decode rank always holds its own heads)."""
+    assert EngineConfig("prefill", GEO, 2, 1, "127.0.0.1:1", all_heads=True).placement.num_local_heads == 4
+    with pytest.raises(
+        ValueError, match=r"all_heads=True must be a bool, and True only on a prefill \(role='decode'\)"
+    ):
+        EngineConfig("decode", GEO, 2, 1, "127.0.0.1:1", all_heads=True)
+    with pytest.raises(ValueError, match=r"all_heads=1 must be a bool"):
+        EngineConfig("prefill", GEO, 2, 1, "127.0.0.1:1", all_heads=1)
