@@ -105,6 +105,11 @@ class EngineConfig:
             the heads of TP rank ``tp_rank`` of ``tp_size`` (SGLang's CP-TP group sharing:
             CP rank r holds the whole KV and transfers as TP rank r). Registered with the
             bootstrap, so a decode addresses the heads in that pool.
+        prefill_complete: a prefill rank that tells a decode rank watching a room
+            (``RoomWatch``) once the room's forward finished (``KVSender.mark_prefill_complete``;
+            SGLang's ``--disaggregation-decode-allocation-policy prefill_complete``, where the
+            decode allocates only then). A rank without it fails a watched room at once,
+            naming the policy (its forwards never say so: the decode would wait in vain).
     """
 
     role: str
@@ -144,6 +149,7 @@ class EngineConfig:
     cp_rank: int = 0
     cp_size: int = 1
     all_heads: bool = False
+    prefill_complete: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -153,6 +159,11 @@ class EngineConfig:
         if not isinstance(self.all_heads, bool) or (self.all_heads and self.role != "prefill"):
             raise ValueError(
                 f"all_heads={self.all_heads!r} must be a bool, and True only on a prefill (role={self.role!r})"
+            )
+        if not isinstance(self.prefill_complete, bool) or (self.prefill_complete and self.role != "prefill"):
+            raise ValueError(
+                f"prefill_complete={self.prefill_complete!r} must be a bool, and True only on a prefill "
+                f"(role={self.role!r}: a decode watches a room per request, KVReceiver(watch_prefill=True))"
             )
         self.geometry.placement(self.tp_size, self.tp_rank)  # validates (H, T) and the rank
         parse_host_port(self.bootstrap)

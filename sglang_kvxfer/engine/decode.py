@@ -71,8 +71,10 @@ from sglang_kvxfer.protocol.messages import (
     ChunkReady,
     DecodeRegister,
     Heartbeat,
+    PrefillReady,
     RegisterReply,
     RequestMeta,
+    RoomWatch,
     StagedChunk,
     TransferDone,
     TransferFailed,
@@ -220,6 +222,9 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
 
     def _waiting_for(self, rec: DecodeRoom, poll: KVPoll) -> str:
         group = self._groups.get(rec.group)
+        if poll is KVPoll.WaitingForInput and rec.watch and not rec.prefill_ready and group is not None:
+            waiting = sorted(set(group.peers) - rec.ready_from)
+            return f"prefill ranks {waiting} of {group.address} have not finished the forward of this room"
         if poll is not KVPoll.Bootstrapping or group is None:
             return ""
         if group.status is GroupStatus.RESOLVING:
@@ -283,23 +288,55 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
                     rec.state.handle(Event.BOOTSTRAPPED, time.monotonic())
         self._tell_untold(group)
         for rec in rooms:
+            self._send_watch(rec, group)
+        for rec in rooms:
             if rec.meta_pending:
                 self._dispatch_later(rec)
 
     # -- requests --------------------------------------------------------------------------------
-    def create_room(self, room: int, address: str) -> DecodeRoom:
+    def create_room(self, room: int, address: str, watch: bool = False) -> DecodeRoom:
         group = self._group(address)
         with self._lock:
             old = self._rooms.get(room)
             if old is not None and not old.state.is_terminal:
                 raise ValueError(f"room {room} is already in flight on decode rank {self.tp_rank}")
             rec = self._rooms[room] = DecodeRoom(room, self.new_state(room), address)
+            rec.watch = bool(watch)
             if group.status is GroupStatus.READY:
                 rec.state.handle(Event.BOOTSTRAPPED, time.monotonic())
             failed = group.error if group.status is GroupStatus.FAILED else ""
         if failed:
             self._fail_room(rec, failed)
+        else:
+            self._send_watch(rec, group)
         return rec
+
+    def _send_watch(self, rec: DecodeRoom, group: PrefillGroup) -> None:
+        """A watching room whose group is ready asks each candidate prefill rank, once, to
+        say when its forward of the room finished (``PrefillReady``)."""
+        with self._lock:
+            if not rec.watch or rec.watch_sent or rec.state.poll is not KVPoll.WaitingForInput:
+                return
+            if group.status is not GroupStatus.READY:
+                return
+            rec.watch_sent = True
+            peers = list(group.peers.values())
+        for peer in peers:
+            self._live_control.send(peer.endpoint, RoomWatch(room=rec.room, session=self.session, tp_rank=self.tp_rank))
+
+    def _on_ready(self, rec: DecodeRoom, msg: PrefillReady) -> None:
+        """A candidate prefill rank finished the room's forward; once each did, the room is
+        ready for its metadata, and the wait for it starts again."""
+        with self._lock:
+            if not rec.watch or rec.prefill_ready or rec.state.is_terminal:
+                return
+            rec.ready_from.add(msg.tp_rank)
+            group = self._groups.get(rec.group)
+            if group is None or not set(group.peers) <= rec.ready_from:
+                return
+            rec.prefill_ready = True
+            if rec.state.poll is KVPoll.WaitingForInput:
+                rec.state.handle(Event.PREFILL_COMPLETE, time.monotonic())
 
     def set_metadata(
         self,
@@ -413,11 +450,13 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
             self._on_heartbeat(msg, sender)
         elif isinstance(msg, RegisterReply):
             self._on_register_reply(msg)
-        elif isinstance(msg, (ChunkReady, TransferDone, TransferFailed, Abort)):
+        elif isinstance(msg, (ChunkReady, TransferDone, TransferFailed, Abort, PrefillReady)):
             rec = self.room(msg.room)
             if rec is None or not self._from_expected(rec, msg, sender):
                 return
-            if isinstance(msg, ChunkReady):
+            if isinstance(msg, PrefillReady):
+                self._on_ready(rec, msg)
+            elif isinstance(msg, ChunkReady):
                 self._on_chunk(msg)
             elif isinstance(msg, TransferDone):
                 self._on_done(msg, sender)
@@ -834,12 +873,20 @@ class KVReceiver(RequestHandle):
     _rec: DecodeRoom
     _abort_reason = "aborted by the decode side"
 
-    def __init__(self, mgr: DecodeManager, room: int, bootstrap_addr: str | None = None):
+    def __init__(self, mgr: DecodeManager, room: int, bootstrap_addr: str | None = None, watch_prefill: bool = False):
+        """``watch_prefill``: this rank allocates the room's pages only once the prefill's
+        forward of it finished (SGLang's ``prefill_complete`` policy): the candidate prefill
+        ranks are asked to say so, and ``prefill_ready`` turns True once each did."""
         if not isinstance(mgr, DecodeManager):
             raise TypeError(f"mgr must be a DecodeManager, got {type(mgr).__name__}")
         self.mgr, self.room = mgr, room
-        self._rec = mgr.create_room(room, bootstrap_addr or mgr.config.bootstrap)
+        self._rec = mgr.create_room(room, bootstrap_addr or mgr.config.bootstrap, watch=watch_prefill)
         self._sent = False
+
+    @property
+    def prefill_ready(self) -> bool:
+        """With ``watch_prefill``: every candidate prefill rank finished the room's forward."""
+        return self._rec.prefill_ready
 
     def init(self) -> None:
         """Kept for SGLang-shaped callers: lookup and registration already started."""

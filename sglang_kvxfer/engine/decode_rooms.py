@@ -72,6 +72,12 @@ class DecodeRoom:
         self.aux_slot = -1
         self.meta_pending = False
         self.meta_sent = False
+        # RoomWatch (SGLang's prefill_complete policy): the candidate prefill ranks are asked
+        # to say when their forward of the room finished; ready once each of them said so
+        self.watch = False
+        self.watch_sent = False
+        self.ready_from: set[int] = set()
+        self.prefill_ready = False
         self.dispatching = False  # _dispatch_meta is planning this room (outside the lock)
         self.dispatch_queued = False  # a dispatch of it waits on a worker
         self.writers: dict[int, HeadTransfer] = {}  # prefill rank -> its heads

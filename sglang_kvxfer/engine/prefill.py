@@ -44,10 +44,12 @@ from sglang_kvxfer.protocol.messages import (
     DecodeRegister,
     Heartbeat,
     PrefillLeave,
+    PrefillReady,
     PrefillRegister,
     RegisterReply,
     RequestMeta,
     RoomRoute,
+    RoomWatch,
     TransferFailed,
 )
 from sglang_kvxfer.protocol.state import Event, KVPoll
@@ -229,6 +231,8 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             self._on_register(msg)
         elif isinstance(msg, RequestMeta):
             self._on_meta(msg)
+        elif isinstance(msg, RoomWatch):
+            self._on_watch(msg, sender)
         elif isinstance(msg, ChunkAck):
             self._on_ack(msg, sender)
         elif isinstance(msg, (Abort, TransferFailed)):
@@ -378,19 +382,10 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             return
         peer.last_seen = time.monotonic()
         g = self.config.geometry
-        conflict = late = ""
+        conflict = ""
         with self._lock:
-            rec = self._rooms.get(meta.room)
-            failed = self.failed_reason(meta.room) if rec is None else None
-            if rec is None and failed is None:
-                rec = self._create_unattached(meta.room)
-            if failed is not None:  # it failed here and was released before this metadata came
-                late = failed
-            elif rec is None:
-                late = f"prefill rank {self.tp_rank} holds too many requests nobody sends yet"
-            elif rec.state.is_terminal:
-                late = rec.state.reason or f"room {meta.room} already completed on prefill rank {self.tp_rank}"
-            else:
+            rec, late = self._frame_room(meta.room)
+            if not late and rec is not None:
                 owner = rec.metas.get(meta.tp_rank)
                 if owner is not None:
                     conflict = (
@@ -430,6 +425,88 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             self._fail_room(rec, problem, extra_sessions=(meta.session,))
         elif ready:
             self._schedule(rec)
+
+    def _frame_room(self, room: int) -> tuple[PrefillRoom | None, str]:
+        """The record a decode's frame about ``room`` acts on (made, unattached, if none
+        exists), and why the room cannot take it (empty if it can): it failed and was
+        released before the frame came, no record could be made, or it already ended.
+        Call with the lock held."""
+        rec = self._rooms.get(room)
+        failed = self.failed_reason(room) if rec is None else None
+        if rec is None and failed is None:
+            rec = self._create_unattached(room)
+        if failed is not None:  # it failed here and was released before this frame came
+            return rec, failed
+        if rec is None:
+            return None, f"prefill rank {self.tp_rank} holds too many requests nobody sends yet"
+        if rec.state.is_terminal:
+            return rec, rec.state.reason or f"room {room} already completed on prefill rank {self.tp_rank}"
+        return rec, ""
+
+    def _on_watch(self, msg: RoomWatch, sender: str) -> None:
+        """A decode rank waits for this room's forward before it allocates: tell it once
+        ``mark_prefill_complete`` did (at once if it already has). Only a registered
+        session, naming itself, and not for a decode rank another session watches."""
+        peer = self._decode_peers.get(sender)
+        if peer is None or msg.session != sender:
+            if sender in self._lost_peers:
+                self._unknown_session(sender)
+                return
+            self.security_event(
+                "unregistered_sender",
+                "RoomWatch for room %d from session %s (naming session %s) dropped",
+                msg.room,
+                sender,
+                msg.session,
+            )
+            return
+        peer.last_seen = time.monotonic()
+        conflict = ""
+        ready = False
+        with self._lock:
+            rec, late = self._frame_room(msg.room)
+            if not self.config.prefill_complete:
+                late = (
+                    f"the decode allocates only once the prefill finished (SGLang's "
+                    f"--disaggregation-decode-allocation-policy prefill_complete), but prefill rank {self.tp_rank} "
+                    "does not announce it (policy early): set the same policy on both servers"
+                )
+            elif not late and rec is not None:
+                owner = rec.watchers.get(msg.tp_rank)
+                if owner is not None and owner != sender:
+                    conflict = (
+                        f"security: room {msg.room} for decode rank {msg.tp_rank} was watched by "
+                        f"session {owner} and again by session {sender}"
+                    )
+                else:
+                    rec.watchers[msg.tp_rank] = sender
+                    ready = rec.prefill_complete
+        if late:
+            if rec is not None and not rec.state.is_terminal and not self.config.prefill_complete:
+                return self._fail_room(rec, late, extra_sessions=(sender,))
+            self._live_control.send(
+                peer.endpoint, TransferFailed(room=msg.room, side=Side.PREFILL, tp_rank=self.tp_rank, reason=late)
+            )
+        elif conflict and rec is not None:  # (a conflict needs a record: rec is set)
+            self.security_event("room_conflict", "%s", conflict)
+            self._fail_room(rec, conflict, extra_sessions=(sender,))
+        elif ready:
+            self._live_control.send(peer.endpoint, PrefillReady(room=msg.room, tp_rank=self.tp_rank))
+
+    def mark_prefill_complete(self, rec: PrefillRoom) -> None:
+        """The room's forward finished here: restart its wait for the decode's metadata
+        (the decode allocates only now) and tell every decode rank that watches it."""
+        with self._lock:
+            if rec.prefill_complete or rec.state.is_terminal:
+                return
+            rec.prefill_complete = True
+            if rec.state.poll is KVPoll.Bootstrapping:
+                rec.state.handle(Event.PREFILL_COMPLETE, time.monotonic())
+            sessions = list(rec.watchers.values())
+        for session in sessions:
+            peer = self._decode_peers.get(session)
+            if peer is not None:
+                self._live_control.send(peer.endpoint, PrefillReady(room=rec.room, tp_rank=self.tp_rank))
 
     def _meta_problem(self, rec: PrefillRoom, meta: RequestMeta) -> str:
         expected, plan = rec.expected, rec.plan
@@ -489,7 +566,8 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
                 rec.state.fail(reason, time.monotonic())
             rec.finished_at = time.monotonic()
             targets = [(d, m.session) for d, m in rec.metas.items()]
-            targets += [(-1, s) for s in extra_sessions if s not in {t[1] for t in targets}]
+            extra = (*rec.watchers.values(), *extra_sessions)
+            targets += [(-1, s) for s in dict.fromkeys(extra) if s not in {t[1] for t in targets}]
         with rec.cond:
             rec.cond.notify_all()
         log.warning("prefill rank %d room %d failed: %s", self.tp_rank, rec.room, reason)
@@ -509,7 +587,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
                 return
             rec.marks["aborted"] = time.monotonic()
             rec.state.abort(reason, rec.marks["aborted"])
-            targets = [m.session for m in rec.metas.values()]
+            targets = list(dict.fromkeys([*(m.session for m in rec.metas.values()), *rec.watchers.values()]))
         with rec.cond:
             rec.cond.notify_all()
         self._request_ended(rec)
@@ -668,6 +746,18 @@ class KVSender(RequestHandle):
         else:
             self._open_pages, self._next_layer = pages, b
         return (a, b), handed
+
+    def mark_prefill_complete(self) -> None:
+        """The forward of this request finished on this rank (its KV is in the pool): a
+        decode rank that watches the room (``KVReceiver(watch_prefill=True)``) may allocate
+        now, and the wait for its metadata starts again (the bootstrap deadline). Needs
+        ``EngineConfig.prefill_complete``; idempotent."""
+        if not self.mgr.config.prefill_complete:
+            raise ValueError(
+                f"room {self.room}: mark_prefill_complete() needs EngineConfig.prefill_complete=True "
+                "(a decode that allocates only once the prefill finished)"
+            )
+        self.mgr.mark_prefill_complete(self._rec)
 
     @property
     def decode_prefix_tokens(self) -> int | None:

@@ -59,6 +59,10 @@ class PrefillRoom:
         self.ended = threading.Event()  # set when the state becomes Success or Failed
         state.on_terminal(self.ended.set)
         self.metas: dict[int, RequestMeta] = {}  # decode rank -> its metadata (its claim on the room)
+        # decode rank -> the session that watches the room (RoomWatch: it allocates only once
+        # this rank's forward of the room finished, which ``prefill_complete`` marks)
+        self.watchers: dict[int, str] = {}
+        self.prefill_complete = False
         self.expected: tuple[int, ...] | None = None
         self.plan: TPPlan | None = None
         self.readers: dict[int, RequestPlan] = {}  # decode rank -> this pair's plan (data path)

@@ -92,6 +92,7 @@ SERVER_ARGS_FIELDS = (
     "port",
     "disaggregation_ib_device",
     "disaggregation_decode_allocation_policy",
+    "disaggregation_decode_enable_radix_cache",
     "enable_pd_role_switch",
     "dtype",
     "enable_dp_attention",
@@ -153,6 +154,10 @@ class ServerPlan:
     # a prefill of --enable-dsa-cache-layer-split: each CP rank holds a contiguous share of the
     # layers (KV and DSA indexer), every page of them, and sends them as a PP stage would
     cp_layer_split: bool = False
+    # --disaggregation-decode-allocation-policy prefill_complete: the decode allocates a
+    # request's pages only once the prefill's forward of it finished (the prefill runs it
+    # before the decode's metadata came; it tells the decode, which then sends its pages)
+    prefill_complete: bool = False
 
     @property
     def dp_groups(self) -> int:
@@ -231,11 +236,9 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
     lb = _get(server_args, "load_balance_method", "auto") or "auto"
     follows_room = lb in ("auto", "follow_bootstrap_room") and not force_query_prefill_dp_rank()
     policy = _get(server_args, "disaggregation_decode_allocation_policy", "early") or "early"
-    if policy != "early":
+    if policy not in ("early", "prefill_complete"):
         raise _not_supported(
-            "--disaggregation-decode-allocation-policy",
-            policy,
-            "only 'early' (decode allocates before prefill finishes) is implemented",
+            "--disaggregation-decode-allocation-policy", policy, "SGLang 0.5.23 knows 'early' and 'prefill_complete'"
         )
     tp = _int("ServerArgs.tp_size", tp, 1)
     attn_dp = _int("ServerArgs.attn_dp_size", attn_dp, 1)
@@ -259,6 +262,23 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
             )
         if pp > 1:  # (--dcp-size > 1 cannot divide its attention TP of 1: refused above)
             raise _not_supported("--pp-size", pp, "with --enable-cp-tp-group-sharing (SGLang refuses it too)")
+    if policy == "prefill_complete":  # SGLang's own rules for it (_validate_prefill_complete), if bypassed
+        radix = role == "decode" and bool(_get(server_args, "disaggregation_decode_enable_radix_cache", False))
+        for flag, value, refused in (
+            ("--pp-size", pp, pp > 1),
+            ("--attn-cp-size", attn_cp, attn_cp > 1),
+            ("--tp-size", tp, tp != attn_dp),
+            ("--dcp-size", dcp, dcp > 1),
+            ("--disaggregation-decode-enable-radix-cache", radix, radix),
+            ("--enable-pd-role-switch", True, bool(_get(server_args, "enable_pd_role_switch", False))),
+        ):
+            if refused:
+                raise _not_supported(
+                    flag,
+                    value,
+                    "with --disaggregation-decode-allocation-policy prefill_complete, which needs attention TP, "
+                    "PP and CP of 1, no decode radix cache and no role switch (SGLang refuses it too)",
+                )
     if split:  # SGLang's own rules for it (model_hook), in case they were bypassed
         for flag, value, refused in (("--pp-size", pp, pp > 1), ("--enable-cp-tp-group-sharing", cp_tp, cp_tp)):
             if refused:
@@ -291,6 +311,7 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         cp_sharded=cp_sharded,
         cp_tp_sharing=cp_tp,
         cp_layer_split=split,
+        prefill_complete=policy == "prefill_complete",
     )
 
 

@@ -6,6 +6,13 @@ SGLang picks its KV transfer backend by name from three fixed places (0.5.23): t
 extends all three, idempotently: the name ``kvxfer`` then selects the classes of
 ``integrations.sglang``, and every other backend resolves exactly as before.
 
+SGLang 0.5.23 also refuses ``--disaggregation-decode-allocation-policy prefill_complete``
+for every backend but mooncake, by name, before any backend is built
+(``arg_groups/pd_disaggregation_hook._validate_prefill_complete``). ``install()`` wraps that
+check so that ``kvxfer`` passes it as ``mooncake`` does: every other rule of it still applies
+(attention TP, PP and CP of 1, no decode radix cache, ...), and other backends are refused as
+before.
+
 SGLang spawns its scheduler processes, so a patch made in the launching process alone does
 not reach them. ``plugin()`` is the same ``install()``, registered as an SGLang general
 plugin (entry point group ``sglang.srt.plugins``, name ``kvxfer``): SGLang's
@@ -80,19 +87,56 @@ def _wrap_get_kv_class(utils: Any, member: Any) -> None:
             namespace["get_kv_class"] = get_kv_class
 
 
-def install(utils: Any = None, choices: Any = None) -> Any:
+class _AsMooncake:
+    """``ServerArgs`` as SGLang's prefill_complete check reads it, naming the backend
+    ``mooncake`` (every other field, and every resolution declared so far, as they are)."""
+
+    def __init__(self, server_args: Any):
+        self._server_args = server_args
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "disaggregation_transfer_backend":
+            return "mooncake"
+        return getattr(self._server_args, name)
+
+
+def _wrap_prefill_complete_check(hook: Any) -> None:
+    original = getattr(hook, "_validate_prefill_complete", None)
+    if original is None or getattr(original, "__kvxfer_original__", None) is not None:
+        return  # another SGLang version without the check, or already installed
+
+    @functools.wraps(original)
+    def _validate_prefill_complete(server_args):
+        # (a declaration of the backend wins over the field in SGLang's view; none names kvxfer)
+        if getattr(server_args, "disaggregation_transfer_backend", None) == BACKEND:
+            return original(_AsMooncake(server_args))
+        return original(server_args)
+
+    _validate_prefill_complete.__kvxfer_original__ = original  # type: ignore[attr-defined]
+    hook._validate_prefill_complete = _validate_prefill_complete
+
+
+def install(utils: Any = None, choices: Any = None, hook: Any = None) -> Any:
     """Make ``--disaggregation-transfer-backend kvxfer`` select this engine, in this
-    process. ``utils``/``choices`` default to SGLang's ``disaggregation.utils`` and
-    ``arg_groups.choices`` modules. Returns the new ``TransferBackend`` member."""
+    process. ``utils``/``choices``/``hook`` default to SGLang's ``disaggregation.utils``,
+    ``arg_groups.choices`` and ``arg_groups.pd_disaggregation_hook`` modules (the last
+    skipped where it does not import). Returns the new ``TransferBackend`` member."""
     if utils is None:
         utils = importlib.import_module("sglang.srt.disaggregation.utils")
     if choices is None:
         choices = importlib.import_module("sglang.srt.arg_groups.choices")
+    if hook is None:
+        try:
+            hook = importlib.import_module("sglang.srt.arg_groups.pd_disaggregation_hook")
+        except ImportError:  # (an SGLang without it has no prefill_complete check to pass)
+            hook = None
     if BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
         # The list argparse validates against, extended in place (SGLang's own hook).
         choices.DISAGG_TRANSFER_BACKEND_CHOICES.append(BACKEND)
     member = add_enum_member(utils.TransferBackend, _MEMBER, BACKEND)
     _wrap_get_kv_class(utils, member)
+    if hook is not None:
+        _wrap_prefill_complete_check(hook)
     return member
 
 

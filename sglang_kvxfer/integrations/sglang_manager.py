@@ -194,6 +194,13 @@ class KVXferKVManager(BaseKVManager):
             dcp_size=self.plan.dcp_size,
             cp_tp=self.plan.attn_cp_size if self.plan.cp_tp_sharing else 1,
         )
+        if self.plan.prefill_complete and any(p.kind != "dsa" for p in self.layout.states):
+            kinds = sorted({p.kind for p in self.layout.states if p.kind != "dsa"})
+            raise _not_supported(
+                "--disaggregation-decode-allocation-policy",
+                "prefill_complete",
+                f"with {', '.join(kinds)} state (SGLang's prefill_complete supports full-attention and DSA pools only)",
+            )
         self.dcp_size, self.dcp_rank = self.plan.dcp_size, self.layout.tp_rank % self.plan.dcp_size
         if self.dcp_size > 1:
             _check_dcp(self)
@@ -265,6 +272,7 @@ class KVXferKVManager(BaseKVManager):
             cp_rank=self.cp_rank if self.cp_sharded else 0,
             cp_size=self.plan.attn_cp_size if self.cp_sharded else 1,
             all_heads=lay.all_heads,
+            prefill_complete=prefill and self.plan.prefill_complete,
         )
         # The draft model's pool: a manager of its own, registered under kv_pool="draft".
         self.draft_config: EngineConfig | None = None
@@ -348,7 +356,7 @@ class KVXferKVManager(BaseKVManager):
             )
             return
         log.info(
-            "kvxfer %s rank %d/%d%s: %s%s over %s",
+            "kvxfer %s rank %d/%d%s: %s%s over %s%s",
             self.role,
             lay.tp_rank,
             lay.tp_size,
@@ -356,6 +364,9 @@ class KVXferKVManager(BaseKVManager):
             lay.geometry,
             f" and draft-model KV {draft.geometry}" if draft is not None else "",
             self.config.transport,
+            "; the decode allocates once the prefill's forward finished (prefill_complete)"
+            if self.plan.prefill_complete
+            else "",
         )
         for state, _ in self.state_engines:
             log.info("kvxfer %s rank %d/%d: %s: %s", self.role, lay.tp_rank, lay.tp_size, state.label, state.geometry)

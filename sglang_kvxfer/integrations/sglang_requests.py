@@ -307,6 +307,22 @@ class KVXferKVSender(_Request, BaseKVSender):
                 return self._fail(f"init(): {exc}")
         self.num_kv_indices, self.aux_index = int(num_kv_indices), aux_index
 
+    def mark_prefill_complete(self) -> None:
+        """SGLang's ``prefill_complete`` policy: this request's forward finished (its KV is in
+        the pools) before the decode allocated anything. Each engine request of it says so:
+        the decode rank that watches the room allocates now, and the wait for its metadata
+        (the bootstrap deadline) starts again. Idempotent; nothing under the ``early`` policy."""
+        from sglang_kvxfer.engine import KVSender
+
+        if self.conclude_state is not None or not self.kv_mgr.plan.prefill_complete:
+            return
+        try:
+            for _, part in self._pair.parts:  # (a sender's parts are engine senders)
+                if isinstance(part, KVSender):
+                    part.mark_prefill_complete()
+        except Exception as exc:
+            self._fail_from("mark_prefill_complete()", exc)
+
     def pop_decode_prefix_len(self) -> int:
         """The prefix the decode already holds (0 without a decode radix cache). SGLang asks
         once the poll reached WaitingForInput, before ``init``: by then every decode rank's
@@ -542,6 +558,9 @@ class CPReplicaSender(KVXferKVSender):
     def pop_decode_prefix_len(self) -> int:
         return 0  # the decode's request goes to CP rank 0 only
 
+    def mark_prefill_complete(self) -> None:
+        pass  # (CP rank 0 tells the decode; SGLang refuses prefill_complete with CP anyway)
+
     def send(
         self,
         kv_indices,
@@ -652,7 +671,10 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         try:
             cp = 1
             for part in mgr.receive_parts(self.bootstrap_addr, self.prefill_dp_rank):
-                rx = KVReceiver(part.engine, self.bootstrap_room, part.address)
+                # prefill_complete: the part that brings the metadata slot waits for the prefill's
+                # forward (SGLang allocates once poll() says WaitingForInput, and only then)
+                watch = mgr.plan.prefill_complete and part.aux
+                rx = KVReceiver(part.engine, self.bootstrap_room, part.address, watch_prefill=watch)
                 self._rxs.append(_Rx(part.label, rx, part.config, part.ptrs, part.aux, cp=part.cp))
                 cp = part.cp[1]
             draft, draft_config, draft_layout = mgr.decode_draft_engine, mgr.draft_config, mgr.layout.draft
@@ -797,7 +819,13 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             return KVPoll.Failed
         if not self._inited and state in (KVPoll.WaitingForInput, KVPoll.Transferring):
             state = KVPoll.Bootstrapping  # SGLang sends metadata only after init()
+        if state == KVPoll.WaitingForInput and self.kv_mgr.plan.prefill_complete and not self._prefill_ready():
+            state = KVPoll.Bootstrapping  # prefill_complete: SGLang allocates once this says WaitingForInput
         return self._observe(state)
+
+    def _prefill_ready(self) -> bool:
+        """prefill_complete: the prefill's forward of this request finished (every watched part)."""
+        return all(part.rx.prefill_ready for part in self._rxs if part.aux)
 
     def _landed(self) -> bool:
         """Every writer of every part is done: verify the KV checksums (when on), then write

@@ -17,6 +17,8 @@ control frames are one-way PUSH -> PULL, the bootstrap lookup is request/reply):
     decode rank   --DecodeRegister--->  each candidate prefill rank (once per session pair)
     decode rank   <--RegisterReply----  prefill rank              (ok, or which geometry field differs)
     per room:
+    decode rank   --RoomWatch-------->  each prefill rank of the group (only a decode that allocates
+    decode rank   <--PrefillReady-----  prefill rank              once the prefill's forward finished)
     decode rank   --RequestMeta------>  each candidate prefill rank (page ids, elected, staging window)
     decode rank   <--ChunkReady-------  elected prefill rank      (staged path, per chunk but the last)
     decode rank   --ChunkAck--------->  that prefill rank         (slot scattered; reuse it)
@@ -62,11 +64,13 @@ from sglang_kvxfer.protocol.messages import (
     Message,
     PrefillLeave,
     PrefillRankInfo,
+    PrefillReady,
     PrefillRegister,
     RegisterReply,
     RequestMeta,
     RoomQuery,
     RoomRoute,
+    RoomWatch,
     StagedChunk,
     TransferDone,
     TransferFailed,
@@ -99,6 +103,8 @@ __all__ = [
     "PrefillRankInfo",
     "DecodeRegister",
     "RegisterReply",
+    "RoomWatch",
+    "PrefillReady",
     "RequestMeta",
     "ChunkReady",
     "ChunkAck",

@@ -81,8 +81,11 @@ __all__ = [
 # prefill registrations and bootstrap replies the serving process's HTTP port (api_port) and
 # its decode-context-parallel size (dcp_size); 11: prefill registrations, queries, leaves and
 # bootstrap replies name an attention-CP rank (cp_rank; registrations and replies cp_size: the
-# CP ranks that send, each its share of a request's pages).
-PROTOCOL_VERSION = 12
+# CP ranks that send, each its share of a request's pages); 12: prefill registrations and
+# bootstrap replies say whether the rank's pool holds every KV head (all_heads); 13: RoomWatch
+# (a decode rank that allocates only once the prefill finished asks to be told) and
+# PrefillReady (the prefill's forward of that room finished: the decode may allocate).
+PROTOCOL_VERSION = 13
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name
 MAX_ENDPOINT_CHARS = 256  # "tcp://host:port"

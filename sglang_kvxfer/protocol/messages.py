@@ -528,6 +528,27 @@ class ChunkAck(Message):
     staging_offset: Count
 
 
+@message
+class RoomWatch(Message):
+    """Decode -> each prefill rank of the room's group, before any ``RequestMeta``: this
+    decode rank allocates the room's pages only once the prefill's forward of it finished
+    (SGLang's ``--disaggregation-decode-allocation-policy prefill_complete``); tell it with
+    ``PrefillReady``."""
+
+    room: Room
+    session: SessionId  # the decode process (the envelope's sender)
+    tp_rank: TpRank  # the decode rank
+
+
+@message
+class PrefillReady(Message):
+    """Prefill -> each decode rank that watches the room: this rank's forward of the room
+    finished (its KV is in the pool), so the decode may allocate and send its metadata."""
+
+    room: Room
+    tp_rank: TpRank  # the prefill rank
+
+
 @record
 class StagedChunk(Record):
     """A staged chunk in the reader's staging window: ``num_tokens`` tokens from

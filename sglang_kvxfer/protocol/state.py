@@ -63,6 +63,9 @@ class Event(enum.Enum):
     FAIL = "fail"  # an error on this side
     ABORT = "abort"  # either side gave up on the room
     TIMEOUT = "timeout"  # the current state's deadline passed
+    # the prefill's forward of the room finished, with a decode that allocates only then
+    # (prefill: restarts the wait for the decode's metadata; decode: its wait for allocation)
+    PREFILL_COMPLETE = "prefill_complete"
 
 
 _B, _W, _T = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring
@@ -84,6 +87,7 @@ def _table(*edges: tuple[tuple[KVPoll, Event], KVPoll]) -> Table:
 
 PREFILL_TRANSITIONS: Table = _table(
     ((_B, Event.BOOTSTRAPPED), _W),  # every expected decode rank sent its RequestMeta
+    ((_B, Event.PREFILL_COMPLETE), _B),  # the decode allocates now: its metadata's deadline starts
     ((_W, Event.CHUNK_STARTED), _T),
     ((_T, Event.CHUNK_STARTED), _T),  # later chunks: progress
     ((_W, Event.TRANSFER_DONE), _S),  # this rank was elected for no decode rank: nothing to write
@@ -92,6 +96,7 @@ PREFILL_TRANSITIONS: Table = _table(
 
 DECODE_TRANSITIONS: Table = _table(
     ((_B, Event.BOOTSTRAPPED), _W),  # registered with the prefill ranks, RequestMeta sent
+    ((_W, Event.PREFILL_COMPLETE), _W),  # every watched prefill rank is ready: the allocation's deadline
     ((_W, Event.CHUNK_STARTED), _T),
     ((_T, Event.CHUNK_STARTED), _T),
     ((_W, Event.WRITER_DONE), _T),  # direct path: a writer's TransferDone is the first news

@@ -277,10 +277,7 @@ def _decode(spec, closers: list) -> dict:
         reqs[-1]["rows"] = state_rows(m, pages[slot], tokens, dcp)  # (DSA state: rows of page_size tokens)
     if spec.corrupt:
         _corrupt_first_landing(backend, spec, mgrs, mems, reqs[0])
-    while not all(mgr.try_ensure_parallel_info(addr) for mgr in mgrs):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"prefill parallel info for {addr} never arrived")
-        time.sleep(0.02)
+    sides.wait_parallel_info(mgrs, addr, deadline)
     for req in reqs:
         for rx in req["rxs"]:
             rx.init(0)

@@ -285,19 +285,38 @@ def _wait(reqs, pollers_of, want, deadline, on_failed) -> list:
     return reached
 
 
+def start_ranks(spec, backend, defs, sa, closers: list) -> tuple[list, list]:
+    """Every TP rank of one side: its memory and its manager (a prefill also starts the
+    bootstrap server first and registers each rank): ``(memories, managers)``."""
+    prefill = spec.role == "prefill"
+    if prefill:
+        boot = backend.KVXferKVBootstrapServer(sa.host, sa.disaggregation_bootstrap_port)
+        closers.append(boot.close)
+    mode = defs.DisaggregationMode.PREFILL if prefill else defs.DisaggregationMode.DECODE
+    mems, mgrs = [], []
+    for r in range(spec.tp):
+        mems.append(rank_memory(spec.model, spec.tp, r, spec.role))
+        mgrs.append(backend.KVXferKVManager(mems[r].kv_args, mode, sa, spec.model.is_mla_backend))
+        closers.append(mgrs[r].close)
+    if prefill:
+        for mgr in mgrs:
+            mgr.register_to_bootstrap()
+    return mems, mgrs
+
+
+def wait_parallel_info(mgrs, addr: str, deadline: float) -> None:
+    """``_resolve_pending_reqs`` -> ``_ensure_prefill_info`` on every rank, retried."""
+    while not all(mgr.try_ensure_parallel_info(addr) for mgr in mgrs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"prefill parallel info for {addr} never arrived")
+        time.sleep(0.02)
+
+
 def _prefill(spec: Spec, closers: list) -> dict:
     backend, defs = setup(spec)
     m, deadline = spec.model, time.monotonic() + spec.timeout_s
     sa = server_args(MODEL_PATH, "prefill", spec.tp, spec.port, disaggregation_enable_kv_checksum=spec.kv_checksum)
-    boot = backend.KVXferKVBootstrapServer(sa.host, sa.disaggregation_bootstrap_port)
-    closers.append(boot.close)
-    mems, mgrs = [], []
-    for r in range(spec.tp):
-        mems.append(rank_memory(m, spec.tp, r, "prefill"))
-        mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.PREFILL, sa, m.is_mla_backend))
-        closers.append(mgrs[r].close)
-    for mgr in mgrs:
-        mgr.register_to_bootstrap()
+    mems, mgrs = start_ranks(spec, backend, defs, sa, closers)
     geo = model_geometry(m)
     places = [geo.placement(spec.tp, r) for r in range(spec.tp)]
     if m.draft is not None:
@@ -407,11 +426,7 @@ def _decode(spec: Spec, closers: list) -> dict:
     backend._model_total_kv_heads = _model_heads(spec.model)
     m, deadline = spec.model, time.monotonic() + spec.timeout_s
     sa = server_args(MODEL_PATH, "decode", spec.tp, spec.port + 1, disaggregation_enable_kv_checksum=spec.kv_checksum)
-    mems, mgrs = [], []
-    for r in range(spec.tp):
-        mems.append(rank_memory(m, spec.tp, r, "decode"))
-        mgrs.append(backend.KVXferKVManager(mems[r].kv_args, defs.DisaggregationMode.DECODE, sa, m.is_mla_backend))
-        closers.append(mgrs[r].close)
+    mems, mgrs = start_ranks(spec, backend, defs, sa, closers)
     addr = f"127.0.0.1:{spec.port}"  # the request's bootstrap_host:bootstrap_port (router)
     results: dict = {}
     reqs = []
@@ -422,11 +437,7 @@ def _decode(spec: Spec, closers: list) -> dict:
         prefix = rest[0] if rest else 0
         reqs.append({"room": room, "tokens": tokens, "slot": slot, "rxs": rxs, "pages": pages[slot], "prefix": prefix})
         reqs[-1]["state"] = states[slot] if states is not None else None
-    # _resolve_pending_reqs -> _ensure_prefill_info on every rank, retried
-    while not all(mgr.try_ensure_parallel_info(addr) for mgr in mgrs):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"prefill parallel info for {addr} never arrived")
-        time.sleep(0.02)
+    wait_parallel_info(mgrs, addr, deadline)
     info = mgrs[0].prefill_info_table[addr]
     prefill_dp_rank = 0 if info.dp_size == 1 else None  # _resolve_prefill_dp_rank
     for req in reqs:

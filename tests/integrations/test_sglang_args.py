@@ -325,9 +325,30 @@ def test_pipeline_parallel_plan():
         ),
         (dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True), "prefill", "--enable-kv-cache-sharding"),
         (
-            dict(disaggregation_decode_allocation_policy="prefill_complete"),
+            dict(disaggregation_decode_allocation_policy="whenever"),
             "decode",
-            "--disaggregation-decode-allocation-policy='prefill_complete'",
+            "--disaggregation-decode-allocation-policy='whenever'",
+        ),
+        # prefill_complete: SGLang's own rules (_validate_prefill_complete), if they were bypassed
+        (dict(disaggregation_decode_allocation_policy="prefill_complete", tp_size=2), "prefill", "--tp-size=2"),
+        (
+            dict(disaggregation_decode_allocation_policy="prefill_complete", tp_size=1, pp_size=2),
+            "prefill",
+            "--pp-size=2",
+        ),
+        (
+            dict(disaggregation_decode_allocation_policy="prefill_complete", tp_size=2, attn_cp_size=2),
+            "prefill",
+            "--attn-cp-size=2",
+        ),
+        (
+            dict(
+                disaggregation_decode_allocation_policy="prefill_complete",
+                tp_size=1,
+                disaggregation_decode_enable_radix_cache=True,
+            ),
+            "decode",
+            "--disaggregation-decode-enable-radix-cache=True",
         ),
         (dict(device="npu"), "prefill", "--device='npu'"),
     ],
@@ -335,6 +356,19 @@ def test_pipeline_parallel_plan():
 def test_unsupported_server_settings_name_the_flag(over, role, flag):
     with pytest.raises(KVXferError, match="does not support " + flag.replace("[", r"\[")):
         plan_from_server_args(server(**over), role)
+
+
+def test_prefill_complete_is_served_with_attention_tp_1_also_under_attention_dp():
+    """--disaggregation-decode-allocation-policy prefill_complete on either side: attention TP 1
+    (DP attention groups of one rank each are fine), as SGLang requires it."""
+    for role in ("prefill", "decode"):
+        over = dict(tp_size=1, disaggregation_decode_allocation_policy="prefill_complete")
+        assert plan_from_server_args(server(**over), role).prefill_complete
+        over = dict(
+            tp_size=2, dp_size=2, enable_dp_attention=True, disaggregation_decode_allocation_policy="prefill_complete"
+        )
+        assert plan_from_server_args(server(**over), role).prefill_complete
+    assert not plan_from_server_args(server(), "decode").prefill_complete
 
 
 def test_cp_tp_group_sharing_is_a_prefill_of_attention_tp_1_over_its_cp_ranks(monkeypatch):

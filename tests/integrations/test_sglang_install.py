@@ -84,6 +84,39 @@ def test_install_is_idempotent_and_rebinds_earlier_imports(choices):
         del sys.modules[early.__name__]
 
 
+@needs_sglang
+def test_sglangs_prefill_complete_check_lets_kvxfer_through_as_mooncake_and_keeps_its_other_rules(choices):
+    from sglang.srt.arg_groups import pd_disaggregation_hook as hook
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = ["--model-path", "m", "--disaggregation-mode", "prefill", "--device", "cpu"]
+    argv += ["--disaggregation-decode-allocation-policy", "prefill_complete"]
+
+    def resolve(*extra):  # SGLang's resolution pass over PD flags (run at server launch)
+        args = prepare_server_args([*argv, *extra])
+        hook.handle_pd_disaggregation(args)
+        return resolving_view(args)
+
+    handlers = list(logging.root.handlers)
+    check = hook._validate_prefill_complete
+    original = getattr(check, "__kvxfer_original__", check)  # (an earlier test may have installed it)
+    try:
+        sglang_install.install(load_utils_defs(), choices)
+        with pytest.raises(ValueError, match="does not yet support transfer backends other than Mooncake"):
+            original(prepare_server_args([*argv, "--disaggregation-transfer-backend", "kvxfer"]))  # SGLang's own
+        cfg = resolve("--disaggregation-transfer-backend", "kvxfer")
+        assert cfg.disaggregation_decode_allocation_policy == "prefill_complete"
+        assert cfg.disaggregation_transfer_backend == "kvxfer"
+        assert cfg.optimistic_prefill_attempts == 1  # SGLang's resolution for the policy, as for mooncake
+        with pytest.raises(ValueError, match="does not yet support attention tensor parallelism greater than one"):
+            resolve("--disaggregation-transfer-backend", "kvxfer", "--tp-size", "2")
+        with pytest.raises(ValueError, match="does not yet support transfer backends other than Mooncake"):
+            resolve("--disaggregation-transfer-backend", "nixl")
+    finally:
+        logging.root.handlers[:] = handlers
+
+
 def test_enum_member_name_clash_is_refused():
     import enum
 

@@ -370,12 +370,12 @@ def test_transfer_done_with_its_last_chunk_round_trips():
     assert decode(encode(DONE)).last_chunk is None
 
 
-@pytest.mark.parametrize("old", [2, 3, 4, 5, 6, 7, 8, 10, 11])
+@pytest.mark.parametrize("old", [2, 3, 4, 5, 6, 7, 8, 10, 11, 12])
 def test_an_older_peer_is_refused_at_its_first_frame_naming_both_versions(old):
     _, tag, fields = envelope(REG)  # a decode rank's first frame to a prefill rank
     text = rejected(frame(old, tag, fields))
-    assert PROTOCOL_VERSION == 12
-    assert f"peer speaks protocol version {old}, this engine speaks 12" in text
+    assert PROTOCOL_VERSION == 13
+    assert f"peer speaks protocol version {old}, this engine speaks 13" in text
 
 
 # -- protocol 8: TransferDone carries the landing receipts of unacknowledged writes --------------

@@ -74,7 +74,7 @@ def decode_register(**over):
 # -- round trips -------------------------------------------------------------------------------
 def test_every_message_type_has_a_strategy():
     assert set(MESSAGE_STRATEGIES) == set(MESSAGE_TYPES)
-    assert len(MESSAGE_TYPES) == 15
+    assert len(MESSAGE_TYPES) == 17
 
 
 @pytest.mark.parametrize("tag", sorted(MESSAGE_STRATEGIES))

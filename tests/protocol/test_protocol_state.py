@@ -63,10 +63,11 @@ def test_the_tables_are_exactly_these_edges():
         (W, Event.TRANSFER_DONE): S,
         (T, Event.TRANSFER_DONE): S,
     }
-    assert dict(PREFILL_TRANSITIONS) == {**common, **failures}
+    assert dict(PREFILL_TRANSITIONS) == {**common, **failures, (B, Event.PREFILL_COMPLETE): B}
     assert dict(DECODE_TRANSITIONS) == {
         **common,
         **failures,
+        (W, Event.PREFILL_COMPLETE): W,
         (W, Event.WRITER_DONE): T,
         (T, Event.WRITER_DONE): T,
     }
@@ -194,6 +195,18 @@ def test_custom_deadlines_are_used():
     assert req.check_deadline(2.4) is False
     assert req.check_deadline(2.5) is True
     assert req.reason == "timed out after 2.5 s in Bootstrapping"
+
+
+def test_a_finished_prefill_forward_restarts_the_wait_it_ends_on_both_sides():
+    """prefill_complete: the prefill waits again for the decode's metadata (Bootstrapping), the
+    decode again for its own allocation (WaitingForInput); neither state changes."""
+    pre = in_state(Side.PREFILL, B, now=0.0)
+    assert pre.deadline == 60.0
+    assert pre.handle(Event.PREFILL_COMPLETE, 50.0) is B and pre.deadline == 110.0
+    assert pre.check_deadline(100.0) is False and pre.poll is B
+    dec = in_state(Side.DECODE, W, now=0.0)
+    assert dec.handle(Event.PREFILL_COMPLETE, 250.0) is W and dec.deadline == 550.0
+    assert dec.check_deadline(500.0) is False and dec.poll is W
 
 
 def test_progress_restarts_the_transferring_deadline():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,26 @@ class Fleet:
 
 
 PREFILL_CHUNK = 64  # --chunked-prefill-size: a prompt over 64 tokens moves in several chunks
+
+
+@contextmanager
+def running_pair(
+    name: str, model: Path, env: dict, logs: Path, prefill_tp: int, decode_tp: int, prefill_extra, decode_extra
+):
+    """A prefill (``name``-prefill, chunked at ``PREFILL_CHUNK``) and a decode server up for the
+    ``with`` block: yields ``(prefill, decode, bootstrap port)``, then ends both."""
+    port = h.free_port()
+    chunk = ["--chunked-prefill-size", str(PREFILL_CHUNK)]
+    prefill = h.prefill_server(f"{name}-prefill", model, prefill_tp, env, logs, port, [*prefill_extra, *chunk])
+    decode = h.decode_server(f"{name}-decode", model, decode_tp, env, logs, list(decode_extra))
+    fleet = Fleet()
+    try:
+        fleet.start(prefill, decode)
+        yield prefill, decode, port
+    finally:
+        fleet.stop()
+
+
 # The reference servers of ``references`` while that fixture is up, by TP size: a module that
 # needs one reference only reuses it instead of starting its own (``reference_server_tp1``).
 RUNNING_REFERENCES: dict[int, h.Server] = {}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.realserver import harness as h
-from tests.realserver.conftest import PREFILL_CHUNK, Fleet
+from tests.realserver.conftest import running_pair
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -33,16 +33,8 @@ def prompt(n: int, seed: int) -> list[int]:
 @pytest.fixture(scope="module")
 def pair(server_env, tiny_model, logs: Path):
     env = dict(server_env, KVXFER_SGLANG_TRANSPORT="local")
-    port = h.free_port()
-    chunk = ["--chunked-prefill-size", str(PREFILL_CHUNK)]
-    prefill = h.prefill_server("checksum-prefill-tp2", tiny_model, 2, env, logs, port, [FLAG, *chunk])
-    decode = h.decode_server("checksum-decode-tp1", tiny_model, 1, env, logs, [FLAG])
-    fleet = Fleet()
-    try:
-        fleet.start(prefill, decode)
-        yield prefill, decode, port
-    finally:
-        fleet.stop()
+    with running_pair("checksum-tp2-tp1", tiny_model, env, logs, 2, 1, [FLAG], [FLAG]) as servers:
+        yield servers
 
 
 def run(pair, ids: list[int]) -> tuple[dict, dict]:
