@@ -267,8 +267,7 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         for flag, value, refused in (
             ("--pp-size", pp, pp > 1),
             ("--attn-cp-size", attn_cp, attn_cp > 1),
-            ("--tp-size", tp, tp != attn_dp),
-            ("--dcp-size", dcp, dcp > 1),
+            ("--tp-size", tp, tp != attn_dp),  # (so --dcp-size > 1, which must divide attention TP 1, is refused above)
             ("--disaggregation-decode-enable-radix-cache", radix, radix),
             ("--enable-pd-role-switch", True, bool(_get(server_args, "enable_pd_role_switch", False))),
         ):
