@@ -299,6 +299,7 @@ class BootstrapServer:
                 "transport",
                 "follows_room",
                 "dcp_size",
+                "kv_sharded",
             )
             if pool == msg.kv_pool:
                 names += ("geometry", "draft_geometry") if pp == msg.pp_rank else ()
@@ -425,6 +426,7 @@ class BootstrapServer:
             cp_rank=cp_rank,
             cp_size=cp_size,
             all_heads=first.all_heads if first is not None else False,
+            kv_sharded=first.kv_sharded if first is not None else False,
         )
 
     def close(self, timeout_s: float = 5.0) -> None:

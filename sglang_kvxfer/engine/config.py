@@ -105,6 +105,11 @@ class EngineConfig:
             the heads of TP rank ``tp_rank`` of ``tp_size`` (SGLang's CP-TP group sharing:
             CP rank r holds the whole KV and transfers as TP rank r). Registered with the
             bootstrap, so a decode addresses the heads in that pool.
+        kv_sharded: a prefill whose ``cp_size`` CP ranks hold a request's pages interleaved
+            (SGLang's KV cache sharding: logical page l on CP rank ``l % cp_size`` as its
+            local page ``l // cp_size``): each sends the pages it holds at the positions of
+            the decode's page list it names (``KVSender.send(positions=)``). Registered with
+            the bootstrap, so a decode asks each CP rank for sparse writes of its whole list.
         prefill_complete: a prefill rank that tells a decode rank watching a room
             (``RoomWatch``) once the room's forward finished (``KVSender.mark_prefill_complete``;
             SGLang's ``--disaggregation-decode-allocation-policy prefill_complete``, where the
@@ -150,6 +155,7 @@ class EngineConfig:
     cp_size: int = 1
     all_heads: bool = False
     prefill_complete: bool = False
+    kv_sharded: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -164,6 +170,10 @@ class EngineConfig:
             raise ValueError(
                 f"prefill_complete={self.prefill_complete!r} must be a bool, and True only on a prefill "
                 f"(role={self.role!r}: a decode watches a room per request, KVReceiver(watch_prefill=True))"
+            )
+        if not isinstance(self.kv_sharded, bool) or (self.kv_sharded and self.role != "prefill"):
+            raise ValueError(
+                f"kv_sharded={self.kv_sharded!r} must be a bool, and True only on a prefill (role={self.role!r})"
             )
         self.geometry.placement(self.tp_size, self.tp_rank)  # validates (H, T) and the rank
         parse_host_port(self.bootstrap)
@@ -205,6 +215,8 @@ class EngineConfig:
             rank, size = getattr(self, f"{kind}_rank"), getattr(self, f"{kind}_size")
             if rank >= size:
                 raise ValueError(f"{kind}_rank={rank} must be < {kind}_size={size}")
+        if self.kv_sharded and self.cp_size < 2:
+            raise ValueError(f"kv_sharded=True needs the pages sharded over cp_size >= 2 CP ranks, got {self.cp_size}")
         if self.pp_size == 1 and self.layer_start:
             raise ValueError(f"layer_start={self.layer_start} must be 0 without pipeline parallelism (pp_size=1)")
         if self.kv_pool not in ("", "draft") and not _STATE_POOL.fullmatch(self.kv_pool):

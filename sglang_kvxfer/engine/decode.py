@@ -346,11 +346,13 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
         aux_slot: int,
         prefix_tokens: int = 0,
         selection: TokenSelection = EVERY_TOKEN,
+        sparse: bool = False,
     ) -> None:
         """``num_tokens``: the whole request's length after the prefix; ``pages`` hold the
-        ``selection`` of them (all, or a DCP rank's every n-th)."""
+        ``selection`` of them (all, or a DCP rank's every n-th); ``sparse``: the writers pick
+        which of them they write."""
         with self._lock:
-            rec.pages, rec.aux_slot = pages, aux_slot
+            rec.pages, rec.aux_slot, rec.sparse = pages, aux_slot, sparse
             rec.request_tokens, rec.num_tokens = num_tokens, selection.count(num_tokens)
             rec.prefix_tokens, rec.selection = prefix_tokens, selection
             rec.meta_pending = True
@@ -441,6 +443,7 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
                     fused=p in writers and rec.plans[p].fused,
                     token_stride=rec.selection.stride,
                     token_phase=rec.selection.phase,
+                    sparse=rec.sparse,
                 ),
             )
 
@@ -722,6 +725,8 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
         """A writer's ``TransferDone`` counts only with every (token x layer) of its share in
         place: a staged writer's chunks reached ``num_tokens`` in every layer; any writer's
         ``total_bytes`` is its plan's payload. Call with the lock held."""
+        if rec.sparse or msg.positions is not None:
+            return self._check_sparse(rec, plan, msg)
         stand = rec.layer_tokens.get(msg.tp_rank)
         if stand is not None:
             short = np.flatnonzero(stand != rec.num_tokens)
@@ -738,6 +743,43 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
                 f"its share of the request is {plan.nbytes()} B",
                 rec.room,
             )
+
+    def _check_sparse(self, rec: DecodeRoom, plan: RequestPlan, msg: TransferDone) -> None:
+        """A writer of a sparse room names the pages it wrote (``positions``): they lie in this
+        rank's page list, every writer of the room names the same ones (each writes its
+        heads of them), and ``total_bytes`` is its heads' payload of their tokens. Call with
+        the lock held."""
+        where = msg.positions
+        if not rec.sparse or where is None:
+            asked = "asked for sparse writes" if rec.sparse else "asked for its whole page list"
+            sent = "sent no positions" if where is None else f"named {where.size} position(s)"
+            raise TransferFailedError(
+                f"prefill rank {msg.tp_rank} {sent} in TransferDone; decode rank {self.tp_rank} {asked}", rec.room
+            )
+        pages = 0 if rec.pages is None else len(rec.pages)
+        if where.size and int(where[-1]) >= pages:
+            raise TransferFailedError(
+                f"prefill rank {msg.tp_rank} named position {int(where[-1])}; this rank's page list has {pages}",
+                rec.room,
+            )
+        if rec.positions is not None and not np.array_equal(rec.positions, where):
+            diff = np.setxor1d(rec.positions, where)
+            raise TransferFailedError(
+                f"the writers of the room wrote different pages: prefill rank {msg.tp_rank} named "
+                f"{where.size} position(s), another writer {rec.positions.size}; they differ at position "
+                f"{int(diff[0])}",
+                rec.room,
+            )
+        page_size = self.config.geometry.page_size
+        tokens = int(np.minimum(page_size, rec.num_tokens - where * page_size).sum())
+        if msg.total_bytes != plan.token_nbytes * tokens:
+            raise TransferFailedError(
+                f"prefill rank {msg.tp_rank} sent TransferDone with total_bytes={msg.total_bytes}; "
+                f"its share of the {tokens} tokens of the {where.size} page(s) it named is "
+                f"{plan.token_nbytes * tokens} B",
+                rec.room,
+            )
+        rec.positions = where
 
     # -- failures and liveness ---------------------------------------------------------------------
     def _free_windows(self, rec: DecodeRoom) -> None:
@@ -899,6 +941,7 @@ class KVReceiver(RequestHandle):
         prefix_tokens: int = 0,
         token_stride: int = 1,
         token_phase: int = 0,
+        sparse: bool = False,
     ) -> None:
         """Tell the writers where this request's KV goes (this rank's page ids).
 
@@ -914,6 +957,12 @@ class KVReceiver(RequestHandle):
         An empty ``page_ids`` needs ``prefix_tokens`` (the decode holds the whole prompt) or
         ``num_tokens=0`` (a writer with no share of this request: a prefill CP rank whose
         share of a short request is empty): the writers send only the aux data.
+
+        ``sparse``: the writers hold only some of the request's pages (a SGLang prefill with
+        KV cache sharding) and each writes those at the positions of ``page_ids`` it picks
+        (``KVSender.send(positions=)``), naming them when done (``positions`` then); the
+        caller checks that the writers of all its requests covered every page. Direct or
+        fused writes only, every token (not with ``token_stride``).
         """
         if self._sent:
             raise ValueError(f"room {self.room}: send_metadata() was already called")
@@ -932,6 +981,8 @@ class KVReceiver(RequestHandle):
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
         if token_phase >= token_stride:
             raise ValueError(f"token_phase={token_phase} must be below token_stride={token_stride}")
+        if sparse and token_stride != 1:
+            raise ValueError(f"sparse=True takes every token (token_stride={token_stride})")
         if token_stride > 1 and num_tokens is None:
             raise ValueError(f"token_stride={token_stride} needs num_tokens (the whole request's length)")
         selection = TokenSelection(int(token_stride), int(token_phase))
@@ -948,7 +999,13 @@ class KVReceiver(RequestHandle):
         if not pages.size and own:
             raise ValueError(f"num_tokens={tokens}{of} does not fit 0 pages")
         self._sent = True
-        self.mgr.set_metadata(self._rec, pages, tokens, int(aux_slot), int(prefix_tokens), selection)
+        self.mgr.set_metadata(self._rec, pages, tokens, int(aux_slot), int(prefix_tokens), selection, bool(sparse))
+
+    @property
+    def positions(self) -> np.ndarray | None:
+        """With ``send_metadata(sparse=True)``: the indices into ``page_ids`` the writers
+        wrote (every writer the same), once ``poll()`` reached Success; else None."""
+        return self._rec.positions
 
     @property
     def aux_payload(self) -> bytes:

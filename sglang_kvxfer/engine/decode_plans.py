@@ -4,7 +4,8 @@ Owns ``DecodePlanning``, the part of ``DecodeManager`` that builds one ``Request
 elected writer (the pair's path: direct, staged, or fused where that writer maps this
 rank's pool, by the transport's cost; the prefill follows the choice) and lends each
 staged writer its window of two staging slots. A fused or direct writer gets no window and
-sends no chunks: its ``TransferDone`` counts bytes only.
+sends no chunks: its ``TransferDone`` counts bytes only. A sparse room (the writers pick the
+pages) is never staged: the reader could not scatter pages it does not know of.
 Must not: send messages or move bytes (``decode.py`` does), or decide what a writer maps
 (its ``RegisterReply`` says so: ``PrefillGroup.mappings``).
 """
@@ -16,7 +17,9 @@ import numpy as np
 from sglang_kvxfer.engine.decode_rooms import DecodeRoom, PrefillGroup
 from sglang_kvxfer.engine.manager import RankBase
 from sglang_kvxfer.errors import PlanError, TransferFailedError
-from sglang_kvxfer.planning import HeadTransfer, PoolMapping, RequestPlan, TokenSelection
+from sglang_kvxfer.geometry import RankPlacement
+from sglang_kvxfer.planning import DataPath, HeadTransfer, PoolMapping, RequestPlan, TokenSelection
+from sglang_kvxfer.planning.byteplan import contiguous_layout, per_token_possible
 from sglang_kvxfer.planning.pathcost import PathCost
 from sglang_kvxfer.protocol.fields import STAGING_SLOTS
 
@@ -65,7 +68,30 @@ class DecodePlanning(RankBase[DecodeRoom]):
                 cost=self._transport_cost(),
                 mapping=group.mappings.get(p, UNMAPPED),
             )
+            if rec.sparse and plans[p].staged:  # a writer picks the pages: no window to scatter
+                plans[p] = self._sparse_plan(rec, t, src, plans[p])
         return plans
+
+    def _sparse_plan(self, rec: DecodeRoom, t: HeadTransfer, src: RankPlacement, staged: RequestPlan) -> RequestPlan:
+        """The plan of a sparse room's writer whose pair ``auto`` staged: direct, or row by
+        row where the bytes are not contiguous (the writer chooses the same)."""
+        rows = contiguous_layout(t, src, self.placement) is None and per_token_possible(src, self.placement)
+        plan = RequestPlan.build(
+            t,
+            src,
+            self.placement,
+            np.arange(len(staged.src_pages)),
+            rec.pages,
+            num_tokens=rec.num_tokens,
+            path=DataPath.PER_TOKEN if rows else DataPath.DIRECT,
+        )
+        if plan.staged:
+            raise TransferFailedError(
+                f"prefill rank {t.prefill_rank}: a sparse request is written directly, but this pair's "
+                f"bytes are not contiguous and cannot go row by row ({staged.reason})",
+                rec.room,
+            )
+        return plan
 
     def _transport_cost(self) -> PathCost | None:
         """What a write into this rank's pool costs over its transport (``auto``'s cost rule;

@@ -70,6 +70,10 @@ class DecodeRoom:
         self.selection = EVERY_TOKEN  # which of them this rank holds (decode context parallel)
         self.prefix_tokens = 0  # tokens the decode already holds (decode radix cache); not sent
         self.aux_slot = -1
+        # the writers pick which of ``pages`` they write (RequestMeta.sparse) and name them in
+        # TransferDone.positions; every writer of the room names the same ones (``positions``)
+        self.sparse = False
+        self.positions: np.ndarray | None = None
         self.meta_pending = False
         self.meta_sent = False
         # RoomWatch (SGLang's prefill_complete policy): the candidate prefill ranks are asked

@@ -133,6 +133,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             cp_rank=self.config.cp_rank,
             cp_size=self.config.cp_size,
             all_heads=self.config.all_heads,
+            kv_sharded=self.config.kv_sharded,
         )
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         last, unanswered = "no answer", 0
@@ -404,6 +405,7 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
                     rec.plan = plan_tp(g.total_kv_heads, self.config.tp_size, meta.tp_size, g.mla, salt=meta.room)
                     rec.num_tokens = meta.num_tokens
                     rec.prefix_tokens = meta.prefix_tokens
+                    rec.sparse = meta.sparse
                 problem = self._meta_problem(rec, meta)
                 if problem:
                     ready = False
@@ -523,6 +525,11 @@ class PrefillManager(PrefillRoomTable, PrefillDataPath, RankBase[PrefillRoom]):
             )
         if plan.decode_tp != meta.tp_size:
             return f"decode ranks disagree on the decode TP size: {meta.tp_size} vs {plan.decode_tp}"
+        if meta.sparse != rec.sparse:
+            return (
+                f"decode ranks disagree on whether the writer picks their pages: sparse={meta.sparse} "
+                f"(decode rank {meta.tp_rank}) vs {rec.sparse}"
+            )
         elected = meta.tp_rank in plan.decode_targets(self.tp_rank)
         if meta.elected != elected:
             return (
@@ -665,9 +672,12 @@ class KVSender(RequestHandle):
             mgr._fail_room(self._rec, unregistered, notify=False)
         self._finished = False
         self._open_pages: np.ndarray | None = None  # the token chunk whose layers are partly sent
+        self._last_position = -1  # the last of the positions sent (sparse writes)
         self._next_layer = 0  # its first layer not sent yet
 
-    def send(self, page_ids, last_chunk: bool = False, aux: bytes = b"", ready=None, layers=None) -> None:
+    def send(
+        self, page_ids, last_chunk: bool = False, aux: bytes = b"", ready=None, layers=None, positions=None
+    ) -> None:
         """Hand over the next pages of the request (page-aligned; the last chunk ends it).
 
         ``aux`` (last chunk only) reaches every decode reader with ``TransferDone``.
@@ -686,6 +696,12 @@ class KVSender(RequestHandle):
         at ``b=num_layers``. ``last_chunk`` goes with the group that completes the last
         chunk. A repeated, skipped or out-of-range layer range is a ``ValueError`` naming
         ``layers`` and the values.
+
+        ``positions`` (a decode that asked for sparse writes, ``KVReceiver.send_metadata(
+        sparse=True)``: this rank holds only some of the request's pages, as a SGLang prefill
+        with KV cache sharding does): for each of ``page_ids``, its index in the decode's page
+        list, increasing over the whole request; the other pages are other ranks' to send.
+        Not with ``layers``.
         """
         if self._finished:
             raise ValueError(f"room {self.room}: send() after the last chunk")
@@ -699,9 +715,40 @@ class KVSender(RequestHandle):
             raise TypeError(f"aux must be bytes, got {type(aux).__name__}")
         if ready is not None and not callable(getattr(ready, "synchronize", None)):
             raise TypeError(f"ready must have a synchronize() method, got {type(ready).__name__}")
+        where = self._check_positions(positions, pages, layers)
         span, pages = self._layer_span(layers, pages, bool(last_chunk))
         self._finished = bool(last_chunk)
-        self.mgr.submit_chunk(self._rec, Chunk(pages, bool(last_chunk), bytes(aux), ready, span))
+        if where is not None and where.size:
+            self._last_position = int(where[-1])
+        self.mgr.submit_chunk(self._rec, Chunk(pages, bool(last_chunk), bytes(aux), ready, span, where))
+
+    def _check_positions(self, positions, pages: np.ndarray, layers) -> np.ndarray | None:
+        """``positions`` as an int64 array, checked against ``pages`` and the positions sent
+        before (increasing over the request); None stays None."""
+        if positions is None:
+            return None
+        if layers is not None:
+            raise ValueError("positions (sparse writes) cannot go with layers (layer-wise sends)")
+        where = np.asarray(positions)
+        if where.ndim != 1 or (where.size and not np.issubdtype(where.dtype, np.integer)):
+            raise ValueError(f"positions must be a 1-D list of ints, got {where.dtype} {where.shape}")
+        where = where.astype(np.int64)
+        if where.size != pages.size:
+            raise ValueError(f"positions has {where.size} entries for {pages.size} page_ids")
+        if where.size:
+            low = self._last_position + 1
+            if int(where[0]) < low:
+                raise ValueError(
+                    f"positions[0]={int(where[0])} must be >= {low}: positions increase over the request "
+                    f"(the last one sent was {self._last_position})"
+                )
+            steps = np.diff(where)
+            if steps.size and int(steps.min()) <= 0:
+                i = int(np.flatnonzero(steps <= 0)[0])
+                raise ValueError(
+                    f"positions must increase: positions[{i}]={int(where[i])}, positions[{i + 1}]={int(where[i + 1])}"
+                )
+        return where
 
     def _layer_span(self, layers, pages: np.ndarray, last: bool) -> tuple[tuple[int, int] | None, np.ndarray]:
         """Check ``layers`` against the open token chunk; returns the chunk's layer span and

@@ -32,7 +32,8 @@ from sglang_kvxfer.engine.manager import RankBase
 from sglang_kvxfer.engine.pool import StagingArena
 from sglang_kvxfer.engine.prefill_fused import FusedWrites
 from sglang_kvxfer.engine.prefill_rooms import Chunk, PrefillRoom, Synchronizable
-from sglang_kvxfer.errors import KVXferError, TransferFailedError, TransferTimeoutError
+from sglang_kvxfer.errors import KVXferError, LocalProtocolError, TransferFailedError, TransferTimeoutError
+from sglang_kvxfer.geometry import RankPlacement
 from sglang_kvxfer.metrics import SINCE_FIRST_BYTE, SINCE_LAST_CHUNK
 from sglang_kvxfer.planning import DataPath, HeadTransfer, KVSlice, RequestPlan, TokenSelection, TPPlan
 from sglang_kvxfer.planning.byteplan import contiguous_layout, per_token_possible, staged_op_count
@@ -165,6 +166,8 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
 
     # -- the data path (worker thread) -----------------------------------------------------------
     def _send_chunk(self, rec: PrefillRoom, chunk: Chunk) -> None:
+        if rec.sparse or chunk.positions is not None:
+            return self._send_sparse_chunk(rec, chunk)
         g = self.config.geometry
         # The forward that writes these pages may still run: gathers wait for ``ready`` on
         # the copy stream; a direct write (the transport reads the pool) waits here first.
@@ -242,6 +245,83 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
                 self._settle(ts)
             raise
 
+    def _send_sparse_chunk(self, rec: PrefillRoom, chunk: Chunk) -> None:
+        """A chunk of a sparse room: its pages go to the decode pages its ``positions`` name
+        (this rank holds only some of the request's pages). Each chunk is planned on its
+        own, as a request of its pages' tokens, and written directly (or fused): the reader
+        cannot scatter pages it does not know of, so no window is lent for such a room."""
+        g = self.config.geometry
+        if not rec.sparse:
+            raise TransferFailedError(
+                "the prefill picks the decode pages it writes (send(positions=...)), but the decode "
+                "asked for its whole page list (RequestMeta.sparse=False): both sides must shard the "
+                "request's pages the same way",
+                rec.room,
+            )
+        if chunk.positions is None and chunk.pages.size:
+            raise TransferFailedError(
+                f"the decode asked for sparse writes (RequestMeta.sparse=True), but send() gave "
+                f"{chunk.pages.size} page(s) without positions",
+                rec.room,
+            )
+        if chunk.layers is not None:  # KVSender.send refuses positions with layers
+            raise LocalProtocolError(f"room {rec.room}: a layer-wise chunk in a sparse room")
+        tp_plan, total = self._layout(rec)
+        need = -(-total // g.page_size)
+        where = chunk.positions if chunk.positions is not None else np.zeros(0, dtype=np.int64)
+        if where.size and int(where[-1]) >= need:
+            raise TransferFailedError(
+                f"send() named position {int(where[-1])}; the decode's {total}-token request has pages "
+                f"[0, {need}) at page_size {g.page_size}",
+                rec.room,
+            )
+        rec.src_pages = np.concatenate([rec.src_pages, chunk.pages])
+        rec.positions = np.concatenate([rec.positions, where])
+        tokens = int(np.minimum(g.page_size, total - where * g.page_size).sum())
+        readers = tp_plan.readers_of(self.tp_rank)
+        ready, layers = chunk.ready, (0, g.num_layers)
+        if tokens and readers:
+            with self._lock:
+                if rec.state.poll is not KVPoll.Transferring:
+                    rec.state.handle(Event.CHUNK_STARTED, time.monotonic())
+            tickets: list[Ticket] = []
+            for t in readers:
+                meta = rec.metas[t.decode_rank]
+                peer = self._peer_of(meta)
+                t0 = time.perf_counter()
+                path = self._writer_path(rec, t, peer, meta, self.placement)
+                plan = RequestPlan.build(
+                    t,
+                    self.placement,
+                    peer.placement,
+                    chunk.pages,
+                    meta.dst_page_ids[where],
+                    num_tokens=tokens,
+                    path=path,
+                    mapping=peer.mapping,
+                )
+                rec.timings["plan"] += time.perf_counter() - t0
+                if plan.fused:
+                    self._write_fused(rec, plan, peer, 0, tokens, layers, ready)
+                elif plan.staged:
+                    raise TransferFailedError(
+                        f"decode rank {t.decode_rank} asked for sparse writes but the bytes are not "
+                        f"contiguous ({plan.reason}), and a sparse request cannot be staged",
+                        rec.room,
+                    )
+                else:
+                    if ready is not None:
+                        ready.synchronize()
+                        ready = None
+                    tickets += self._write_direct(rec, plan, peer, 0, tokens, layers)
+            if tickets:
+                t0 = time.perf_counter()
+                wait_all(tickets, self.config.transfer_timeout_s)
+                rec.timings["wire"] += time.perf_counter() - t0
+        rec.tokens_sent += tokens
+        if chunk.last:
+            self._finish(rec, readers, chunk.aux, {}, {})
+
     def _receipted(self, pending: list[Ticket]) -> list[Ticket]:
         """``pending`` when the reader can check all of them by receipt (the transport has
         receipts and each names its frames), else [] (they are waited for first)."""
@@ -289,30 +369,12 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
         g, sel = self.config.geometry, selection(meta)
         plan = rec.readers.get(t.decode_rank)
         if plan is None:
-            if meta.fused:
-                if not peer.mapping.mapped:
-                    raise TransferFailedError(
-                        f"decode rank {t.decode_rank} asked for fused writes, but its KV pool is not "
-                        f"mapped here ({peer.mapping.note})",
-                        rec.room,
-                    )
-                path = DataPath.FUSED
-            elif meta.staging_offset >= 0:
-                path = DataPath.STAGED
-            else:
-                path = DataPath.PER_TOKEN if self.config.data_path == DataPath.PER_TOKEN else DataPath.DIRECT
-
             src, pages, total = self.placement, rec.src_pages, self._layout(rec)[1]
             if not sel.every:  # this reader's tokens, each read as a one-token page
                 src = TokenSelection.row_view(self.placement)
                 pages = sel.rows(rec.src_pages, g.page_size, 0, sel.count(self._covered(rec)))
                 total = sel.count(total)
-            if (
-                path is DataPath.DIRECT
-                and contiguous_layout(t, src, peer.placement) is None
-                and per_token_possible(src, peer.placement)
-            ):
-                path = DataPath.PER_TOKEN  # a strided pair without a window: the decode chose rows
+            path = self._writer_path(rec, t, peer, meta, src)
             plan = RequestPlan.build(
                 t,
                 src,
@@ -337,6 +399,27 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
         rec.readers[t.decode_rank] = plan
         rec.timings["plan"] += time.perf_counter() - t0
         return plan
+
+    def _writer_path(
+        self, rec: PrefillRoom, t: HeadTransfer, peer: DecodePeer, meta: RequestMeta, src: RankPlacement
+    ) -> DataPath:
+        """The path the decode chose for this pair: fused (its pool is mapped here), staged
+        (it lent a window), else direct, or row by row where the bytes are not contiguous."""
+        if meta.fused:
+            if not peer.mapping.mapped:
+                raise TransferFailedError(
+                    f"decode rank {t.decode_rank} asked for fused writes, but its KV pool is not "
+                    f"mapped here ({peer.mapping.note})",
+                    rec.room,
+                )
+            return DataPath.FUSED
+        if meta.staging_offset >= 0:
+            return DataPath.STAGED
+        if self.config.data_path == DataPath.PER_TOKEN:
+            return DataPath.PER_TOKEN
+        if contiguous_layout(t, src, peer.placement) is None and per_token_possible(src, peer.placement):
+            return DataPath.PER_TOKEN  # a strided pair without a window: the decode chose rows
+        return DataPath.DIRECT
 
     def _write_direct(
         self, rec: PrefillRoom, plan: RequestPlan, peer: DecodePeer, start: int, stop: int, layers: tuple[int, int]
@@ -663,6 +746,7 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
                         last_layer_start=layer_spans.get(t.decode_rank, (0, 0))[0],
                         last_num_layers=layer_spans.get(t.decode_rank, (0, 0))[1],
                         receipts=tuple(receipts.get(t.decode_rank, ())),
+                        positions=rec.positions if rec.sparse else None,
                     ),
                 )
             while deferred:

@@ -48,6 +48,9 @@ class Chunk:
     aux: bytes
     ready: Synchronizable | None = None  # the pages' KV is written once its synchronize() returns
     layers: tuple[int, int] | None = None
+    # the indices into the decode's page list these pages go to (a sparse room: the writer
+    # holds only some of the request's pages); None: the pages after the previous chunk's
+    positions: np.ndarray | None = None
 
 
 class PrefillRoom:
@@ -69,6 +72,10 @@ class PrefillRoom:
         self.num_tokens: int | None = None
         self.prefix_tokens: int | None = None  # the decode's prefix (not sent), with the first RequestMeta
         self.src_pages = np.zeros(0, dtype=np.int64)
+        # RequestMeta.sparse (the same from every decode rank): this rank writes the pages it
+        # holds, each at the position in the decode's page list that send(positions=) names
+        self.sparse = False
+        self.positions = np.zeros(0, dtype=np.int64)  # of src_pages, in a sparse room
         self.pending: collections.deque[Chunk] = collections.deque()
         self.scheduled = False
         self.tokens_sent = 0

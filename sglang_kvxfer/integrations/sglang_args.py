@@ -158,6 +158,11 @@ class ServerPlan:
     # request's pages only once the prefill's forward of it finished (the prefill runs it
     # before the decode's metadata came; it tells the decode, which then sends its pages)
     prefill_complete: bool = False
+    # a prefill of --enable-kv-cache-sharding: logical page l of a request lives on shard rank
+    # l % N as its local page l // N, the shard group being the attention-CP group (CP > 1)
+    # or, for an MLA model without CP, the attention-TP group; each shard rank sends the
+    # pages it holds, at the positions of the decode's page list they take
+    kv_sharded: bool = False
 
     @property
     def dp_groups(self) -> int:
@@ -220,7 +225,13 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
     for flag, value, why in checks:
         if value != 1:
             raise _not_supported(flag, value, why)
-    cp_sharded = attn_cp > 1 and _check_cp(server_args, attn_cp)
+    kv_sharded = bool(_get(server_args, "enable_kv_cache_sharding", False))
+    if kv_sharded and role != "prefill":
+        raise _not_supported(
+            "--enable-kv-cache-sharding", True, "it is for a prefill only (SGLang refuses it on a decode too)"
+        )
+    # every CP rank sends: its share of the pages, or with KV cache sharding the pages it holds
+    cp_sharded = attn_cp > 1 and (_check_cp(server_args) or kv_sharded)
     cp_tp = role == "prefill" and attn_cp > 1 and bool(_get(server_args, "enable_cp_tp_group_sharing", False))
     if cp_tp:
         cp_sharded = False  # (SGLang: CP-TP group sharing is not its all-CP-ranks transfer)
@@ -262,6 +273,22 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
             )
         if pp > 1:  # (--dcp-size > 1 cannot divide its attention TP of 1: refused above)
             raise _not_supported("--pp-size", pp, "with --enable-cp-tp-group-sharing (SGLang refuses it too)")
+    if kv_sharded:  # SGLang's own rules for it (kv_shard_hook), in case they were bypassed
+        for flag, value, refused in (
+            ("--dcp-size", dcp, dcp > 1),
+            ("--enable-dsa-cache-layer-split", True, split),
+            ("--enable-cp-tp-group-sharing", True, cp_tp),
+            ("--attn-dp-size", attn_dp, attn_cp == 1 and attn_dp > 1),
+        ):
+            if refused:
+                raise _not_supported(flag, value, "with --enable-kv-cache-sharding (SGLang refuses it too)")
+        if attn_cp == 1 and tp // attn_dp < 2:
+            raise _not_supported(
+                "--enable-kv-cache-sharding",
+                True,
+                f"it shards pages over attention CP (--attn-cp-size > 1) or, for an MLA model, over attention "
+                f"TP > 1; got attn_cp_size=1, tp_size={tp} (SGLang refuses it too)",
+            )
     if policy == "prefill_complete":  # SGLang's own rules for it (_validate_prefill_complete), if bypassed
         radix = role == "decode" and bool(_get(server_args, "disaggregation_decode_enable_radix_cache", False))
         for flag, value, refused in (
@@ -311,6 +338,7 @@ def plan_from_server_args(server_args: Any, role: str) -> ServerPlan:
         cp_tp_sharing=cp_tp,
         cp_layer_split=split,
         prefill_complete=policy == "prefill_complete",
+        kv_sharded=kv_sharded,
     )
 
 
@@ -325,23 +353,13 @@ def force_query_prefill_dp_rank() -> bool:
     )
 
 
-# Settings under which SGLang's prefill CP ranks each hold a share of a request's pages (or
-# state layers) and every CP rank sends it: not implemented here.
-_CP_SHARDED = (("--enable-kv-cache-sharding", "enable_kv_cache_sharding", "no CP rank holds a whole page"),)
-
-
-def _check_cp(server_args: Any, attn_cp: int) -> bool:
+def _check_cp(server_args: Any) -> bool:
     """Prefill attention CP: CP materializes the request's KV in global token order on every
     CP rank. By default CP rank 0 of each attention-TP rank sends it (the other CP ranks are
     SGLang's dummy participants); with ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`` every
     CP rank sends its share of the request's pages (returns True). With ``--pp-size``, each PP
-    stage does so for its layers. Refuse, naming the setting, whatever makes CP ranks hold
-    different pages or state layers."""
-    for flag, field, why in _CP_SHARDED:
-        if _get(server_args, field, False):
-            raise _not_supported(
-                flag, True, f"with --attn-cp-size={attn_cp}, {why}; sharded CP transfer is not implemented"
-            )
+    stage does so for its layers. (With ``--enable-kv-cache-sharding`` each CP rank holds
+    some of the pages and every CP rank sends those: ``kv_sharded``.)"""
     env = os.environ.get("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "").strip().lower()
     return env in ("1", "true", "yes", "on")
 

@@ -113,6 +113,9 @@ class PrefillInfo:
     # the prefill's ranks hold every KV head and each sends those of its TP rank
     # (--enable-cp-tp-group-sharing): a rank's digest covers more than its TP rank's heads
     all_heads: bool = False
+    # the prefill's CP ranks hold a request's pages interleaved (--enable-kv-cache-sharding):
+    # each writes those it holds at the positions it names, into this rank's whole page list
+    kv_sharded: bool = False
 
 
 def role_of(mode: Any) -> str:

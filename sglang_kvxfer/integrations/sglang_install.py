@@ -11,7 +11,9 @@ for every backend but mooncake, by name, before any backend is built
 (``arg_groups/pd_disaggregation_hook._validate_prefill_complete``). ``install()`` wraps that
 check so that ``kvxfer`` passes it as ``mooncake`` does: every other rule of it still applies
 (attention TP, PP and CP of 1, no decode radix cache, ...), and other backends are refused as
-before.
+before. Its check of ``--enable-kv-cache-sharding`` (``arg_groups/kv_shard_hook``, mooncake and
+nixl only) is let through the same way, through SGLang's own override point for that step
+(``register_resolution_hook("handle_kv_cache_sharding")``).
 
 SGLang spawns its scheduler processes, so a patch made in the launching process alone does
 not reach them. ``plugin()`` is the same ``install()``, registered as an SGLang general
@@ -88,16 +90,39 @@ def _wrap_get_kv_class(utils: Any, member: Any) -> None:
 
 
 class _AsMooncake:
-    """``ServerArgs`` as SGLang's prefill_complete check reads it, naming the backend
-    ``mooncake`` (every other field, and every resolution declared so far, as they are)."""
+    """``ServerArgs`` as SGLang's mooncake-only checks read it, naming the backend
+    ``mooncake`` (every other field, and every resolution declared so far, as they are; what
+    a check declares or sets lands on the real ``ServerArgs``)."""
 
     def __init__(self, server_args: Any):
-        self._server_args = server_args
+        object.__setattr__(self, "_server_args", server_args)
 
     def __getattr__(self, name: str) -> Any:
         if name == "disaggregation_transfer_backend":
             return "mooncake"
         return getattr(self._server_args, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._server_args, name, value)
+
+
+_KV_SHARD_STEP = "handle_kv_cache_sharding"
+
+
+def _kv_shard_as_mooncake(server_args: Any, previous: Any) -> None:
+    """SGLang's ``--enable-kv-cache-sharding`` resolution, with kvxfer passing its backend
+    check as mooncake does (every other rule of it applies as it is)."""
+    if getattr(server_args, "disaggregation_transfer_backend", None) == BACKEND:
+        return previous(_AsMooncake(server_args))
+    return previous(server_args)
+
+
+def _register_kv_shard_hook(hooks: Any) -> None:
+    if _KV_SHARD_STEP not in getattr(hooks, "_OVERRIDABLE_HOOKS", ()):
+        return  # another SGLang version without the step, or without overrides for it
+    if any(fn is _kv_shard_as_mooncake for fn in hooks._HOOKS.get(_KV_SHARD_STEP, ())):
+        return  # already installed
+    hooks.register_resolution_hook(_KV_SHARD_STEP)(_kv_shard_as_mooncake)
 
 
 def _wrap_prefill_complete_check(hook: Any) -> None:
@@ -116,11 +141,12 @@ def _wrap_prefill_complete_check(hook: Any) -> None:
     hook._validate_prefill_complete = _validate_prefill_complete
 
 
-def install(utils: Any = None, choices: Any = None, hook: Any = None) -> Any:
+def install(utils: Any = None, choices: Any = None, hook: Any = None, resolution: Any = None) -> Any:
     """Make ``--disaggregation-transfer-backend kvxfer`` select this engine, in this
-    process. ``utils``/``choices``/``hook`` default to SGLang's ``disaggregation.utils``,
-    ``arg_groups.choices`` and ``arg_groups.pd_disaggregation_hook`` modules (the last
-    skipped where it does not import). Returns the new ``TransferBackend`` member."""
+    process. ``utils``/``choices``/``hook``/``resolution`` default to SGLang's
+    ``disaggregation.utils``, ``arg_groups.choices``, ``arg_groups.pd_disaggregation_hook``
+    and ``arg_groups.resolution_hooks`` modules (the last two skipped where they do not
+    import). Returns the new ``TransferBackend`` member."""
     if utils is None:
         utils = importlib.import_module("sglang.srt.disaggregation.utils")
     if choices is None:
@@ -130,6 +156,11 @@ def install(utils: Any = None, choices: Any = None, hook: Any = None) -> Any:
             hook = importlib.import_module("sglang.srt.arg_groups.pd_disaggregation_hook")
         except ImportError:  # (an SGLang without it has no prefill_complete check to pass)
             hook = None
+    if resolution is None:
+        try:
+            resolution = importlib.import_module("sglang.srt.arg_groups.resolution_hooks")
+        except ImportError:  # (an SGLang without resolution overrides has no sharding step to pass)
+            resolution = None
     if BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
         # The list argparse validates against, extended in place (SGLang's own hook).
         choices.DISAGG_TRANSFER_BACKEND_CHOICES.append(BACKEND)
@@ -137,6 +168,8 @@ def install(utils: Any = None, choices: Any = None, hook: Any = None) -> Any:
     _wrap_get_kv_class(utils, member)
     if hook is not None:
         _wrap_prefill_complete_check(hook)
+    if resolution is not None:
+        _register_kv_shard_hook(resolution)
     return member
 
 

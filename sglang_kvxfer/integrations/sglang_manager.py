@@ -133,6 +133,9 @@ class StatePart:
     label: str  # the pool's label, and the stage's when it is one stage's part
     engine: DecodeManager
     address: str
+    # a DSA indexer sharded like the KV (--enable-kv-cache-sharding): one part per shard rank,
+    # each asked for sparse writes into the request's whole row list
+    sparse: bool = False
 
 
 def _check_dcp(mgr: KVXferKVManager) -> None:
@@ -248,11 +251,41 @@ class KVXferKVManager(BaseKVManager):
             prefill and self.cp_rank > 0 and not (self.cp_sharded or self.cp_tp_sharing or self.plan.cp_layer_split)
         )
         self.enable_all_cp_ranks_for_transfer = self.cp_sharded
+        # --enable-kv-cache-sharding: logical page l of a request lives on shard rank l % N as
+        # its local page l // N (SGLang's page interleave); each shard rank sends the pages it
+        # holds at the positions of the decode's page list they take (sparse writes). The shard
+        # group is the attention-CP group; without CP (an MLA model) the attention-TP group,
+        # whose ranks each hold the whole latent: attention-TP rank t then registers as CP rank
+        # t of a prefill of TP 1, so every decode rank reads each shard's pages from it.
+        self.kv_sharded = prefill and self.plan.kv_sharded
+        self.kv_shard = (0, 1)  # (shard rank, shard size)
+        shard_tp = self.kv_sharded and self.plan.attn_cp_size == 1
+        if self.kv_sharded:
+            if shard_tp and not self.is_mla_backend:
+                raise _not_supported(
+                    "--enable-kv-cache-sharding",
+                    True,
+                    "without attention CP it shards an MLA model's latent over attention TP, and this model's KV is "
+                    "not MLA (SGLang shards a GQA model's pages over attention CP only)",
+                )
+            other = [p.label for p in lay.states if p.kind != "dsa"]
+            if other:
+                raise _not_supported(
+                    "--enable-kv-cache-sharding",
+                    True,
+                    f"with extra per-request state other than a DSA indexer ({', '.join(other)}): sharding it "
+                    "is not implemented",
+                )
+            self.kv_shard = (lay.tp_rank, lay.tp_size) if shard_tp else (self.cp_rank, self.plan.attn_cp_size)
+        cp_rank, cp_size = (self.cp_rank, self.plan.attn_cp_size) if self.cp_sharded else (0, 1)
+        tp_size, tp_rank = lay.tp_size, lay.tp_rank
+        if shard_tp:
+            (cp_rank, cp_size), tp_size, tp_rank = self.kv_shard, 1, 0
         self.config = EngineConfig(
             self.role,
             lay.geometry,
-            lay.tp_size,
-            lay.tp_rank,
+            tp_size,
+            tp_rank,
             self.plan.bootstrap,
             transport=transport_name(device, self.plan.ib_device, gpu_id),
             host=local_host(),
@@ -269,10 +302,11 @@ class KVXferKVManager(BaseKVManager):
             follows_room=self.plan.follows_room if prefill else True,
             api_port=self.plan.api_port if prefill else 0,
             dcp_size=self.dcp_size,
-            cp_rank=self.cp_rank if self.cp_sharded else 0,
-            cp_size=self.plan.attn_cp_size if self.cp_sharded else 1,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
             all_heads=lay.all_heads,
             prefill_complete=prefill and self.plan.prefill_complete,
+            kv_sharded=self.kv_sharded,
         )
         # The draft model's pool: a manager of its own, registered under kv_pool="draft".
         self.draft_config: EngineConfig | None = None
@@ -298,7 +332,8 @@ class KVXferKVManager(BaseKVManager):
             if draft is not None and self.draft_config is not None and self.engine is not None:
                 draft_pool = KVPool.from_pointers(self.draft_config.placement, draft.kv_ptrs, draft.kv_lens, device)
                 self.draft_engine = KVManager(self.draft_config, draft_pool)
-            sends_state = self.engine is not None and not (self.cp_sharded and self.cp_rank > 0)
+            # (with KV cache sharding every shard rank sends its pages of the DSA indexer)
+            sends_state = self.engine is not None and (self.kv_sharded or not (self.cp_sharded and self.cp_rank > 0))
             for state in lay.states if sends_state else ():
                 config = self._state_config(state.geometry, state.name)
                 state_pool = KVPool.from_pointers(config.placement, state.ptrs, state.lens, device)
@@ -345,7 +380,11 @@ class KVXferKVManager(BaseKVManager):
             where += f", PP stage {self.pp_rank}/{self.pp_size}{span}"
         if self.plan.attn_cp_size > 1 and not self.plan.cp_layer_split:
             where += f", attention CP rank {self.cp_rank}/{self.plan.attn_cp_size}"
-            where += " (sends its share of each request's pages)" if self.cp_sharded else ""
+            where += " (sends its share of each request's pages)" if self.cp_sharded and not self.kv_sharded else ""
+        if self.kv_sharded:
+            rank, size = self.kv_shard
+            group = "attention-TP" if shard_tp else "attention-CP"
+            where += f", KV cache shard {rank}/{size} over the {group} group (sends the pages it holds)"
             where += " (holds every KV head, sends those of its TP rank)" if self.cp_tp_sharing else ""
         if self.is_dummy_cp_rank:
             log.info(
@@ -532,6 +571,11 @@ class KVXferKVManager(BaseKVManager):
         if topo is None:
             return False
         problem = self._pp_problem(topo)
+        if not problem and topo.kv_sharded and self.dcp_size > 1:
+            problem = (
+                f"--dcp-size={self.dcp_size}: the prefill runs --enable-kv-cache-sharding (its CP ranks hold a "
+                "request's pages interleaved), which a decode with DCP does not read (SGLang refuses it too)"
+            )
         if not problem and topo.cp_size > 1 and self.dcp_size > 1 and topo.dcp_size != 1:
             problem = (
                 f"--dcp-size={self.dcp_size}: the prefill's {topo.cp_size} attention-CP ranks each send their share of "
@@ -596,6 +640,7 @@ class KVXferKVManager(BaseKVManager):
             prefill_http_port=topo.api_port or None,
             dcp_size=topo.dcp_size,
             all_heads=topo.all_heads,
+            kv_sharded=topo.kv_sharded,
         )
         return True
 
@@ -695,6 +740,14 @@ class KVXferKVManager(BaseKVManager):
         topo = lookup.result if lookup is not None else None
         if topo is None or topo.pp_size == 1 or self.pp_size == topo.pp_size:
             s = self.pp_rank if topo is not None and topo.pp_size > 1 else 0
+            if topo is not None and topo.kv_sharded:  # each shard rank's pages of the indexer
+                n, parts = topo.cp_size, []
+                for pool, engine in self.decode_state_engines:
+                    for c in range(n):
+                        made = engine if c == 0 else self._slice(range(pool.geometry.num_layers), pool, c)[0]
+                        address = bootstrap.group_address(bootstrap_addr, dp_rank, s, c)
+                        parts.append(StatePart(pool, _cp_label(pool.label, c, n), made, address, sparse=True))
+                return parts
             address = bootstrap.group_address(bootstrap_addr, dp_rank, s)
             return [StatePart(pool, pool.label, engine, address) for pool, engine in self.decode_state_engines]
         counts = dict(topo.state_counts)

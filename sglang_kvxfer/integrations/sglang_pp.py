@@ -325,6 +325,7 @@ class PrefillTopology:
     dcp_size: int = 1  # the prefill's --dcp-size
     cp_size: int = 1  # the prefill's CP ranks that send, each its share of a request's pages
     all_heads: bool = False  # its ranks' pools hold every KV head (--enable-cp-tp-group-sharing)
+    kv_sharded: bool = False  # its CP ranks hold the pages interleaved (--enable-kv-cache-sharding)
 
 
 class TopologyLookup:
@@ -416,6 +417,7 @@ class TopologyLookup:
             dcp_size=first.dcp_size,
             cp_size=first.cp_size,
             all_heads=first.all_heads,
+            kv_sharded=first.kv_sharded,
         )
 
     def close(self) -> None:

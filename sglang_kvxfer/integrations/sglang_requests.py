@@ -369,7 +369,13 @@ class KVXferKVSender(_Request, BaseKVSender):
             pages = page_array(kv_indices)
             index_slice = self._chunk_slice(pages)
             last = index_slice.stop == self.num_kv_indices
-            if self.kv_mgr.cp_sharded:
+            positions = None
+            if self.kv_mgr.kv_sharded:
+                pages, positions = self._shard_pages(pages, index_slice)
+                if not pages.size and not last:  # none of this chunk's pages lives on this shard rank
+                    self.curr_idx = index_slice.stop
+                    return
+            elif self.kv_mgr.cp_sharded:
                 pages = self._cp_share(pages, index_slice)
                 if not pages.size and not last:  # none of this chunk is this CP rank's to send
                     self.curr_idx = index_slice.stop
@@ -378,9 +384,15 @@ class KVXferKVSender(_Request, BaseKVSender):
                 pages = self._dcp_padded(pages)
             if not last and state_indices and any(s is not None for s in state_indices):
                 raise ValueError("state_indices came with a chunk that is not the request's last")
-            # (every CP rank holds the same state; with every CP rank sending, CP rank 0 sends it)
-            replica = self.kv_mgr.cp_sharded and self.kv_mgr.cp_rank > 0
+            # (every CP rank holds the same state; with every CP rank sending, CP rank 0 sends it;
+            # with KV cache sharding the state is a DSA indexer's pages, sharded like the KV)
+            sharded = self.kv_mgr.kv_sharded
+            replica = not sharded and self.kv_mgr.cp_sharded and self.kv_mgr.cp_rank > 0
             state = state_pages([pool for pool, _ in self._states], state_indices) if last and not replica else []
+            where: list[np.ndarray | None] = [None] * len(state)
+            if sharded:  # each indexer's pages this shard rank holds, at their positions
+                owned = [self._shard_pages(rows, slice(0, len(rows))) for rows in state]
+                state, where = [rows for rows, _ in owned], [at for _, at in owned]
             aux = self.kv_mgr.layout.aux.read(self.aux_index) if last and self.aux_index is not None else b""
             self._started = self._started or time.perf_counter()
             self._pages.append(pages)
@@ -394,11 +406,11 @@ class KVXferKVSender(_Request, BaseKVSender):
                     checksum.attach(b"", engine_digests(sender.mgr, rows))
                     for (_, sender), rows in zip(self._states, state)
                 ]
-            self._sender.send(pages, last_chunk=last, aux=aux, ready=wait)
-            if self._draft is not None:
-                self._draft.send(pages, last_chunk=last, aux=draft_aux, ready=wait)
-            for (_, sender), rows, digests in zip(self._states, state, state_aux):
-                sender.send(rows, last_chunk=True, aux=digests, ready=wait)
+            self._sender.send(pages, last_chunk=last, aux=aux, ready=wait, positions=positions)
+            if self._draft is not None:  # (SGLang's draft pool shares the model's logical pages)
+                self._draft.send(pages, last_chunk=last, aux=draft_aux, ready=wait, positions=positions)
+            for (_, sender), rows, digests, at in zip(self._states, state, state_aux, where):
+                sender.send(rows, last_chunk=True, aux=digests, ready=wait, positions=at)
             self.curr_idx = index_slice.stop
         except Exception as exc:
             self._fail_from("send()", exc)
@@ -426,6 +438,15 @@ class KVXferKVSender(_Request, BaseKVSender):
             return pages
         tail = pages[-1:] if pages.size else np.concatenate(self._pages)[-1:]
         return np.concatenate([pages, np.repeat(tail, extra)])
+
+    def _shard_pages(self, pages: np.ndarray, index_slice: slice) -> tuple[np.ndarray, np.ndarray]:
+        """``(local page ids, positions)`` of the pages of a chunk (``index_slice`` of the
+        request's page list) that live on this shard rank under --enable-kv-cache-sharding:
+        logical page ``l`` on shard rank ``l % N`` as its local page ``l // N`` (SGLang's
+        ``filter_kv_indices_for_shard_rank``), each at its position in the decode's list."""
+        rank, size = self.kv_mgr.kv_shard
+        owned = pages % size == rank
+        return pages[owned] // size, np.arange(index_slice.start, index_slice.stop, dtype=np.int64)[owned]
 
     def _cp_share(self, pages: np.ndarray, index_slice: slice) -> np.ndarray:
         """The pages of a chunk (``index_slice`` of the request's page list) that lie in this
@@ -600,10 +621,21 @@ class _Rx:
     aux: bool  # the request's metadata slot comes with this part
     draft: bool = False  # the draft model's KV (the same page ids in its pool)
     cp: tuple[int, int] = (0, 1)  # (CP rank, CP size): the share of the pages it receives
+    # the prefill's CP ranks hold the pages interleaved (--enable-kv-cache-sharding): this part
+    # asks its CP rank for sparse writes into the whole page list, the writers name the pages
+    sparse: bool = False
+
+    def ask(self, pages: np.ndarray) -> np.ndarray:
+        """The pages this part tells its writers: all (sparse writes pick theirs), or its
+        prefill CP rank's share."""
+        return pages if self.cp[1] == 1 or self.sparse else pages[cp_page_share(len(pages), *self.cp)]
 
     def share(self, pages: np.ndarray) -> np.ndarray:
-        """The request's pages this part receives: all, or its prefill CP rank's share."""
-        return pages if self.cp[1] == 1 else pages[cp_page_share(len(pages), *self.cp)]
+        """The request's pages this part received: all, its prefill CP rank's share, or the
+        pages its sparse writers named (once they are done)."""
+        if self.sparse:
+            return pages[self.rx.positions] if self.rx.positions is not None else pages[:0]
+        return self.ask(pages)
 
 
 class KVXferKVReceiver(_Request, BaseKVReceiver):
@@ -627,6 +659,7 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         self._rxs: list[_Rx] = []
         # one per state pool (per pool and PP stage on a decode of PP 1 facing stages), made by init()
         self._states: list[tuple[StatePool, str, KVReceiver]] = []
+        self._sparse_states: set[str] = set()  # labels of the state parts a sharded prefill writes sparsely
         self._pages: np.ndarray | None = None  # this rank's pages of the request (KV checksum)
         self._state_rows: dict[str, np.ndarray] = {}  # each state pool's rows of the request (checksum)
         self._prefix = 0  # decode_prefix_len in tokens (a DCP rank's token phase, for the checksum)
@@ -669,13 +702,13 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             self._tell_stages(info)  # no engine request can move the KV: the stages still hear why
             return self._fail(info.problem)
         try:
-            cp = 1
+            cp, sparse = 1, info is not None and info.kv_sharded
             for part in mgr.receive_parts(self.bootstrap_addr, self.prefill_dp_rank):
                 # prefill_complete: the part that brings the metadata slot waits for the prefill's
                 # forward (SGLang allocates once poll() says WaitingForInput, and only then)
                 watch = mgr.plan.prefill_complete and part.aux
                 rx = KVReceiver(part.engine, self.bootstrap_room, part.address, watch_prefill=watch)
-                self._rxs.append(_Rx(part.label, rx, part.config, part.ptrs, part.aux, cp=part.cp))
+                self._rxs.append(_Rx(part.label, rx, part.config, part.ptrs, part.aux, cp=part.cp, sparse=sparse))
                 cp = part.cp[1]
             draft, draft_config, draft_layout = mgr.decode_draft_engine, mgr.draft_config, mgr.layout.draft
             if draft is not None and draft_config is not None and draft_layout is not None:
@@ -688,12 +721,23 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
                         rx = KVReceiver(mgr.cp_engine(c, draft=True)[0], self.bootstrap_room, group)
                         label = DRAFT if cp == 1 else f"{DRAFT} of CP rank {c}/{cp}"
                         self._rxs.append(
-                            _Rx(label, rx, draft_config, draft_layout.kv_ptrs, False, draft=True, cp=(c, cp))
+                            _Rx(
+                                label,
+                                rx,
+                                draft_config,
+                                draft_layout.kv_ptrs,
+                                False,
+                                draft=True,
+                                cp=(c, cp),
+                                sparse=sparse,
+                            )
                         )
             if not (info is not None and info.problem):
                 for state in mgr.state_parts(self.bootstrap_addr, self.prefill_dp_rank):
                     rx = KVReceiver(state.engine, self.bootstrap_room, state.address)
                     self._states.append((state.pool, state.label, rx))
+                    if state.sparse:
+                        self._sparse_states.add(state.label)
         except Exception as exc:
             if self._rxs:
                 self._engine = self._parts()
@@ -792,7 +836,7 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             for part in self._rxs:  # the draft's: the same page ids in the draft model's pool
                 slot = -1 if aux_index is None or part.draft else int(aux_index)
                 stride = dcp if relayout and not part.draft else 1
-                share = part.share(pages)  # (num_tokens=0 for an empty share: the aux data only)
+                share = part.ask(pages)  # (num_tokens=0 for an empty share: the aux data only)
                 part.rx.send_metadata(
                     share,
                     aux_slot=slot,
@@ -800,11 +844,18 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
                     prefix_tokens=prefix,
                     token_stride=stride,
                     token_phase=(dcp_rank - prefix) % stride,
+                    sparse=part.sparse,
                 )
             rows_of = {pool.name: rows for pool, rows in zip(self.kv_mgr.layout.states, state)}
-            for pool, _, rx in self._states:  # the indices already skip the prefix; a pool's stages share them
+            for pool, label, rx in self._states:  # the indices already skip the prefix; a pool's stages share them
                 rows = rows_of[pool.name]
-                rx.send_metadata(rows, aux_slot=-1, num_tokens=len(rows) * pool.geometry.page_size, prefix_tokens=0)
+                rx.send_metadata(
+                    rows,
+                    aux_slot=-1,
+                    num_tokens=len(rows) * pool.geometry.page_size,
+                    prefix_tokens=0,
+                    sparse=label in self._sparse_states,
+                )
             self.aux_index, self._pages, self._state_rows, self._prefix = aux_index, pages, rows_of, prefix
         except Exception as exc:
             self._fail_from("send_metadata()", exc)
@@ -833,6 +884,10 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         hook = seam("after_kv_landed")
         if hook is not None:
             hook(self)
+        problem = self._sharded_coverage()
+        if problem:
+            self._fail(problem)
+            return False
         try:
             problem = self._verify_checksums()
         except (ValueError, KVXferError) as exc:
@@ -841,6 +896,42 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
             self._fail(problem)
             return False
         return self._deliver_aux()
+
+    def _state_part_rows(self, pool: StatePool, label: str, rx: KVReceiver) -> np.ndarray:
+        """The rows of ``pool`` a state part received: all of the request's, or the ones its
+        sparse writers named (a DSA indexer sharded like the KV)."""
+        rows = self._state_rows[pool.name]
+        if label not in self._sparse_states:
+            return rows
+        return rows[rx.positions] if rx.positions is not None else rows[:0]
+
+    def _sharded_coverage(self) -> str:
+        """Under --enable-kv-cache-sharding: why the pages the prefill's shard ranks named do
+        not cover this rank's list once each, per pool ("" if they do). Each shard rank wrote
+        the pages it holds; together they must be the request."""
+        if self._pages is None:
+            return ""
+        groups: list[tuple[str, int, list[tuple[str, KVReceiver]]]] = []
+        for draft in (False, True):
+            parts = [(p.label, p.rx) for p in self._rxs if p.sparse and p.draft == draft]
+            groups.append((DRAFT if draft else "model KV", len(self._pages), parts))
+        for pool in self.kv_mgr.layout.states:
+            parts = [(label, rx) for q, label, rx in self._states if q is pool and label in self._sparse_states]
+            groups.append((pool.label, len(self._state_rows.get(pool.name, ())), parts))
+        for what, n, parts in groups:
+            if not parts:
+                continue
+            named = [rx.positions if rx.positions is not None else np.zeros(0, np.int64) for _, rx in parts]
+            counts = np.bincount(np.concatenate(named).astype(np.int64), minlength=n)[:n]
+            if (counts != 1).any():
+                missing, twice = np.flatnonzero(counts == 0), np.flatnonzero(counts > 1)
+                by = ", ".join(f"{label}: {len(x)}" for (label, _), x in zip(parts, named))
+                return (
+                    f"the prefill's KV cache shards (--enable-kv-cache-sharding) named {sum(map(len, named))} of this "
+                    f"rank's {n} pages of the {what} ({by}); positions {missing[:8].tolist()} came from no shard, "
+                    f"{twice[:8].tolist()} from more than one"
+                )
+        return ""
 
     def _verify_checksums(self) -> str:
         """Why the landed KV differs from what its writers digested ("" if it does not, or
@@ -851,7 +942,7 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         parts = [(p.label, p.rx, p.config.placement, p.ptrs, p.share(self._pages)) for p in self._rxs]
         # state pools: each engine's own placement and (on a decode of PP 1, sliced) buffers
         parts += [
-            (label, rx, rx.mgr.placement, _buffer_ptrs(rx.mgr), self._state_rows[pool.name])
+            (label, rx, rx.mgr.placement, _buffer_ptrs(rx.mgr), self._state_part_rows(pool, label, rx))
             for pool, label, rx in self._states
         ]
         for label, rx, placement, ptrs, rows in parts:

@@ -84,8 +84,11 @@ __all__ = [
 # CP ranks that send, each its share of a request's pages); 12: prefill registrations and
 # bootstrap replies say whether the rank's pool holds every KV head (all_heads); 13: RoomWatch
 # (a decode rank that allocates only once the prefill finished asks to be told) and
-# PrefillReady (the prefill's forward of that room finished: the decode may allocate).
-PROTOCOL_VERSION = 13
+# PrefillReady (the prefill's forward of that room finished: the decode may allocate); 14:
+# RequestMeta says whether the writer picks which of the decode's pages it writes (sparse:
+# a prefill rank that holds only some of a request's pages, SGLang's KV cache sharding) and
+# TransferDone names them (positions).
+PROTOCOL_VERSION = 14
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # whole encoded frame (set ZMQ_MAXMSGSIZE to this)
 MAX_NAME_CHARS = 64  # session ids, engine version, transport name
 MAX_ENDPOINT_CHARS = 256  # "tcp://host:port"

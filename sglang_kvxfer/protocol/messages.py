@@ -120,6 +120,7 @@ KVPoolName = Annotated[
 # registration of the model's pool, like draft_geometry)
 StatePools = Annotated[tuple[str, ...], ListOf(Text(32, STATE_POOL_PATTERN, "a state pool name like 'state:swa'"), 64)]
 PageIdArray = Annotated[np.ndarray, PageIds()]
+MaybePageIds = Annotated[np.ndarray | None, Maybe(PageIds())]
 AgentDescriptor = Annotated[bytes, Blob(MAX_AGENT_DESCRIPTOR_BYTES, min_bytes=1)]
 RegionDescriptor = Blob(MAX_REGION_DESCRIPTOR_BYTES, min_bytes=1)
 KVRegions = Annotated[tuple[bytes, ...], ListOf(RegionDescriptor, MAX_KV_REGIONS, min_items=1)]
@@ -223,12 +224,18 @@ class PrefillRegister(Message):
     # of TP rank tp_rank of tp_size (SGLang's CP-TP group sharing: prefill CP rank r holds the
     # whole KV and transfers as TP rank r of a CP-1 prefill)
     all_heads: Bool = False
+    # protocol 14: the CP ranks hold a request's pages interleaved (SGLang's KV cache
+    # sharding: logical page l on CP rank l % cp_size): each writes the pages it holds at the
+    # positions of the decode's page list it names (RequestMeta.sparse)
+    kv_sharded: Bool = False
 
     def _validate(self) -> None:
         _rank_below_size(self)
         _rank_below_size(self, "dp_rank", "dp_size")
         _rank_below_size(self, "pp_rank", "pp_size")
         _rank_below_size(self, "cp_rank", "cp_size")
+        if self.kv_sharded and self.cp_size < 2:
+            self._bad("kv_sharded", f"=True needs the pages sharded over cp_size >= 2 CP ranks, got {self.cp_size}")
         if self.kv_pool and self.draft_geometry is not None:
             self._bad("draft_geometry", f"must be None in a registration of kv_pool={self.kv_pool!r}")
         _state_pools_valid(self, "a registration of")
@@ -333,6 +340,7 @@ class BootstrapReply(Message):
     cp_rank: CpRank = 0
     cp_size: CpSize = 1
     all_heads: Bool = False  # protocol 12: the registered ranks' pools hold every KV head
+    kv_sharded: Bool = False  # protocol 14: the registered CP ranks hold the pages interleaved
 
     def _validate(self) -> None:
         if self.kv_pool and self.draft_geometry is not None:
@@ -453,6 +461,9 @@ class RequestMeta(Message):
     token_stride == token_phase``, packed in order into ``dst_page_ids``; ``num_tokens`` is
     still the whole request's length (every decode rank sends the same), so this rank's
     pages cover ``ceil((num_tokens - token_phase) / token_stride)`` tokens.
+    ``sparse`` (protocol 14): the writer picks which of ``dst_page_ids`` it writes (it holds
+    only some of the request's pages: SGLang's KV cache sharding) and names them in its
+    ``TransferDone.positions``; direct or fused writes only (no staging window), every token.
     """
 
     room: Room
@@ -470,9 +481,16 @@ class RequestMeta(Message):
     fused: Bool = False
     token_stride: Positive = 1
     token_phase: Count = 0
+    sparse: Bool = False
 
     def _validate(self) -> None:
         _rank_below_size(self)
+        if self.sparse and (self.staging_offset != -1 or self.token_stride != 1):
+            self._bad(
+                "sparse",
+                f"=True needs direct writes of every token (staging_offset={self.staging_offset}, "
+                f"token_stride={self.token_stride})",
+            )
         if self.token_phase >= self.token_stride:
             self._bad("token_phase", f"={self.token_phase} must be below token_stride={self.token_stride}")
         direct = self.staging_offset == -1
@@ -578,6 +596,8 @@ class TransferDone(Message):
     transport has ``caps.receipts``); the reader counts the writer done, and scatters
     ``last_chunk``, only once its transport says they all landed. Empty: every write had
     completed.
+    ``positions`` (protocol 14, a ``RequestMeta.sparse`` reader): the indices into the
+    reader's ``dst_page_ids`` this writer wrote, increasing; None otherwise.
     """
 
     room: Room
@@ -590,6 +610,7 @@ class TransferDone(Message):
     last_layer_start: Count = 0
     last_num_layers: Count = 0
     receipts: Receipts = ()
+    positions: MaybePageIds = None
 
     def _validate(self) -> None:
         if self.last_num_layers == 0 and self.last_layer_start != 0:
@@ -599,6 +620,17 @@ class TransferDone(Message):
         chunk = self.last_chunk
         if chunk is not None and chunk.chunk_bytes > self.total_bytes:
             self._bad("last_chunk", f"has {chunk.chunk_bytes} bytes, more than total_bytes={self.total_bytes}")
+        if self.positions is not None:
+            if chunk is not None:
+                self._bad("positions", "come from direct writes only; this notice carries a staged last_chunk")
+            steps = np.diff(self.positions)
+            if steps.size and int(steps.min()) <= 0:
+                i = int(np.flatnonzero(steps <= 0)[0])
+                self._bad(
+                    "positions",
+                    f"must increase: positions[{i}]={int(self.positions[i])}, "
+                    f"positions[{i + 1}]={int(self.positions[i + 1])}",
+                )
 
 
 @message

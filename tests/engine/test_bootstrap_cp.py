@@ -160,3 +160,25 @@ def test_a_pool_of_every_head_is_a_prefills_only():
         EngineConfig("decode", GEO, 2, 1, "127.0.0.1:1", all_heads=True)
     with pytest.raises(ValueError, match=r"all_heads=1 must be a bool"):
         EngineConfig("prefill", GEO, 2, 1, "127.0.0.1:1", all_heads=1)
+
+
+def test_sharded_cp_ranks_are_told_to_the_decode_and_must_agree():
+    """Protocol 14 (SGLang's KV cache sharding): CP ranks that hold a request's pages
+    interleaved register ``kv_sharded``; the reply carries it, so a decode asks each for
+    sparse writes; a CP rank that says otherwise is refused naming both; it needs CP ranks."""
+    with BootstrapServer("127.0.0.1", 0, key="off") as srv:
+        addr = srv.address
+        bootstrap.request(addr, dataclasses.replace(_msg(0, 0), kv_sharded=True), timeout_s=5.0, key=b"")
+        reply = _register(addr, 0, 1)
+        assert not reply.ready and "kv_sharded=False" in reply.reason and "kv_sharded=True" in reply.reason
+        for tp, cp in ((1, 0), (0, 1), (1, 1)):
+            bootstrap.request(addr, dataclasses.replace(_msg(tp, cp), kv_sharded=True), timeout_s=5.0, key=b"")
+        asked = BootstrapQuery(session="d", tp_rank=0, cp_rank=1)
+        got = bootstrap.request(addr, asked, timeout_s=5.0, key=b"")
+        assert got.ready and got.kv_sharded and (got.cp_rank, got.cp_size) == (1, 2)
+    with pytest.raises(Exception, match=r"kv_sharded.*needs the pages sharded over cp_size >= 2 CP ranks, got 1"):
+        dataclasses.replace(_msg(0, 0, cp_size=1), kv_sharded=True)
+    with pytest.raises(ValueError, match=r"kv_sharded=True must be a bool, and True only on a prefill"):
+        EngineConfig("decode", GEO, 2, 1, "127.0.0.1:1", kv_sharded=True)
+    with pytest.raises(ValueError, match=r"kv_sharded=True needs the pages sharded over cp_size >= 2 CP ranks, got 1"):
+        EngineConfig("prefill", GEO, 2, 1, "127.0.0.1:1", kv_sharded=True)

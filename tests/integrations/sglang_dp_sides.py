@@ -32,6 +32,13 @@ What DP adds to that order, from SGLang's own code:
   contiguous share of the layers (SGLang's ``get_layer_shard_range``; ``KVArgs`` list those
   only, from ``prefill_start_layer``), latent and DSA indexer, every page of them; its
   poison elsewhere shows a byte taken from another CP rank.
+  With ``--enable-kv-cache-sharding`` (``kv_sharded``) a request's page ids are logical: page
+  ``l`` lives on shard rank ``l % N`` as its local page ``l // N`` (SGLang's page interleave),
+  the shard group being the CP group (``cp > 1``) or, for MLA without CP, the attention-TP
+  group. The logical ids here are drawn at random from ``N`` pools' worth (SGLang's allocator
+  makes owners cyclic per request; correctness must not rest on it), every shard rank's pool
+  holds the KV of the pages it owns at their local ids and its own poison elsewhere, and every
+  sender gets the logical page lists, as SGLang's scheduler hands them over.
 * decode: ``engine_rank = tp_rank % attn_tp``; each decode DP group serves the requests its
   own controller gives it; ``_resolve_prefill_dp_rank`` picks the prefill group: the
   router's rank, else ``0`` for ``dp_size == 1``, else ``bootstrap_room % dp_size`` (read from
@@ -95,6 +102,15 @@ class DpSpec:
     dcp: int = 1
     cp_tp: bool = False  # prefill --enable-cp-tp-group-sharing (attn_tp 1, cp = tp)
     cp_layer_split: bool = False  # prefill --enable-dsa-cache-layer-split (MLA: each CP rank its layers)
+    kv_sharded: bool = False  # prefill --enable-kv-cache-sharding (logical pages interleaved over shards)
+
+    @property
+    def shards(self) -> int:
+        """The shard group's size under --enable-kv-cache-sharding: CP, else attention TP."""
+        return self.cp if self.cp > 1 else self.attn_tp
+
+    def shard_rank(self, cp_rank: int, rank: int) -> int:
+        return cp_rank if self.cp > 1 else rank
 
 
 def poison(group: int) -> int:
@@ -220,6 +236,8 @@ def _dp_server_args(spec: DpSpec, port: int):
         extra["enable_cp_tp_group_sharing"] = True
     if spec.cp_layer_split and spec.role == "prefill":
         extra["enable_dsa_cache_layer_split"] = True
+    if spec.kv_sharded and spec.role == "prefill":
+        extra["enable_kv_cache_sharding"] = True
     if spec.role == "decode" and spec.dcp > 1:
         extra["dcp_size"] = spec.dcp
     return server_args(sides.MODEL_PATH, spec.role, spec.attn_tp * spec.dp * cp, port, **extra)
@@ -259,7 +277,8 @@ def _prefill(spec: DpSpec, closers: list) -> dict:
                     mem.kv_args.prefill_start_layer, mem.kv_args.prefill_end_layer = start, start + pm.num_layers
                 for _, views, _ in pools_of(pm, mem):
                     for view in views:
-                        view.fill_(poison(g) if c == 0 else replica_poison(g, c))
+                        shard = spec.shard_rank(c, r) if spec.kv_sharded else c  # (its own poison)
+                        view.fill_(poison(g) if shard == 0 else replica_poison(g, shard))
                 mems[c].append(mem)
                 mgrs.append(backend.KVXferKVManager(mem.kv_args, defs.DisaggregationMode.PREFILL, sa, m.is_mla_backend))
                 closers.append(mgrs[-1].close)
@@ -268,6 +287,11 @@ def _prefill(spec: DpSpec, closers: list) -> dict:
         for mgr in mgrs:
             mgr.register_to_bootstrap()
     pages = sides._allocate(m, [(r.room, r.tokens) for r in spec.requests], seed=1)
+    if spec.kv_sharded:  # logical page ids over every shard's pool (page 0 stays SGLang's padding)
+        local = (m.pool_tokens + m.page_size) // m.page_size
+        free = np.random.default_rng(1).permutation(np.arange(spec.shards, spec.shards * local))
+        bounds = np.cumsum([0] + [len(p) for p in pages])
+        pages = [free[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     # extra per-request state (mamba: one slot a request), written by CP rank 0's forward only
     states = state_env.allocate(m, [(r.room, r.tokens) for r in spec.requests], seed=11) if m.state else None
     work = []
@@ -298,6 +322,9 @@ def _prefill(spec: DpSpec, closers: list) -> dict:
     def done(w):
         sent = [s.get_transfer_metric().transfer_total_bytes for s in w["senders"]]  # (cp, tp) order
         results[(w["room"], w["group"])] = {"status": "Success", "bytes": sent}
+        if spec.kv_sharded:  # the request's pages each shard rank holds
+            owners = np.asarray(w["pages"]) % spec.shards
+            results[(w["room"], w["group"])]["shard_pages"] = [int((owners == k).sum()) for k in range(spec.shards)]
         for s in w["senders"]:
             s.clear()
 
@@ -358,9 +385,29 @@ def _forward_and_send(spec: DpSpec, w: dict, cp_mems) -> None:
         first = a // ps
         # this chunk's forward: its pages' rows of the group's KV, on CP rank 0 (the replicas
         # keep their poison) or, with every CP rank sending, on each CP rank in its share only
-        for c, mems in enumerate(cp_mems if spec.cp_sharded or spec.cp_tp or spec.cp_layer_split else cp_mems[:1]):
+        every = spec.cp_sharded or spec.cp_tp or spec.cp_layer_split or spec.kv_sharded
+        for c, mems in enumerate(cp_mems if every else cp_mems[:1]):
             sm, first_layer = split_model(m, spec.cp, c) if spec.cp_layer_split else (m, 0)
             held = range(first, -(-b // ps))
+            if spec.kv_sharded:  # each shard rank holds the chunk's pages it owns, at their local ids
+                for r, mem in enumerate(mems):
+                    at = np.arange(held.start, held.stop)
+                    logical = np.asarray(w["pages"])[at]
+                    mine = logical % spec.shards == spec.shard_rank(c, r)
+                    for (pm, views, _), oracle in zip(pools_of(m, mem), oracles):
+                        sub = DpOracle.__new__(DpOracle)
+                        rows = (at[mine][:, None] * ps + np.arange(ps)).reshape(-1)
+                        sub.rows = [full[rows] for full in oracle.rows]
+                        if mine.any():
+                            place(pm, views, heads_of(pm, spec.attn_tp, r), sub, logical[mine] // spec.shards)
+                    if last and c == 0:
+                        for name, row in sides.aux_rows(m, req.room).items():
+                            mem.meta[name][w["slot"]] = row
+                    if last and m.state is not None:  # a DSA indexer: its rows of the pages it holds
+                        shard = (spec.shard_rank(c, r), spec.shards)
+                        st = mem.extra["state"]
+                        state_env.fill(m, spec.attn_tp, r, st, req.room, w["state"], w["pages"], 0, shard=shard)
+                continue
             if spec.cp_sharded:
                 share = cp_share(len(w["pages"]), c, spec.cp, spec.dcp)
                 held = range(max(held.start, share.start), min(held.stop, share.stop))

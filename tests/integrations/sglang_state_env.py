@@ -237,8 +237,12 @@ def _view(t):
     return t.view(torch.uint8).reshape(t.shape[0], -1)
 
 
-def fill(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, kv_pages, prefix: int) -> None:
-    """A prefill rank's forward: the request's state rows in its state buffers."""
+def fill(
+    model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, kv_pages, prefix: int, shard=None
+) -> None:
+    """A prefill rank's forward: the request's state rows in its state buffers. ``shard``
+    ``(k, n)`` (--enable-kv-cache-sharding): the DSA rows of the logical KV pages shard rank
+    ``k`` of ``n`` holds, at their local ids ``page // n``."""
     import torch
 
     s = model.state
@@ -253,6 +257,10 @@ def fill(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, kv
         for e, buf in enumerate(mem.buffers["dsa"]):
             if buf.shape[0]:
                 for j, page in enumerate(kv_pages[prefix // model.page_size :]):
+                    if shard is not None:
+                        if int(page) % shard[1] != shard[0]:
+                            continue
+                        page = int(page) // shard[1]
                     _view(buf)[int(page)] = torch.from_numpy(
                         _row(room, "dsa", s.entry_id("dsa", e), 0, j, buf.shape[1])
                     )

@@ -309,6 +309,16 @@ def test_pipeline_parallel_plan():
         plan_from_server_args(server(pp_size="0"), "prefill")
 
 
+def test_kv_cache_sharding_on_a_prefill_has_every_shard_rank_send_the_pages_it_holds():
+    """--enable-kv-cache-sharding: over attention CP (every CP rank sends, without
+    SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER), or without CP over attention TP."""
+    plan = plan_from_server_args(server(tp_size=4, attn_cp_size=2, enable_kv_cache_sharding=True), "prefill")
+    assert (plan.kv_sharded, plan.cp_sharded, plan.attn_cp_size, plan.attn_tp_size) == (True, True, 2, 2)
+    plan = plan_from_server_args(server(tp_size=2, enable_kv_cache_sharding=True), "prefill")
+    assert (plan.kv_sharded, plan.cp_sharded, plan.attn_tp_size) == (True, False, 2)
+    assert not plan_from_server_args(server(tp_size=2), "prefill").kv_sharded
+
+
 @pytest.mark.parametrize(
     "over, role, flag",
     [
@@ -323,7 +333,20 @@ def test_pipeline_parallel_plan():
             "prefill",
             "--enable-cp-tp-group-sharing=True: with --enable-dsa-cache-layer-split",
         ),
-        (dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True), "prefill", "--enable-kv-cache-sharding"),
+        # --enable-kv-cache-sharding: SGLang's own rules (kv_shard_hook), if they were bypassed
+        (dict(tp_size=2, enable_kv_cache_sharding=True), "decode", "--enable-kv-cache-sharding=True: it is for a"),
+        (dict(tp_size=1, enable_kv_cache_sharding=True), "prefill", "--enable-kv-cache-sharding=True: it shards"),
+        (dict(tp_size=4, attn_cp_size=2, enable_kv_cache_sharding=True, dcp_size=2), "prefill", "--dcp-size=2"),
+        (
+            dict(tp_size=4, dp_size=2, enable_dp_attention=True, enable_kv_cache_sharding=True),
+            "prefill",
+            "--attn-dp-size=2: with --enable-kv-cache-sharding",
+        ),
+        (
+            dict(tp_size=2, attn_cp_size=2, enable_kv_cache_sharding=True, enable_dsa_cache_layer_split=True),
+            "prefill",
+            "--enable-dsa-cache-layer-split=True: with --enable-kv-cache-sharding",
+        ),
         (
             dict(disaggregation_decode_allocation_policy="whenever"),
             "decode",

@@ -198,6 +198,9 @@ def register_replies(draw):
     )
 
 
+increasing_positions = st.lists(st.integers(0, 2**20), max_size=64, unique=True).map(sorted)
+
+
 @st.composite
 def request_metas(draw):
     size, rank = draw(tp_pairs())
@@ -217,6 +220,7 @@ def request_metas(draw):
         draw(blobs) if staged else None,
         draw(counts),  # prefix_tokens
         fused=elected and not staged and draw(st.booleans()),  # protocol 5: one pool -> pool copy
+        sparse=not staged and draw(st.booleans()),  # protocol 14: the writer picks the pages
     )
 
 
@@ -234,6 +238,8 @@ def transfer_dones(draw):
         draw(st.binary(max_size=256)),
         draw(timings),
         chunk,
+        # protocol 14: the pages a sparse reader's writer wrote (direct writes: no staged chunk)
+        positions=None if chunk is not None else draw(st.one_of(st.none(), increasing_positions)),
     )
 
 

@@ -370,12 +370,33 @@ def test_transfer_done_with_its_last_chunk_round_trips():
     assert decode(encode(DONE)).last_chunk is None
 
 
-@pytest.mark.parametrize("old", [2, 3, 4, 5, 6, 7, 8, 10, 11, 12])
+@pytest.mark.parametrize("old", [2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13])
 def test_an_older_peer_is_refused_at_its_first_frame_naming_both_versions(old):
     _, tag, fields = envelope(REG)  # a decode rank's first frame to a prefill rank
     text = rejected(frame(old, tag, fields))
-    assert PROTOCOL_VERSION == 13
-    assert f"peer speaks protocol version {old}, this engine speaks 13" in text
+    assert PROTOCOL_VERSION == 14
+    assert f"peer speaks protocol version {old}, this engine speaks 14" in text
+
+
+# -- protocol 14: sparse writers (the writer picks the decode pages; TransferDone names them) ----
+def test_sparse_metadata_and_the_positions_a_writer_names_round_trip():
+    meta = RequestMeta(7, "dec-1", 0, 1, 40, [3, 9, 4], 5, True, -1, 0, None, sparse=True)
+    assert decode(encode(meta)).sparse is True
+    done = TransferDone(7, 1, 8192, 2, b"", {}, positions=[0, 2, 7])
+    got = decode(encode(done))
+    assert got.positions.tolist() == [0, 2, 7] and got.positions.dtype == np.int32
+
+
+def test_sparse_metadata_with_a_staging_window_or_a_token_stride_is_refused_naming_the_field():
+    with pytest.raises(LocalProtocolError, match=r"sparse.*needs direct writes of every token.*staging_offset=0"):
+        RequestMeta(7, "dec-1", 0, 1, 40, [3], 5, True, 0, 64, b"r", sparse=True)
+    with pytest.raises(LocalProtocolError, match=r"sparse.*token_stride=2"):
+        RequestMeta(7, "dec-1", 0, 1, 40, [3], 5, True, -1, 0, None, token_stride=2, sparse=True)
+
+
+def test_positions_that_do_not_increase_are_refused_naming_the_pair():
+    with pytest.raises(LocalProtocolError, match=r"positions.*must increase: positions\[1\]=4, positions\[2\]=4"):
+        TransferDone(7, 1, 8192, 2, b"", {}, positions=[0, 4, 4])
 
 
 # -- protocol 8: TransferDone carries the landing receipts of unacknowledged writes --------------
