@@ -749,7 +749,7 @@ class DecodeManager(DecodePlanning, RankBase[DecodeRoom]):
         rank's page list, every writer of the room names the same ones (each writes its
         heads of them), and ``total_bytes`` is its heads' payload of their tokens. Call with
         the lock held."""
-        where = msg.positions
+        where = None if msg.positions is None else msg.positions.astype(np.int64)
         if not rec.sparse or where is None:
             asked = "asked for sparse writes" if rec.sparse else "asked for its whole page list"
             sent = "sent no positions" if where is None else f"named {where.size} position(s)"

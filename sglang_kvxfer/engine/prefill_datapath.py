@@ -318,6 +318,9 @@ class PrefillDataPath(FusedWrites, RankBase[PrefillRoom]):
                 t0 = time.perf_counter()
                 wait_all(tickets, self.config.transfer_timeout_s)
                 rec.timings["wire"] += time.perf_counter() - t0
+            with self._lock:
+                if not rec.state.is_terminal:
+                    rec.state.handle(Event.CHUNK_STARTED, time.monotonic())  # progress
         rec.tokens_sent += tokens
         if chunk.last:
             self._finish(rec, readers, chunk.aux, {}, {})

@@ -32,14 +32,17 @@ R = dps.DpRequest
 ROOMS = [R(0x5A4D_0000_F00D, 37), R(0x5A4D_0001_F00D, 9), R(0x5A4D_0002_CAFE, 41), R(0x5A4D_0003_BEEF, 3)]
 
 
-def run_sharded(prefill: tuple, decode: tuple, model: Model, requests=ROOMS, checksum=False, corrupt_room=None):
-    """``prefill``: ``(attn_tp, cp)`` with --enable-kv-cache-sharding; ``decode``: its TP."""
+def run_sharded(
+    prefill: tuple, decode: tuple, model: Model, requests=ROOMS, checksum=False, corrupt_room=None, dp: int = 1
+):
+    """``prefill``: ``(attn_tp, cp)`` with --enable-kv-cache-sharding (and ``dp`` attention-DP
+    groups); ``decode``: its TP."""
     port = free_port()
     env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": "local"}
     (ptp, pcp), dtp = prefill, decode
     common = dict(timeout_s=60.0, kv_checksum=checksum)
     specs = [
-        dps.DpSpec("prefill", model, ptp, 1, port, requests, env, cp=pcp, kv_sharded=True, **common),
+        dps.DpSpec("prefill", model, ptp, dp, port, requests, env, cp=pcp, kv_sharded=True, **common),
         dps.DpSpec("decode", model, dtp, 1, port, requests, env, corrupt_room=corrupt_room, **common),
     ]
     return sides.run_in_processes(dps.main, specs, 60.0)
@@ -52,27 +55,28 @@ MLA = Model(mla=True, head_dim=24, pool_tokens=192)
 @needs_sglang
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "prefill, decode, model",
+    "prefill, decode, model, dp",
     [
-        ((1, 2), 1, GQA),  # attn TP 1 x CP 2 -> TP 1: two shards
-        ((2, 2), 1, GQA),  # attn TP 2 x CP 2 -> TP 1: each shard's pages from two writers (their heads)
-        ((1, 3), 2, GQA),  # CP 3 -> TP 2: three shards, the heads split on the decode
-        ((2, 1), 2, MLA),  # MLA, attn TP 2 sharded over attention TP -> TP 2 (SGLang's pairing)
-        ((4, 1), 2, MLA),  # MLA over attention TP 4 -> TP 2: every decode rank reads all four shards
+        ((1, 2), 1, GQA, 1),  # attn TP 1 x CP 2 -> TP 1: two shards
+        ((2, 2), 1, GQA, 1),  # attn TP 2 x CP 2 -> TP 1: each shard's pages from two writers (their heads)
+        ((1, 3), 2, GQA, 1),  # CP 3 -> TP 2: three shards, the heads split on the decode
+        ((1, 2), 2, GQA, 2),  # attention DP 2 x CP 2 -> TP 2: the shards of the routed DP group
+        ((2, 1), 2, MLA, 1),  # MLA, attn TP 2 sharded over attention TP -> TP 2 (SGLang's pairing)
+        ((4, 1), 2, MLA, 1),  # MLA over attention TP 4 -> TP 2: every decode rank reads all four shards
     ],
-    ids=["cp2-to-tp1", "tp2xcp2-to-tp1", "cp3-to-tp2", "mla-tp2-to-tp2", "mla-tp4-to-tp2"],
+    ids=["cp2-to-tp1", "tp2xcp2-to-tp1", "cp3-to-tp2", "dp2xcp2-to-tp2", "mla-tp2-to-tp2", "mla-tp4-to-tp2"],
 )
-def test_each_shard_rank_sends_the_pages_it_holds_and_every_decode_byte_is_exact(prefill, decode, model):
-    pre, dec = run_sharded(prefill, decode, model)
+def test_each_shard_rank_sends_the_pages_it_holds_and_every_decode_byte_is_exact(prefill, decode, model, dp):
+    pre, dec = run_sharded(prefill, decode, model, dp=dp)
     assert "error" not in pre and "error" not in dec, (pre.get("error"), dec.get("error"))
     (ptp, pcp), shards = prefill, prefill[1] if prefill[1] > 1 else prefill[0]
     # the decode sees one prefill rank group per shard: TP ranks of a CP rank, or TP 1 (MLA)
-    assert dec["info"] == {"attn_tp_size": ptp if pcp > 1 else 1, "dp_size": 1}
+    assert dec["info"] == {"attn_tp_size": ptp if pcp > 1 else 1, "dp_size": dp}
     for q in ROOMS:
         assert dec[q.room]["status"] == "Success", dec[q.room]
         assert dec[q.room]["problems"] == [], dec[q.room]["problems"]
         assert [c for c, _, ok in dec[q.room]["cp_ranks"] if ok] == [f"CP rank {c}/{shards}" for c in range(shards)]
-        done = pre[(q.room, 0)]
+        done = pre[(q.room, q.room % dp)]
         assert done["status"] == "Success", done
         owned = done["shard_pages"]
         assert sum(owned) == -(-q.tokens // model.page_size)
@@ -186,8 +190,18 @@ def test_pages_no_shard_named_or_two_shards_named_fail_the_request_naming_them()
 
     recv = KVXferKVReceiver.__new__(KVXferKVReceiver)
     recv._pages = np.array([11, 12, 13, 14, 15])
+    dsa = types.SimpleNamespace(name="state:dsa", label="DSA indexer state")
+    recv.kv_mgr = types.SimpleNamespace(layout=types.SimpleNamespace(states=(dsa,)))
+    recv._state_rows = {"state:dsa": np.array([11, 12, 13, 14, 15])}
+    indexer = [(dsa, f"{dsa.label}, CP rank {c}/2", part(c, at).rx) for c, at in ((0, [0, 3]), (1, [1, 2, 4]))]
+    recv._states, recv._sparse_states = indexer, {label for _, label, _ in indexer}
     recv._rxs = [part(0, [0, 3]), part(1, [1, 2, 4])]
     assert recv._sharded_coverage() == ""
+    recv._states[1][2].positions = np.array([1, 2])  # a shard's indexer pages short of one
+    problem = recv._sharded_coverage()
+    assert "named 4 of this rank's 5 pages of the DSA indexer state" in problem, problem
+    assert "positions [4] came from no shard" in problem
+    recv._states = []
     recv._rxs = [part(0, [0, 3]), part(1, [1, 4])]
     problem = recv._sharded_coverage()
     assert "named 4 of this rank's 5 pages of the model KV (CP rank 0/2: 2, CP rank 1/2: 2)" in problem, problem
