@@ -912,8 +912,14 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         if self._pages is None:
             return ""
         groups: list[tuple[str, int, list[tuple[str, KVReceiver]]]] = []
-        for draft in (False, True):
-            parts = [(p.label, p.rx) for p in self._rxs if p.sparse and p.draft == draft]
+        # the shards of one pool's layers land in the same buffers (a PP stage's, on a decode
+        # of PP 1 facing several: each stage's shards cover the pages apart)
+        by_buffers: dict[tuple[bool, tuple[int, ...]], list[_Rx]] = {}
+        for p in self._rxs:
+            if p.sparse:
+                by_buffers.setdefault((p.draft, p.ptrs), []).append(p)
+        for (draft, _), rxs in by_buffers.items():
+            parts = [(p.label, p.rx) for p in rxs]
             groups.append((DRAFT if draft else "model KV", len(self._pages), parts))
         for pool in self.kv_mgr.layout.states:
             parts = [(label, rx) for q, label, rx in self._states if q is pool and label in self._sparse_states]

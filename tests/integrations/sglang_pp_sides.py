@@ -99,6 +99,9 @@ class PpSpec:
     corrupt_stage: int | None = None  # decode: flip a landed byte of this prefill stage's first layer
     cp: int = 1  # prefill attention CP of every stage
     cp_sharded: bool = False  # every CP rank sends its share (SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER)
+    # prefill --enable-kv-cache-sharding over the CP ranks: the page ids are logical, page l on
+    # CP rank l % cp at its local id l // cp (every CP rank of every stage the same ownership)
+    kv_sharded: bool = False
 
 
 def stage_state(state, pp_size: int, pp_rank: int):
@@ -247,6 +250,8 @@ def _server_args(spec: PpSpec, port: int):
         extra.update(dp_size=spec.dp, enable_dp_attention=True)
     if spec.cp > 1:
         extra["attn_cp_size"] = spec.cp
+    if spec.kv_sharded and spec.role == "prefill":
+        extra["enable_kv_cache_sharding"] = True
     return server_args(sides.MODEL_PATH, spec.role, spec.tp * spec.dp * spec.cp, port, **extra)
 
 
@@ -311,6 +316,11 @@ def _prefill(spec: PpSpec, closers: list, out) -> dict:
         for mgr in row:
             mgr.register_to_bootstrap()
     pages = sides._allocate(m, spec.requests, seed=1)
+    if spec.kv_sharded:  # logical page ids over every CP rank's pool, the same on every stage
+        local = (m.pool_tokens + m.page_size) // m.page_size
+        free = np.random.default_rng(1).permutation(np.arange(spec.cp, spec.cp * local))
+        bounds = np.cumsum([0] + [len(p) for p in pages])
+        pages = [free[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     states = state_env.allocate(m, spec.requests, seed=11) if m.state is not None else None
     work = []
     for slot, (room, tokens) in enumerate(spec.requests):
@@ -368,6 +378,9 @@ def _prefill(spec: PpSpec, closers: list, out) -> dict:
                 else:
                     results[w["room"]] = {"status": "Success", "prefixes": w["prefixes"]}
                     results[w["room"]]["bytes"] = [s.get_transfer_metric().transfer_total_bytes for s in w["senders"]]
+                    if spec.kv_sharded:  # the request's pages each CP rank holds
+                        owners = np.asarray(w["pages"]) % spec.cp
+                        results[w["room"]]["shard_pages"] = [int((owners == c).sum()) for c in range(spec.cp)]
                     for s in w["senders"]:
                         s.clear()
         time.sleep(0.002)
@@ -396,13 +409,17 @@ def _forward_and_send(spec: PpSpec, w: dict, mems) -> None:
             c, r = divmod(i, spec.tp)
             # the chunk's pages this rank holds the KV of (by their index in the request)
             held = np.arange(a // ps, a // ps + len(chunk))
-            if c and not spec.cp_sharded:
+            here = rows  # where this rank holds those pages' rows
+            if spec.kv_sharded:  # the chunk's logical pages on this CP rank, at their local ids
+                held = held[np.asarray(chunk) % spec.cp == c]
+                here = torch.from_numpy(page_rows(m, np.asarray(chunk) // spec.cp))
+            elif c and not spec.cp_sharded:
                 held = held[:0]  # a CP replica: CP rank 0 sends every page
             elif spec.cp > 1 and spec.cp_sharded:
                 share = cp_share(len(w["pages"]), c, spec.cp)
                 held = held[(held >= share.start) & (held < share.stop)]
             keep = torch.from_numpy(np.isin(np.arange(len(chunk)), held - a // ps).repeat(ps))
-            heads, rows_held = heads_of(m, spec.tp, r), rows[keep]
+            heads, rows_held = heads_of(m, spec.tp, r), here[keep]
             for view, want in zip(byte_views(mem), full):
                 written = torch.from_numpy(np.ascontiguousarray(want[lo : lo + len(chunk) * ps][:, heads, :]))
                 view[rows_held] = written[keep]
@@ -597,6 +614,17 @@ def _corrupt_first_landing(backend, spec: PpSpec, mem, mgr, room: int, pages) ->
     backend.after_kv_landed = corrupt
 
 
+def check_decoded(reports: dict, decode_pp: int, requests: list) -> None:
+    """Every decode stage served every request with no problem, and every byte of its pools
+    matches the oracle."""
+    for s in range(decode_pp):
+        dec = reports[f"decode pp{s}"]
+        for room, _ in requests:
+            assert dec[room]["status"] == "Success", dec[room]
+            assert dec[room]["problems"] == [], dec[room]["problems"]
+        assert dec["pool_problems"] == [], dec["pool_problems"]
+
+
 def deployment(
     model: Model,
     prefill: tuple,  # (attn tp, dp, pp)
@@ -614,6 +642,7 @@ def deployment(
     corrupt_stage: int | None = None,
     prefill_cp: int = 1,
     cp_sharded: bool = False,
+    kv_sharded: bool = False,
 ) -> list[PpSpec]:
     """The specs of one deployment: a process per prefill stage and per decode stage (with
     ``cp_sharded``, the prefill's alone get ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER``:
@@ -645,6 +674,7 @@ def deployment(
             kv_checksum=kv_checksum,
             cp=prefill_cp,
             cp_sharded=cp_sharded,
+            kv_sharded=kv_sharded,
         )
         for s in range(p_pp)
     ]

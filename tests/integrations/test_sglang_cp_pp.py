@@ -84,3 +84,28 @@ def test_every_stage_and_cp_rank_sends_what_is_its_own(tmp_path, prefill, cp, sh
                 else:  # a CP rank with pages in its share sent them; one with none only the aux rows
                     share = cp_share(pages, c, cp)
                     assert len(share) == 0 or nbytes > 0, (s, room, c, sent)
+
+
+@pytest.mark.parametrize(
+    "prefill, decode",
+    [((2, 1, 2), (1, 1, 1)), ((1, 1, 2), (2, 1, 2))],
+    ids=["tp2xcp2xpp2-to-tp1", "cp2xpp2-to-pp2xtp2"],
+)
+def test_kv_cache_sharding_over_cp_ranks_with_pp_stages(tmp_path, prefill, decode):
+    """--enable-kv-cache-sharding with --pp-size (SGLang allows it for a GQA model): each CP
+    rank of each stage holds the request's logical pages it owns at their local ids (its own
+    poison elsewhere) and sends those of its stage's layers at their positions; a decode of
+    PP 1 or of the prefill's PP size gets every byte, each shard's bytes in proportion to its
+    pages."""
+    model = _model()
+    specs = pps.deployment(model, prefill, decode, ROOMS, str(tmp_path), free_port(), prefill_cp=2, kv_sharded=True)
+    reports = pps.run_pp(specs, 90.0)
+    pps.check_decoded(reports, decode[2], ROOMS)
+    p_tp = prefill[0]
+    for s in range(prefill[2]):
+        for room, _ in ROOMS:
+            pre = reports[f"prefill pp{s}"][room]
+            assert pre["status"] == "Success", pre
+            owned, sent = pre["shard_pages"], pre["bytes"]  # senders in (CP rank, TP rank) order
+            per_cp = [sum(sent[c * p_tp : (c + 1) * p_tp]) for c in range(2)]
+            assert all(b * sum(owned) == sum(per_cp) * n for b, n in zip(per_cp, owned)), (per_cp, owned)

@@ -97,12 +97,7 @@ def test_each_stage_sends_its_layers_state_and_every_state_byte_is_exact(tmp_pat
     for s in range(decode[2]):  # the hybrid stages registered their first model layer
         want = [[2 * a, 2 * a + b - a] for a, b in pps.pp_layers(model.num_layers, prefill[2])]
         assert reports[f"decode pp{s}"]["info"]["pp_layers"] == want, reports[f"decode pp{s}"]["info"]
-    for s in range(decode[2]):
-        dec = reports[f"decode pp{s}"]
-        for room, _ in ROOMS:
-            assert dec[room]["status"] == "Success", dec[room]
-            assert dec[room]["problems"] == [], dec[room]["problems"]
-        assert dec["pool_problems"] == [], dec["pool_problems"]
+    pps.check_decoded(reports, decode[2], ROOMS)
     for s in range(prefill[2]):
         for room, _ in ROOMS:
             assert reports[f"prefill pp{s}"][room]["status"] == "Success", (s, reports[f"prefill pp{s}"][room])
