@@ -316,6 +316,7 @@ class KVXferKVManager(BaseKVManager):
                 geometry=draft.geometry,
                 kv_pool="draft",
                 draft_geometry=None,
+                state_pools=(),  # (announced with the model's pool: a DSA model's MTP draft has its own KV only)
                 layer_start=0,
                 all_heads=False,
             )

@@ -137,3 +137,25 @@ def test_a_byte_flipped_after_landing_fails_the_request_naming_both_checksums(po
     theirs, ours = re.findall(r"crc32=(0x[0-9a-f]{8})", reason)
     assert theirs != ours
     assert prefill[bad]["status"] == "Success", prefill[bad]  # the prefill sent what it digested
+
+
+@pytest.mark.parametrize("p, d", [(1, 1), (2, 1)])
+def test_a_dsa_models_mtp_draft_kv_lands_beside_its_latent_and_indexer(p, d):
+    """GLM-5 / DeepSeek-V3.2 with MTP: a draft model beside a DSA model's indexer state. The
+    draft pool registers its own KV only (the state pools are announced with the model's:
+    a draft manager that announced them too failed at construction), and every latent,
+    indexer and draft byte of every decode rank is compared."""
+    from tests.integrations import sglang_dp_sides as dps
+    from tests.integrations.sglang_state_env import StateModel
+
+    state = StateModel(kinds=("dsa",), dsa_layers=3)
+    m = Model(mla=True, head_dim=24, num_layers=3, pool_tokens=192, state=state, draft=Draft(mla=True, head_dim=16))
+    requests = [dps.DpRequest(room, tokens) for room, tokens in REQUESTS]
+    port, env = free_port(), {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": "local"}
+    specs = [dps.DpSpec("prefill", m, p, 1, port, requests, env), dps.DpSpec("decode", m, d, 1, port, requests, env)]
+    pre, dec = sides.run_in_processes(dps.main, specs, 60.0)
+    assert "error" not in pre and "error" not in dec, (pre.get("error"), dec.get("error"))
+    for q in requests:
+        assert dec[q.room]["status"] == "Success", dec[q.room]
+        assert dec[q.room]["problems"] == [], dec[q.room]["problems"]  # the indexer rows
+    assert dec["pool_problems"] == [], "\n".join(dec["pool_problems"])  # the latent and the draft's KV

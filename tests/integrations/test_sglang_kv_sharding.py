@@ -92,17 +92,24 @@ def test_each_shard_rank_sends_the_pages_it_holds_and_every_decode_byte_is_exact
 @needs_sglang
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "prefill, decode", [((1, 2), 1), ((1, 2), 2), ((2, 3), 2)], ids=["cp2-to-tp1", "cp2-to-tp2", "tp2xcp3-to-tp2"]
+    "prefill, decode, draft",
+    [((1, 2), 1, False), ((1, 2), 2, False), ((2, 3), 2, False), ((1, 2), 1, True)],
+    ids=["cp2-to-tp1", "cp2-to-tp2", "tp2xcp3-to-tp2", "cp2-to-tp1-with-mtp-draft"],
 )
-def test_a_dsa_models_indexer_pages_come_from_the_shard_that_holds_them(prefill, decode):
+def test_a_dsa_models_indexer_pages_come_from_the_shard_that_holds_them(prefill, decode, draft):
     """A DSA model (GLM-5 / DeepSeek-V3.2 style: SGLang shards its KV over interleaved CP):
     the indexer's pages are sharded like the latent, so each shard rank sends its pages of
     every indexer layer (a layer without one has no buffer) at their positions, the
     decode's coverage check covers them too, and every latent and indexer row is compared;
-    no other state row changes."""
+    no other state row changes. With an MTP draft model (SGLang allows GLM DSA's NextN with
+    sharding; its pool shares the target's logical pages) the draft's pages come the same
+    way, every byte compared."""
+    from tests.integrations.sglang_env import Draft
     from tests.integrations.sglang_state_env import StateModel
 
-    model = Model(mla=True, head_dim=24, num_layers=3, pool_tokens=192, state=StateModel(kinds=("dsa",), dsa_layers=3))
+    extra = dict(draft=Draft(mla=True, head_dim=16)) if draft else {}
+    state = StateModel(kinds=("dsa",), dsa_layers=3)
+    model = Model(mla=True, head_dim=24, num_layers=3, pool_tokens=192, state=state, **extra)
     pre, dec = run_sharded(prefill, decode, model)
     assert "error" not in pre and "error" not in dec, (pre.get("error"), dec.get("error"))
     for q in ROOMS:
