@@ -41,7 +41,8 @@ aborted). Whether the prefill has a draft pool, and its geometry, comes with the
 info; a difference fails the decode's requests naming both sides. With PP the draft pool is
 the last stage's (SGLang runs the draft model there): registered at that stage, looked up there.
 
-Extra per-request state (``KVArgs.state_types``: mamba, swa, dsa; ``sglang_state``): each
+Extra per-request state (``KVArgs.state_types``: mamba, swa, dsa, dsa_tail, MXFP8 block scales;
+``sglang_state``): each
 pool of it has a geometry of its own and an engine manager per rank
 (``kv_pool="state:<kind>[.<n>]"``, announced with the model pool's registration, geometry
 checked at registration). A request's last chunk hands each pool its own indices
@@ -56,7 +57,8 @@ owns over the pages it sent (``sglang_checksum``) and sends the digests with its
 each writer's share before it reports Success (per PP stage).
 
 The test seams (replaced here by tests, read by the other modules at call time):
-``after_kv_landed``, ``_model_total_kv_heads``, ``_model_swa_kv_heads``, ``_draft_model_kv``,
+``after_kv_landed``, ``_model_total_kv_heads``, ``_model_swa_kv_heads``, ``_model_dsa_index_head_dim``,
+``_draft_model_kv``,
 ``_pp_exchange``, ``_model_swa_stage_layers``.
 """
 
@@ -70,6 +72,9 @@ from sglang_kvxfer.integrations.sglang_common import (  # noqa: F401  (the under
 )
 from sglang_kvxfer.integrations.sglang_common import defer_sglang_cpu_checksum as _defer_sglang_cpu_checksum  # noqa: F401
 from sglang_kvxfer.integrations.sglang_common import draft_model_kv as _draft_model_kv  # noqa: F401
+from sglang_kvxfer.integrations.sglang_common import (  # noqa: F401
+    model_dsa_index_head_dim as _model_dsa_index_head_dim,
+)
 from sglang_kvxfer.integrations.sglang_common import model_swa_kv_heads as _model_swa_kv_heads  # noqa: F401
 from sglang_kvxfer.integrations.sglang_common import (  # noqa: F401
     model_swa_stage_layers as _model_swa_stage_layers,

@@ -3,9 +3,9 @@
 Owns the translation of the attribute bag SGLang hands every transfer backend into a full ``KVGeometry`` with the buffer addresses, the aux
 (metadata) buffer layout and the packing of one aux slot, and the reading of the few
 ``ServerArgs`` fields that decide the attention TP and DP sizes and the bootstrap address.
-Every feature this backend does not carry (attention CP, plain DP replicas, state types
-other than mamba, swa and dsa...) is refused here with a message that names the setting;
-extra per-request state is translated in ``sglang_state``.
+Every feature this backend does not carry (a DeepSeek-V4 ``kv_layout``, a state type it does
+not move...) is refused here with a message that names the setting; extra per-request state
+is translated in ``sglang_state``.
 
 Head counts are never inferred from byte lengths: the total comes from
 ``KVArgs.total_kv_head_num`` (or the model config, through the caller), the per-rank count
@@ -417,9 +417,12 @@ def kv_dtype(kv_cache_dtype_str: Any, model_dtype: Any = None) -> str:
     ``"auto"`` means "the model's dtype", which KVArgs does not carry: ``model_dtype``
     (``--dtype``) decides when it is explicit; otherwise the pool is described in bytes
     (``uint8``, head_dim counted in bytes), which both sides then agree on as long as they
-    run the same model with the same flags.
+    run the same model with the same flags. ``"mxfp8"`` (an MXFP8 pool) holds FP8 E4M3
+    elements; its block scales are a state pool of their own (``block_scale``).
     """
     text = str(kv_cache_dtype_str).strip() if kv_cache_dtype_str is not None else "auto"
+    if text.lower() == "mxfp8":
+        return "float8_e4m3fn"
     if text.lower() in ("", "auto"):
         text = str(model_dtype).strip() if model_dtype is not None else "auto"
         if text.lower() in ("", "auto"):
@@ -704,6 +707,7 @@ def layout_from_kv_args(
     swa_kv_heads: Callable[[], int] | None = None,
     dcp_size: int = 1,
     cp_tp: int = 1,
+    dsa_index_head_dim: Callable[[], int] | None = None,
 ) -> SglangLayout:
     """Translate ``KVArgs`` into a geometry, this rank's placement and its buffers.
 
@@ -726,8 +730,11 @@ def layout_from_kv_args(
             pool holds every KV head (attention TP ``tp_size`` is 1), and the rank transfers
             as TP rank ``engine_rank % cp_tp`` of ``cp_tp`` (``all_heads``), its extra state
             sharded over that TP group (linear attention keeps its TP partition).
+        dsa_index_head_dim: with a ``dsa_tail`` entry in ``state_types``, called for the DSA
+            indexer's head dim (the model's config): a tail token's width.
 
-    Extra per-request state (``state_types``: mamba, swa, dsa) becomes ``states``, a pool
+    Extra per-request state (``state_types``: mamba, swa, dsa, dsa_tail, block_scale,
+    block_scale_swa) becomes ``states``, a pool
     each (``sglang_state``); any other type is refused naming it.
 
     Raises ``GeometryError`` naming the KVArgs field for anything inconsistent.
@@ -819,7 +826,14 @@ def layout_from_kv_args(
     if cp_tp > 1:  # transfers as TP rank engine_rank % cp_tp, its pool holding every head
         tp_size, rank = cp_tp, engine_rank % cp_tp
     states = states_from_kv_args(
-        args, tp_size=tp_size, rank=rank, mla=mla, dtype=dtype, page_size=page_size, swa_kv_heads=swa_kv_heads
+        args,
+        tp_size=tp_size,
+        rank=rank,
+        mla=mla,
+        dtype=dtype,
+        page_size=page_size,
+        swa_kv_heads=swa_kv_heads,
+        dsa_index_head_dim=dsa_index_head_dim,
     )
     aux = AuxLayout(
         tuple(_get(args, "aux_data_ptrs", None) or ()),

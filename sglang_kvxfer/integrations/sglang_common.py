@@ -227,6 +227,18 @@ def model_swa_kv_heads(server_args: Any) -> int:
     return cfg.get_total_num_kv_heads()
 
 
+def model_dsa_index_head_dim(server_args: Any) -> int:
+    """The DSA indexer's head dim (``index_head_dim``), as SGLang sizes its kpool-compression
+    tails with it."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    hf = ModelConfig.from_server_args(server_args).hf_config
+    dim = getattr(hf, "index_head_dim", None)
+    if dim is None:
+        raise ValueError(f"the model config ({type(hf).__name__}) has no index_head_dim")
+    return int(dim)
+
+
 def model_swa_stage_layers(server_args: Any, pp_rank: int, pp_size: int) -> tuple[range, tuple, tuple] | None:
     """``(PP stage pp_rank's model layers, full-attention layer ids, SWA layer ids)`` of a
     hybrid sliding-window model, as SGLang splits the layers (``get_pp_indices``, which reads

@@ -57,7 +57,7 @@ from sglang_kvxfer.integrations.sglang_pp import (
     stage_label,
     tiling_problem,
 )
-from sglang_kvxfer.integrations.sglang_state import StatePool, describe, state_problem
+from sglang_kvxfer.integrations.sglang_state import SCALE_KINDS, StatePool, describe, state_problem
 
 if TYPE_CHECKING:
     from sglang_kvxfer.engine.decode import DecodeManager
@@ -147,10 +147,32 @@ def _check_dcp(mgr: KVXferKVManager) -> None:
     # them, one row per page_size tokens of the widened id space, and lists a request's rows
     # in order, as a prefill of DCP 1 lists its pages), so they move row for row. SWA pages
     # would be split token by token (SGLang refuses an SWA pool with PD DCP too).
-    refused = [p.name for p in mgr.layout.states if p.kind == "swa"]
+    refused = [p.name for p in mgr.layout.states if p.kind in ("swa", "dsa_tail") or p.kind in SCALE_KINDS]
     if refused:
         why = f"extra per-request state ({describe(refused)}) with DCP is not implemented (mamba and DSA state are)"
         raise _not_supported("--dcp-size", mgr.dcp_size, why)
+
+
+def _check_mxfp8(layout: SglangLayout, kv_cache_dtype_str: Any, draft_dtype: Any) -> None:
+    """An MXFP8 KV cache (``--kv-cache-dtype mxfp8``) moves as FP8 E4M3 KV plus its block
+    scales (the ``block_scale`` state SGLang registers beside it); KV whose scales SGLang does
+    not hand the backend would land without them and decode garbage, so it is refused."""
+    target = str(kv_cache_dtype_str or "").lower() == "mxfp8"
+    if target and not any(p.kind == "block_scale" for p in layout.states):
+        raise _not_supported(
+            "KVArgs.kv_cache_dtype_str",
+            kv_cache_dtype_str,
+            "an MXFP8 KV pool whose block scales are not in KVArgs.state_types (SGLang registers an "
+            "MHATokenToKVPoolMXFP8's as 'block_scale'): its KV would land without them",
+        )
+    draft = str(draft_dtype or "auto").lower()
+    if layout.draft is not None and (draft == "mxfp8" or (draft == "auto" and target)):
+        raise _not_supported(
+            "--speculative-draft-kv-cache-dtype",
+            draft_dtype or "auto",
+            "an MXFP8 draft KV pool: SGLang registers the target pool's block scales only (KVArgs has none of the "
+            "draft's), so the draft's KV would land without them; give the draft another KV dtype",
+        )
 
 
 class KVXferKVManager(BaseKVManager):
@@ -194,9 +216,11 @@ class KVXferKVManager(BaseKVManager):
             draft_kv=lambda: seam("_draft_model_kv")(server_args),
             draft_dtype=None if str(draft_dtype or "auto").lower() == "auto" else kv_dtype(draft_dtype),
             swa_kv_heads=lambda: seam("_model_swa_kv_heads")(server_args),
+            dsa_index_head_dim=lambda: seam("_model_dsa_index_head_dim")(server_args),
             dcp_size=self.plan.dcp_size,
             cp_tp=self.plan.attn_cp_size if self.plan.cp_tp_sharing else 1,
         )
+        _check_mxfp8(self.layout, getattr(args, "kv_cache_dtype_str", None), draft_dtype)
         if self.plan.prefill_complete and any(p.kind != "dsa" for p in self.layout.states):
             kinds = sorted({p.kind for p in self.layout.states if p.kind != "dsa"})
             raise _not_supported(
@@ -208,6 +232,22 @@ class KVXferKVManager(BaseKVManager):
         if self.dcp_size > 1:
             _check_dcp(self)
         self.pp_size, self.pp_rank, layer_start = self._pp_stage(args)
+        scales = [p.name for p in self.layout.states if p.kind in SCALE_KINDS]
+        if self.pp_size > 1 and scales:
+            raise _not_supported(
+                "--pp-size",
+                self.pp_size,
+                f"with MXFP8 KV block scales ({describe(scales)}, --kv-cache-dtype mxfp8): mapping a stage's scale "
+                "entries (K, then V of its layers) onto the decode's is not implemented by the kvxfer backend",
+            )
+        tails = [p.name for p in self.layout.states if p.kind == "dsa_tail"]
+        if self.pp_size > 1 and tails:
+            raise _not_supported(
+                "--pp-size",
+                self.pp_size,
+                f"with DSA indexer tails ({describe(tails)}, index_kpool_compress): mapping a stage's tail entries "
+                "(K, then score rings of its layers) onto the decode's is not implemented by the kvxfer backend",
+            )
         if self.pp_size > 1 and any(p.kind == "swa" for p in self.layout.states):
             self.layout, layer_start = self._swa_stage(server_args, layer_start)
         lay = self.layout

@@ -21,6 +21,21 @@ What each type SGLang 0.5.23 hands a backend becomes (``disaggregation/utils.py`
   ``_dsa_pages_payload``), replicated on every rank like the MLA latent: a replicated
   geometry with one row per index (``page_size=1``, ``head_dim`` = bytes of a row, ``uint8``).
   Layers without an indexer buffer (``skip_topk``, empty entries) are left out.
+- ``dsa_tail``: a DSA indexer's kpool-compression tails (``index_kpool_compress``, GLM-5-style):
+  per layer a K and a score ring ``[request slots, ring tokens, index_head_dim]`` (bf16; K
+  tails of every layer, then score tails), one item per request slot. A request's indices are
+  SGLang's six numbers (slot, offset, count, offset, count, ring size: the live tokens of the
+  open pool, ``get_dsa_tail_state_indices``; none when it is closed), so the pool has one row
+  per ring token (its bytes: ``index_head_dim`` x 2 from the model config, never from bytes)
+  and a request's rows are its live tokens in order; the two sides' rings may differ in size
+  (speculative slots), their live tokens are paired in order, as SGLang's
+  ``build_dsa_tail_transfer_blocks`` pairs them. Replicated like the DSA indexer.
+- ``block_scale`` / ``block_scale_swa``: an MXFP8 KV cache's (``--kv-cache-dtype mxfp8``)
+  UE8M0 scale buffers of the full-attention pool and of the SWA sub-pool (K scales of every
+  layer, then V), one row of a page's scales per KV page id (the request's pages from its
+  first token, ``_full_kv_pages_payload``; the SWA window's pages, ``_swa_payload``). The
+  rows span the rank's KV heads (SGLang swizzles them for a page size of 128), so they move
+  rank to rank between equal attention TP sizes only, as SGLang's own backends move them.
 - ``mamba``: the conv and SSM state of the mamba pool (tensor-major, one entry per layer, one
   row per request slot, ``_mamba_payload``). An entry sliced over attention TP
   (``state_dim_per_tensor`` > 0: ``state_slice_outer_counts`` rows of that many channels,
@@ -37,7 +52,7 @@ What each type SGLang 0.5.23 hands a backend becomes (``disaggregation/utils.py`
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -48,6 +63,7 @@ from sglang_kvxfer.integrations.sglang_args import _get, _int, _not_supported, _
 
 __all__ = [
     "HANDLED_STATE_TYPES",
+    "SCALE_KINDS",
     "StatePool",
     "states_from_kv_args",
     "state_pages",
@@ -56,7 +72,8 @@ __all__ = [
     "row_geometry",
 ]
 
-HANDLED_STATE_TYPES = ("mamba", "swa", "dsa")
+HANDLED_STATE_TYPES = ("mamba", "swa", "dsa", "dsa_tail", "block_scale", "block_scale_swa")
+SCALE_KINDS = ("block_scale", "block_scale_swa")  # an MXFP8 KV cache's block scales
 
 _MAMBA_NO_DIMS = (
     "mamba conv/SSM state rows are sharded over attention TP, and this server's KVArgs.state_dim_per_tensor "
@@ -66,6 +83,11 @@ _DSA_TP = (
     "the DSA indexer of a non-MLA model is not replicated over attention TP, and SGLang's own backends "
     "refuse it between TP sizes too ('does NOT support PD different TP sizes for non-MLA DSA hybrid models')"
 )
+_SCALE_TP = (
+    "a page's MXFP8 block scales are one row over the rank's KV heads (swizzled for a page size of 128), not "
+    "re-sliced between TP sizes, and SGLang's own backends refuse them between TP sizes too ('does NOT support "
+    "PD different TP sizes for non-MLA BLOCK_SCALE hybrid models')"
+)
 
 
 @dataclass(frozen=True)
@@ -73,7 +95,7 @@ class StatePool:
     """One engine pool of a rank's extra per-request state."""
 
     name: str  # the kv_pool of its engine manager: "state:swa", "state:mamba.1"
-    kind: str  # "mamba", "swa" or "dsa"
+    kind: str  # "mamba", "swa", "dsa", "dsa_tail", "block_scale" or "block_scale_swa"
     index: int  # its component of KVArgs.state_types: its indices are state_indices[index]
     label: str  # how failures name it
     geometry: KVGeometry
@@ -83,6 +105,7 @@ class StatePool:
     # (stride, step, count): a request's index i is the pages i * stride + o * step, o < count
     # (a sliced mamba slot: one page per outer row, in sub-block widths); else the index itself
     slot_pages: tuple[int, int, int] = (1, 0, 1)
+    ring: int = 0  # dsa_tail: the tokens of a request slot's ring (a request's index: its live tokens)
 
 
 def _type_name(value: Any) -> str:
@@ -106,11 +129,13 @@ def states_from_kv_args(
     dtype: str,
     page_size: int,
     swa_kv_heads: Callable[[], int] | None = None,
+    dsa_index_head_dim: Callable[[], int] | None = None,
 ) -> tuple[StatePool, ...]:
     """The state pools of ``KVArgs`` (empty without ``state_types``).
 
     ``swa_kv_heads`` is called for the un-sharded KV head count of the SWA sub-pool (the
-    model's config; KVArgs carries only the full-attention layers' count). A type this
+    model's config; KVArgs carries only the full-attention layers' count), and
+    ``dsa_index_head_dim`` for the DSA indexer's head dim (a ``dsa_tail`` token's width). A type this
     backend does not move, or fields that do not describe whole rows or heads, raise
     ``KVXferError`` / ``GeometryError`` naming the field.
     """
@@ -139,9 +164,22 @@ def states_from_kv_args(
             pools.append(_swa_pool(args, i, ptrs, lens, items, tp_size, rank, mla, dtype, page_size, swa_kv_heads))
         elif kind == "mamba":
             pools += _mamba_pools(args, i, ptrs, lens, items, tp_size)
+        elif kind == "dsa_tail":
+            pools += _tail_pools(i, ptrs, lens, items, mla, dsa_index_head_dim)
         else:
-            pools += _row_pools(i, kind, ptrs, lens, items, "" if mla else _DSA_TP)
+            why = _DSA_TP if kind == "dsa" else _SCALE_TP
+            pools += _row_pools(i, kind, ptrs, lens, items, "" if mla else why)
     return tuple(pools)
+
+
+def _from_config(read: Callable[[], int] | None, what: str) -> Any:
+    """``what``, read from the model config by ``read``; ``GeometryError`` saying why not."""
+    if read is None:
+        raise GeometryError(f"{what} is needed, and no model config was given")
+    try:
+        return read()
+    except Exception as exc:
+        raise GeometryError(f"the model config could not supply {what} ({type(exc).__name__}: {exc})") from exc
 
 
 def _swa_pool(
@@ -175,15 +213,9 @@ def _swa_pool(
                 f"KVArgs.state_data_ptrs[{i}] (swa) has {len(ptrs)} entries; an MHA SWA sub-pool has K and V "
                 "of every SWA layer (an even count)"
             )
-        if swa_kv_heads is None:
-            raise GeometryError("the SWA sub-pool's KV head count is needed, and no model config was given")
-        try:
-            heads_total = swa_kv_heads()
-        except Exception as exc:
-            raise GeometryError(
-                f"the model config could not supply the SWA layers' KV head count ({type(exc).__name__}: {exc})"
-            ) from exc
-        heads_total = _int("the SWA layers' total KV heads", heads_total, 1)
+        heads_total = _int(
+            "the SWA layers' total KV heads", _from_config(swa_kv_heads, "the SWA layers' KV head count"), 1
+        )
         try:
             local = len(owned_heads(heads_total, tp_size, rank))
         except GeometryError as exc:
@@ -250,7 +282,13 @@ def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, why: str)
             runs.append([e])
     if not runs:
         raise GeometryError(f"KVArgs.state_item_lens[{i}] ({kind}) has no non-empty entry: {items}")
-    what = {"mamba": "mamba state", "dsa": "DSA indexer state"}[kind]
+    what = {
+        "mamba": "mamba state",
+        "dsa": "DSA indexer state",
+        "dsa_tail": "DSA indexer tails",
+        "block_scale": "MXFP8 KV block scales",
+        "block_scale_swa": "MXFP8 SWA KV block scales",
+    }[kind]
     out = []
     for g, run in enumerate(runs):
         geometry = row_geometry(len(run), items[run[0]], _run_rows(i, kind, run, lens, items, "row size"))
@@ -260,6 +298,53 @@ def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, why: str)
             StatePool(name, kind, i, label, geometry, tuple(ptrs[e] for e in run), tuple(lens[e] for e in run), why)
         )
     return out
+
+
+def _tail_pools(
+    i: int, ptrs: list, lens: list, items: list, mla: bool, index_head_dim: Callable[[], int] | None
+) -> list[StatePool]:
+    """A ``dsa_tail`` component: rows of one ring token (``index_head_dim`` bf16 values) over
+    each non-empty entry's ``[slots, ring, index_head_dim]`` buffer."""
+    dim = _from_config(index_head_dim, "the DSA indexer's index_head_dim")
+    token = 2 * _int("the DSA indexer's index_head_dim (model config)", dim, 1)  # bf16 tails
+    rings = set()
+    for e, item in enumerate(items):
+        if _int(f"KVArgs.state_item_lens[{i}][{e}]", item, 0) and item % token:
+            raise GeometryError(
+                f"KVArgs.state_item_lens[{i}][{e}]={item} (dsa_tail) is not a whole ring of tail tokens of {token} "
+                f"bytes (the model's index_head_dim {dim}, bf16)"
+            )
+        if item:
+            rings.add(item // token)
+    if len(rings) > 1:
+        raise GeometryError(
+            f"KVArgs.state_item_lens[{i}] (dsa_tail) holds rings of {sorted(rings)} tokens; every layer's ring "
+            "has one size"
+        )
+    rows = [token if item else 0 for item in items]
+    pools = _row_pools(i, "dsa_tail", ptrs, lens, rows, "" if mla else _DSA_TP)
+    return [replace(p, ring=next(iter(rings))) for p in pools]
+
+
+def _tail_rows(index: np.ndarray, ring: int, where: str) -> np.ndarray:
+    """A ``dsa_tail`` index (SGLang's slot, offset, count, offset, count, ring size; empty when
+    the request has no open pool) as the rows of its live tokens, in order."""
+    if index.size == 0:
+        return index
+    if index.size != 6:
+        raise ValueError(
+            f"{where} must be SGLang's six numbers (slot, offset, count, offset, count, ring size) or none, "
+            f"got {index.size}"
+        )
+    slot, off1, n1, off2, n2, size = (int(x) for x in index)
+    if size != ring:
+        raise ValueError(
+            f"{where} names a ring of {size} tokens; this server's rings (KVArgs.state_item_lens) hold {ring}"
+        )
+    if slot < 0 or min(off1, n1, off2, n2) < 0 or off1 + n1 > ring or off2 + n2 > ring:
+        raise ValueError(f"{where}={index.tolist()} is not a slot and two segments inside a ring of {ring} tokens")
+    base = slot * ring
+    return np.concatenate([base + off1 + np.arange(n1), base + off2 + np.arange(n2)]).astype(np.int64)
 
 
 def _per_entry(args: Any, name: str, i: int, n: int, default: Any) -> list:
@@ -395,6 +480,8 @@ def state_pages(pools: Sequence[StatePool], state_indices: Any) -> list[np.ndarr
         pages = index_array(seq[pool.index], where)
         if pool.kind == "mamba" and pages.size != 1:
             raise ValueError(f"{where} must be the request's one mamba slot, got {pages.size} indices")
+        if pool.kind == "dsa_tail":
+            pages = _tail_rows(pages, pool.ring, where)
         stride, step, count = pool.slot_pages
         if (stride, step, count) != (1, 0, 1):
             pages = (pages[:, None] * stride + np.arange(count, dtype=np.int64) * step).reshape(-1)

@@ -41,6 +41,7 @@ the state components, the last chunk's forward writes each request's state rows 
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -198,12 +199,25 @@ def run_named_processes(main, specs: list, timeout_s: float, name=lambda spec: s
         proc.start()
     reports: dict = {}
     names = {name(spec) for spec in specs}
+    deadline = time.monotonic() + timeout_s + 30
     try:
         while len(reports) < len(names):
-            key, report = out.get(timeout=timeout_s + 30)
+            try:
+                key, report = out.get(timeout=1.0)
+            except queue.Empty:
+                dead = [
+                    f"{name(s)} (exit code {p.exitcode})"
+                    for s, p in zip(specs, procs)
+                    if p.exitcode is not None and name(s) not in reports
+                ]
+                if dead:  # a side that died without reporting (a signal, os._exit) never will
+                    pytest.fail(f"{', '.join(dead)} ended without a report")
+                if time.monotonic() > deadline:
+                    raise
+                continue
             reports[key] = report
     except queue.Empty:
-        pytest.fail(f"no report from {sorted(names - set(reports))} within {timeout_s + 30} s")
+        pytest.fail(f"no report from {sorted(names - set(reports))} within {timeout_s + 30} s (stacks: stderr)")
     finally:
         release.set()
         for proc in procs:
@@ -233,6 +247,7 @@ def setup(spec):
     backend._draft_model_kv = _draft_heads(spec.model)
     if spec.model.state is not None:  # stands in for the model config's swa_num_key_value_heads
         backend._model_swa_kv_heads = lambda server_args, heads=spec.model.state.swa_heads: heads
+        backend._model_dsa_index_head_dim = lambda server_args, dim=spec.model.state.tail_dim: dim
     return backend, load_utils_defs()
 
 
@@ -250,12 +265,16 @@ def serve(spec, out, release, prefill, decode) -> None:
     """Process entry point: run one side (``prefill`` or ``decode`` by ``spec.role``), report,
     keep the managers up until released."""
     closers: list = []
+    # A side that hangs prints every thread's stack (to the test's captured stderr) shortly
+    # before the test stops waiting for its report, so the failure shows where it stood.
+    faulthandler.dump_traceback_later(spec.timeout_s + 20)
     try:
         run = prefill if spec.role == "prefill" else decode
         out.put((spec.role, run(spec, closers)))
     except BaseException:
         out.put((spec.role, {"error": traceback.format_exc()}))
     finally:
+        faulthandler.cancel_dump_traceback_later()
         release.wait(spec.timeout_s)  # a peer may still be reading our memory or our messages
         for close in reversed(closers):
             close()

@@ -20,18 +20,34 @@ payloads hand a backend, and an oracle of what every state row must hold.
   index_bytes`` per KV page (a layer in ``dsa_skip`` has an empty buffer); the payload is the
   request's KV pages after the decode's prefix (``_dsa_pages_payload``). Replicated: every rank
   holds the same rows.
+- ``dsa_tail``: a DSA indexer's kpool-compression tails (``DSATokenToKVPool``'s
+  ``get_compress_tail_buf_infos``: per layer a K and a score ring ``[slots + 1, ring, index
+  dim]`` bf16, K of every layer then score; a layer in ``dsa_skip`` has none); the payload is
+  SGLang's own ``get_dsa_tail_state_indices`` (slot, two segments, ring size) over this side's
+  ring (``tail_pool + tail_extra`` tokens). The live token ``t`` of a request (of the open
+  pool) sits at ring position ``(start + t) % ring`` and its content is a function of ``t``,
+  so rings of different sizes (speculative slots) must be re-mapped token by token.
+- ``block_scale`` / ``block_scale_swa``: an MXFP8 pool's scale buffers (``get_kv_scale_buf_infos``,
+  the flat layout: ``[tokens + page_size, heads on the rank * scale bytes]`` uint8, K of every
+  layer then V, ``item_len`` one page of rows) of the full-attention pool and of the SWA
+  sub-pool; the payloads are the request's KV pages from its first token
+  (``_full_kv_pages_payload``) and the SWA window's pages. A page's rows are a function of the
+  rank, so a page from another rank (or position) is caught.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
 from sglang_kvxfer.engine.synthetic import fill_request, row_bytes, verify_request
 from sglang_kvxfer.geometry import KVGeometry
 
-SALT = {"swa": 0x5A5A_0001, "mamba": 0x3A3B_0002, "dsa": 0xD5A0_0003}
+SALT = {"swa": 0x5A5A_0001, "mamba": 0x3A3B_0002, "dsa": 0xD5A0_0003, "block_scale": 0xB5C0_0004,
+        "block_scale_swa": 0xB5C0_0005, "dsa_tail": 0xD5A7_0006}  # fmt: skip
 
 
 @dataclass
@@ -60,6 +76,15 @@ class StateModel:
     dsa_layers: int = 3
     dsa_index_bytes: int = 20  # per token: index_head_dim + its scale bytes
     dsa_skip: tuple[int, ...] = (1,)
+    scale_bytes: int = 2  # MXFP8 scale bytes per KV head and token (head_dim / 32)
+    tail_dim: int = 4  # the model's index_head_dim: a tail token is tail_dim bf16 values
+    tail_pool: int = 4  # index_kpool: tokens per compressed pool
+    tail_extra: int = 1  # tail_extra_slots (speculative): the ring holds tail_pool + tail_extra tokens
+
+    @property
+    def tail_ring(self) -> int:
+        return self.tail_pool + self.tail_extra
+
     # A PP stage's part of the model's state (sglang_pp_sides): the global index of its first
     # SWA, mamba and DSA layer, and the model's mamba layers (None: mamba_layers). The rows'
     # content is a function of the global entry, so a stage's rows in the wrong slice are caught.
@@ -172,6 +197,21 @@ def attach(model, tp: int, rank: int, args, utils_defs) -> StateMemory:
             ]
             items = [0 if b.shape[0] == 0 else b[0].nbytes for b in bufs]  # IndexKeyCache._item_len
             extra = {}
+        elif kind == "dsa_tail":  # DSATokenToKVPool.get_compress_tail_buf_infos: K rings, then score rings
+            shape = (s.mamba_slots + 1, s.tail_ring, s.tail_dim)  # a ring per request slot
+            rings = [torch.zeros((0, *shape[1:]) if i in s.dsa_skip else shape, dtype=torch.bfloat16)
+                     for _ in range(2) for i in range(s.dsa_layers)]  # fmt: skip
+            bufs = rings
+            items = [b[0].nbytes if b.shape[0] > 0 else 0 for b in bufs]
+            extra = {}
+        elif kind in ("block_scale", "block_scale_swa"):  # MHATokenToKVPoolMXFP8, flat scale layout
+            swa = kind == "block_scale_swa"
+            layers = s.swa_layers if swa else model.num_layers
+            heads = max(1, (s.swa_heads if swa else model.total_kv_heads) // tp)
+            rows = (s.swa_pool_tokens if swa else model.pool_tokens) + model.page_size
+            bufs = [torch.zeros((rows, heads * s.scale_bytes), dtype=torch.uint8) for _ in range(2 * layers)]
+            items = [b[0].nbytes * model.page_size for b in bufs]  # row_bytes * page_size
+            extra = {}
         else:  # a type this backend refuses: one row buffer, enough to register
             bufs = [torch.zeros((4, 16), dtype=torch.uint8)]
             items, extra = [16], {}
@@ -205,7 +245,7 @@ def allocate(model, requests, seed: int) -> list[dict]:
     for i, (_, tokens, *rest) in enumerate(requests):
         _, n = swa_window(model, tokens, rest[0] if rest else 0)
         need = -(-n // ps)
-        out.append({"swa": swa_free[at : at + need], "swa_tokens": n, "mamba": int(slots[i])})
+        out.append({"swa": swa_free[at : at + need], "swa_tokens": n, "mamba": int(slots[i]), "tokens": tokens})
         at += need
     return out
 
@@ -222,6 +262,12 @@ def payload(model, alloc: dict, kv_pages: np.ndarray, prefix: int) -> list:
             out.append([np.asarray(alloc["mamba"], dtype=np.int64)])
         elif kind == "dsa":  # suffix_page_indices: the KV pages after the decode's prefix
             out.append(np.asarray(kv_pages[prefix // ps :], dtype=np.int32))
+        elif kind == "dsa_tail":  # get_dsa_tail_state_indices: [] when the request's pool is closed
+            out.append(tail_index(model, alloc))
+        elif kind == "block_scale":  # _full_kv_pages_payload: every KV page from the first token
+            out.append(np.asarray(kv_pages, dtype=np.int32))
+        elif kind == "block_scale_swa":  # _swa_payload: the window's pages
+            out.append(np.asarray(alloc["swa"], dtype=np.int32))
         else:
             out.append(np.array([1], dtype=np.int32))
     return out
@@ -264,6 +310,48 @@ def fill(
                     _view(buf)[int(page)] = torch.from_numpy(
                         _row(room, "dsa", s.entry_id("dsa", e), 0, j, buf.shape[1])
                     )
+    ps = model.page_size
+    for kind in ("block_scale", "block_scale_swa"):
+        for e, buf in enumerate(mem.buffers.get(kind, ())):
+            for j, page in enumerate(_scale_pages(kind, alloc, kv_pages)):
+                row = _row(room, kind, e, rank, j, ps * buf.shape[1])
+                _page_rows(buf, page, ps)[:] = torch.from_numpy(row.reshape(ps, -1))
+    for e, buf in enumerate(mem.buffers.get("dsa_tail", ())):
+        for t, at in _tail_positions(model, alloc) if buf.shape[0] else ():
+            buf[alloc["mamba"], at].view(torch.uint8)[:] = torch.from_numpy(
+                _row(room, "dsa_tail", e, 0, t, 2 * s.tail_dim)
+            )
+
+
+@functools.cache
+def _sglang_tail_index():
+    from tests.integrations.sglang_env import load_utils_defs
+
+    return load_utils_defs(("get_dsa_tail_state_indices",)).get_dsa_tail_state_indices
+
+
+def tail_index(model, alloc: dict) -> list[int]:
+    """SGLang's own ``get_dsa_tail_state_indices`` of this side's ring for the request."""
+    s = model.state
+    pool = SimpleNamespace(kpool_use_compress=True, index_kpool=s.tail_pool, tail_extra_slots=s.tail_extra)
+    return _sglang_tail_index()(pool, alloc["mamba"], alloc["tokens"])
+
+
+def _tail_positions(model, alloc: dict) -> list[tuple[int, int]]:
+    """(live token, ring position) of the request's open pool on this side."""
+    s, n = model.state, alloc["tokens"]
+    live = n % s.tail_pool
+    start = (n - live) % s.tail_ring
+    return [(t, (start + t) % s.tail_ring) for t in range(live)]
+
+
+def _scale_pages(kind: str, alloc: dict, kv_pages) -> list[int]:
+    return [int(p) for p in (alloc["swa"] if kind == "block_scale_swa" else kv_pages)]
+
+
+def _page_rows(buf, page: int, ps: int):
+    """The rows of ``page`` (``ps`` token rows) of a scale buffer."""
+    return _view(buf)[page * ps : (page + 1) * ps]
 
 
 def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, kv_pages, prefix: int) -> list[str]:
@@ -293,6 +381,18 @@ def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, 
                 want = _row(room, "dsa", s.entry_id("dsa", e), 0, j, buf.shape[1])
                 if not np.array_equal(_view(buf)[int(page)].numpy(), want):
                     problems.append(f"DSA entry {e}: page {int(page)} (position {j}) differs")
+    ps = model.page_size
+    for kind in ("block_scale", "block_scale_swa"):
+        for e, buf in enumerate(mem.buffers.get(kind, ())):
+            for j, page in enumerate(_scale_pages(kind, alloc, kv_pages)):
+                want = _row(room, kind, e, rank, j, ps * buf.shape[1])
+                if not np.array_equal(_page_rows(buf, page, ps).numpy().reshape(-1), want):
+                    problems.append(f"{kind} entry {e}: page {page} (position {j}) differs from rank {rank}'s")
+    for e, buf in enumerate(mem.buffers.get("dsa_tail", ())):
+        for t, at in _tail_positions(model, alloc) if buf.shape[0] else ():
+            got = _view(buf[alloc["mamba"], at : at + 1])[0].numpy()
+            if not np.array_equal(got, _row(room, "dsa_tail", e, 0, t, 2 * s.tail_dim)):
+                problems.append(f"dsa_tail entry {e}: live token {t} (ring position {at}) differs")
     return problems
 
 
@@ -302,10 +402,17 @@ def untouched(model, mem: StateMemory, allocs: list[dict], kv_pages: list) -> li
     for kind, bufs in mem.buffers.items():
         if kind == "swa":
             used = {int(p) * ps + t for a in allocs for p in a["swa"] for t in range(ps)}
-        elif kind == "mamba":
+        elif kind in ("mamba", "dsa_tail"):  # (a request's tail ring is in its slot's row)
             used = {a["mamba"] for a in allocs}
         elif kind == "dsa":
             used = {int(p) for pages in kv_pages for p in pages}
+        elif kind in ("block_scale", "block_scale_swa"):  # token rows of the pages
+            used = {
+                p * ps + t
+                for a, pages in zip(allocs, kv_pages)
+                for p in _scale_pages(kind, a, pages)
+                for t in range(ps)
+            }
         else:
             continue
         for e, buf in enumerate(bufs):

@@ -189,7 +189,7 @@ def test_an_odd_mha_entry_count_is_refused():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("state_types", ["dsa_tail"], r"KVArgs.state_types\[0\]='dsa_tail': the backend moves mamba, swa, dsa"),
+        ("state_types", ["swa_ring"], r"KVArgs.state_types\[0\]='swa_ring': the backend moves mamba, swa, dsa"),
         ("kv_layout", "dsv4_unified", r"KVArgs.kv_layout='dsv4_unified'"),
     ],
 )
@@ -210,6 +210,7 @@ def test_a_hybrid_mla_pool_is_read_as_mla():
 def test_kv_dtype_strings():
     assert kv_dtype("bf16") == kv_dtype("bfloat16") == "bfloat16"
     assert kv_dtype("fp8_e4m3") == "float8_e4m3fn" and kv_dtype("fp8_e5m2") == "float8_e5m2"
+    assert kv_dtype("mxfp8") == "float8_e4m3fn"  # its block scales move as the block_scale state
     assert kv_dtype("auto", "float16") == "float16"
     assert kv_dtype("auto", "auto") == kv_dtype(None) == "uint8"  # described in bytes
     with pytest.raises(GeometryError, match=r"KVArgs.kv_cache_dtype_str='nvfp4': dtype='nvfp4' is not supported"):

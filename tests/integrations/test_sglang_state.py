@@ -1,4 +1,4 @@
-"""Extra per-request state (``KVArgs.state_types``: SWA, mamba, DSA) through our SGLang classes,
+"""Extra per-request state (``KVArgs.state_types``: SWA, mamba, DSA, MXFP8 block scales) through our SGLang classes,
 driven by the scripted scheduler in SGLang's call order (``sglang_sides``: prefill and decode
 in separate processes, SGLang's real base classes, the KVArgs state fields filled by SGLang's
 own ``append_state_component``, ``state_indices`` in the shapes its schedulers' payloads have).
@@ -8,7 +8,8 @@ Every byte of every state row a decode rank must hold is compared with an oracle
 2 -> 1, 1 -> 2, and one SWA head replicated on two decode ranks), the rank's own channels of
 every mamba conv sub-block and SSM row (any TP pair, GDN's and Kimi's conv layouts, a
 replicated tensor), every DSA indexer row of the request's pages (equal TP and, replicated
-under MLA, across TP sizes), and no state row any request was not given may change. A state
+under MLA, across TP sizes), every MXFP8 block-scale row of the request's pages (rank to
+rank) and no state row any request was not given may change. A state
 geometry that differs between the servers fails at registration naming the field and both
 values; state pools on one side only, or mamba state that cannot be re-sliced between TP
 sizes, fail naming both sides.
@@ -133,6 +134,98 @@ def test_a_hybrid_mla_model_moves_its_latent_and_its_mamba_state(p, d, transport
     succeeded(*run(p, d, m, transport=transport))
 
 
+TAIL = dict(dsa_layers=3, dsa_skip=(1,), tail_pool=8)  # 37 tokens: 5 live in the open pool, 9 tokens: 1
+
+
+@pytest.mark.parametrize(
+    "p, d, prefill_extra, decode_extra, transport",
+    [
+        (1, 1, 1, 1, "local"),  # rings of 9: the 37-token request's 5 live tokens wrap (positions 5..8, 0)
+        (2, 1, 1, 3, "tcp"),  # rings of 9 -> 11 (more speculative slots on the decode): re-mapped token by token
+        (1, 2, 3, 0, "local"),  # rings of 11 -> 8 (no extra slot), replicated on both decode ranks
+    ],
+    ids=["ring9-1to1", "ring9to11-2to1", "ring11to8-1to2"],
+)
+def test_dsa_indexer_tails_land_token_by_token_between_rings_of_any_size(p, d, prefill_extra, decode_extra, transport):
+    """GLM-5-style DSA with kpool compression: beside the indexer rows, each request's open
+    pool's tail tokens (K and score rings per layer, a layer sharing another's indexer has
+    none) land at the decode's own ring positions (SGLang's get_dsa_tail_state_indices on each
+    side) in order, every byte compared."""
+    pm = model("dsa", "dsa_tail", mla=True, tail_extra=prefill_extra, **TAIL)
+    dm = model("dsa", "dsa_tail", mla=True, tail_extra=decode_extra, **TAIL)
+    succeeded(*run(p, d, pm, dm, transport=transport))
+
+
+def test_a_closed_tail_pool_moves_no_tail_and_a_tail_width_mismatch_fails_at_registration():
+    """A prompt that fills its last pool has no open tail (SGLang's index is empty): its KV
+    and indexer rows land; tails of another index_head_dim fail both sides naming the field."""
+    closed = dict(TAIL, tail_pool=37)  # the 37-token request: no live token; the 9-token one: 9
+    succeeded(*run(1, 1, model("dsa", "dsa_tail", mla=True, **closed)))
+    pm = model("dsa_tail", mla=True, tail_dim=4, **TAIL)
+    dm = model("dsa_tail", mla=True, tail_dim=8, **TAIL)
+    prefill, decode = run(1, 1, pm, dm, timeout_s=30.0)
+    failed_on_both_sides(
+        prefill, decode, "DSA indexer tails (KVArgs.state_types[0]='dsa_tail'", "head_dim: prefill=8 decode=16"
+    )
+
+
+def mxfp8(*kinds) -> Model:
+    """``--kv-cache-dtype mxfp8``: FP8 E4M3 KV (SGLang's MHATokenToKVPoolMXFP8) and its block
+    scales as state (``block_scale``; a hybrid SWA model's SWA sub-pool's as ``block_scale_swa``)."""
+    return Model(total_kv_heads=4, dtype="float8_e4m3fn", kv_cache_dtype_str="mxfp8", state=StateModel(kinds=kinds))
+
+
+@pytest.mark.parametrize(
+    "p, d, kinds, transport",
+    [
+        (1, 1, ("block_scale",), "local"),
+        (2, 2, ("block_scale",), "tcp"),  # each rank's scales (of its own heads) to the same rank
+        (2, 2, ("swa", "block_scale", "block_scale_swa"), "local"),  # SWAKVPool, both sub-pools MXFP8
+    ],
+    ids=["1to1", "2to2", "swa-2to2"],
+)
+def test_mxfp8_block_scales_land_byte_exact_beside_the_fp8_kv(p, d, kinds, transport):
+    """Every page's scale rows (a function of room, entry, rank and position) land on the
+    decode rank of the same TP rank, the SWA sub-pool's for the window's pages; the FP8 KV
+    and the SWA window are compared byte for byte as always."""
+    succeeded(*run(p, d, mxfp8(*kinds), transport=transport))
+
+
+def test_mxfp8_block_scales_between_tp_sizes_are_refused_as_sglang_refuses_them():
+    prefill, decode = run(2, 1, mxfp8("block_scale"), timeout_s=30.0)
+    failed_on_both_sides(
+        prefill,
+        decode,
+        "MXFP8 KV block scales (KVArgs.state_types[0]='block_scale', entries 0..3: rows of 32 bytes)",
+        "prefill attention TP size 2 and decode attention TP size 1 differ",
+        "BLOCK_SCALE",
+    )
+
+
+def test_mxfp8_kv_the_backend_cannot_move_whole_is_refused_at_manager_construction(monkeypatch):
+    """MXFP8 KV without its scales in KVArgs, an MXFP8 draft pool (SGLang registers no scales
+    of it) and block scales over PP stages are refused naming the flag or field."""
+    from sglang_kvxfer.integrations import sglang as backend
+    from tests.integrations.sglang_env import Draft, rank_memory, server_args
+
+    _, defs = sides.setup(sides.Spec("prefill", mxfp8("block_scale"), 1, free_port(), []))
+    mode = defs.DisaggregationMode.PREFILL
+
+    def manager(m: Model, **extra):
+        sa = server_args(sides.MODEL_PATH, "prefill", 1, free_port(), **extra)
+        return backend.KVXferKVManager(rank_memory(m, 1, 0, "prefill").kv_args, mode, sa, False)
+
+    no_scales = Model(total_kv_heads=4, dtype="float8_e4m3fn", kv_cache_dtype_str="mxfp8")
+    with pytest.raises(Exception, match=r"KVArgs.kv_cache_dtype_str='mxfp8': an MXFP8 KV pool whose block scales"):
+        manager(no_scales)
+    drafted = dataclasses.replace(mxfp8("block_scale"), draft=Draft())
+    monkeypatch.setattr(backend, "_draft_model_kv", sides._draft_heads(drafted))
+    with pytest.raises(Exception, match=r"--speculative-draft-kv-cache-dtype='auto': an MXFP8 draft KV pool"):
+        manager(drafted)
+    with pytest.raises(Exception, match=r"--pp-size=2: with MXFP8 KV block scales \(state:block_scale, "):
+        manager(mxfp8("block_scale"), pp_size=2, disable_overlap_schedule=True)
+
+
 def test_every_state_pool_of_a_request_lands_beside_its_kv():
     succeeded(*run(2, 2, model("mamba", "swa", "dsa"), transport="tcp"))
 
@@ -196,10 +289,10 @@ def test_state_on_one_side_only_fails_the_request_naming_both_sides(side_with_st
 def test_a_state_type_the_backend_does_not_move_is_refused_at_manager_construction():
     from tests.integrations.sglang_env import rank_memory, server_args
 
-    backend, defs = sides.setup(sides.Spec("prefill", model("swa", "dsa_tail"), 1, free_port(), []))
-    m = model("swa", "dsa_tail")
+    backend, defs = sides.setup(sides.Spec("prefill", model("swa", "swa_ring"), 1, free_port(), []))
+    m = model("swa", "swa_ring")
     sa = server_args(sides.MODEL_PATH, "prefill", 1, free_port())
-    with pytest.raises(Exception, match=r"KVArgs.state_types\[1\]='dsa_tail': the backend moves mamba, swa, dsa"):
+    with pytest.raises(Exception, match=r"KVArgs.state_types\[1\]='swa_ring': the backend moves mamba, swa, dsa"):
         backend.KVXferKVManager(rank_memory(m, 1, 0, "prefill").kv_args, defs.DisaggregationMode.PREFILL, sa, False)
 
 
@@ -223,10 +316,12 @@ def test_swa_index_lists_of_different_lengths_fail_the_request_instead_of_trunca
         (2, 1, ("swa",)),  # SWA heads of two writers, each digested by its writer
         (2, 2, ("swa", "mamba", "dsa")),  # every kind, rank to rank
         (2, 1, ("mamba",)),  # mamba channels of two writers, each digested per channel by its writer
+        (2, 2, ("block_scale",)),  # MXFP8 block scales beside FP8 KV
     ],
 )
 def test_kv_checksum_covers_every_state_pool_per_writer(p, d, kinds):
-    prefill, decode = run(p, d, model(*kinds), kv_checksum=True)
+    m = mxfp8(*kinds) if "block_scale" in kinds else model(*kinds)
+    prefill, decode = run(p, d, m, kv_checksum=True)
     succeeded(prefill, decode)
     for room, _ in REQUESTS:
         for parts in decode[room]["parts"]:  # every decode rank compared every pool's digests
@@ -235,7 +330,7 @@ def test_kv_checksum_covers_every_state_pool_per_writer(p, d, kinds):
             assert len(state) >= len(kinds) and all(n > 0 for n in state.values()), parts
             for kind in kinds:
                 assert any(kind in label.lower() for label in state), (kind, parts)
-    _, plain = run(p, d, model(*kinds))  # without the flag nothing is digested
+    _, plain = run(p, d, m)  # without the flag nothing is digested
     assert all(parts == {} for room, _ in REQUESTS for parts in plain[room]["parts"]), plain
 
 

@@ -43,8 +43,15 @@ def with_state(*components, layout="nhd", **over):
     return kv_args(**fields, **over)
 
 
-def layout(args, tp_size=2, mla=False, swa_heads=2):
-    return layout_from_kv_args(args, tp_size=tp_size, mla=mla, dtype="bfloat16", swa_kv_heads=lambda: swa_heads)
+def layout(args, tp_size=2, mla=False, swa_heads=2, index_head_dim=64):
+    return layout_from_kv_args(
+        args,
+        tp_size=tp_size,
+        mla=mla,
+        dtype="bfloat16",
+        swa_kv_heads=lambda: swa_heads,
+        dsa_index_head_dim=lambda: index_head_dim,
+    )
 
 
 def test_the_swa_sub_pool_is_a_head_geometry_of_its_own():
@@ -124,6 +131,39 @@ def test_dsa_indexer_rows_skip_empty_layers_and_are_replicated_under_mla():
     assert "non-MLA DSA hybrid models" in mha.equal_tp_only
 
 
+def test_dsa_tails_are_rows_of_one_ring_token_and_their_indices_the_live_tokens_in_order():
+    """GLM-5-style kpool compression: per layer a K and a score ring of 5 tokens of
+    index_head_dim 64 (bf16: 128 bytes a token) per request slot; an indexer-sharing layer has
+    none. A request's six numbers become the rows of its live tokens, wrapping the ring."""
+    token, ring = 2 * 64, 5
+    tail = rows([ring * token, 0, ring * token, 0], slots=7)
+    tail["ptrs"][1], tail["lens"][1], tail["ptrs"][3], tail["lens"][3] = 0, 0, 0, 0
+    (pool,) = layout(with_state(("dsa_tail", tail), mla=True), mla=True).states
+    g = pool.geometry
+    assert (pool.name, pool.kind, pool.ring, g.num_layers, g.head_dim, g.num_pages) == (
+        "state:dsa_tail", "dsa_tail", 5, 2, 128, 7 * 5
+    )  # fmt: skip
+    assert pool.ptrs == (tail["ptrs"][0], tail["ptrs"][2]) and pool.equal_tp_only == ""
+    # slot 3, live tokens at ring positions 4, then 0 and 1 (get_dsa_tail_state_indices' wrap)
+    (got,) = state_pages([pool], [[3, 4, 1, 0, 2, 5]])
+    assert got.tolist() == [19, 15, 16]
+    (empty,) = state_pages([pool], [[]])  # the request's pool is closed: nothing to move
+    assert empty.size == 0
+    with pytest.raises(ValueError, match=r"state_indices\[0\] \(dsa_tail\) names a ring of 6 tokens; .* hold 5"):
+        state_pages([pool], [[3, 4, 1, 0, 2, 6]])
+    with pytest.raises(ValueError, match=r"=\[3, 4, 2, 0, 0, 5\] is not a slot and two segments inside a ring of 5"):
+        state_pages([pool], [[3, 4, 2, 0, 0, 5]])
+    with pytest.raises(ValueError, match=r"must be SGLang's six numbers \(slot, offset, count, offset, count, ring"):
+        state_pages([pool], [[3, 4, 1]])
+    with pytest.raises(GeometryError, match=r"state_item_lens\[0\]\[0\]=640 \(dsa_tail\) is not a whole ring of tail "):
+        layout(with_state(("dsa_tail", tail), mla=True), mla=True, index_head_dim=48)
+    two = rows([ring * token, (ring + 1) * token], slots=7)
+    with pytest.raises(GeometryError, match=r"holds rings of \[5, 6\] tokens"):
+        layout(with_state(("dsa_tail", two), mla=True), mla=True)
+    (mha,) = layout(with_state(("dsa_tail", rows([640])))).states
+    assert "non-MLA DSA hybrid models" in mha.equal_tp_only
+
+
 def test_several_types_keep_state_types_order():
     args = with_state(("mamba", rows([64, 64])), ("swa", swa()), ("dsa", rows([16])))
     assert [(p.name, p.index) for p in layout(args).states] == [("state:mamba", 0), ("state:swa", 1), ("state:dsa", 2)]
@@ -132,7 +172,7 @@ def test_several_types_keep_state_types_order():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (with_state(("swa", swa()), ("dsa_tail", rows([8]))), r"KVArgs.state_types\[1\]='dsa_tail': the backend moves"),
+        (with_state(("swa", swa()), ("swa_ring", rows([8]))), r"KVArgs.state_types\[1\]='swa_ring': the backend moves"),
         (with_state(("qsa_pending", rows([8]))), r"transferring 'qsa_pending' state is not implemented"),
         (with_state(("swa", swa()), layout="hnd"), r"KVArgs.swa_kv_cache_layout='hnd'"),
         (with_state(("swa", swa()), layout=None), r"KVArgs.swa_kv_cache_layout=None"),

@@ -76,6 +76,16 @@ def venv_python() -> Path:
     return venv_dir() / "bin" / "python"
 
 
+def run_json_script(script: Path, env: dict, *args: str, timeout_s: float = 300) -> dict:
+    """``script`` run by the SGLang environment's Python: the JSON object on its last line of
+    output (the test fails with its stderr when it exits non-zero)."""
+    run = subprocess.run(
+        [str(venv_python()), str(script), *args], env=env, capture_output=True, text=True, timeout=timeout_s
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def env_problem() -> str | None:
     """Why the SGLang environment cannot be used (None when it can)."""
     py = venv_python()
@@ -392,10 +402,14 @@ def generate_pd(
         "bootstrap_room": room,
     }
     out: dict = {}
-    threads = [
-        threading.Thread(target=lambda s=s, k=k: out.__setitem__(k, s.generate(body)), daemon=True)
-        for k, s in (("prefill", prefill), ("decode", decode))
-    ]
+
+    def ask(key: str, server: Server) -> None:
+        try:
+            out[key] = server.generate(body)
+        except Exception as exc:  # a timeout, a dropped connection: the failure names it
+            out[key] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    threads = [threading.Thread(target=ask, args=kv, daemon=True) for kv in (("prefill", prefill), ("decode", decode))]
     for t in threads:
         t.start()
     for t in threads:

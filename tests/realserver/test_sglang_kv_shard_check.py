@@ -7,8 +7,6 @@ with SGLang's real step."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 from tests.realserver import harness as h
@@ -17,15 +15,7 @@ SCRIPT = Path(__file__).with_name("kv_shard_check.py")
 
 
 def test_sglangs_kv_sharding_step_lets_kvxfer_through_as_mooncake_and_keeps_its_other_rules(server_env, tiny_model):
-    run = subprocess.run(
-        [str(h.venv_dir() / "bin" / "python"), str(SCRIPT), str(tiny_model)],
-        env=server_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = h.run_json_script(SCRIPT, server_env, str(tiny_model))
     assert out["overrides"] == 1  # install() twice: one override
     # kvxfer passes, and the step's own resolution (the chunk rounded to whole pages) lands
     assert out["kvxfer"] == {"chunked_prefill_size": 128, "backend": "kvxfer"}, out

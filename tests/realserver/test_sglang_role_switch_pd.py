@@ -129,5 +129,5 @@ def test_zeroing_what_the_switched_prefill_wrote_changes_the_tokens(flip, refere
     finally:
         control.unlink()
     assert "zeroed heads" in record.read_text()[len(before) :], record.read_text()[len(before) :]
-    assert bad is not None, answers
+    assert bad is not None, f"{answers}\n{flip.logs()}"
     assert bad != reference_tokens(1, ids), "zeroing the transferred KV did not change the tokens"
