@@ -199,7 +199,10 @@ def run_named_processes(main, specs: list, timeout_s: float, name=lambda spec: s
         proc.start()
     reports: dict = {}
     names = {name(spec) for spec in specs}
-    deadline = time.monotonic() + timeout_s + 30
+    # A side's own deadline counts from after its setup (imports, managers): waiting well past
+    # it lets a slow side still report its own timeout, naming the rooms and where they stood.
+    slack = 60
+    deadline = time.monotonic() + timeout_s + slack
     try:
         while len(reports) < len(names):
             try:
@@ -217,7 +220,7 @@ def run_named_processes(main, specs: list, timeout_s: float, name=lambda spec: s
                 continue
             reports[key] = report
     except queue.Empty:
-        pytest.fail(f"no report from {sorted(names - set(reports))} within {timeout_s + 30} s (stacks: stderr)")
+        pytest.fail(f"no report from {sorted(names - set(reports))} within {timeout_s + slack} s (stacks: stderr)")
     finally:
         release.set()
         for proc in procs:
@@ -267,7 +270,7 @@ def serve(spec, out, release, prefill, decode) -> None:
     closers: list = []
     # A side that hangs prints every thread's stack (to the test's captured stderr) shortly
     # before the test stops waiting for its report, so the failure shows where it stood.
-    faulthandler.dump_traceback_later(spec.timeout_s + 20)
+    faulthandler.dump_traceback_later(spec.timeout_s + 45)
     try:
         run = prefill if spec.role == "prefill" else decode
         out.put((spec.role, run(spec, closers)))
