@@ -188,9 +188,11 @@ def test_a_killed_prefill_rank_fails_the_request_and_a_restarted_prefill_serves(
     assert waiter.is_alive(), f"the decode answered before the fault: {answer}"
     os.kill(victim[0], signal.SIGKILL)
     t_kill = time.monotonic()
-    waiter.join(60)
+    waiter.join(HEARTBEAT_TIMEOUT_S + 30)
     waited = time.monotonic() - t_kill
-    assert not waiter.is_alive(), "the decode server did not answer within 60 s of the prefill rank's death"
+    assert not waiter.is_alive(), (
+        f"the decode server did not answer within {HEARTBEAT_TIMEOUT_S + 30} s of the prefill rank's death"
+    )
     reason = json.dumps(h.finish_reason(answer)) + json.dumps(answer)[:2000]
     assert h.finish_reason(answer).get("type") == "abort" or "http_error" in answer, answer
     assert "kvxfer" in reason or "prefill" in reason, reason
