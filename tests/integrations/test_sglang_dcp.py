@@ -169,13 +169,14 @@ def test_a_byte_flipped_on_a_dcp_rank_fails_its_request_naming_the_checksums(wha
     assert dec["requests"][requests[1][0]] == {"status": "Success", "problems": []}
 
 
+@pytest.mark.parametrize("state", [("swa",), ("dsa", "dsa_tail")], ids=["swa", "dsa-tail"])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_what_dcp_does_not_move_is_refused_at_construction_naming_it(monkeypatch, role):
+def test_what_dcp_does_not_move_is_refused_at_construction_naming_it(monkeypatch, role, state):
     """In process: a DCP manager with SWA state (its pages would be split over the DCP ranks
-    token by token; SGLang refuses an SWA pool with PD DCP too) is refused naming --dcp-size
-    and why."""
-    state = ("swa",)
-    why = r"extra per-request state \(state:swa\) with DCP is not implemented \(mamba and DSA state are\)"
+    token by token; SGLang refuses an SWA pool with PD DCP too) or DSA indexer tails is
+    refused naming --dcp-size and why."""
+    pool = state[-1]
+    why = rf"extra per-request state \(state:{pool}\) with DCP is not implemented \(mamba and DSA state are\)"
     from sglang_kvxfer.errors import KVXferError
     from sglang_kvxfer.integrations import sglang as backend
     from tests.integrations.sglang_env import load_utils_defs, rank_memory, server_args
@@ -184,6 +185,7 @@ def test_what_dcp_does_not_move_is_refused_at_construction_naming_it(monkeypatch
         monkeypatch.setenv(name, value)
     m = mla(4, state=StateModel(kinds=state))
     monkeypatch.setattr(backend, "_model_swa_kv_heads", lambda server_args: m.state.swa_heads)
+    monkeypatch.setattr(backend, "_model_dsa_index_head_dim", lambda server_args: m.state.tail_dim)
     mem = rank_memory(m, 2, 0, role)
     sa = server_args("m", role, 2, free_port(), dcp_size=2)
     mode = getattr(load_utils_defs().DisaggregationMode, role.upper())

@@ -204,7 +204,8 @@ def test_mxfp8_block_scales_between_tp_sizes_are_refused_as_sglang_refuses_them(
 
 def test_mxfp8_kv_the_backend_cannot_move_whole_is_refused_at_manager_construction(monkeypatch):
     """MXFP8 KV without its scales in KVArgs, an MXFP8 draft pool (SGLang registers no scales
-    of it) and block scales over PP stages are refused naming the flag or field."""
+    of it), block scales and DSA indexer tails over PP stages are refused naming the flag or
+    field."""
     from sglang_kvxfer.integrations import sglang as backend
     from tests.integrations.sglang_env import Draft, rank_memory, server_args
 
@@ -224,6 +225,11 @@ def test_mxfp8_kv_the_backend_cannot_move_whole_is_refused_at_manager_constructi
         manager(drafted)
     with pytest.raises(Exception, match=r"--pp-size=2: with MXFP8 KV block scales \(state:block_scale, "):
         manager(mxfp8("block_scale"), pp_size=2, disable_overlap_schedule=True)
+    tails = model("dsa", "dsa_tail", mla=True, **TAIL)
+    monkeypatch.setattr(backend, "_model_dsa_index_head_dim", lambda server_args: tails.state.tail_dim)
+    monkeypatch.setattr(backend, "_model_total_kv_heads", sides._model_heads(tails))
+    with pytest.raises(Exception, match=r"--pp-size=2: with DSA indexer tails \(state:dsa_tail, index_kpool_"):
+        manager(tails, pp_size=2, disable_overlap_schedule=True)
 
 
 def test_every_state_pool_of_a_request_lands_beside_its_kv():
