@@ -147,7 +147,7 @@ def _check_dcp(mgr: KVXferKVManager) -> None:
     # them, one row per page_size tokens of the widened id space, and lists a request's rows
     # in order, as a prefill of DCP 1 lists its pages), so they move row for row. SWA pages
     # would be split token by token (SGLang refuses an SWA pool with PD DCP too).
-    refused = [p.name for p in mgr.layout.states if p.kind in ("swa", "dsa_tail") or p.kind in SCALE_KINDS]
+    refused = [p.name for p in mgr.layout.states if p.kind in ("swa", "dsa_tail", *SCALE_KINDS)]
     if refused:
         why = f"extra per-request state ({describe(refused)}) with DCP is not implemented (mamba and DSA state are)"
         raise _not_supported("--dcp-size", mgr.dcp_size, why)
@@ -232,22 +232,19 @@ class KVXferKVManager(BaseKVManager):
         if self.dcp_size > 1:
             _check_dcp(self)
         self.pp_size, self.pp_rank, layer_start = self._pp_stage(args)
-        scales = [p.name for p in self.layout.states if p.kind in SCALE_KINDS]
-        if self.pp_size > 1 and scales:
-            raise _not_supported(
-                "--pp-size",
-                self.pp_size,
-                f"with MXFP8 KV block scales ({describe(scales)}, --kv-cache-dtype mxfp8): mapping a stage's scale "
-                "entries (K, then V of its layers) onto the decode's is not implemented by the kvxfer backend",
-            )
-        tails = [p.name for p in self.layout.states if p.kind == "dsa_tail"]
-        if self.pp_size > 1 and tails:
-            raise _not_supported(
-                "--pp-size",
-                self.pp_size,
-                f"with DSA indexer tails ({describe(tails)}, index_kpool_compress): mapping a stage's tail entries "
-                "(K, then score rings of its layers) onto the decode's is not implemented by the kvxfer backend",
-            )
+        # state whose entries are K, then V (or score) of every layer: not mapped over PP stages
+        for pp_kinds, what, source, entries in (
+            (SCALE_KINDS, "MXFP8 KV block scales", "--kv-cache-dtype mxfp8", "scale entries (K, then V"),
+            (("dsa_tail",), "DSA indexer tails", "index_kpool_compress", "tail entries (K, then score rings"),
+        ):
+            names = [p.name for p in self.layout.states if p.kind in pp_kinds]
+            if self.pp_size > 1 and names:
+                raise _not_supported(
+                    "--pp-size",
+                    self.pp_size,
+                    f"with {what} ({describe(names)}, {source}): mapping a stage's {entries} of its layers) onto "
+                    "the decode's is not implemented by the kvxfer backend",
+                )
         if self.pp_size > 1 and any(p.kind == "swa" for p in self.layout.states):
             self.layout, layer_start = self._swa_stage(server_args, layer_start)
         lay = self.layout

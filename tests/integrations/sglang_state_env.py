@@ -199,9 +199,8 @@ def attach(model, tp: int, rank: int, args, utils_defs) -> StateMemory:
             extra = {}
         elif kind == "dsa_tail":  # DSATokenToKVPool.get_compress_tail_buf_infos: K rings, then score rings
             shape = (s.mamba_slots + 1, s.tail_ring, s.tail_dim)  # a ring per request slot
-            rings = [torch.zeros((0, *shape[1:]) if i in s.dsa_skip else shape, dtype=torch.bfloat16)
-                     for _ in range(2) for i in range(s.dsa_layers)]  # fmt: skip
-            bufs = rings
+            bufs = [torch.zeros((0, *shape[1:]) if i in s.dsa_skip else shape, dtype=torch.bfloat16)
+                    for _ in range(2) for i in range(s.dsa_layers)]  # fmt: skip
             items = [b[0].nbytes if b.shape[0] > 0 else 0 for b in bufs]
             extra = {}
         elif kind in ("block_scale", "block_scale_swa"):  # MHATokenToKVPoolMXFP8, flat scale layout
