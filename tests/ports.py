@@ -42,17 +42,18 @@ def bindable(port: int) -> bool:
     return True
 
 
-def free_port(span: int = 1, attempts: int = 500) -> int:
-    """A port ``p`` such that ``p .. p + span - 1`` are free now and were never returned by
-    this process before (all of them are remembered)."""
+def free_port(span: int = 1, attempts: int = 500, derived: tuple[int, ...] = ()) -> int:
+    """A port ``p`` such that ``p .. p + span - 1`` and ``p + d`` for each ``d`` in ``derived``
+    (the ports a server binds at fixed offsets from its own) are free now and were never
+    returned by this process before (all of them are remembered)."""
     ports = port_range()
     if not 1 <= span < len(ports):
         raise ValueError(f"span={span} must be in [1, {len(ports)})")
     with _LOCK:
         for _ in range(attempts):
             base = _RNG.randrange(ports.start, ports.stop - span + 1)
-            block = range(base, base + span)
-            if any(p in _GIVEN for p in block) or not all(bindable(p) for p in block):
+            block = [*range(base, base + span), *(base + d for d in derived)]
+            if max(block) > 65535 or any(p in _GIVEN for p in block) or not all(bindable(p) for p in block):
                 continue
             _GIVEN.update(block)
             return base

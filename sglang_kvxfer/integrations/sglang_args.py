@@ -734,7 +734,7 @@ def layout_from_kv_args(
             indexer's head dim (the model's config): a tail token's width.
 
     Extra per-request state (``state_types``: mamba, swa, dsa, dsa_tail, block_scale,
-    block_scale_swa) becomes ``states``, a pool
+    block_scale_swa, minimax_index_k, minimax_dense_kv) becomes ``states``, a pool
     each (``sglang_state``); any other type is refused naming it.
 
     Raises ``GeometryError`` naming the KVArgs field for anything inconsistent.

@@ -57,7 +57,7 @@ from sglang_kvxfer.integrations.sglang_pp import (
     stage_label,
     tiling_problem,
 )
-from sglang_kvxfer.integrations.sglang_state import SCALE_KINDS, StatePool, describe, state_problem
+from sglang_kvxfer.integrations.sglang_state import MINIMAX_KINDS, SCALE_KINDS, StatePool, describe, state_problem
 
 if TYPE_CHECKING:
     from sglang_kvxfer.engine.decode import DecodeManager
@@ -147,7 +147,7 @@ def _check_dcp(mgr: KVXferKVManager) -> None:
     # them, one row per page_size tokens of the widened id space, and lists a request's rows
     # in order, as a prefill of DCP 1 lists its pages), so they move row for row. SWA pages
     # would be split token by token (SGLang refuses an SWA pool with PD DCP too).
-    refused = [p.name for p in mgr.layout.states if p.kind in ("swa", "dsa_tail", *SCALE_KINDS)]
+    refused = [p.name for p in mgr.layout.states if p.kind in ("swa", "dsa_tail", *SCALE_KINDS, *MINIMAX_KINDS)]
     if refused:
         why = f"extra per-request state ({describe(refused)}) with DCP is not implemented (mamba and DSA state are)"
         raise _not_supported("--dcp-size", mgr.dcp_size, why)
@@ -233,9 +233,11 @@ class KVXferKVManager(BaseKVManager):
             _check_dcp(self)
         self.pp_size, self.pp_rank, layer_start = self._pp_stage(args)
         # state whose entries are K, then V (or score) of every layer: not mapped over PP stages
+        # (SGLang refuses MiniMax state with PP too: "PP>1 not supported for MiniMax state yet")
         for pp_kinds, what, source, entries in (
             (SCALE_KINDS, "MXFP8 KV block scales", "--kv-cache-dtype mxfp8", "scale entries (K, then V"),
             (("dsa_tail",), "DSA indexer tails", "index_kpool_compress", "tail entries (K, then score rings"),
+            (MINIMAX_KINDS, "MiniMax sparse state", "MiniMaxSparseKVPool", "entries (index keys, dense K then V"),
         ):
             names = [p.name for p in self.layout.states if p.kind in pp_kinds]
             if self.pp_size > 1 and names:

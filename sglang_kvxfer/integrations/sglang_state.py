@@ -36,6 +36,14 @@ What each type SGLang 0.5.23 hands a backend becomes (``disaggregation/utils.py`
   first token, ``_full_kv_pages_payload``; the SWA window's pages, ``_swa_payload``). The
   rows span the rank's KV heads (SGLang swizzles them for a page size of 128), so they move
   rank to rank between equal attention TP sizes only, as SGLang's own backends move them.
+- ``minimax_index_k`` / ``minimax_dense_kv``: a MiniMax sparse-attention pool's
+  (``MiniMaxSparseKVPool``) index K of its K-only sparse layers (one buffer per layer, one
+  row of a page's index keys per KV page id; the request's KV pages after the decode's prefix,
+  ``minimax_index_transfer_pages``) and its dense layers' K, then V (one page of rows per KV
+  page id, the pages from the request's first token, ``_full_kv_pages_payload``; without
+  hierarchical sparse attention these are the main KV pool's own buffers of those layers).
+  Both span the rank's heads and move rank to rank between equal attention TP sizes only,
+  with PP 1, as SGLang's own backends move them (it refuses both otherwise).
 - ``mamba``: the conv and SSM state of the mamba pool (tensor-major, one entry per layer, one
   row per request slot, ``_mamba_payload``). An entry sliced over attention TP
   (``state_dim_per_tensor`` > 0: ``state_slice_outer_counts`` rows of that many channels,
@@ -64,6 +72,7 @@ from sglang_kvxfer.integrations.sglang_args import _get, _int, _not_supported, _
 __all__ = [
     "HANDLED_STATE_TYPES",
     "SCALE_KINDS",
+    "MINIMAX_KINDS",
     "StatePool",
     "states_from_kv_args",
     "state_pages",
@@ -72,8 +81,11 @@ __all__ = [
     "row_geometry",
 ]
 
-HANDLED_STATE_TYPES = ("mamba", "swa", "dsa", "dsa_tail", "block_scale", "block_scale_swa")
+HANDLED_STATE_TYPES = (
+    "mamba", "swa", "dsa", "dsa_tail", "block_scale", "block_scale_swa", "minimax_index_k", "minimax_dense_kv"
+)  # fmt: skip
 SCALE_KINDS = ("block_scale", "block_scale_swa")  # an MXFP8 KV cache's block scales
+MINIMAX_KINDS = ("minimax_index_k", "minimax_dense_kv")  # a MiniMax sparse-attention pool's state
 
 _MAMBA_NO_DIMS = (
     "mamba conv/SSM state rows are sharded over attention TP, and this server's KVArgs.state_dim_per_tensor "
@@ -88,6 +100,11 @@ _SCALE_TP = (
     "re-sliced between TP sizes, and SGLang's own backends refuse them between TP sizes too ('does NOT support "
     "PD different TP sizes for non-MLA BLOCK_SCALE hybrid models')"
 )
+_MINIMAX_TP = (
+    "a MiniMax sparse pool's index keys and dense-layer KV are page rows of the rank's own heads, not re-sliced "
+    "between TP sizes, and SGLang refuses MiniMax sparse PD between attention TP sizes too ('MiniMax sparse PD "
+    "requires matching attention TP sizes')"
+)
 
 
 @dataclass(frozen=True)
@@ -95,7 +112,7 @@ class StatePool:
     """One engine pool of a rank's extra per-request state."""
 
     name: str  # the kv_pool of its engine manager: "state:swa", "state:mamba.1"
-    kind: str  # "mamba", "swa", "dsa", "dsa_tail", "block_scale" or "block_scale_swa"
+    kind: str  # one of HANDLED_STATE_TYPES
     index: int  # its component of KVArgs.state_types: its indices are state_indices[index]
     label: str  # how failures name it
     geometry: KVGeometry
@@ -166,6 +183,8 @@ def states_from_kv_args(
             pools += _mamba_pools(args, i, ptrs, lens, items, tp_size)
         elif kind == "dsa_tail":
             pools += _tail_pools(i, ptrs, lens, items, mla, dsa_index_head_dim)
+        elif kind in MINIMAX_KINDS:  # (MiniMax's attention is MHA: never replicated over TP)
+            pools += _row_pools(i, kind, ptrs, lens, items, _MINIMAX_TP)
         else:
             why = _DSA_TP if kind == "dsa" else _SCALE_TP
             pools += _row_pools(i, kind, ptrs, lens, items, "" if mla else why)
@@ -288,6 +307,8 @@ def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, why: str)
         "dsa_tail": "DSA indexer tails",
         "block_scale": "MXFP8 KV block scales",
         "block_scale_swa": "MXFP8 SWA KV block scales",
+        "minimax_index_k": "MiniMax sparse index keys",
+        "minimax_dense_kv": "MiniMax dense-layer KV",
     }[kind]
     out = []
     for g, run in enumerate(runs):

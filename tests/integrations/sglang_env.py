@@ -269,7 +269,7 @@ def rank_memory(model: Model, tp: int, rank: int, role: str, state_tp: tuple[int
         from tests.integrations import sglang_state_env
 
         defs = load_utils_defs(("append_state_component",))
-        mem.extra["state"] = sglang_state_env.attach(model, *(state_tp or (tp, rank)), args, defs)
+        mem.extra["state"] = sglang_state_env.attach(model, *(state_tp or (tp, rank)), args, defs, kv=(k, v))
     return mem
 
 

@@ -33,6 +33,14 @@ payloads hand a backend, and an oracle of what every state row must hold.
   sub-pool; the payloads are the request's KV pages from its first token
   (``_full_kv_pages_payload``) and the SWA window's pages. A page's rows are a function of the
   rank, so a page from another rank (or position) is caught.
+- ``minimax_index_k`` / ``minimax_dense_kv``: ``MiniMaxSparseKVPool``'s index K of its K-only
+  sparse layers (``MHATokenToKOnlyPool``: ``[tokens + page_size, 1, index dim]`` per layer,
+  ``item_len`` one page of rows) and its dense layers' K, then V: with ``minimax_alias`` the
+  main KV pool's own buffers of those layers (as SGLang's non-hisparse pool registers them;
+  the main KV's oracle covers them, prefix included), else buffers of their own (a hisparse
+  pool's ``dense_pool``) whose page rows are a function of the rank. The payloads are SGLang's
+  own ``minimax_index_transfer_pages`` (the KV pages after the decode's prefix) and every KV
+  page from the first token (``_full_kv_pages_payload``).
 """
 
 from __future__ import annotations
@@ -47,7 +55,9 @@ from sglang_kvxfer.engine.synthetic import fill_request, row_bytes, verify_reque
 from sglang_kvxfer.geometry import KVGeometry
 
 SALT = {"swa": 0x5A5A_0001, "mamba": 0x3A3B_0002, "dsa": 0xD5A0_0003, "block_scale": 0xB5C0_0004,
-        "block_scale_swa": 0xB5C0_0005, "dsa_tail": 0xD5A7_0006}  # fmt: skip
+        "block_scale_swa": 0xB5C0_0005, "dsa_tail": 0xD5A7_0006, "minimax_index_k": 0x313A_0007,
+        "minimax_dense_kv": 0x313A_0008}  # fmt: skip
+ROW_KINDS = ("block_scale", "block_scale_swa", "minimax_index_k")  # a page's rows, a function of the rank
 
 
 @dataclass
@@ -80,6 +90,10 @@ class StateModel:
     tail_dim: int = 4  # the model's index_head_dim: a tail token is tail_dim bf16 values
     tail_pool: int = 4  # index_kpool: tokens per compressed pool
     tail_extra: int = 1  # tail_extra_slots (speculative): the ring holds tail_pool + tail_extra tokens
+    minimax_index_layers: int = 2  # K-only sparse layers
+    minimax_index_dim: int = 8  # sparse_index_dim (the model's dtype)
+    minimax_dense: tuple[int, ...] = (0,)  # dense layer ids (of the model's layers)
+    minimax_alias: bool = True  # dense KV state = the main pool's buffers (False: a hisparse dense_pool)
 
     @property
     def tail_ring(self) -> int:
@@ -144,17 +158,18 @@ class StateMemory:
     """One rank's state buffers by kind (SWA: K of every layer, then V)."""
 
     buffers: dict = field(default_factory=dict)
+    kv: list = field(default_factory=list)  # the rank's KV buffers (K of every layer, then V)
 
 
-def attach(model, tp: int, rank: int, args, utils_defs) -> StateMemory:
-    """Allocate ``model.state``'s buffers for ``rank`` of ``tp`` and fill ``args``'s state
-    fields as ``setup_state_kv_args`` does."""
+def attach(model, tp: int, rank: int, args, utils_defs, kv: tuple[list, list] = ([], [])) -> StateMemory:
+    """Allocate ``model.state``'s buffers for ``rank`` of ``tp`` (beside its KV buffers ``kv``)
+    and fill ``args``'s state fields as ``setup_state_kv_args`` does."""
     import torch
 
-    from tests.integrations.sglang_env import import_sglang_base
+    from tests.integrations.sglang_env import import_sglang_base, local_heads
 
     base, _ = import_sglang_base()
-    s, mem = model.state, StateMemory()
+    s, mem = model.state, StateMemory(kv=[*kv[0], *kv[1]])
     dtype = getattr(torch, model.dtype)
     for name in ("state_types", "state_data_ptrs", "state_data_lens", "state_item_lens", "state_dim_per_tensor"):
         setattr(args, name, [])
@@ -210,6 +225,20 @@ def attach(model, tp: int, rank: int, args, utils_defs) -> StateMemory:
             rows = (s.swa_pool_tokens if swa else model.pool_tokens) + model.page_size
             bufs = [torch.zeros((rows, heads * s.scale_bytes), dtype=torch.uint8) for _ in range(2 * layers)]
             items = [b[0].nbytes * model.page_size for b in bufs]  # row_bytes * page_size
+            extra = {}
+        elif kind == "minimax_index_k":  # MiniMaxSparseKVPool.get_index_k_state_buf_infos
+            rows = model.pool_tokens + model.page_size
+            bufs = [torch.zeros((rows, 1, s.minimax_index_dim), dtype=dtype) for _ in range(s.minimax_index_layers)]
+            items = [b[0].nbytes * model.page_size for b in bufs]
+            extra = {}
+        elif kind == "minimax_dense_kv":  # get_dense_kv_state_buf_infos: K of every dense layer, then V
+            if s.minimax_alias:
+                bufs = [kv[0][i] for i in s.minimax_dense] + [kv[1][i] for i in s.minimax_dense]
+            else:
+                rows, heads = model.pool_tokens + model.page_size, local_heads(model, tp)
+                bufs = [torch.zeros((rows, heads, dim), dtype=dtype)
+                        for dim in (model.head_dim, model.v_head_dim) for _ in s.minimax_dense]  # fmt: skip
+            items = [b[0].nbytes * model.page_size for b in bufs]
             extra = {}
         else:  # a type this backend refuses: one row buffer, enough to register
             bufs = [torch.zeros((4, 16), dtype=torch.uint8)]
@@ -267,6 +296,10 @@ def payload(model, alloc: dict, kv_pages: np.ndarray, prefix: int) -> list:
             out.append(np.asarray(kv_pages, dtype=np.int32))
         elif kind == "block_scale_swa":  # _swa_payload: the window's pages
             out.append(np.asarray(alloc["swa"], dtype=np.int32))
+        elif kind == "minimax_index_k":  # _minimax_payload: SGLang's minimax_index_transfer_pages
+            out.append(minimax_index(model, alloc, kv_pages, prefix))
+        elif kind == "minimax_dense_kv":  # _full_kv_pages_payload
+            out.append(np.asarray(kv_pages, dtype=np.int32))
         else:
             out.append(np.array([1], dtype=np.int32))
     return out
@@ -310,11 +343,17 @@ def fill(
                         _row(room, "dsa", s.entry_id("dsa", e), 0, j, buf.shape[1])
                     )
     ps = model.page_size
-    for kind in ("block_scale", "block_scale_swa"):
+    for kind in (*ROW_KINDS, *(() if s.minimax_alias else ("minimax_dense_kv",))):
         for e, buf in enumerate(mem.buffers.get(kind, ())):
-            for j, page in enumerate(_scale_pages(kind, alloc, kv_pages)):
-                row = _row(room, kind, e, rank, j, ps * buf.shape[1])
+            for j, page in enumerate(_scale_pages(kind, alloc, kv_pages)):  # (the prefix's too: computed)
+                row = _row(room, kind, e, rank, j, ps * _view(buf).shape[1])
                 _page_rows(buf, page, ps)[:] = torch.from_numpy(row.reshape(ps, -1))
+    if prefix and s.minimax_alias and "minimax_dense_kv" in mem.buffers:
+        # the prefill holds the prefix's KV too (it computed or cached it): its dense layers'
+        # pages from the first token are sent, over what the decode's radix cache holds
+        from tests.integrations.sglang_env import model_geometry
+
+        fill_request(model_geometry(model).placement(tp, rank), mem.kv, room, kv_pages, 0, prefix)
     for e, buf in enumerate(mem.buffers.get("dsa_tail", ())):
         for t, at in _tail_positions(model, alloc) if buf.shape[0] else ():
             buf[alloc["mamba"], at].view(torch.uint8)[:] = torch.from_numpy(
@@ -344,8 +383,34 @@ def _tail_positions(model, alloc: dict) -> list[tuple[int, int]]:
     return [(t, (start + t) % s.tail_ring) for t in range(live)]
 
 
+@functools.cache
+def _sglang_minimax_pages():
+    from tests.integrations.sglang_env import load_utils_defs
+
+    module = load_utils_defs(("minimax_index_transfer_pages",), "disaggregation/minimax.py")
+    common = load_utils_defs(("kv_to_page_indices",), "mem_cache/common.py")
+    module.np, module.kv_to_page_indices = np, common.kv_to_page_indices
+    return module.minimax_index_transfer_pages
+
+
+def minimax_index(model, alloc: dict, kv_pages, prefix: int) -> np.ndarray:
+    """SGLang's own ``minimax_index_transfer_pages`` over the request's token slots."""
+    import torch
+
+    ps, tokens = model.page_size, alloc["tokens"]
+    slots = (np.repeat(np.asarray(kv_pages, dtype=np.int64) * ps, ps) + np.tile(np.arange(ps), len(kv_pages)))[:tokens]
+    return _sglang_minimax_pages()(torch.from_numpy(slots), page_size=ps, prefix_len=prefix)
+
+
 def _scale_pages(kind: str, alloc: dict, kv_pages) -> list[int]:
     return [int(p) for p in (alloc["swa"] if kind == "block_scale_swa" else kv_pages)]
+
+
+def _kept(model, kind: str, prefix: int) -> int:
+    """The request's first pages whose ``kind`` rows the decode keeps as its radix cache holds
+    them (MiniMax's index keys of the prefix: never sent, so zero here); the others are sent
+    from the first page."""
+    return prefix // model.page_size if kind == "minimax_index_k" else 0
 
 
 def _page_rows(buf, page: int, ps: int):
@@ -381,11 +446,15 @@ def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, 
                 if not np.array_equal(_view(buf)[int(page)].numpy(), want):
                     problems.append(f"DSA entry {e}: page {int(page)} (position {j}) differs")
     ps = model.page_size
-    for kind in ("block_scale", "block_scale_swa"):
+    for kind in (*ROW_KINDS, *(() if s.minimax_alias else ("minimax_dense_kv",))):
         for e, buf in enumerate(mem.buffers.get(kind, ())):
+            kept = _kept(model, kind, prefix)
             for j, page in enumerate(_scale_pages(kind, alloc, kv_pages)):
-                want = _row(room, kind, e, rank, j, ps * buf.shape[1])
-                if not np.array_equal(_page_rows(buf, page, ps).numpy().reshape(-1), want):
+                want = _row(room, kind, e, rank, j, ps * _view(buf).shape[1])
+                got = _page_rows(buf, page, ps).numpy().reshape(-1)
+                if j < kept and got.any():
+                    problems.append(f"{kind} entry {e}: page {page} (position {j}) of the decode's prefix was written")
+                elif j >= kept and not np.array_equal(got, want):
                     problems.append(f"{kind} entry {e}: page {page} (position {j}) differs from rank {rank}'s")
     for e, buf in enumerate(mem.buffers.get("dsa_tail", ())):
         for t, at in _tail_positions(model, alloc) if buf.shape[0] else ():
@@ -405,7 +474,9 @@ def untouched(model, mem: StateMemory, allocs: list[dict], kv_pages: list) -> li
             used = {a["mamba"] for a in allocs}
         elif kind == "dsa":
             used = {int(p) for pages in kv_pages for p in pages}
-        elif kind in ("block_scale", "block_scale_swa"):  # token rows of the pages
+        elif kind == "minimax_dense_kv" and model.state.minimax_alias:  # the KV's own (checked as KV)
+            continue
+        elif kind in (*ROW_KINDS, "minimax_dense_kv"):  # token rows of the pages
             used = {
                 p * ps + t
                 for a, pages in zip(allocs, kv_pages)

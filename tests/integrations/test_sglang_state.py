@@ -34,13 +34,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(_base is None, reason=_reason
 REQUESTS = [(0x5A7E_0001_F00D, 37), (0x5A7E_0002_CAFE, 9)]
 
 
-def run(p, d, prefill_model, decode_model=None, *, transport="local", timeout_s=60.0, kv_checksum=False, corrupt=""):
+def run(
+    p,
+    d,
+    prefill_model,
+    decode_model=None,
+    *,
+    transport="local",
+    timeout_s=60.0,
+    kv_checksum=False,
+    corrupt="",
+    requests=REQUESTS,
+):
     """``kv_checksum`` goes to both sides, ``corrupt`` to the decode only."""
     port = free_port()
     env = {**sides.ENV, "KVXFER_SGLANG_TRANSPORT": transport}
-    prefill = sides.Spec("prefill", prefill_model, p, port, REQUESTS, env, timeout_s, kv_checksum=kv_checksum)
+    prefill = sides.Spec("prefill", prefill_model, p, port, requests, env, timeout_s, kv_checksum=kv_checksum)
     decode = sides.Spec(
-        "decode", decode_model or prefill_model, d, port, REQUESTS, env, timeout_s, kv_checksum=kv_checksum
+        "decode", decode_model or prefill_model, d, port, requests, env, timeout_s, kv_checksum=kv_checksum
     )
     decode = dataclasses.replace(decode, corrupt=corrupt)
     return sides.run_in_processes(sides.main, [prefill, decode], timeout_s)
@@ -50,8 +61,8 @@ def model(*kinds, mla=False, **state) -> Model:
     return Model(total_kv_heads=4, kv_cache_dtype_str="bfloat16", mla=mla, state=StateModel(kinds=kinds, **state))
 
 
-def succeeded(prefill, decode):
-    for room, _ in REQUESTS:
+def succeeded(prefill, decode, requests=REQUESTS):
+    for room, *_ in requests:
         assert decode[room]["status"] == "Success", decode[room]
         # sglang_sides checks every byte of the KV, the metadata slot and the state rows
         assert decode[room]["problems"] == [], decode[room]["problems"]
@@ -230,6 +241,50 @@ def test_mxfp8_kv_the_backend_cannot_move_whole_is_refused_at_manager_constructi
     monkeypatch.setattr(backend, "_model_total_kv_heads", sides._model_heads(tails))
     with pytest.raises(Exception, match=r"--pp-size=2: with DSA indexer tails \(state:dsa_tail, index_kpool_"):
         manager(tails, pp_size=2, disable_overlap_schedule=True)
+    monkeypatch.setattr(backend, "_model_total_kv_heads", sides._model_heads(minimax("minimax_index_k")))
+    with pytest.raises(Exception, match=r"--pp-size=2: with MiniMax sparse state \(state:minimax_index_k, "):
+        manager(minimax("minimax_index_k"), pp_size=2, disable_overlap_schedule=True)
+
+
+def minimax(*kinds, **state) -> Model:
+    """A MiniMax sparse-attention pool (``MiniMaxSparseKVPool``): layer 0 dense, layers 1 and 2
+    sparse with K-only index keys (``minimax_index_k``), the dense layer's KV as
+    ``minimax_dense_kv``."""
+    return Model(num_layers=3, total_kv_heads=4, kv_cache_dtype_str="bfloat16", state=StateModel(kinds=kinds, **state))
+
+
+# a decode radix-cache hit of 16 tokens (4 pages) on the long prompt, none on the short one
+PREFIXED = [(REQUESTS[0][0], 37, 16), REQUESTS[1]]
+
+
+@pytest.mark.parametrize(
+    "p, d, alias, requests, transport",
+    [
+        (1, 1, True, REQUESTS, "local"),
+        (2, 2, True, PREFIXED, "tcp"),  # rank to rank; the index keys after the decode's prefix only
+        (2, 2, False, PREFIXED, "local"),  # a hisparse pool's dense_pool: buffers of their own
+    ],
+    ids=["1to1", "2to2-prefix-tcp", "2to2-prefix-dense-pool"],
+)
+def test_minimax_sparse_index_keys_and_dense_kv_land_byte_exact(p, d, alias, requests, transport):
+    """Every index-key row of the request's pages after the decode's prefix (SGLang's own
+    minimax_index_transfer_pages on both sides) lands on the decode rank of the same TP rank
+    and the prefix's rows stay the decode's; the dense layer's K and V pages from the first
+    token land (the main KV pool's own buffers, their KV compared byte for byte prefix
+    included, or, in a hisparse pool, a pool of their own, each page a function of the rank)."""
+    m = minimax("minimax_index_k", "minimax_dense_kv", minimax_alias=alias)
+    succeeded(*run(p, d, m, transport=transport, requests=requests), requests=requests)
+
+
+def test_minimax_sparse_state_between_tp_sizes_is_refused_as_sglang_refuses_it():
+    prefill, decode = run(2, 1, minimax("minimax_index_k"), timeout_s=30.0)
+    failed_on_both_sides(
+        prefill,
+        decode,
+        "MiniMax sparse index keys (KVArgs.state_types[0]='minimax_index_k', entries 0..1: rows of 64 bytes)",
+        "prefill attention TP size 2 and decode attention TP size 1 differ",
+        "MiniMax sparse PD requires matching attention TP sizes",
+    )
 
 
 def test_every_state_pool_of_a_request_lands_beside_its_kv():

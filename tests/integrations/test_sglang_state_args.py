@@ -164,6 +164,28 @@ def test_dsa_tails_are_rows_of_one_ring_token_and_their_indices_the_live_tokens_
     assert "non-MLA DSA hybrid models" in mha.equal_tp_only
 
 
+def test_minimax_index_keys_and_dense_kv_are_page_rows_moved_at_equal_tp_only():
+    """MiniMaxSparseKVPool: two K-only sparse layers' index keys (one head of 8 bf16 values a
+    token) and one dense layer's K then V (heads of 16 and 8 values): runs of one page row
+    size each, between equal attention TP sizes only."""
+    index, dense = rows([PS * 16, PS * 16], slots=25), rows([PS * 32, PS * 16], slots=25)
+    pools = layout(with_state(("minimax_index_k", index), ("minimax_dense_kv", dense))).states
+    assert [
+        (p.name, p.kind, p.index, p.geometry.num_layers, p.geometry.head_dim, p.geometry.num_pages) for p in pools
+    ] == [
+        ("state:minimax_index_k", "minimax_index_k", 0, 2, 64, 25),
+        ("state:minimax_dense_kv.0", "minimax_dense_kv", 1, 1, 128, 25),
+        ("state:minimax_dense_kv.1", "minimax_dense_kv", 1, 1, 64, 25),
+    ]
+    assert all("MiniMax sparse PD requires matching attention TP sizes" in p.equal_tp_only for p in pools)
+    (page_rows,) = state_pages(pools[:1], [np.array([3, 9], dtype=np.int32), None])
+    assert page_rows.tolist() == [3, 9]
+    assert state_problem([p.name for p in pools], pools, 2, 2) == ""
+    assert "prefill attention TP size 2 and decode attention TP size 1 differ" in state_problem(
+        [p.name for p in pools], pools, 2, 1
+    )
+
+
 def test_several_types_keep_state_types_order():
     args = with_state(("mamba", rows([64, 64])), ("swa", swa()), ("dsa", rows([16])))
     assert [(p.name, p.index) for p in layout(args).states] == [("state:mamba", 0), ("state:swa", 1), ("state:dsa", 2)]

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.ports import bindable
 from tests.realserver import harness as h
 from tests.realserver.conftest import PREFILL_CHUNK, Fleet
 
@@ -44,21 +43,16 @@ def room(parity: int) -> int:
     return (_rooms.getrandbits(61) + 1) * 2 + parity
 
 
-# With attention DP, SGLang binds its internal ZMQ ports at --port + 233 .. + 239
-# (server_args.PortArgs): every port of this fleet stays clear of those ranges.
-DERIVED = range(233, 241)
-_reserved: set[int] = set()
+# With attention DP, SGLang binds internal ZMQ ports at fixed offsets from --port: its DP
+# controller's handshake at + 13 (DP_ATTENTION_HANDSHAKE_PORT_DELTA) and PortArgs' ports at
+# + 233 .. + 239 (ZMQ_TCP_PORT_DELTA). CI once saw a DP decode exit on "Address already in
+# use" at its + 13 port. Every port of a fleet keeps those offsets free and reserved too.
+DERIVED = (13, *range(233, 241))
 
 
 def fleet_port() -> int:
     """A free port whose DP-derived ports are free too, clear of every port handed out."""
-    for _ in range(500):
-        p = h.free_port()
-        mine = [p] + [p + d for d in DERIVED]
-        if p + DERIVED[-1] < 65536 and not _reserved & set(mine) and all(bindable(q) for q in mine[1:]):
-            _reserved.update(mine)
-            return p
-    raise RuntimeError("no free port with free DP-derived ports found")
+    return h.free_port(derived=DERIVED)
 
 
 def prompt(n: int, seed: int) -> list[int]:
