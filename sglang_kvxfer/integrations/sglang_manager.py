@@ -57,7 +57,14 @@ from sglang_kvxfer.integrations.sglang_pp import (
     stage_label,
     tiling_problem,
 )
-from sglang_kvxfer.integrations.sglang_state import MINIMAX_KINDS, SCALE_KINDS, StatePool, describe, state_problem
+from sglang_kvxfer.integrations.sglang_state import (
+    MINIMAX_KINDS,
+    QSA_KINDS,
+    SCALE_KINDS,
+    StatePool,
+    describe,
+    state_problem,
+)
 
 if TYPE_CHECKING:
     from sglang_kvxfer.engine.decode import DecodeManager
@@ -232,12 +239,13 @@ class KVXferKVManager(BaseKVManager):
         if self.dcp_size > 1:
             _check_dcp(self)
         self.pp_size, self.pp_rank, layer_start = self._pp_stage(args)
-        # state whose entries are K, then V (or score) of every layer: not mapped over PP stages
-        # (SGLang refuses MiniMax state with PP too: "PP>1 not supported for MiniMax state yet")
+        # state whose entries are not mapped over PP stages here (K, then V or score of every
+        # layer; QSA's rings and keys of its layers). SGLang refuses MiniMax state with PP too.
         for pp_kinds, what, source, entries in (
             (SCALE_KINDS, "MXFP8 KV block scales", "--kv-cache-dtype mxfp8", "scale entries (K, then V"),
             (("dsa_tail",), "DSA indexer tails", "index_kpool_compress", "tail entries (K, then score rings"),
             (MINIMAX_KINDS, "MiniMax sparse state", "MiniMaxSparseKVPool", "entries (index keys, dense K then V"),
+            (QSA_KINDS, "QSA indexer state", "QSATokenToKVPool", "entries (rings and compressed keys"),
         ):
             names = [p.name for p in self.layout.states if p.kind in pp_kinds]
             if self.pp_size > 1 and names:
@@ -247,6 +255,14 @@ class KVXferKVManager(BaseKVManager):
                     f"with {what} ({describe(names)}, {source}): mapping a stage's {entries} of its layers) onto "
                     "the decode's is not implemented by the kvxfer backend",
                 )
+        qsa = [p.name for p in self.layout.states if p.kind in QSA_KINDS]
+        if qsa and self.plan.attn_cp_size > 1:
+            raise _not_supported(
+                "--attn-cp-size",
+                self.plan.attn_cp_size,
+                f"with QSA indexer state ({describe(qsa)}): which CP ranks hold a request's whole pending rings and "
+                "compressed keys is not established by the kvxfer backend (refused rather than risk moving part of them)",
+            )
         if self.pp_size > 1 and any(p.kind == "swa" for p in self.layout.states):
             self.layout, layer_start = self._swa_stage(server_args, layer_start)
         lay = self.layout

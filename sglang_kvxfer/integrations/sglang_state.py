@@ -44,6 +44,13 @@ What each type SGLang 0.5.23 hands a backend becomes (``disaggregation/utils.py`
   hierarchical sparse attention these are the main KV pool's own buffers of those layers).
   Both span the rank's heads and move rank to rank between equal attention TP sizes only,
   with PP 1, as SGLang's own backends move them (it refuses both otherwise).
+- ``qsa_pending`` / ``qsa_compressed``: a QSA model's (``QSATokenToKVPool``, Qwen4-Exp) indexer
+  state, one index head replicated on every rank: per QSA layer the pending key ring of a
+  request slot (``compress_ratio`` rows; then the layer-independent RoPE position ring), one
+  item per request slot (the request's row, ``get_qsa_pending_state_indices``), and per QSA
+  layer the compressed keys, one item per KV page (one page's groups; the request's KV pages
+  from its first token). Replicated like the DSA indexer: any TP pair, one writer per decode
+  rank. Entries are paired by position, so both sides list the same QSA layers (PP 1).
 - ``mamba``: the conv and SSM state of the mamba pool (tensor-major, one entry per layer, one
   row per request slot, ``_mamba_payload``). An entry sliced over attention TP
   (``state_dim_per_tensor`` > 0: ``state_slice_outer_counts`` rows of that many channels,
@@ -73,6 +80,7 @@ __all__ = [
     "HANDLED_STATE_TYPES",
     "SCALE_KINDS",
     "MINIMAX_KINDS",
+    "QSA_KINDS",
     "StatePool",
     "states_from_kv_args",
     "state_pages",
@@ -82,10 +90,12 @@ __all__ = [
 ]
 
 HANDLED_STATE_TYPES = (
-    "mamba", "swa", "dsa", "dsa_tail", "block_scale", "block_scale_swa", "minimax_index_k", "minimax_dense_kv"
+    "mamba", "swa", "dsa", "dsa_tail", "block_scale", "block_scale_swa", "minimax_index_k", "minimax_dense_kv",
+    "qsa_pending", "qsa_compressed",
 )  # fmt: skip
 SCALE_KINDS = ("block_scale", "block_scale_swa")  # an MXFP8 KV cache's block scales
 MINIMAX_KINDS = ("minimax_index_k", "minimax_dense_kv")  # a MiniMax sparse-attention pool's state
+QSA_KINDS = ("qsa_pending", "qsa_compressed")  # a QSA indexer's state (one index head: replicated)
 
 _MAMBA_NO_DIMS = (
     "mamba conv/SSM state rows are sharded over attention TP, and this server's KVArgs.state_dim_per_tensor "
@@ -185,6 +195,8 @@ def states_from_kv_args(
             pools += _tail_pools(i, ptrs, lens, items, mla, dsa_index_head_dim)
         elif kind in MINIMAX_KINDS:  # (MiniMax's attention is MHA: never replicated over TP)
             pools += _row_pools(i, kind, ptrs, lens, items, _MINIMAX_TP)
+        elif kind in QSA_KINDS:  # (indexer_kv_heads is 1: every rank holds the same rows)
+            pools += _row_pools(i, kind, ptrs, lens, items, "")
         else:
             why = _DSA_TP if kind == "dsa" else _SCALE_TP
             pools += _row_pools(i, kind, ptrs, lens, items, "" if mla else why)
@@ -309,6 +321,8 @@ def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, why: str)
         "block_scale_swa": "MXFP8 SWA KV block scales",
         "minimax_index_k": "MiniMax sparse index keys",
         "minimax_dense_kv": "MiniMax dense-layer KV",
+        "qsa_pending": "QSA pending key and RoPE rings",
+        "qsa_compressed": "QSA compressed keys",
     }[kind]
     out = []
     for g, run in enumerate(runs):
@@ -499,8 +513,8 @@ def state_pages(pools: Sequence[StatePool], state_indices: Any) -> list[np.ndarr
         if pool.index >= len(seq) or seq[pool.index] is None:
             raise ValueError(f"{where} is missing (state_indices has {len(seq)} entries)")
         pages = index_array(seq[pool.index], where)
-        if pool.kind == "mamba" and pages.size != 1:
-            raise ValueError(f"{where} must be the request's one mamba slot, got {pages.size} indices")
+        if pool.kind in ("mamba", "qsa_pending") and pages.size != 1:
+            raise ValueError(f"{where} must be the request's one slot, got {pages.size} indices")
         if pool.kind == "dsa_tail":
             pages = _tail_rows(pages, pool.ring, where)
         stride, step, count = pool.slot_pages

@@ -41,6 +41,13 @@ payloads hand a backend, and an oracle of what every state row must hold.
   pool's ``dense_pool``) whose page rows are a function of the rank. The payloads are SGLang's
   own ``minimax_index_transfer_pages`` (the KV pages after the decode's prefix) and every KV
   page from the first token (``_full_kv_pages_payload``).
+- ``qsa_pending`` / ``qsa_compressed``: ``QSATokenToKVPool``'s per-layer pending key rings
+  ``[request slots x ratio, 1, index dim]`` (bf16) and its RoPE position ring ``[request slots x
+  ratio, 3]`` (int64), ``item_len`` one request's ring, and per-layer compressed keys
+  ``[ceil(tokens / ratio), 1, index dim]``, ``item_len`` one KV page's groups; the payloads are
+  SGLang's own ``get_qsa_pending_state_indices`` (the request's row of the request pool, a slot
+  of its own beside the mamba slot) and every KV page from the first token. One index head:
+  every rank holds the same rows (a function of room, entry and position).
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ from sglang_kvxfer.geometry import KVGeometry
 
 SALT = {"swa": 0x5A5A_0001, "mamba": 0x3A3B_0002, "dsa": 0xD5A0_0003, "block_scale": 0xB5C0_0004,
         "block_scale_swa": 0xB5C0_0005, "dsa_tail": 0xD5A7_0006, "minimax_index_k": 0x313A_0007,
-        "minimax_dense_kv": 0x313A_0008}  # fmt: skip
+        "minimax_dense_kv": 0x313A_0008, "qsa_pending": 0x05A0_0009, "qsa_compressed": 0x05A0_000A}  # fmt: skip
 ROW_KINDS = ("block_scale", "block_scale_swa", "minimax_index_k")  # a page's rows, a function of the rank
 
 
@@ -94,6 +101,9 @@ class StateModel:
     minimax_index_dim: int = 8  # sparse_index_dim (the model's dtype)
     minimax_dense: tuple[int, ...] = (0,)  # dense layer ids (of the model's layers)
     minimax_alias: bool = True  # dense KV state = the main pool's buffers (False: a hisparse dense_pool)
+    qsa_layers: int = 2  # full-attention (QSA) layers
+    qsa_dim: int = 8  # qsa_index_head_dim (indexer_kv_heads is 1)
+    qsa_ratio: int = 2  # compress_ratio (divides the page size)
 
     @property
     def tail_ring(self) -> int:
@@ -240,6 +250,17 @@ def attach(model, tp: int, rank: int, args, utils_defs, kv: tuple[list, list] = 
                         for dim in (model.head_dim, model.v_head_dim) for _ in s.minimax_dense]  # fmt: skip
             items = [b[0].nbytes * model.page_size for b in bufs]
             extra = {}
+        elif kind == "qsa_pending":  # get_qsa_pending_state_buf_infos: key rings of every layer, RoPE ring
+            ring = (s.mamba_slots + 1) * s.qsa_ratio
+            bufs = [torch.zeros((ring, 1, s.qsa_dim), dtype=torch.bfloat16) for _ in range(s.qsa_layers)]
+            bufs.append(torch.zeros((ring, 3), dtype=torch.int64))
+            items = [b[0].nbytes * s.qsa_ratio for b in bufs]
+            extra = dict(layer_ids=[*range(s.qsa_layers), (1 << 32) - 2])  # QSA_ROPE_STATE_LAYER_ID
+        elif kind == "qsa_compressed":  # get_qsa_compressed_state_buf_infos: one page's groups an item
+            rows = -(-(model.pool_tokens + model.page_size) // s.qsa_ratio)
+            bufs = [torch.zeros((rows, 1, s.qsa_dim), dtype=torch.bfloat16) for _ in range(s.qsa_layers)]
+            items = [b[0].nbytes * (model.page_size // s.qsa_ratio) for b in bufs]
+            extra = dict(layer_ids=list(range(s.qsa_layers)))
         else:  # a type this backend refuses: one row buffer, enough to register
             bufs = [torch.zeros((4, 16), dtype=torch.uint8)]
             items, extra = [16], {}
@@ -269,11 +290,20 @@ def allocate(model, requests, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     swa_free = rng.permutation(np.arange(1, (s.swa_pool_tokens + ps) // ps))
     slots = rng.permutation(np.arange(s.mamba_slots + 1))
+    rows = rng.permutation(np.arange(1, s.mamba_slots + 1))  # request-pool rows (row 0 is never allocated)
     out, at = [], 0
     for i, (_, tokens, *rest) in enumerate(requests):
         _, n = swa_window(model, tokens, rest[0] if rest else 0)
         need = -(-n // ps)
-        out.append({"swa": swa_free[at : at + need], "swa_tokens": n, "mamba": int(slots[i]), "tokens": tokens})
+        out.append(
+            {
+                "swa": swa_free[at : at + need],
+                "swa_tokens": n,
+                "mamba": int(slots[i]),
+                "req": int(rows[i]),
+                "tokens": tokens,
+            }
+        )
         at += need
     return out
 
@@ -298,8 +328,10 @@ def payload(model, alloc: dict, kv_pages: np.ndarray, prefix: int) -> list:
             out.append(np.asarray(alloc["swa"], dtype=np.int32))
         elif kind == "minimax_index_k":  # _minimax_payload: SGLang's minimax_index_transfer_pages
             out.append(minimax_index(model, alloc, kv_pages, prefix))
-        elif kind == "minimax_dense_kv":  # _full_kv_pages_payload
+        elif kind in ("minimax_dense_kv", "qsa_compressed"):  # _full_kv_pages_payload
             out.append(np.asarray(kv_pages, dtype=np.int32))
+        elif kind == "qsa_pending":  # SGLang's get_qsa_pending_state_indices: the request-pool row
+            out.append(_sglang_qsa_row()(SimpleNamespace(kv=SimpleNamespace(req_pool_idx=alloc["req"]))))
         else:
             out.append(np.array([1], dtype=np.int32))
     return out
@@ -348,6 +380,12 @@ def fill(
             for j, page in enumerate(_scale_pages(kind, alloc, kv_pages)):  # (the prefix's too: computed)
                 row = _row(room, kind, e, rank, j, ps * _view(buf).shape[1])
                 _page_rows(buf, page, ps)[:] = torch.from_numpy(row.reshape(ps, -1))
+    for kind in ("qsa_pending", "qsa_compressed"):  # one index head: the same rows on every rank
+        units, n = _units(model, kind, alloc, kv_pages)
+        for e, buf in enumerate(mem.buffers.get(kind, ())):
+            for j, unit in enumerate(units):
+                row = _row(room, kind, e, 0, j, n * _view(buf).shape[1])
+                _page_rows(buf, unit, n)[:] = torch.from_numpy(row.reshape(n, -1))
     if prefix and s.minimax_alias and "minimax_dense_kv" in mem.buffers:
         # the prefill holds the prefix's KV too (it computed or cached it): its dense layers'
         # pages from the first token are sent, over what the decode's radix cache holds
@@ -400,6 +438,24 @@ def minimax_index(model, alloc: dict, kv_pages, prefix: int) -> np.ndarray:
     ps, tokens = model.page_size, alloc["tokens"]
     slots = (np.repeat(np.asarray(kv_pages, dtype=np.int64) * ps, ps) + np.tile(np.arange(ps), len(kv_pages)))[:tokens]
     return _sglang_minimax_pages()(torch.from_numpy(slots), page_size=ps, prefix_len=prefix)
+
+
+@functools.cache
+def _sglang_qsa_row():
+    from tests.integrations.sglang_env import load_utils_defs
+
+    module = load_utils_defs(("get_qsa_pending_state_indices",))
+    module.np = np
+    return module.get_qsa_pending_state_indices
+
+
+def _units(model, kind: str, alloc: dict, kv_pages) -> tuple[list[int], int]:
+    """(the request's units, rows of one unit) of a QSA buffer: its request row's ring, its
+    KV pages' compressed groups."""
+    s = model.state
+    if kind == "qsa_pending":
+        return [alloc["req"]], s.qsa_ratio
+    return [int(p) for p in kv_pages], model.page_size // s.qsa_ratio
 
 
 def _scale_pages(kind: str, alloc: dict, kv_pages) -> list[int]:
@@ -456,6 +512,13 @@ def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, 
                     problems.append(f"{kind} entry {e}: page {page} (position {j}) of the decode's prefix was written")
                 elif j >= kept and not np.array_equal(got, want):
                     problems.append(f"{kind} entry {e}: page {page} (position {j}) differs from rank {rank}'s")
+    for kind in ("qsa_pending", "qsa_compressed"):
+        units, n = _units(model, kind, alloc, kv_pages)
+        for e, buf in enumerate(mem.buffers.get(kind, ())):
+            for j, unit in enumerate(units):
+                want = _row(room, kind, e, 0, j, n * _view(buf).shape[1])
+                if not np.array_equal(_page_rows(buf, unit, n).numpy().reshape(-1), want):
+                    problems.append(f"{kind} entry {e}: unit {unit} (position {j}) differs")
     for e, buf in enumerate(mem.buffers.get("dsa_tail", ())):
         for t, at in _tail_positions(model, alloc) if buf.shape[0] else ():
             got = _view(buf[alloc["mamba"], at : at + 1])[0].numpy()
@@ -476,6 +539,11 @@ def untouched(model, mem: StateMemory, allocs: list[dict], kv_pages: list) -> li
             used = {int(p) for pages in kv_pages for p in pages}
         elif kind == "minimax_dense_kv" and model.state.minimax_alias:  # the KV's own (checked as KV)
             continue
+        elif kind in ("qsa_pending", "qsa_compressed"):  # the rows of the request's units
+            used = set()
+            for a, pages in zip(allocs, kv_pages):
+                units, n = _units(model, kind, a, pages)
+                used |= {u * n + r for u in units for r in range(n)}
         elif kind in (*ROW_KINDS, "minimax_dense_kv"):  # token rows of the pages
             used = {
                 p * ps + t

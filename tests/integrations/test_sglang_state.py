@@ -1,18 +1,19 @@
-"""Extra per-request state (``KVArgs.state_types``: SWA, mamba, DSA, MXFP8 block scales) through our SGLang classes,
-driven by the scripted scheduler in SGLang's call order (``sglang_sides``: prefill and decode
-in separate processes, SGLang's real base classes, the KVArgs state fields filled by SGLang's
-own ``append_state_component``, ``state_indices`` in the shapes its schedulers' payloads have).
+"""Extra per-request state (``KVArgs.state_types``: SWA, mamba, DSA, MXFP8 block scales,
+MiniMax, QSA) through our SGLang classes, driven by the scripted scheduler in SGLang's call
+order (``sglang_sides``: prefill and decode in separate processes, SGLang's real base
+classes, the KVArgs state fields filled by SGLang's own ``append_state_component``,
+``state_indices`` in the shapes its schedulers' payloads have).
 
 Every byte of every state row a decode rank must hold is compared with an oracle
 (``sglang_state_env``): the SWA window's pages of every SWA head the rank owns (TP 1 -> 1,
 2 -> 1, 1 -> 2, and one SWA head replicated on two decode ranks), the rank's own channels of
 every mamba conv sub-block and SSM row (any TP pair, GDN's and Kimi's conv layouts, a
 replicated tensor), every DSA indexer row of the request's pages (equal TP and, replicated
-under MLA, across TP sizes), every MXFP8 block-scale row of the request's pages (rank to
-rank) and no state row any request was not given may change. A state
-geometry that differs between the servers fails at registration naming the field and both
-values; state pools on one side only, or mamba state that cannot be re-sliced between TP
-sizes, fail naming both sides.
+under MLA, across TP sizes), every MXFP8 block-scale and MiniMax row of the request's pages
+(rank to rank), every QSA ring and compressed-key row (replicated, across TP sizes), and no
+state row any request was not given may change. A state geometry that differs between the
+servers fails at registration naming the field and both values; state pools on one side
+only, or state that cannot be re-sliced between TP sizes, fail naming both sides.
 """
 
 from __future__ import annotations
@@ -213,10 +214,10 @@ def test_mxfp8_block_scales_between_tp_sizes_are_refused_as_sglang_refuses_them(
     )
 
 
-def test_mxfp8_kv_the_backend_cannot_move_whole_is_refused_at_manager_construction(monkeypatch):
+def test_state_the_backend_cannot_move_whole_is_refused_at_manager_construction(monkeypatch):
     """MXFP8 KV without its scales in KVArgs, an MXFP8 draft pool (SGLang registers no scales
-    of it), block scales and DSA indexer tails over PP stages are refused naming the flag or
-    field."""
+    of it), block scales, DSA indexer tails, MiniMax and QSA state over PP stages and QSA state
+    with attention CP are refused naming the flag or field."""
     from sglang_kvxfer.integrations import sglang as backend
     from tests.integrations.sglang_env import Draft, rank_memory, server_args
 
@@ -244,6 +245,13 @@ def test_mxfp8_kv_the_backend_cannot_move_whole_is_refused_at_manager_constructi
     monkeypatch.setattr(backend, "_model_total_kv_heads", sides._model_heads(minimax("minimax_index_k")))
     with pytest.raises(Exception, match=r"--pp-size=2: with MiniMax sparse state \(state:minimax_index_k, "):
         manager(minimax("minimax_index_k"), pp_size=2, disable_overlap_schedule=True)
+    qsa = model("qsa_pending", "qsa_compressed")
+    monkeypatch.setattr(backend, "_model_total_kv_heads", sides._model_heads(qsa))
+    with pytest.raises(Exception, match=r"--pp-size=2: with QSA indexer state \(state:qsa_pending.0, "):
+        manager(qsa, pp_size=2, disable_overlap_schedule=True)
+    sa = server_args(sides.MODEL_PATH, "prefill", 2, free_port(), attn_cp_size=2)  # attention TP 1, CP 2
+    with pytest.raises(Exception, match=r"--attn-cp-size=2: with QSA indexer state \(state:qsa_pending.0, "):
+        backend.KVXferKVManager(rank_memory(qsa, 1, 0, "prefill").kv_args, mode, sa, False)
 
 
 def minimax(*kinds, **state) -> Model:
@@ -285,6 +293,21 @@ def test_minimax_sparse_state_between_tp_sizes_is_refused_as_sglang_refuses_it()
         "prefill attention TP size 2 and decode attention TP size 1 differ",
         "MiniMax sparse PD requires matching attention TP sizes",
     )
+
+
+@pytest.mark.parametrize(
+    "p, d, requests, transport",
+    [(1, 1, REQUESTS, "local"), (2, 1, PREFIXED, "tcp"), (1, 2, PREFIXED, "local")],
+    ids=["1to1", "2to1-prefix-tcp", "1to2-prefix"],
+)
+def test_qsa_rings_and_compressed_keys_land_byte_exact_replicated(p, d, requests, transport):
+    """A Qwen4-Exp-style hybrid (QSATokenToKVPool: mamba state beside a QSA indexer of one index
+    head): every byte of the request row's pending key and RoPE rings (SGLang's own
+    get_qsa_pending_state_indices on each side, rows of their own beside the mamba slot) and of
+    the compressed keys of every KV page from the first token lands on every decode rank, from
+    one writer each, between TP sizes too; the mamba channels are re-sliced as always."""
+    m = model("mamba", "qsa_pending", "qsa_compressed")
+    succeeded(*run(p, d, m, transport=transport, requests=requests), requests=requests)
 
 
 def test_every_state_pool_of_a_request_lands_beside_its_kv():
@@ -378,6 +401,7 @@ def test_swa_index_lists_of_different_lengths_fail_the_request_instead_of_trunca
         (2, 2, ("swa", "mamba", "dsa")),  # every kind, rank to rank
         (2, 1, ("mamba",)),  # mamba channels of two writers, each digested per channel by its writer
         (2, 2, ("block_scale",)),  # MXFP8 block scales beside FP8 KV
+        (2, 1, ("qsa_pending", "qsa_compressed")),  # replicated QSA rows, one writer per decode rank
     ],
 )
 def test_kv_checksum_covers_every_state_pool_per_writer(p, d, kinds):

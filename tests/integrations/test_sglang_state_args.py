@@ -186,6 +186,25 @@ def test_minimax_index_keys_and_dense_kv_are_page_rows_moved_at_equal_tp_only():
     )
 
 
+def test_qsa_rings_and_compressed_keys_are_replicated_rows():
+    """QSATokenToKVPool: two layers' pending key rings (ratio 4 x 64 bf16 values a request
+    slot) and the RoPE ring (ratio 4 x 3 int64), then two layers' compressed keys (a page of 16
+    tokens: 4 groups of 64 bf16 values): replicated over attention TP, one slot a request."""
+    pending = rows([4 * 128, 4 * 128, 4 * 24], slots=9)
+    compressed = rows([4 * 128, 4 * 128], slots=30)
+    pools = layout(with_state(("qsa_pending", pending), ("qsa_compressed", compressed))).states
+    assert [(p.name, p.geometry.num_layers, p.geometry.head_dim, p.equal_tp_only) for p in pools] == [
+        ("state:qsa_pending.0", 2, 512, ""),
+        ("state:qsa_pending.1", 1, 96, ""),
+        ("state:qsa_compressed", 2, 512, ""),
+    ]
+    assert state_problem([p.name for p in pools], pools, 2, 1) == ""  # replicated: any TP pair
+    got = state_pages(pools, [np.array([5], dtype=np.int32), np.array([3, 1])])  # one entry per state type
+    assert [g.tolist() for g in got] == [[5], [5], [3, 1]]
+    with pytest.raises(ValueError, match=r"state_indices\[0\] \(qsa_pending\) must be the request's one slot, got 2"):
+        state_pages(pools, [np.array([5, 6]), np.array([3])])
+
+
 def test_several_types_keep_state_types_order():
     args = with_state(("mamba", rows([64, 64])), ("swa", swa()), ("dsa", rows([16])))
     assert [(p.name, p.index) for p in layout(args).states] == [("state:mamba", 0), ("state:swa", 1), ("state:dsa", 2)]
@@ -195,7 +214,7 @@ def test_several_types_keep_state_types_order():
     "args, message",
     [
         (with_state(("swa", swa()), ("swa_ring", rows([8]))), r"KVArgs.state_types\[1\]='swa_ring': the backend moves"),
-        (with_state(("qsa_pending", rows([8]))), r"transferring 'qsa_pending' state is not implemented"),
+        (with_state(("c128_state", rows([8]))), r"transferring 'c128_state' state is not implemented"),
         (with_state(("swa", swa()), layout="hnd"), r"KVArgs.swa_kv_cache_layout='hnd'"),
         (with_state(("swa", swa()), layout=None), r"KVArgs.swa_kv_cache_layout=None"),
     ],
@@ -260,7 +279,7 @@ def test_state_indices_in_sglangs_shapes():
         state_pages(pools, [[np.asarray(5)]])
     with pytest.raises(ValueError, match=r"state_indices are missing: KVArgs.state_types \['mamba', 'swa'\]"):
         state_pages(pools, None)
-    with pytest.raises(ValueError, match=r"state_indices\[0\] \(mamba\) must be the request's one mamba slot, got 2"):
+    with pytest.raises(ValueError, match=r"state_indices\[0\] \(mamba\) must be the request's one slot, got 2"):
         state_pages(pools, [np.array([1, 2]), np.array([3])])
     with pytest.raises(ValueError, match=r"state_indices\[1\] \(swa\) must hold integer indices"):
         state_pages(pools, [[np.asarray(5)], np.array([0.5])])
