@@ -418,11 +418,21 @@ def kv_dtype(kv_cache_dtype_str: Any, model_dtype: Any = None) -> str:
     (``--dtype``) decides when it is explicit; otherwise the pool is described in bytes
     (``uint8``, head_dim counted in bytes), which both sides then agree on as long as they
     run the same model with the same flags. ``"mxfp8"`` (an MXFP8 pool) holds FP8 E4M3
-    elements; its block scales are a state pool of their own (``block_scale``).
+    elements; its block scales are a state pool of their own (``block_scale``). The FP4 KV
+    dtypes (``nvfp4``, ``fp4_mx_block16``) are refused: SGLang's FP4 pools keep their block
+    scales beside the packed K and V and hand a backend only the packed buffers.
     """
     text = str(kv_cache_dtype_str).strip() if kv_cache_dtype_str is not None else "auto"
     if text.lower() == "mxfp8":
         return "float8_e4m3fn"
+    if text.lower() in ("nvfp4", "fp4_mx_block16"):
+        raise _not_supported(
+            "--kv-cache-dtype",
+            text,
+            "SGLang 0.5.23's FP4 KV pools (MHATokenToKVPoolFP4, MLATokenToKVPoolFP4) keep each layer's block "
+            "scales in buffers of their own and register only the packed K and V in KVArgs, so the KV would land "
+            "without its scales and decode garbage; serve FP8 or MXFP8 KV (whose scales are registered) instead",
+        )
     if text.lower() in ("", "auto"):
         text = str(model_dtype).strip() if model_dtype is not None else "auto"
         if text.lower() in ("", "auto"):
