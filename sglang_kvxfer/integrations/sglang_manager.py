@@ -182,6 +182,11 @@ def _check_mxfp8(layout: SglangLayout, kv_cache_dtype_str: Any, draft_dtype: Any
         )
 
 
+# state a PP prefill's stage sends to the decode stage of the same PP rank only (its entries: K,
+# then V or score, of the stage's layers)
+STAGE_TO_STAGE_KINDS = ("block_scale", "dsa_tail")
+
+
 class KVXferKVManager(BaseKVManager):
     """One SGLang rank's transfer manager: an engine manager over SGLang's KV pool."""
 
@@ -239,11 +244,12 @@ class KVXferKVManager(BaseKVManager):
         if self.dcp_size > 1:
             _check_dcp(self)
         self.pp_size, self.pp_rank, layer_start = self._pp_stage(args)
-        # state whose entries are not mapped over PP stages here (K, then V or score of every
-        # layer; QSA's rings and keys of its layers). SGLang refuses MiniMax state with PP too.
+        # state whose entries are not mapped over PP stages here (an SWA sub-pool's scales, whose
+        # stages register the whole model's SWA layers; QSA's rings and keys of its layers).
+        # SGLang refuses MiniMax state with PP too. (The full-attention scales and DSA tails move
+        # stage to stage to a decode of the same PP size: _pp_problem refuses a decode of PP 1.)
         for pp_kinds, what, source, entries in (
-            (SCALE_KINDS, "MXFP8 KV block scales", "--kv-cache-dtype mxfp8", "scale entries (K, then V"),
-            (("dsa_tail",), "DSA indexer tails", "index_kpool_compress", "tail entries (K, then score rings"),
+            (("block_scale_swa",), "MXFP8 SWA KV block scales", "--kv-cache-dtype mxfp8", "scale entries (K, then V"),
             (MINIMAX_KINDS, "MiniMax sparse state", "MiniMaxSparseKVPool", "entries (index keys, dense K then V"),
             (QSA_KINDS, "QSA indexer state", "QSATokenToKVPool", "entries (rings and compressed keys"),
         ):
@@ -730,6 +736,14 @@ class KVXferKVManager(BaseKVManager):
         if self.pp_size == 1 and not self.layout.states:
             return tiling_problem(topo.pp_layers, ours)
         if self.pp_size == 1:  # a hybrid model: the KV pool holds the full-attention layers only
+            halves = [p.label for p in self.layout.states if p.kind in STAGE_TO_STAGE_KINDS]
+            if halves:
+                return (
+                    f"{halves[0]}: the prefill's {topo.pp_size} PP stages each send the entries of their own layers "
+                    "(K, then V scales or score rings), which a decode of PP 1 would need cut into its own halves; "
+                    "that mapping is not implemented by the kvxfer backend (SGLang's backends pair such entries "
+                    f"by position, stage to stage, too): serve the decode with --pp-size {topo.pp_size}"
+                )
             problem = count_problem("the full-attention KV", [len(r) for r in topo.pp_layers], ours)
             counts = dict(topo.state_counts)
             for pool in self.layout.states:

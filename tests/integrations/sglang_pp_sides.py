@@ -120,6 +120,7 @@ def stage_state(state, pp_size: int, pp_rank: int):
         mamba_total=state.mamba_layers,
         dsa_layers=ds[1] - ds[0],
         dsa_first=ds[0],
+        dsa_total=state.dsa_layers,
         dsa_skip=tuple(i - ds[0] for i in state.dsa_skip if ds[0] <= i < ds[1]),
     )
 
@@ -128,10 +129,13 @@ def stage_model(spec: PpSpec) -> Model:
     """The model as this process's pools hold it: its layers, its part of the state, and the
     draft model's pool on the last stage only (SGLang runs the draft model there)."""
     a, b = spec.layers
+    state = stage_state(spec.model.state, spec.pp_size, spec.pp_rank)
+    if state is not None and spec.pp_size > 1:  # (MXFP8 block scales: one K and one V entry per KV layer)
+        state = dataclasses.replace(state, scale_first=a, scale_total=spec.model.num_layers)
     return dataclasses.replace(
         spec.model,
         num_layers=b - a,
-        state=stage_state(spec.model.state, spec.pp_size, spec.pp_rank),
+        state=state,
         draft=spec.model.draft if spec.pp_rank == spec.pp_size - 1 else None,
     )
 
@@ -161,11 +165,14 @@ class PpOracle:
     def rows(self, layer: int, kind: int) -> np.ndarray:
         m = self.model
         heads = 1 if m.mla else m.total_kv_heads
-        dim = (m.head_dim if kind == 0 else m.v_head_dim) * 2  # bfloat16
+        dim = (m.head_dim if kind == 0 else m.v_head_dim) * np.dtype(_NP_DTYPE.get(m.dtype, m.dtype)).itemsize
         rng = np.random.default_rng([self.room & 0xFFFFFFFF, self.room >> 32, self.group, layer, kind])
         full = rng.integers(0, 256, size=(self.rows_n, heads, dim), dtype=np.uint8)
         full[self.tokens :] = poison(stage_of(self.stage_layers, layer))
         return full
+
+
+_NP_DTYPE = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}  # (numpy lacks them)
 
 
 def draft_seed(room: int, group: int) -> int:

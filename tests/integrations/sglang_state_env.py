@@ -116,6 +116,9 @@ class StateModel:
     mamba_first: int = 0
     mamba_total: int | None = None
     dsa_first: int = 0
+    dsa_total: int | None = None  # the model's DSA layers (None: dsa_layers)
+    scale_first: int = 0  # the stage's first KV layer (MXFP8 block scales: one K and one V entry per KV layer)
+    scale_total: int | None = None  # the model's KV layers (None: the pool's)
 
     def entry_id(self, kind: str, e: int) -> int:
         """The model-wide entry of this pool's entry ``e`` (mamba: tensor-major, conv of every
@@ -337,6 +340,21 @@ def payload(model, alloc: dict, kv_pages: np.ndarray, prefix: int) -> list:
     return out
 
 
+def _entry(model, kind: str, e: int) -> int:
+    """The model-wide entry of a ``block_scale`` or ``dsa_tail`` pool's entry ``e`` (K of every
+    layer, then V or score: a PP stage's entries of its layers), so rows of another stage's
+    layers are caught; other kinds' ``e`` as it is."""
+    s = model.state
+    if kind == "block_scale":
+        first, layers, total = s.scale_first, model.num_layers, s.scale_total
+    elif kind == "dsa_tail":
+        first, layers, total = s.dsa_first, s.dsa_layers, s.dsa_total
+    else:
+        return e
+    half, i = divmod(e, layers)
+    return half * (total or layers) + first + i
+
+
 def _row(room: int, kind: str, entry: int, who: int, position: int, nbytes: int) -> np.ndarray:
     return row_bytes(room ^ SALT[kind], entry, 0, [who], position, 1, nbytes).reshape(-1)
 
@@ -378,7 +396,7 @@ def fill(
     for kind in (*ROW_KINDS, *(() if s.minimax_alias else ("minimax_dense_kv",))):
         for e, buf in enumerate(mem.buffers.get(kind, ())):
             for j, page in enumerate(_scale_pages(kind, alloc, kv_pages)):  # (the prefix's too: computed)
-                row = _row(room, kind, e, rank, j, ps * _view(buf).shape[1])
+                row = _row(room, kind, _entry(model, kind, e), rank, j, ps * _view(buf).shape[1])
                 _page_rows(buf, page, ps)[:] = torch.from_numpy(row.reshape(ps, -1))
     for kind in ("qsa_pending", "qsa_compressed"):  # one index head: the same rows on every rank
         units, n = _units(model, kind, alloc, kv_pages)
@@ -395,7 +413,7 @@ def fill(
     for e, buf in enumerate(mem.buffers.get("dsa_tail", ())):
         for t, at in _tail_positions(model, alloc) if buf.shape[0] else ():
             buf[alloc["mamba"], at].view(torch.uint8)[:] = torch.from_numpy(
-                _row(room, "dsa_tail", e, 0, t, 2 * s.tail_dim)
+                _row(room, "dsa_tail", _entry(model, "dsa_tail", e), 0, t, 2 * s.tail_dim)
             )
 
 
@@ -506,7 +524,7 @@ def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, 
         for e, buf in enumerate(mem.buffers.get(kind, ())):
             kept = _kept(model, kind, prefix)
             for j, page in enumerate(_scale_pages(kind, alloc, kv_pages)):
-                want = _row(room, kind, e, rank, j, ps * _view(buf).shape[1])
+                want = _row(room, kind, _entry(model, kind, e), rank, j, ps * _view(buf).shape[1])
                 got = _page_rows(buf, page, ps).numpy().reshape(-1)
                 if j < kept and got.any():
                     problems.append(f"{kind} entry {e}: page {page} (position {j}) of the decode's prefix was written")
@@ -522,7 +540,7 @@ def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, 
     for e, buf in enumerate(mem.buffers.get("dsa_tail", ())):
         for t, at in _tail_positions(model, alloc) if buf.shape[0] else ():
             got = _view(buf[alloc["mamba"], at : at + 1])[0].numpy()
-            if not np.array_equal(got, _row(room, "dsa_tail", e, 0, t, 2 * s.tail_dim)):
+            if not np.array_equal(got, _row(room, "dsa_tail", _entry(model, "dsa_tail", e), 0, t, 2 * s.tail_dim)):
                 problems.append(f"dsa_tail entry {e}: live token {t} (ring position {at}) differs")
     return problems
 

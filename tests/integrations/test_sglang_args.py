@@ -214,7 +214,9 @@ def test_kv_dtype_strings():
     assert kv_dtype("auto", "float16") == "float16"
     assert kv_dtype("auto", "auto") == kv_dtype(None) == "uint8"  # described in bytes
     for fp4 in ("nvfp4", "fp4_mx_block16"):  # SGLang registers their packed K and V without the scales
-        with pytest.raises(KVXferError, match=rf"--kv-cache-dtype='{fp4}': SGLang 0.5.23's FP4 KV pools .* without its"):
+        with pytest.raises(
+            KVXferError, match=rf"--kv-cache-dtype='{fp4}': SGLang 0.5.23's FP4 KV pools .* without its"
+        ):
             kv_dtype(fp4)
     with pytest.raises(GeometryError, match=r"KVArgs.kv_cache_dtype_str='int3': dtype='int3' is not supported"):
         kv_dtype("int3")

@@ -103,6 +103,58 @@ def test_each_stage_sends_its_layers_state_and_every_state_byte_is_exact(tmp_pat
             assert reports[f"prefill pp{s}"][room]["status"] == "Success", (s, reports[f"prefill pp{s}"][room])
 
 
+def _mxfp8(*kinds) -> Model:
+    """--kv-cache-dtype mxfp8 over 4 KV layers: FP8 E4M3 KV and its block scales (K of every
+    layer of a stage, then V)."""
+    st = StateModel(kinds=kinds)
+    return Model(
+        total_kv_heads=4, num_layers=4, pool_tokens=192, dtype="float8_e4m3fn", kv_cache_dtype_str="mxfp8", state=st
+    )
+
+
+TAILS = dict(dsa_layers=3, dsa_skip=(1,), tail_pool=8)  # rings of 9; layer 1 shares another's indexer
+
+
+@pytest.mark.parametrize(
+    "model, prefill, decode",
+    [
+        (_mxfp8("block_scale"), (1, 1, 2), (1, 1, 2)),
+        (_mxfp8("block_scale"), (2, 1, 2), (2, 1, 2)),  # each rank's scales of its heads, stage to stage
+        (_hybrid("dsa", "dsa_tail", mla=True, **TAILS), (1, 1, 2), (2, 1, 2)),  # tails replicated to both ranks
+    ],
+    ids=["mxfp8-pp2-to-pp2", "mxfp8-pp2xtp2-to-pp2xtp2", "dsa-tails-mla-pp2-to-pp2xtp2"],
+)
+def test_block_scales_and_dsa_tails_move_stage_to_stage_to_a_decode_of_the_same_pp(tmp_path, model, prefill, decode):
+    """MXFP8 block scales and DSA indexer tails with --pp-size: each stage registers and sends the
+    entries of its own layers (K, then V scales; K, then score rings) to the decode stage of the
+    same PP rank; every row's content is a function of its model-wide entry (a row of another
+    stage's layer is caught), every state row and KV byte is compared."""
+    reports = run(tmp_path, model, prefill, decode)
+    pps.check_decoded(reports, decode[2], ROOMS)
+    for s in range(prefill[2]):
+        for room, _ in ROOMS:
+            assert reports[f"prefill pp{s}"][room]["status"] == "Success", (s, reports[f"prefill pp{s}"][room])
+
+
+@pytest.mark.parametrize(
+    "model, label",
+    [
+        (_mxfp8("block_scale"), "MXFP8 KV block scales (KVArgs.state_types[0]='block_scale'"),
+        (_hybrid("dsa_tail", mla=True, **TAILS), "DSA indexer tails (KVArgs.state_types[0]='dsa_tail'"),
+    ],
+    ids=["mxfp8", "dsa-tails"],
+)
+def test_block_scales_or_dsa_tails_from_pp_stages_to_a_decode_of_pp1_fail_naming_the_pool(tmp_path, model, label):
+    env = {"KVXFER_BOOTSTRAP_TIMEOUT_S": "5"}
+    reports = run(tmp_path, model, (1, 1, 2), (1, 1, 1), requests=ROOMS[:1], env=env)
+    dec = reports["decode pp0"]
+    (reason,) = dec[ROOMS[0][0]]["reasons"]
+    assert label in reason and "the prefill's 2 PP stages each send the entries of their own layers" in reason, reason
+    assert "serve the decode with --pp-size 2" in reason, reason
+    assert dec["pool_problems"] == [], dec["pool_problems"]  # nothing landed
+    _prefill_told(reports, reason)
+
+
 def test_each_stages_mamba_channels_are_resliced_into_a_decode_of_another_tp(tmp_path):
     """PP 2 x TP 2 -> TP 1 with GDN-style conv rows ([q|k|v] sub-blocks of 4, 4, 8 channels):
     each stage's writers send their channels of its layers' entries into that stage's slice of

@@ -216,7 +216,7 @@ def test_mxfp8_block_scales_between_tp_sizes_are_refused_as_sglang_refuses_them(
 
 def test_state_the_backend_cannot_move_whole_is_refused_at_manager_construction(monkeypatch):
     """MXFP8 KV without its scales in KVArgs, an MXFP8 draft pool (SGLang registers no scales
-    of it), block scales, DSA indexer tails, MiniMax and QSA state over PP stages and QSA state
+    of it), an SWA sub-pool's block scales, MiniMax and QSA state over PP stages and QSA state
     with attention CP are refused naming the flag or field."""
     from sglang_kvxfer.integrations import sglang as backend
     from tests.integrations.sglang_env import Draft, rank_memory, server_args
@@ -235,13 +235,10 @@ def test_state_the_backend_cannot_move_whole_is_refused_at_manager_construction(
     monkeypatch.setattr(backend, "_draft_model_kv", sides._draft_heads(drafted))
     with pytest.raises(Exception, match=r"--speculative-draft-kv-cache-dtype='auto': an MXFP8 draft KV pool"):
         manager(drafted)
-    with pytest.raises(Exception, match=r"--pp-size=2: with MXFP8 KV block scales \(state:block_scale, "):
-        manager(mxfp8("block_scale"), pp_size=2, disable_overlap_schedule=True)
-    tails = model("dsa", "dsa_tail", mla=True, **TAIL)
-    monkeypatch.setattr(backend, "_model_dsa_index_head_dim", lambda server_args: tails.state.tail_dim)
-    monkeypatch.setattr(backend, "_model_total_kv_heads", sides._model_heads(tails))
-    with pytest.raises(Exception, match=r"--pp-size=2: with DSA indexer tails \(state:dsa_tail, index_kpool_"):
-        manager(tails, pp_size=2, disable_overlap_schedule=True)
+    swa_scales = mxfp8("swa", "block_scale", "block_scale_swa")  # (the full-attention scales move stage to stage)
+    monkeypatch.setattr(backend, "_model_swa_kv_heads", lambda server_args: swa_scales.state.swa_heads)
+    with pytest.raises(Exception, match=r"--pp-size=2: with MXFP8 SWA KV block scales \(state:block_scale_swa, "):
+        manager(swa_scales, pp_size=2, disable_overlap_schedule=True)
     monkeypatch.setattr(backend, "_model_total_kv_heads", sides._model_heads(minimax("minimax_index_k")))
     with pytest.raises(Exception, match=r"--pp-size=2: with MiniMax sparse state \(state:minimax_index_k, "):
         manager(minimax("minimax_index_k"), pp_size=2, disable_overlap_schedule=True)
