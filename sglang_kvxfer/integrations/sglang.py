@@ -42,9 +42,9 @@ info; a difference fails the decode's requests naming both sides. With PP the dr
 the last stage's (SGLang runs the draft model there): registered at that stage, looked up there.
 
 Extra per-request state (``KVArgs.state_types``: mamba, swa, dsa, dsa_tail, MXFP8 block
-scales, MiniMax sparse state; ``sglang_state``): each pool of it has a geometry of its own
-and an engine manager per rank (``kv_pool="state:<kind>[.<n>]"``, announced with the model
-pool's registration, geometry checked at registration). A request's last chunk hands each
+scales, MiniMax and QSA indexer state; ``sglang_state``): each pool of it has a geometry of
+its own and an engine manager per rank (``kv_pool="state:<kind>[.<n>]"``, announced with the
+model pool's registration, geometry checked at registration). A request's last chunk hands each
 pool its own indices (``state_indices``), the decode's ``send_metadata`` its own; the request
 succeeds only when its KV and every state pool's rows are in place. A server pair whose state
 pools differ, or a pool that needs one attention TP size meeting two, fails the requests

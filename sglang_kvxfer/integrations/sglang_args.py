@@ -743,9 +743,8 @@ def layout_from_kv_args(
         dsa_index_head_dim: with a ``dsa_tail`` entry in ``state_types``, called for the DSA
             indexer's head dim (the model's config): a tail token's width.
 
-    Extra per-request state (``state_types``: mamba, swa, dsa, dsa_tail, block_scale,
-    block_scale_swa, minimax_index_k, minimax_dense_kv) becomes ``states``, a pool
-    each (``sglang_state``); any other type is refused naming it.
+    Extra per-request state (``state_types`` of ``sglang_state.HANDLED_STATE_TYPES``) becomes
+    ``states``, a pool each (``sglang_state``); any other type is refused naming it.
 
     Raises ``GeometryError`` naming the KVArgs field for anything inconsistent.
     """

@@ -183,8 +183,8 @@ def _check_mxfp8(layout: SglangLayout, kv_cache_dtype_str: Any, draft_dtype: Any
 
 
 # state a PP prefill's stage sends to the decode stage of the same PP rank only (its entries: K,
-# then V or score, of the stage's layers)
-STAGE_TO_STAGE_KINDS = ("block_scale", "dsa_tail")
+# then V or score, of the stage's layers; QSA's key rings of its layers and its RoPE ring)
+STAGE_TO_STAGE_KINDS = ("block_scale", "dsa_tail", *QSA_KINDS)
 
 
 class KVXferKVManager(BaseKVManager):
@@ -245,13 +245,11 @@ class KVXferKVManager(BaseKVManager):
             _check_dcp(self)
         self.pp_size, self.pp_rank, layer_start = self._pp_stage(args)
         # state whose entries are not mapped over PP stages here (an SWA sub-pool's scales, whose
-        # stages register the whole model's SWA layers; QSA's rings and keys of its layers).
-        # SGLang refuses MiniMax state with PP too. (The full-attention scales and DSA tails move
-        # stage to stage to a decode of the same PP size: _pp_problem refuses a decode of PP 1.)
+        # stages register the whole model's SWA layers). SGLang refuses MiniMax state with PP too.
+        # (STAGE_TO_STAGE_KINDS move to a decode of the same PP size: _pp_problem refuses PP 1.)
         for pp_kinds, what, source, entries in (
             (("block_scale_swa",), "MXFP8 SWA KV block scales", "--kv-cache-dtype mxfp8", "scale entries (K, then V"),
             (MINIMAX_KINDS, "MiniMax sparse state", "MiniMaxSparseKVPool", "entries (index keys, dense K then V"),
-            (QSA_KINDS, "QSA indexer state", "QSATokenToKVPool", "entries (rings and compressed keys"),
         ):
             names = [p.name for p in self.layout.states if p.kind in pp_kinds]
             if self.pp_size > 1 and names:
@@ -736,13 +734,13 @@ class KVXferKVManager(BaseKVManager):
         if self.pp_size == 1 and not self.layout.states:
             return tiling_problem(topo.pp_layers, ours)
         if self.pp_size == 1:  # a hybrid model: the KV pool holds the full-attention layers only
-            halves = [p.label for p in self.layout.states if p.kind in STAGE_TO_STAGE_KINDS]
-            if halves:
+            staged = [p.label for p in self.layout.states if p.kind in STAGE_TO_STAGE_KINDS]
+            if staged:
                 return (
-                    f"{halves[0]}: the prefill's {topo.pp_size} PP stages each send the entries of their own layers "
-                    "(K, then V scales or score rings), which a decode of PP 1 would need cut into its own halves; "
-                    "that mapping is not implemented by the kvxfer backend (SGLang's backends pair such entries "
-                    f"by position, stage to stage, too): serve the decode with --pp-size {topo.pp_size}"
+                    f"{staged[0]}: the prefill's {topo.pp_size} PP stages each send the entries of their own layers "
+                    "(K, then V scales or score rings of the stage's layers; QSA key rings and a RoPE ring each), "
+                    "which a decode of PP 1 would need mapped into its own entries; that mapping is not implemented "
+                    f"by the kvxfer backend: serve the decode with --pp-size {topo.pp_size}"
                 )
             problem = count_problem("the full-attention KV", [len(r) for r in topo.pp_layers], ours)
             counts = dict(topo.state_counts)

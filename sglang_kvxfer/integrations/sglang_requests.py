@@ -695,7 +695,8 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
         if not 0 <= prefill_dp_rank < dp_size:
             return self._fail(
                 f"init(): prefill_dp_rank={prefill_dp_rank} names no DP group of the prefill at "
-                f"{self.bootstrap_addr}: it registered dp_size={dp_size} (DP groups {list(groups)})"
+                f"{self.bootstrap_addr}: it registered dp_size={dp_size}, so ranks 0..{dp_size - 1} "
+                f"(DP groups registered when this decode read its info: {list(groups)})"
             )
         self.prefill_dp_rank, self._dp_size = int(prefill_dp_rank), dp_size
         if info is not None and info.problem and not info.routable:

@@ -50,7 +50,8 @@ What each type SGLang 0.5.23 hands a backend becomes (``disaggregation/utils.py`
   item per request slot (the request's row, ``get_qsa_pending_state_indices``), and per QSA
   layer the compressed keys, one item per KV page (one page's groups; the request's KV pages
   from its first token). Replicated like the DSA indexer: any TP pair, one writer per decode
-  rank. Entries are paired by position, so both sides list the same QSA layers (PP 1).
+  rank. Entries are paired by position, so both sides list the same QSA layers (with PP:
+  stage to stage; a stage without a QSA layer, whose components SGLang leaves empty, is refused).
 - ``mamba``: the conv and SSM state of the mamba pool (tensor-major, one entry per layer, one
   row per request slot, ``_mamba_payload``). An entry sliced over attention TP
   (``state_dim_per_tensor`` > 0: ``state_slice_outer_counts`` rows of that many channels,
@@ -182,6 +183,12 @@ def states_from_kv_args(
         ptrs, lens, items = (
             _component(args, f"state_{n}", i, len(names)) for n in ("data_ptrs", "data_lens", "item_lens")
         )
+        if not ptrs and kind in QSA_KINDS:  # (SGLang's QSATokenToKVPool on a PP stage without a QSA layer)
+            raise GeometryError(
+                f"KVArgs.state_data_ptrs[{i}] ({kind}) is empty: this PP stage holds no QSA layer, and PP stages "
+                "with and without QSA state are not implemented by the kvxfer backend (give every stage a QSA "
+                "layer with SGLANG_PP_LAYER_PARTITION)"
+            )
         if not ptrs or not len(ptrs) == len(lens) == len(items):
             raise GeometryError(
                 f"KVArgs.state_data_ptrs[{i}]/state_data_lens[{i}]/state_item_lens[{i}] ({kind}) have "

@@ -110,7 +110,10 @@ def stage_state(state, pp_size: int, pp_rank: int):
     still that of its model-wide entry (None: no state)."""
     if state is None or pp_size == 1:
         return state
-    sw, ma, ds = (pp_layers(n, pp_size)[pp_rank] for n in (state.swa_layers, state.mamba_layers, state.dsa_layers))
+    sw, ma, ds, qs = (
+        pp_layers(n, pp_size)[pp_rank]
+        for n in (state.swa_layers, state.mamba_layers, state.dsa_layers, state.qsa_layers)
+    )
     return dataclasses.replace(
         state,
         swa_layers=sw[1] - sw[0],
@@ -121,6 +124,9 @@ def stage_state(state, pp_size: int, pp_rank: int):
         dsa_layers=ds[1] - ds[0],
         dsa_first=ds[0],
         dsa_total=state.dsa_layers,
+        qsa_layers=qs[1] - qs[0],
+        qsa_first=qs[0],
+        qsa_total=state.qsa_layers,
         dsa_skip=tuple(i - ds[0] for i in state.dsa_skip if ds[0] <= i < ds[1]),
     )
 

@@ -104,6 +104,8 @@ class StateModel:
     qsa_layers: int = 2  # full-attention (QSA) layers
     qsa_dim: int = 8  # qsa_index_head_dim (indexer_kv_heads is 1)
     qsa_ratio: int = 2  # compress_ratio (divides the page size)
+    qsa_first: int = 0  # a PP stage's first QSA layer (of the model's)
+    qsa_total: int | None = None  # the model's QSA layers (None: qsa_layers)
 
     @property
     def tail_ring(self) -> int:
@@ -258,12 +260,13 @@ def attach(model, tp: int, rank: int, args, utils_defs, kv: tuple[list, list] = 
             bufs = [torch.zeros((ring, 1, s.qsa_dim), dtype=torch.bfloat16) for _ in range(s.qsa_layers)]
             bufs.append(torch.zeros((ring, 3), dtype=torch.int64))
             items = [b[0].nbytes * s.qsa_ratio for b in bufs]
-            extra = dict(layer_ids=[*range(s.qsa_layers), (1 << 32) - 2])  # QSA_ROPE_STATE_LAYER_ID
+            layers = range(s.qsa_first, s.qsa_first + s.qsa_layers)
+            extra = dict(layer_ids=[*layers, (1 << 32) - 2])  # QSA_ROPE_STATE_LAYER_ID
         elif kind == "qsa_compressed":  # get_qsa_compressed_state_buf_infos: one page's groups an item
             rows = -(-(model.pool_tokens + model.page_size) // s.qsa_ratio)
             bufs = [torch.zeros((rows, 1, s.qsa_dim), dtype=torch.bfloat16) for _ in range(s.qsa_layers)]
             items = [b[0].nbytes * (model.page_size // s.qsa_ratio) for b in bufs]
-            extra = dict(layer_ids=list(range(s.qsa_layers)))
+            extra = dict(layer_ids=list(range(s.qsa_first, s.qsa_first + s.qsa_layers)))
         else:  # a type this backend refuses: one row buffer, enough to register
             bufs = [torch.zeros((4, 16), dtype=torch.uint8)]
             items, extra = [16], {}
@@ -341,14 +344,16 @@ def payload(model, alloc: dict, kv_pages: np.ndarray, prefix: int) -> list:
 
 
 def _entry(model, kind: str, e: int) -> int:
-    """The model-wide entry of a ``block_scale`` or ``dsa_tail`` pool's entry ``e`` (K of every
-    layer, then V or score: a PP stage's entries of its layers), so rows of another stage's
-    layers are caught; other kinds' ``e`` as it is."""
+    """The model-wide entry of a ``block_scale``, ``dsa_tail`` or QSA pool's entry ``e`` (K of
+    every layer, then V or score; QSA's layers, then the RoPE ring: a PP stage's entries of its
+    layers), so rows of another stage's layers are caught; other kinds' ``e`` as it is."""
     s = model.state
     if kind == "block_scale":
         first, layers, total = s.scale_first, model.num_layers, s.scale_total
     elif kind == "dsa_tail":
         first, layers, total = s.dsa_first, s.dsa_layers, s.dsa_total
+    elif kind in ("qsa_pending", "qsa_compressed"):  # (the RoPE ring: one past the model's QSA layers)
+        return s.qsa_first + e if e < s.qsa_layers else (s.qsa_total or s.qsa_layers)
     else:
         return e
     half, i = divmod(e, layers)
@@ -402,7 +407,7 @@ def fill(
         units, n = _units(model, kind, alloc, kv_pages)
         for e, buf in enumerate(mem.buffers.get(kind, ())):
             for j, unit in enumerate(units):
-                row = _row(room, kind, e, 0, j, n * _view(buf).shape[1])
+                row = _row(room, kind, _entry(model, kind, e), 0, j, n * _view(buf).shape[1])
                 _page_rows(buf, unit, n)[:] = torch.from_numpy(row.reshape(n, -1))
     if prefix and s.minimax_alias and "minimax_dense_kv" in mem.buffers:
         # the prefill holds the prefix's KV too (it computed or cached it): its dense layers'
@@ -534,7 +539,7 @@ def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, 
         units, n = _units(model, kind, alloc, kv_pages)
         for e, buf in enumerate(mem.buffers.get(kind, ())):
             for j, unit in enumerate(units):
-                want = _row(room, kind, e, 0, j, n * _view(buf).shape[1])
+                want = _row(room, kind, _entry(model, kind, e), 0, j, n * _view(buf).shape[1])
                 if not np.array_equal(_page_rows(buf, unit, n).numpy().reshape(-1), want):
                     problems.append(f"{kind} entry {e}: unit {unit} (position {j}) differs")
     for e, buf in enumerate(mem.buffers.get("dsa_tail", ())):

@@ -131,7 +131,9 @@ def test_routes_never_take_another_groups_bytes_and_wrong_routes_fail_by_name():
     assert dec[wrong.room]["status"] == "Failed" and "[prefill DP group 0 of dp_size=2 at 127.0.0.1:" in reason, reason
     (reason,) = dec[past.room]["reasons"]
     assert "init(): prefill_dp_rank=5 names no DP group of the prefill at 127.0.0.1:" in reason, reason
-    assert "it registered dp_size=2 (DP groups [0, 1])" in reason, reason
+    # (which groups had registered when the decode read the prefill's info depends on timing)
+    want = "it registered dp_size=2, so ranks 0..1 (DP groups registered when this decode read its info: ["
+    assert want in reason, reason
     (reason,) = pre[(misrouted.room, 0)]["reasons"]
     assert "prefill DP group 0 was given bootstrap_room=" in reason, reason
     assert "follow_bootstrap_room routes to DP group 1 (bootstrap_room % dp_size, dp_size=2)" in reason, reason

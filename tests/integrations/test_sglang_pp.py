@@ -121,14 +121,22 @@ TAILS = dict(dsa_layers=3, dsa_skip=(1,), tail_pool=8)  # rings of 9; layer 1 sh
         (_mxfp8("block_scale"), (1, 1, 2), (1, 1, 2)),
         (_mxfp8("block_scale"), (2, 1, 2), (2, 1, 2)),  # each rank's scales of its heads, stage to stage
         (_hybrid("dsa", "dsa_tail", mla=True, **TAILS), (1, 1, 2), (2, 1, 2)),  # tails replicated to both ranks
+        (_hybrid("mamba", "qsa_pending", "qsa_compressed", qsa_layers=2), (1, 1, 2), (2, 1, 2)),
+        (_hybrid("qsa_pending", "qsa_compressed", qsa_layers=3), (2, 1, 2), (1, 1, 2)),  # 1 + 2 QSA layers
     ],
-    ids=["mxfp8-pp2-to-pp2", "mxfp8-pp2xtp2-to-pp2xtp2", "dsa-tails-mla-pp2-to-pp2xtp2"],
+    ids=[
+        "mxfp8-pp2-to-pp2",
+        "mxfp8-pp2xtp2-to-pp2xtp2",
+        "dsa-tails-mla-pp2-to-pp2xtp2",
+        "qsa+mamba-pp2-to-pp2xtp2",
+        "qsa-pp2xtp2-to-pp2",
+    ],  # fmt: skip
 )
-def test_block_scales_and_dsa_tails_move_stage_to_stage_to_a_decode_of_the_same_pp(tmp_path, model, prefill, decode):
-    """MXFP8 block scales and DSA indexer tails with --pp-size: each stage registers and sends the
-    entries of its own layers (K, then V scales; K, then score rings) to the decode stage of the
-    same PP rank; every row's content is a function of its model-wide entry (a row of another
-    stage's layer is caught), every state row and KV byte is compared."""
+def test_scales_tails_and_qsa_state_move_stage_to_stage_to_a_decode_of_the_same_pp(tmp_path, model, prefill, decode):
+    """MXFP8 block scales, DSA indexer tails and QSA indexer state with --pp-size: each stage
+    registers and sends the entries of its own layers (K, then V scales; K, then score rings;
+    QSA key rings and its RoPE ring, compressed keys) to the decode stage of the same PP rank; every row's content is a function of its model-wide
+    entry (a row of another stage's layer is caught), every state row and KV byte is compared."""
     reports = run(tmp_path, model, prefill, decode)
     pps.check_decoded(reports, decode[2], ROOMS)
     for s in range(prefill[2]):
@@ -141,10 +149,11 @@ def test_block_scales_and_dsa_tails_move_stage_to_stage_to_a_decode_of_the_same_
     [
         (_mxfp8("block_scale"), "MXFP8 KV block scales (KVArgs.state_types[0]='block_scale'"),
         (_hybrid("dsa_tail", mla=True, **TAILS), "DSA indexer tails (KVArgs.state_types[0]='dsa_tail'"),
+        (_hybrid("qsa_pending", "qsa_compressed"), "QSA pending key and RoPE rings (KVArgs.state_types[0]="),
     ],
-    ids=["mxfp8", "dsa-tails"],
+    ids=["mxfp8", "dsa-tails", "qsa"],
 )
-def test_block_scales_or_dsa_tails_from_pp_stages_to_a_decode_of_pp1_fail_naming_the_pool(tmp_path, model, label):
+def test_scales_tails_or_qsa_state_from_pp_stages_to_a_decode_of_pp1_fail_naming_the_pool(tmp_path, model, label):
     env = {"KVXFER_BOOTSTRAP_TIMEOUT_S": "5"}
     reports = run(tmp_path, model, (1, 1, 2), (1, 1, 1), requests=ROOMS[:1], env=env)
     dec = reports["decode pp0"]

@@ -203,6 +203,9 @@ def test_qsa_rings_and_compressed_keys_are_replicated_rows():
     assert [g.tolist() for g in got] == [[5], [5], [3, 1]]
     with pytest.raises(ValueError, match=r"state_indices\[0\] \(qsa_pending\) must be the request's one slot, got 2"):
         state_pages(pools, [np.array([5, 6]), np.array([3])])
+    none = dict(ptrs=[], lens=[], items=[])  # a PP stage without a QSA layer: SGLang's components are empty
+    with pytest.raises(GeometryError, match=r"state_data_ptrs\[0\] \(qsa_pending\) is empty: this PP stage holds no"):
+        layout(with_state(("qsa_pending", none), ("qsa_compressed", none)))
 
 
 def test_several_types_keep_state_types_order():
