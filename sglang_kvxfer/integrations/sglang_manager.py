@@ -154,7 +154,7 @@ def _check_dcp(mgr: KVXferKVManager) -> None:
     # them, one row per page_size tokens of the widened id space, and lists a request's rows
     # in order, as a prefill of DCP 1 lists its pages), so they move row for row. SWA pages
     # would be split token by token (SGLang refuses an SWA pool with PD DCP too).
-    refused = [p.name for p in mgr.layout.states if p.kind in ("swa", "dsa_tail", *SCALE_KINDS, *MINIMAX_KINDS)]
+    refused = [p.name for p in mgr.layout.states if p.kind in ("swa", "dsa_tail", *SCALE_KINDS)]
     if refused:
         why = f"extra per-request state ({describe(refused)}) with DCP is not implemented (mamba and DSA state are)"
         raise _not_supported("--dcp-size", mgr.dcp_size, why)
