@@ -64,7 +64,9 @@ from sglang_kvxfer.geometry import KVGeometry
 SALT = {"swa": 0x5A5A_0001, "mamba": 0x3A3B_0002, "dsa": 0xD5A0_0003, "block_scale": 0xB5C0_0004,
         "block_scale_swa": 0xB5C0_0005, "dsa_tail": 0xD5A7_0006, "minimax_index_k": 0x313A_0007,
         "minimax_dense_kv": 0x313A_0008, "qsa_pending": 0x05A0_0009, "qsa_compressed": 0x05A0_000A}  # fmt: skip
-ROW_KINDS = ("block_scale", "block_scale_swa", "minimax_index_k")  # a page's rows, a function of the rank
+# kinds whose request rows are whole units of rows (a page's, a request row's ring), each unit's
+# content a function of (room, entry, position) and, unless replicated (QSA), of the rank
+UNIT_KINDS = ("block_scale", "block_scale_swa", "minimax_index_k", "qsa_pending", "qsa_compressed")
 
 
 @dataclass
@@ -337,7 +339,8 @@ def payload(model, alloc: dict, kv_pages: np.ndarray, prefix: int) -> list:
         elif kind in ("minimax_dense_kv", "qsa_compressed"):  # _full_kv_pages_payload
             out.append(np.asarray(kv_pages, dtype=np.int32))
         elif kind == "qsa_pending":  # SGLang's get_qsa_pending_state_indices: the request-pool row
-            out.append(_sglang_qsa_row()(SimpleNamespace(kv=SimpleNamespace(req_pool_idx=alloc["req"]))))
+            row = _sglang("get_qsa_pending_state_indices")
+            out.append(row(SimpleNamespace(kv=SimpleNamespace(req_pool_idx=alloc["req"]))))
         else:
             out.append(np.array([1], dtype=np.int32))
     return out
@@ -397,18 +400,12 @@ def fill(
                     _view(buf)[int(page)] = torch.from_numpy(
                         _row(room, "dsa", s.entry_id("dsa", e), 0, j, buf.shape[1])
                     )
-    ps = model.page_size
-    for kind in (*ROW_KINDS, *(() if s.minimax_alias else ("minimax_dense_kv",))):
-        for e, buf in enumerate(mem.buffers.get(kind, ())):
-            for j, page in enumerate(_scale_pages(kind, alloc, kv_pages)):  # (the prefix's too: computed)
-                row = _row(room, kind, _entry(model, kind, e), rank, j, ps * _view(buf).shape[1])
-                _page_rows(buf, page, ps)[:] = torch.from_numpy(row.reshape(ps, -1))
-    for kind in ("qsa_pending", "qsa_compressed"):  # one index head: the same rows on every rank
-        units, n = _units(model, kind, alloc, kv_pages)
+    for kind in _unit_kinds(model):
+        units, n = _units(model, kind, alloc, kv_pages)  # (the prefix's too: the prefill computed them)
         for e, buf in enumerate(mem.buffers.get(kind, ())):
             for j, unit in enumerate(units):
-                row = _row(room, kind, _entry(model, kind, e), 0, j, n * _view(buf).shape[1])
-                _page_rows(buf, unit, n)[:] = torch.from_numpy(row.reshape(n, -1))
+                row = _row(room, kind, _entry(model, kind, e), _who(kind, rank), j, n * _view(buf).shape[1])
+                _unit_rows(buf, unit, n)[:] = torch.from_numpy(row.reshape(n, -1))
     if prefix and s.minimax_alias and "minimax_dense_kv" in mem.buffers:
         # the prefill holds the prefix's KV too (it computed or cached it): its dense layers'
         # pages from the first token are sent, over what the decode's radix cache holds
@@ -423,17 +420,23 @@ def fill(
 
 
 @functools.cache
-def _sglang_tail_index():
+def _sglang(name: str, relpath: str = "disaggregation/utils.py"):
+    """SGLang's own definition ``name`` from ``relpath`` (of ``sglang/srt``), with the module
+    globals these helpers use (``np``, ``kv_to_page_indices``)."""
     from tests.integrations.sglang_env import load_utils_defs
 
-    return load_utils_defs(("get_dsa_tail_state_indices",)).get_dsa_tail_state_indices
+    module = load_utils_defs((name,), relpath)
+    module.np = np
+    if name != "kv_to_page_indices":
+        module.kv_to_page_indices = _sglang("kv_to_page_indices", "mem_cache/common.py")
+    return getattr(module, name)
 
 
 def tail_index(model, alloc: dict) -> list[int]:
     """SGLang's own ``get_dsa_tail_state_indices`` of this side's ring for the request."""
     s = model.state
     pool = SimpleNamespace(kpool_use_compress=True, index_kpool=s.tail_pool, tail_extra_slots=s.tail_extra)
-    return _sglang_tail_index()(pool, alloc["mamba"], alloc["tokens"])
+    return _sglang("get_dsa_tail_state_indices")(pool, alloc["mamba"], alloc["tokens"])
 
 
 def _tail_positions(model, alloc: dict) -> list[tuple[int, int]]:
@@ -444,45 +447,37 @@ def _tail_positions(model, alloc: dict) -> list[tuple[int, int]]:
     return [(t, (start + t) % s.tail_ring) for t in range(live)]
 
 
-@functools.cache
-def _sglang_minimax_pages():
-    from tests.integrations.sglang_env import load_utils_defs
-
-    module = load_utils_defs(("minimax_index_transfer_pages",), "disaggregation/minimax.py")
-    common = load_utils_defs(("kv_to_page_indices",), "mem_cache/common.py")
-    module.np, module.kv_to_page_indices = np, common.kv_to_page_indices
-    return module.minimax_index_transfer_pages
-
-
 def minimax_index(model, alloc: dict, kv_pages, prefix: int) -> np.ndarray:
     """SGLang's own ``minimax_index_transfer_pages`` over the request's token slots."""
     import torch
 
     ps, tokens = model.page_size, alloc["tokens"]
     slots = (np.repeat(np.asarray(kv_pages, dtype=np.int64) * ps, ps) + np.tile(np.arange(ps), len(kv_pages)))[:tokens]
-    return _sglang_minimax_pages()(torch.from_numpy(slots), page_size=ps, prefix_len=prefix)
+    pages = _sglang("minimax_index_transfer_pages", "disaggregation/minimax.py")
+    return pages(torch.from_numpy(slots), page_size=ps, prefix_len=prefix)
 
 
-@functools.cache
-def _sglang_qsa_row():
-    from tests.integrations.sglang_env import load_utils_defs
-
-    module = load_utils_defs(("get_qsa_pending_state_indices",))
-    module.np = np
-    return module.get_qsa_pending_state_indices
+def _unit_kinds(model) -> tuple[str, ...]:
+    """UNIT_KINDS, and MiniMax's dense-layer KV when it has buffers of its own."""
+    return (*UNIT_KINDS, *(() if model.state.minimax_alias else ("minimax_dense_kv",)))
 
 
 def _units(model, kind: str, alloc: dict, kv_pages) -> tuple[list[int], int]:
-    """(the request's units, rows of one unit) of a QSA buffer: its request row's ring, its
-    KV pages' compressed groups."""
-    s = model.state
+    """(the request's units, rows of one unit) of a ``_unit_kinds`` buffer: its SWA window's
+    pages, its request row's ring, its KV pages' compressed groups, or its KV pages."""
+    s, ps = model.state, model.page_size
+    if kind == "block_scale_swa":
+        return [int(p) for p in alloc["swa"]], ps
     if kind == "qsa_pending":
         return [alloc["req"]], s.qsa_ratio
-    return [int(p) for p in kv_pages], model.page_size // s.qsa_ratio
+    if kind == "qsa_compressed":
+        return [int(p) for p in kv_pages], ps // s.qsa_ratio
+    return [int(p) for p in kv_pages], ps
 
 
-def _scale_pages(kind: str, alloc: dict, kv_pages) -> list[int]:
-    return [int(p) for p in (alloc["swa"] if kind == "block_scale_swa" else kv_pages)]
+def _who(kind: str, rank: int) -> int:
+    """Whose rows a unit holds: the rank's, or every rank's (QSA's one index head)."""
+    return 0 if kind.startswith("qsa_") else rank
 
 
 def _kept(model, kind: str, prefix: int) -> int:
@@ -492,9 +487,9 @@ def _kept(model, kind: str, prefix: int) -> int:
     return prefix // model.page_size if kind == "minimax_index_k" else 0
 
 
-def _page_rows(buf, page: int, ps: int):
-    """The rows of ``page`` (``ps`` token rows) of a scale buffer."""
-    return _view(buf)[page * ps : (page + 1) * ps]
+def _unit_rows(buf, unit: int, n: int):
+    """The ``n`` rows of ``unit`` of a buffer."""
+    return _view(buf)[unit * n : (unit + 1) * n]
 
 
 def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, kv_pages, prefix: int) -> list[str]:
@@ -524,24 +519,17 @@ def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, 
                 want = _row(room, "dsa", s.entry_id("dsa", e), 0, j, buf.shape[1])
                 if not np.array_equal(_view(buf)[int(page)].numpy(), want):
                     problems.append(f"DSA entry {e}: page {int(page)} (position {j}) differs")
-    ps = model.page_size
-    for kind in (*ROW_KINDS, *(() if s.minimax_alias else ("minimax_dense_kv",))):
-        for e, buf in enumerate(mem.buffers.get(kind, ())):
-            kept = _kept(model, kind, prefix)
-            for j, page in enumerate(_scale_pages(kind, alloc, kv_pages)):
-                want = _row(room, kind, _entry(model, kind, e), rank, j, ps * _view(buf).shape[1])
-                got = _page_rows(buf, page, ps).numpy().reshape(-1)
-                if j < kept and got.any():
-                    problems.append(f"{kind} entry {e}: page {page} (position {j}) of the decode's prefix was written")
-                elif j >= kept and not np.array_equal(got, want):
-                    problems.append(f"{kind} entry {e}: page {page} (position {j}) differs from rank {rank}'s")
-    for kind in ("qsa_pending", "qsa_compressed"):
+    for kind in _unit_kinds(model):
         units, n = _units(model, kind, alloc, kv_pages)
+        kept, who = _kept(model, kind, prefix), _who(kind, rank)
         for e, buf in enumerate(mem.buffers.get(kind, ())):
             for j, unit in enumerate(units):
-                want = _row(room, kind, _entry(model, kind, e), 0, j, n * _view(buf).shape[1])
-                if not np.array_equal(_page_rows(buf, unit, n).numpy().reshape(-1), want):
-                    problems.append(f"{kind} entry {e}: unit {unit} (position {j}) differs")
+                want = _row(room, kind, _entry(model, kind, e), who, j, n * _view(buf).shape[1])
+                got = _unit_rows(buf, unit, n).numpy().reshape(-1)
+                if j < kept and got.any():
+                    problems.append(f"{kind} entry {e}: unit {unit} (position {j}) of the decode's prefix was written")
+                elif j >= kept and not np.array_equal(got, want):
+                    problems.append(f"{kind} entry {e}: unit {unit} (position {j}) differs from rank {who}'s")
     for e, buf in enumerate(mem.buffers.get("dsa_tail", ())):
         for t, at in _tail_positions(model, alloc) if buf.shape[0] else ():
             got = _view(buf[alloc["mamba"], at : at + 1])[0].numpy()
@@ -560,20 +548,11 @@ def untouched(model, mem: StateMemory, allocs: list[dict], kv_pages: list) -> li
             used = {a["mamba"] for a in allocs}
         elif kind == "dsa":
             used = {int(p) for pages in kv_pages for p in pages}
-        elif kind == "minimax_dense_kv" and model.state.minimax_alias:  # the KV's own (checked as KV)
-            continue
-        elif kind in ("qsa_pending", "qsa_compressed"):  # the rows of the request's units
+        elif kind in _unit_kinds(model):  # the rows of the requests' units
             used = set()
             for a, pages in zip(allocs, kv_pages):
                 units, n = _units(model, kind, a, pages)
                 used |= {u * n + r for u in units for r in range(n)}
-        elif kind in (*ROW_KINDS, "minimax_dense_kv"):  # token rows of the pages
-            used = {
-                p * ps + t
-                for a, pages in zip(allocs, kv_pages)
-                for p in _scale_pages(kind, a, pages)
-                for t in range(ps)
-            }
         else:
             continue
         for e, buf in enumerate(bufs):
