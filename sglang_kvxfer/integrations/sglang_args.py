@@ -580,6 +580,9 @@ class SglangLayout:
     # the KV pool holds every KV head while the rank transfers as TP rank tp_rank of tp_size
     # (--enable-cp-tp-group-sharing; RankPlacement.all_heads)
     all_heads: bool = False
+    # KVArgs.kv_layout (a DeepSeek-V4 pool): the geometry's rows are whole KV pages of its first
+    # run of one page size; the other runs are KV_PAGES pools in ``states`` (None: a plain pool)
+    kv_layout: str | None = None
 
 
 def _per_entry_dim(
@@ -705,6 +708,60 @@ def _draft_layout(
     return DraftLayout(geometry, tuple(ptrs[first:]), tuple(lens[first:]))
 
 
+def _paged_layout(
+    args: Any,
+    kv_layout: str,
+    ptrs: list,
+    lens: list,
+    items: list,
+    tp_size: int,
+    mla: bool,
+    cp_tp: int,
+    dcp: int,
+) -> SglangLayout:
+    """A DeepSeek-V4 pool (``KVArgs.kv_layout`` set: ``DeepSeekV4TokenToKVPool``): its KV entries
+    move as whole pages (``sglang_state.kv_page_pools``), its state as rows."""
+    from sglang_kvxfer.integrations.sglang_state import kv_page_pools, states_from_kv_args
+
+    for flag, value, why in (
+        (
+            "KVArgs.kv_layout",
+            kv_layout,
+            "" if mla else "a kv_layout pool that is not an MLA one (SGLang's is_mla_backend)",
+        ),
+        ("--enable-cp-tp-group-sharing", cp_tp, "with a kv_layout pool" if cp_tp > 1 else ""),
+        (
+            "--dcp-size",
+            dcp,
+            "with a kv_layout pool (whole compressed pages are not split over DCP ranks)" if dcp > 1 else "",
+        ),
+    ):
+        if why:
+            raise _not_supported(flag, value, f"{why} is not implemented by the kvxfer backend")
+    # (a draft's compressed KV entries, if any, share the target's page ids: more runs of pages; a
+    # DeepSeek-V4 NextN draft has SWA layers only and comes as state components of its own)
+    geometry, kv_ptrs, kv_lens, pages = kv_page_pools(kv_layout, ptrs, lens, items)
+    page_size = _int("KVArgs.page_size", _get(args, "page_size", None), 1)
+    rank = _int("KVArgs.engine_rank", _get(args, "engine_rank", None), 0) % tp_size
+    states = states_from_kv_args(args, tp_size=tp_size, rank=rank, mla=True, dtype="uint8", page_size=page_size)
+    return SglangLayout(
+        geometry,
+        tp_size,
+        rank,
+        tuple(kv_ptrs),
+        tuple(kv_lens),
+        _aux(args),
+        0,
+        None,
+        (*pages, *states),
+        kv_layout=kv_layout,
+    )
+
+
+def _aux(args: Any) -> AuxLayout:
+    return AuxLayout(*(tuple(_get(args, n, None) or ()) for n in ("aux_data_ptrs", "aux_data_lens", "aux_item_lens")))
+
+
 def layout_from_kv_args(
     args: Any,
     *,
@@ -752,10 +809,7 @@ def layout_from_kv_args(
     # is_mla_backend=False for its HybridLinearKVPool and says so here; its full-attention KV
     # is an MLA latent (one buffer per layer), as SGLang's own backends read it.
     mla = bool(mla) or bool(_get(args, "is_hybrid_mla_backend", False))
-    if _get(args, "kv_layout", None) is not None:
-        raise _not_supported(
-            "KVArgs.kv_layout", _get(args, "kv_layout"), "only plain NHD pools (kv_layout None) are implemented"
-        )
+    kv_layout = _get(args, "kv_layout", None)
     ptrs, lens, items = (list(_get(args, n, None) or []) for n in ("kv_data_ptrs", "kv_data_lens", "kv_item_lens"))
     if not ptrs or not len(ptrs) == len(lens) == len(items):
         raise GeometryError(
@@ -763,6 +817,8 @@ def layout_from_kv_args(
             f"{len(items)} entries; they must match and be non-empty"
         )
     draft = _int("KVArgs.num_draft_entries", _get(args, "num_draft_entries", 0) or 0, 0)
+    if kv_layout is not None:
+        return _paged_layout(args, str(kv_layout), ptrs, lens, items, tp_size, mla, cp_tp, dcp_size)
     main = len(ptrs) - draft
     if main < 1 or (not mla and main % 2):
         raise GeometryError(
@@ -844,18 +900,13 @@ def layout_from_kv_args(
         swa_kv_heads=swa_kv_heads,
         dsa_index_head_dim=dsa_index_head_dim,
     )
-    aux = AuxLayout(
-        tuple(_get(args, "aux_data_ptrs", None) or ()),
-        tuple(_get(args, "aux_data_lens", None) or ()),
-        tuple(_get(args, "aux_item_lens", None) or ()),
-    )
     return SglangLayout(
         geometry,
         tp_size,
         rank,
         tuple(ptrs[:main]),
         tuple(lens[:main]),
-        aux,
+        _aux(args),
         draft,
         draft_layout,
         states,

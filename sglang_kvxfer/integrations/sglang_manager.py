@@ -259,6 +259,19 @@ class KVXferKVManager(BaseKVManager):
                     f"with {what} ({describe(names)}, {source}): mapping a stage's {entries} of its layers) onto "
                     "the decode's is not implemented by the kvxfer backend",
                 )
+        if self.layout.kv_layout is not None:  # (DeepSeek-V4: KV moves as whole compressed pages)
+            for flag, value, on in (
+                ("--pp-size", self.pp_size, self.pp_size > 1),
+                ("--attn-cp-size", self.plan.attn_cp_size, self.plan.attn_cp_size > 1),
+                ("--enable-kv-cache-sharding", True, self.plan.kv_sharded),
+            ):
+                if on:
+                    raise _not_supported(
+                        flag,
+                        value,
+                        f"with a compressed KV pool (KVArgs.kv_layout={self.layout.kv_layout!r}, DeepSeek-V4): "
+                        "mapping its pages and state over stages or shards is not implemented by the kvxfer backend",
+                    )
         qsa = [p.name for p in self.layout.states if p.kind in QSA_KINDS]
         if qsa and self.plan.attn_cp_size > 1:
             raise _not_supported(

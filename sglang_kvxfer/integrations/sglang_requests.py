@@ -45,7 +45,7 @@ from sglang_kvxfer.integrations.sglang_common import (
     seam,
 )
 from sglang_kvxfer.integrations.sglang_manager import KVXferKVManager
-from sglang_kvxfer.integrations.sglang_state import StatePool, state_pages
+from sglang_kvxfer.integrations.sglang_state import KV_PAGES, StatePool, state_pages
 
 if TYPE_CHECKING:
     from sglang_kvxfer.engine import KVReceiver, KVSender
@@ -388,7 +388,10 @@ class KVXferKVSender(_Request, BaseKVSender):
             # with KV cache sharding the state is a DSA indexer's pages, sharded like the KV)
             sharded = self.kv_mgr.kv_sharded
             replica = not sharded and self.kv_mgr.cp_sharded and self.kv_mgr.cp_rank > 0
-            state = state_pages([pool for pool, _ in self._states], state_indices) if last and not replica else []
+            state = []
+            if last and not replica:  # (a kv_layout pool's other KV runs: every page the request sent)
+                sent = np.concatenate([*self._pages, pages]) if self._pages else pages
+                state = state_pages([pool for pool, _ in self._states], state_indices, sent)
             where: list[np.ndarray | None] = [None] * len(state)
             if sharded:  # each indexer's pages this shard rank holds, at their positions
                 owned = [self._shard_pages(rows, slice(0, len(rows))) for rows in state]
@@ -409,8 +412,14 @@ class KVXferKVSender(_Request, BaseKVSender):
             self._sender.send(pages, last_chunk=last, aux=aux, ready=wait, positions=positions)
             if self._draft is not None:  # (SGLang's draft pool shares the model's logical pages)
                 self._draft.send(pages, last_chunk=last, aux=draft_aux, ready=wait, positions=positions)
-            for (_, sender), rows, digests, at in zip(self._states, state, state_aux, where):
-                sender.send(rows, last_chunk=True, aux=digests, ready=wait, positions=at)
+            if not last:  # a kv_layout pool's other KV runs move chunk by chunk with the model's pool
+                for pool, sender in self._states:
+                    if pool.kind == KV_PAGES:
+                        sender.send(pages, last_chunk=False, ready=wait)
+            for (pool, sender), rows, digests, at in zip(self._states, state, state_aux, where):
+                # (the last chunk of a KV run: its own pages; the digests cover every page it sent)
+                sent = pages if pool.kind == KV_PAGES else rows
+                sender.send(sent, last_chunk=True, aux=digests, ready=wait, positions=at)
             self.curr_idx = index_slice.stop
         except Exception as exc:
             self._fail_from("send()", exc)
@@ -813,12 +822,12 @@ class KVXferKVReceiver(_Request, BaseKVReceiver):
                 raise ValueError(f"destination={destination!r}: only device KV destinations are supported")
             page_size = self.kv_mgr.layout.geometry.page_size
             prefix = prefix_tokens(decode_prefix_len, page_size, "decode")
-            state = state_pages(self.kv_mgr.layout.states, state_indices)
+            pages = page_array(kv_indices)
+            state = state_pages(self.kv_mgr.layout.states, state_indices, pages)
             if kwargs:
                 raise ValueError(f"unsupported argument(s) {sorted(kwargs)}")
             if aux_index is not None:
                 self.kv_mgr.layout.aux.check_slot(aux_index)
-            pages = page_array(kv_indices)
             if not self._rxs:
                 raise KVXferError(f"kvxfer room {self.bootstrap_room} has no engine request: {self._reason}")
             # --dcp-size N: kv_indices are pages of page_size * N tokens, of which this rank

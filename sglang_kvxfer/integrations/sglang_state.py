@@ -3,7 +3,8 @@
 Owns ``StatePool`` (one engine pool of a rank's state: a component of ``state_types``, or a
 run of its entries of one row size), ``states_from_kv_args`` (the translation, every refusal
 naming the KVArgs field), ``state_pages`` (a request's ``state_indices``, checked) and
-``state_problem`` (why two servers' state pools cannot exchange a request). Each pool is moved
+``state_problem`` (why two servers' state pools cannot exchange a request), and ``kv_page_pools``
+(a DeepSeek-V4 ``kv_layout`` pool's KV entries as whole pages). Each pool is moved
 by an engine manager of its own (``kv_pool=StatePool.name``), one engine request per SGLang
 request over the pool's own indices, so validation at registration, deadlines, failures and
 head re-sharding are the engine's. Must not import sglang or torch.
@@ -52,6 +53,15 @@ What each type SGLang 0.5.23 hands a backend becomes (``disaggregation/utils.py`
   from its first token). Replicated like the DSA indexer: any TP pair, one writer per decode
   rank. Entries are paired by position, so both sides list the same QSA layers (with PP:
   stage to stage; a stage without a QSA layer, whose components SGLang leaves empty, is refused).
+- DeepSeek-V4 (``DeepSeekV4TokenToKVPool``, a ``KVArgs.kv_layout`` pool; MLA: every row is
+  replicated over attention TP, any TP pair, one writer per decode rank): its ``swa`` component
+  is a list of entries of their own sizes (the SWA KV of every layer, one item an SWA page,
+  then the C4 compressor and indexer state, one item an SWA page's ring), one row per entry
+  and SWA page id (the window's pages); ``swa_ring`` (unified KV: one row per ring row of
+  every layer, the window's positions ``req_pool_idx * ring + pos % ring``), ``c128_state``
+  (the request-scoped C128 compressor ring page or online row: none at a block boundary,
+  ``request_state_transfer_indices``) and ``request_row`` (a draft's SWA valid-from mark, the
+  request's row) are rows of their own sizes. Each run of entries of one row size is a pool.
 - ``mamba``: the conv and SSM state of the mamba pool (tensor-major, one entry per layer, one
   row per request slot, ``_mamba_payload``). An entry sliced over attention TP
   (``state_dim_per_tensor`` > 0: ``state_slice_outer_counts`` rows of that many channels,
@@ -67,6 +77,7 @@ What each type SGLang 0.5.23 hands a backend becomes (``disaggregation/utils.py`
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -82,7 +93,10 @@ __all__ = [
     "SCALE_KINDS",
     "MINIMAX_KINDS",
     "QSA_KINDS",
+    "DSV4_KINDS",
+    "KV_PAGES",
     "StatePool",
+    "kv_page_pools",
     "states_from_kv_args",
     "state_pages",
     "state_problem",
@@ -92,11 +106,13 @@ __all__ = [
 
 HANDLED_STATE_TYPES = (
     "mamba", "swa", "dsa", "dsa_tail", "block_scale", "block_scale_swa", "minimax_index_k", "minimax_dense_kv",
-    "qsa_pending", "qsa_compressed",
+    "qsa_pending", "qsa_compressed", "swa_ring", "c128_state", "request_row",
 )  # fmt: skip
 SCALE_KINDS = ("block_scale", "block_scale_swa")  # an MXFP8 KV cache's block scales
 MINIMAX_KINDS = ("minimax_index_k", "minimax_dense_kv")  # a MiniMax sparse-attention pool's state
 QSA_KINDS = ("qsa_pending", "qsa_compressed")  # a QSA indexer's state (one index head: replicated)
+DSV4_KINDS = ("swa_ring", "c128_state", "request_row")  # a DeepSeek-V4 pool's request-addressed state
+KV_PAGES = "kv_pages"  # a kv_layout pool's KV entries past its first run of one page size (moved as state)
 
 _MAMBA_NO_DIMS = (
     "mamba conv/SSM state rows are sharded over attention TP, and this server's KVArgs.state_dim_per_tensor "
@@ -123,8 +139,8 @@ class StatePool:
     """One engine pool of a rank's extra per-request state."""
 
     name: str  # the kv_pool of its engine manager: "state:swa", "state:mamba.1"
-    kind: str  # one of HANDLED_STATE_TYPES
-    index: int  # its component of KVArgs.state_types: its indices are state_indices[index]
+    kind: str  # one of HANDLED_STATE_TYPES, or KV_PAGES
+    index: int  # its component of KVArgs.state_types: its indices are state_indices[index] (KV_PAGES: -1)
     label: str  # how failures name it
     geometry: KVGeometry
     ptrs: tuple[int, ...]  # the geometry's buffers (SWA: K of every layer, then V)
@@ -176,10 +192,13 @@ def states_from_kv_args(
                 f"the backend moves {', '.join(HANDLED_STATE_TYPES)} state only (types {names}); "
                 f"transferring {name!r} state is not implemented",
             )
-    if len(set(names)) != len(names):
+    # DeepSeek-V4 NextN: SGLang appends the draft's SWA (or SWA ring) component after the
+    # target's, paired by position on both sides; its pools are named by component index
+    if len(set(names)) != len(names) and _get(args, "kv_layout", None) is None:
         raise GeometryError(f"KVArgs.state_types={names} names a type twice")
     pools: list[StatePool] = []
     for i, kind in enumerate(names):
+        again = kind in names[:i]
         ptrs, lens, items = (
             _component(args, f"state_{n}", i, len(names)) for n in ("data_ptrs", "data_lens", "item_lens")
         )
@@ -194,7 +213,14 @@ def states_from_kv_args(
                 f"KVArgs.state_data_ptrs[{i}]/state_data_lens[{i}]/state_item_lens[{i}] ({kind}) have "
                 f"{len(ptrs)}/{len(lens)}/{len(items)} entries; they must match and be non-empty"
             )
-        if kind == "swa":
+        if again and kind not in ("swa", *DSV4_KINDS):
+            raise GeometryError(f"KVArgs.state_types={names} names {kind!r} twice (a DeepSeek-V4 draft adds swa rows)")
+        if again:  # (a DeepSeek-V4 draft's: rows, as the target's; "state:swa_3.0")
+            made = _row_pools(i, kind, ptrs, lens, items, "")
+            pools += [replace(p, name=p.name.replace(f"state:{kind}", f"state:{kind}_{i}", 1)) for p in made]
+        elif kind == "swa" and _get(args, "kv_layout", None) is not None:  # DeepSeek-V4: per-entry rows
+            pools += _row_pools(i, kind, ptrs, lens, items, "")
+        elif kind == "swa":
             pools.append(_swa_pool(args, i, ptrs, lens, items, tp_size, rank, mla, dtype, page_size, swa_kv_heads))
         elif kind == "mamba":
             pools += _mamba_pools(args, i, ptrs, lens, items, tp_size)
@@ -202,7 +228,7 @@ def states_from_kv_args(
             pools += _tail_pools(i, ptrs, lens, items, mla, dsa_index_head_dim)
         elif kind in MINIMAX_KINDS:  # (MiniMax's attention is MHA: never replicated over TP)
             pools += _row_pools(i, kind, ptrs, lens, items, _MINIMAX_TP)
-        elif kind in QSA_KINDS:  # (indexer_kv_heads is 1: every rank holds the same rows)
+        elif kind in (*QSA_KINDS, *DSV4_KINDS):  # (one index head / an MLA pool: every rank holds the same rows)
             pools += _row_pools(i, kind, ptrs, lens, items, "")
         else:
             why = _DSA_TP if kind == "dsa" else _SCALE_TP
@@ -277,12 +303,18 @@ def _swa_pool(
     return StatePool("state:swa", "swa", i, label, geometry, tuple(ptrs), tuple(lens))
 
 
+def _field(i: int, name: str) -> str:
+    """KVArgs field ``name`` (``data_ptrs``...) of state component ``i``; ``i`` -1: the KV's."""
+    return f"kv_{name}" if i < 0 else f"state_{name}[{i}]"
+
+
 def _entry(i: int, kind: str, e: int, ptrs: list, lens: list, items: list) -> None:
     """Entry ``e`` of a non-empty row buffer: an address and at least one row."""
-    _int(f"KVArgs.state_data_ptrs[{i}][{e}]", ptrs[e], 1)
-    if _int(f"KVArgs.state_data_lens[{i}][{e}]", lens[e], 0) < items[e]:
+    _int(f"KVArgs.{_field(i, 'data_ptrs')}[{e}]", ptrs[e], 1)
+    if _int(f"KVArgs.{_field(i, 'data_lens')}[{e}]", lens[e], 0) < items[e]:
         raise GeometryError(
-            f"KVArgs.state_data_lens[{i}][{e}]={lens[e]} ({kind}) holds no row of state_item_lens[{i}][{e}]={items[e]}"
+            f"KVArgs.{_field(i, 'data_lens')}[{e}]={lens[e]} ({kind}) holds no row of "
+            f"{_field(i, 'item_lens')}[{e}]={items[e]}"
         )
 
 
@@ -291,8 +323,8 @@ def _run_rows(i: int, kind: str, run: list[int], lens: list, items: list, what: 
     rows = {lens[e] // items[e] for e in run}
     if len(rows) > 1:
         raise GeometryError(
-            f"KVArgs.state_data_lens[{i}] // state_item_lens[{i}] ({kind}): entries {run[0]}..{run[-1]} hold "
-            f"{sorted(rows)} rows; the entries of one {what} must hold the same rows"
+            f"KVArgs.{_field(i, 'data_lens')} // {_field(i, 'item_lens')} ({kind}): entries {run[0]}..{run[-1]} "
+            f"hold {sorted(rows)} rows; the entries of one {what} must hold the same rows"
         )
     return rows.pop()
 
@@ -310,7 +342,7 @@ def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, why: str)
     (entries tensor-major, one per layer: mamba's conv rows, then its SSM rows...)."""
     runs: list[list[int]] = []
     for e, item in enumerate(items):
-        _int(f"KVArgs.state_item_lens[{i}][{e}]", item, 0)
+        _int(f"KVArgs.{_field(i, 'item_lens')}[{e}]", item, 0)
         if item == 0:  # no buffer (a DSA layer reusing another's top-k): nothing to move
             continue
         _entry(i, kind, e, ptrs, lens, items)
@@ -319,7 +351,7 @@ def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, why: str)
         else:
             runs.append([e])
     if not runs:
-        raise GeometryError(f"KVArgs.state_item_lens[{i}] ({kind}) has no non-empty entry: {items}")
+        raise GeometryError(f"KVArgs.{_field(i, 'item_lens')} ({kind}) has no non-empty entry: {items}")
     what = {
         "mamba": "mamba state",
         "dsa": "DSA indexer state",
@@ -330,12 +362,18 @@ def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, why: str)
         "minimax_dense_kv": "MiniMax dense-layer KV",
         "qsa_pending": "QSA pending key and RoPE rings",
         "qsa_compressed": "QSA compressed keys",
+        "swa": "DeepSeek-V4 SWA KV and compressor state",
+        "swa_ring": "DeepSeek-V4 SWA ring rows",
+        "c128_state": "DeepSeek-V4 request-scoped compressor state",
+        "request_row": "DeepSeek-V4 request rows",
+        KV_PAGES: "compressed KV pages",
     }[kind]
     out = []
     for g, run in enumerate(runs):
         geometry = row_geometry(len(run), items[run[0]], _run_rows(i, kind, run, lens, items, "row size"))
         name = f"state:{kind}" if len(runs) == 1 else f"state:{kind}.{g}"
-        label = f"{what} (KVArgs.state_types[{i}]={kind!r}, entries {run[0]}..{run[-1]}: rows of {items[run[0]]} bytes)"
+        field = f"KVArgs.state_types[{i}]={kind!r}" if i >= 0 else "kv_data_ptrs"
+        label = f"{what} ({field}, entries {run[0]}..{run[-1]}: rows of {items[run[0]]} bytes)"
         out.append(
             StatePool(name, kind, i, label, geometry, tuple(ptrs[e] for e in run), tuple(lens[e] for e in run), why)
         )
@@ -503,24 +541,30 @@ def index_array(raw: Any, name: str) -> np.ndarray:
     return np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrays])
 
 
-def state_pages(pools: Sequence[StatePool], state_indices: Any) -> list[np.ndarray]:
+def state_pages(pools: Sequence[StatePool], state_indices: Any, kv_pages: Any = None) -> list[np.ndarray]:
     """Each pool's indices from SGLang's ``state_indices`` (one entry per ``state_types``
-    entry); ``ValueError`` naming the entry when one is missing or malformed."""
+    entry); a ``KV_PAGES`` pool's are the request's KV pages ``kv_pages``. ``ValueError`` naming
+    the entry when one is missing or malformed."""
     if not pools:
         if state_indices and any(s is not None and len(s) for s in state_indices):
             raise ValueError("state_indices were given, but this server keeps no per-request state (no state_types)")
         return []
-    kinds = sorted({(p.index, p.kind) for p in pools})
-    if state_indices is None:
+    kinds = sorted({(p.index, p.kind) for p in pools if p.kind != KV_PAGES})
+    if state_indices is None and kinds:
         raise ValueError(f"state_indices are missing: KVArgs.state_types {[k for _, k in kinds]} need one entry each")
-    seq = list(state_indices)
+    seq = list(state_indices or [])
     out = []
     for pool in pools:
+        if pool.kind == KV_PAGES:  # (the same page ids as the model's pool)
+            if kv_pages is None:
+                raise ValueError(f"{pool.label}: the request's KV pages are needed")
+            out.append(np.asarray(kv_pages, dtype=np.int64).reshape(-1))
+            continue
         where = f"state_indices[{pool.index}] ({pool.kind})"
         if pool.index >= len(seq) or seq[pool.index] is None:
             raise ValueError(f"{where} is missing (state_indices has {len(seq)} entries)")
         pages = index_array(seq[pool.index], where)
-        if pool.kind in ("mamba", "qsa_pending") and pages.size != 1:
+        if pool.kind in ("mamba", "qsa_pending", "request_row") and pages.size != 1:
             raise ValueError(f"{where} must be the request's one slot, got {pages.size} indices")
         if pool.kind == "dsa_tail":
             pages = _tail_rows(pages, pool.ring, where)
@@ -529,6 +573,24 @@ def state_pages(pools: Sequence[StatePool], state_indices: Any) -> list[np.ndarr
             pages = (pages[:, None] * stride + np.arange(count, dtype=np.int64) * step).reshape(-1)
         out.append(pages)
     return out
+
+
+def kv_page_pools(layout: str, ptrs: list, lens: list, items: list) -> tuple[KVGeometry, list, list, list[StatePool]]:
+    """A ``KVArgs.kv_layout`` pool's KV entries as whole pages: DeepSeek-V4's compressed pools
+    (C4 KV, C4 indexer keys, C128 KV; under fp8 a RoPE group after each KV group), one item a
+    KV page's rows of that pool (padded, of its own size), all addressed by the request's KV
+    page ids, replicated over attention TP like an MLA latent. The entries of the first run of
+    one page size are the model's pool (its geometry: one row a page, ``row_geometry``); every
+    other run is a ``KV_PAGES`` pool over the same page ids, named with a digest of the layout
+    so that servers of different layouts announce different pools. Returns ``(geometry, ptrs,
+    lens, pools)``."""
+    runs = _row_pools(-1, KV_PAGES, ptrs, lens, items, "")
+    tag = hashlib.sha256(str(layout).encode()).hexdigest()[:8]
+    pools = [
+        replace(p, name=f"state:kv_{tag}.{g}", label=f"{p.label}, KVArgs.kv_layout={layout!r}")
+        for g, p in enumerate(runs[1:], 1)
+    ]
+    return runs[0].geometry, list(runs[0].ptrs), list(runs[0].lens), pools
 
 
 def describe(names: Sequence[str]) -> str:
@@ -540,6 +602,14 @@ def state_problem(prefill: Sequence[str], decode: Sequence[StatePool], prefill_t
     prefill's announced state pools differ from this decode's, or a pool that needs one
     attention TP size on both sides meets two."""
     ours = [p.name for p in decode]
+    kv = ([n for n in prefill if n.startswith("state:kv_")], [n for n in ours if n.startswith("state:kv_")])
+    if kv[0] != kv[1]:
+        return (
+            f"compressed KV pools (KVArgs.kv_layout, kv_item_lens): prefill [{describe(kv[0])}] decode "
+            f"[{describe(kv[1])}]; the servers register different KV layouts or page sizes (a pool's name carries a "
+            "digest of its kv_layout: serve both with the same --page-size and SGLANG_DSV4_KV_LAYOUT, "
+            "SGLANG_DSV4_COMPRESSED_KV_LAYOUT and SGLANG_DSV4_UNIFIED_KV_FP8)"
+        )
     if list(prefill) != ours:
         return (
             f"extra per-request state (KVArgs.state_types): prefill pools [{describe(prefill)}] decode pools "

@@ -119,6 +119,9 @@ class Model:
     draft: Draft | None = None
     # extra per-request state (KVArgs.state_types): a sglang_state_env.StateModel
     state: Any = None
+    # KVArgs.kv_layout (a DeepSeek-V4 pool, MLA): the model's KV buffers are its first compressed
+    # pool (one item a page), followed by state.kv_pages' pools
+    kv_layout: str | None = None
 
     @property
     def hybrid_mla(self) -> bool:
@@ -236,7 +239,7 @@ def rank_memory(model: Model, tp: int, rank: int, role: str, state_tp: tuple[int
     args.system_dp_rank = 0
     args.rust_http_port = None
     args.kv_cache_dtype_str = model.kv_cache_dtype_str
-    args.kv_layout = None
+    args.kv_layout = model.kv_layout
     args.prefill_start_layer = 0
     args.prefill_end_layer = model.num_layers
     # _init_kv_manager: the model's entries, then draft_kv_pool.get_contiguous_buf_infos()

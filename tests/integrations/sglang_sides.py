@@ -402,6 +402,8 @@ def _forward_and_send(req: dict, m: Model, mems, places) -> None:
 
         def forward(a=a, b=b):  # bound now: an early forward runs after the loop moved on
             for r, mem in enumerate(mems):
+                if m.kv_layout is not None:  # (DeepSeek-V4: its other compressed pools' pages too)
+                    state_env.fill_pages(m, mem.extra["state"], req["room"], pages, a, b)
                 if m.draft is None:
                     fill_request(places[r], mem.buffers, req["room"], pages, a, b - a)
                 else:  # the target's forward and the draft model's extend over the same pages

@@ -63,10 +63,13 @@ from sglang_kvxfer.geometry import KVGeometry
 
 SALT = {"swa": 0x5A5A_0001, "mamba": 0x3A3B_0002, "dsa": 0xD5A0_0003, "block_scale": 0xB5C0_0004,
         "block_scale_swa": 0xB5C0_0005, "dsa_tail": 0xD5A7_0006, "minimax_index_k": 0x313A_0007,
-        "minimax_dense_kv": 0x313A_0008, "qsa_pending": 0x05A0_0009, "qsa_compressed": 0x05A0_000A}  # fmt: skip
+        "minimax_dense_kv": 0x313A_0008, "qsa_pending": 0x05A0_0009, "qsa_compressed": 0x05A0_000A,
+        "kv_pages": 0xD540_000B, "dsv4_swa": 0xD540_000C, "swa_ring": 0xD540_000D, "c128_state": 0xD540_000E,
+        "request_row": 0xD540_000F}  # fmt: skip
 # kinds whose request rows are whole units of rows (a page's, a request row's ring), each unit's
-# content a function of (room, entry, position) and, unless replicated (QSA), of the rank
-UNIT_KINDS = ("block_scale", "block_scale_swa", "minimax_index_k", "qsa_pending", "qsa_compressed")
+# content a function of (room, entry, position) and, unless replicated (QSA, DeepSeek-V4), of the rank
+DSV4_UNITS = ("kv_pages", "dsv4_swa", "swa_ring", "c128_state", "request_row")
+UNIT_KINDS = ("block_scale", "block_scale_swa", "minimax_index_k", "qsa_pending", "qsa_compressed", *DSV4_UNITS)
 
 
 @dataclass
@@ -108,6 +111,19 @@ class StateModel:
     qsa_ratio: int = 2  # compress_ratio (divides the page size)
     qsa_first: int = 0  # a PP stage's first QSA layer (of the model's)
     qsa_total: int | None = None  # the model's QSA layers (None: qsa_layers)
+    # DeepSeek-V4 (Model.kv_layout set): the KV entries after the model's pool (one row of that
+    # many bytes per KV page: C4 indexer keys, C128 KV...), the SWA component's entries (one row
+    # per SWA page: SWA KV of every layer, then compressor state), swa_ring's (one row per ring
+    # row, a ring of dsv4_ring rows per request row), c128_state's (one row per ring page of
+    # c128_ratio tokens, c128_ring tokens per request row) and request_row's width
+    kv_pages: tuple[int, ...] = (40, 40, 72)
+    dsv4_swa: tuple[int, ...] = (48, 48, 24)
+    dsv4_ring: int = 16
+    swa_ring: tuple[int, ...] = (32, 32)
+    c128_ratio: int = 8
+    c128_ring: int = 16
+    c128_state: tuple[int, ...] = (56,)
+    request_row: int = 8
 
     @property
     def tail_ring(self) -> int:
@@ -191,7 +207,29 @@ def attach(model, tp: int, rank: int, args, utils_defs, kv: tuple[list, list] = 
     for name in ("state_types", "state_data_ptrs", "state_data_lens", "state_item_lens", "state_dim_per_tensor"):
         setattr(args, name, [])
     args.state_conv_shard_groups, args.state_slice_outer_counts, args.state_layer_ids = [], [], []
-    for kind in s.kinds:
+    if model.kv_layout is not None:  # get_contiguous_buf_infos: the compressed pools after the first
+        bufs = [torch.zeros((model.pool_tokens // model.page_size + 1, w), dtype=torch.uint8) for w in s.kv_pages]
+        mem.buffers["kv_pages"] = bufs
+        args.kv_data_ptrs += [b.data_ptr() for b in bufs]
+        args.kv_data_lens += [b.nbytes for b in bufs]
+        args.kv_item_lens += [b[0].nbytes for b in bufs]
+    for tagged in s.kinds:  # ("swa:draft": a DeepSeek-V4 NextN draft's component, after the target's)
+        kind, _, tag = tagged.partition(":")
+        if model.kv_layout is not None and kind in ("swa", "swa_ring", "c128_state", "request_row"):
+            rows = {
+                "swa": (s.swa_pool_tokens + model.page_size) // model.page_size,  # SWA pages
+                "swa_ring": (s.mamba_slots + 1) * s.dsv4_ring,  # request rows x ring rows
+                "c128_state": (s.mamba_slots + 1) * (s.c128_ring // s.c128_ratio),  # request rows x ring pages
+                "request_row": s.mamba_slots + 1,
+            }[kind]
+            widths = {"swa": s.dsv4_swa, "request_row": (s.request_row,)}.get(kind) or getattr(s, kind)
+            bufs = [torch.zeros((rows, w), dtype=torch.uint8) for w in widths]
+            items, extra = [b[0].nbytes for b in bufs], {}
+            mem.buffers[("dsv4_swa" if kind == "swa" else kind) + (f":{tag}" if tag else "")] = bufs
+            utils_defs.append_state_component(
+                args, base.StateType(kind), [b.data_ptr() for b in bufs], [b.nbytes for b in bufs], items
+            )
+            continue
         if kind == "swa":
             heads = max(1, s.swa_heads // tp)
             rows = s.swa_pool_tokens + model.page_size
@@ -273,9 +311,10 @@ def attach(model, tp: int, rank: int, args, utils_defs, kv: tuple[list, list] = 
             bufs = [torch.zeros((4, 16), dtype=torch.uint8)]
             items, extra = [16], {}
         mem.buffers[kind] = bufs
+        known = kind in {t.value for t in base.StateType}  # (else a str enum of another backend's: Ascend's)
         utils_defs.append_state_component(
             args,
-            base.StateType(kind),
+            base.StateType(kind) if known else kind,
             [b.data_ptr() for b in bufs],
             [b.nbytes for b in bufs],
             items,
@@ -320,7 +359,7 @@ def payload(model, alloc: dict, kv_pages: np.ndarray, prefix: int) -> list:
     """``state_indices`` as SGLang's scheduler builds them, one entry per ``state_types``
     entry (None for a type without a payload here)."""
     ps, out = model.page_size, []
-    for kind in model.state.kinds:
+    for kind in (k.partition(":")[0] for k in model.state.kinds):
         if kind == "swa":  # kv_to_page_indices(window slots): the window's first slot of each page
             slots = np.repeat(alloc["swa"] * ps, ps) + np.tile(np.arange(ps), len(alloc["swa"]))
             out.append((slots[::ps] // ps).astype(np.int32))
@@ -341,6 +380,8 @@ def payload(model, alloc: dict, kv_pages: np.ndarray, prefix: int) -> list:
         elif kind == "qsa_pending":  # SGLang's get_qsa_pending_state_indices: the request-pool row
             row = _sglang("get_qsa_pending_state_indices")
             out.append(row(SimpleNamespace(kv=SimpleNamespace(req_pool_idx=alloc["req"]))))
+        elif kind in ("swa_ring", "c128_state", "request_row"):
+            out.append(np.asarray(_dsv4_units(model, kind, alloc), dtype=np.int32))
         else:
             out.append(np.array([1], dtype=np.int32))
     return out
@@ -351,6 +392,8 @@ def _entry(model, kind: str, e: int) -> int:
     every layer, then V or score; QSA's layers, then the RoPE ring: a PP stage's entries of its
     layers), so rows of another stage's layers are caught; other kinds' ``e`` as it is."""
     s = model.state
+    if ":" in kind:  # a draft's component: entries of their own (its rows differ from the target's)
+        return 1000 + _entry(model, kind.partition(":")[0], e)
     if kind == "block_scale":
         first, layers, total = s.scale_first, model.num_layers, s.scale_total
     elif kind == "dsa_tail":
@@ -400,11 +443,13 @@ def fill(
                     _view(buf)[int(page)] = torch.from_numpy(
                         _row(room, "dsa", s.entry_id("dsa", e), 0, j, buf.shape[1])
                     )
-    for kind in _unit_kinds(model):
+    for key, kind in _unit_buffers(model, mem):
+        if kind == "kv_pages":  # (written by each chunk's forward: fill_pages)
+            continue
         units, n = _units(model, kind, alloc, kv_pages)  # (the prefix's too: the prefill computed them)
-        for e, buf in enumerate(mem.buffers.get(kind, ())):
+        for e, buf in enumerate(mem.buffers[key]):
             for j, unit in enumerate(units):
-                row = _row(room, kind, _entry(model, kind, e), _who(kind, rank), j, n * _view(buf).shape[1])
+                row = _row(room, kind, _entry(model, key, e), _who(kind, rank), j, n * _view(buf).shape[1])
                 _unit_rows(buf, unit, n)[:] = torch.from_numpy(row.reshape(n, -1))
     if prefix and s.minimax_alias and "minimax_dense_kv" in mem.buffers:
         # the prefill holds the prefix's KV too (it computed or cached it): its dense layers'
@@ -417,6 +462,18 @@ def fill(
             buf[alloc["mamba"], at].view(torch.uint8)[:] = torch.from_numpy(
                 _row(room, "dsa_tail", _entry(model, "dsa_tail", e), 0, t, 2 * s.tail_dim)
             )
+
+
+def fill_pages(model, mem: StateMemory, room: int, kv_pages, first: int, stop: int) -> None:
+    """A chunk's forward over tokens ``[first, stop)`` on a DeepSeek-V4 prefill rank: the rows
+    of its KV pages in every compressed pool after the model's (replicated)."""
+    import torch
+
+    ps = model.page_size
+    for e, buf in enumerate(mem.buffers.get("kv_pages", ())):
+        for j in range(first // ps, -(-stop // ps)):
+            row = _row(room, "kv_pages", _entry(model, "kv_pages", e), 0, j, _view(buf).shape[1])
+            _unit_rows(buf, int(kv_pages[j]), 1)[:] = torch.from_numpy(row.reshape(1, -1))
 
 
 @functools.cache
@@ -457,6 +514,25 @@ def minimax_index(model, alloc: dict, kv_pages, prefix: int) -> np.ndarray:
     return pages(torch.from_numpy(slots), page_size=ps, prefix_len=prefix)
 
 
+def _dsv4_units(model, kind: str, alloc: dict) -> list[int]:
+    """A DeepSeek-V4 request's rows of ``kind``: the unified SWA ring rows of its window's
+    positions (``_swa_ring_payload``), its C128 ring page (SGLang's own
+    ``request_scoped_state_transfer_indices``, offline: none at a block boundary), its request row."""
+    s, n, req = model.state, alloc["tokens"], alloc["req"]
+    if kind == "swa_ring":
+        return [req * s.dsv4_ring + pos % s.dsv4_ring for pos in range(max(0, n - s.window), n)]
+    if kind == "c128_state":
+        pages = _sglang("request_scoped_state_transfer_indices", "mem_cache/deepseek_v4_compress_state.py")
+        return [int(x) for x in pages(req, n, ratio=s.c128_ratio, online=False, ring_size=s.c128_ring)]
+    return [req]
+
+
+def _unit_buffers(model, mem: StateMemory) -> list[tuple[str, str]]:
+    """``(buffer key, kind)`` of the rank's ``_unit_kinds`` buffers ("dsv4_swa:draft": a
+    draft's component of that kind)."""
+    return [(key, key.partition(":")[0]) for key in mem.buffers if key.partition(":")[0] in _unit_kinds(model)]
+
+
 def _unit_kinds(model) -> tuple[str, ...]:
     """UNIT_KINDS, and MiniMax's dense-layer KV when it has buffers of its own."""
     return (*UNIT_KINDS, *(() if model.state.minimax_alias else ("minimax_dense_kv",)))
@@ -472,19 +548,25 @@ def _units(model, kind: str, alloc: dict, kv_pages) -> tuple[list[int], int]:
         return [alloc["req"]], s.qsa_ratio
     if kind == "qsa_compressed":
         return [int(p) for p in kv_pages], ps // s.qsa_ratio
+    if kind == "dsv4_swa":  # (one row per SWA page)
+        return [int(p) for p in alloc["swa"]], 1
+    if kind in ("swa_ring", "c128_state", "request_row"):
+        return _dsv4_units(model, kind, alloc), 1
+    if kind == "kv_pages":
+        return [int(p) for p in kv_pages], 1
     return [int(p) for p in kv_pages], ps
 
 
 def _who(kind: str, rank: int) -> int:
     """Whose rows a unit holds: the rank's, or every rank's (QSA's one index head)."""
-    return 0 if kind.startswith("qsa_") else rank
+    return 0 if kind.startswith("qsa_") or kind in DSV4_UNITS else rank
 
 
 def _kept(model, kind: str, prefix: int) -> int:
     """The request's first pages whose ``kind`` rows the decode keeps as its radix cache holds
     them (MiniMax's index keys of the prefix: never sent, so zero here); the others are sent
     from the first page."""
-    return prefix // model.page_size if kind == "minimax_index_k" else 0
+    return prefix // model.page_size if kind in ("minimax_index_k", "kv_pages") else 0
 
 
 def _unit_rows(buf, unit: int, n: int):
@@ -519,17 +601,17 @@ def verify(model, tp: int, rank: int, mem: StateMemory, room: int, alloc: dict, 
                 want = _row(room, "dsa", s.entry_id("dsa", e), 0, j, buf.shape[1])
                 if not np.array_equal(_view(buf)[int(page)].numpy(), want):
                     problems.append(f"DSA entry {e}: page {int(page)} (position {j}) differs")
-    for kind in _unit_kinds(model):
+    for key, kind in _unit_buffers(model, mem):
         units, n = _units(model, kind, alloc, kv_pages)
         kept, who = _kept(model, kind, prefix), _who(kind, rank)
-        for e, buf in enumerate(mem.buffers.get(kind, ())):
+        for e, buf in enumerate(mem.buffers[key]):
             for j, unit in enumerate(units):
-                want = _row(room, kind, _entry(model, kind, e), who, j, n * _view(buf).shape[1])
+                want = _row(room, kind, _entry(model, key, e), who, j, n * _view(buf).shape[1])
                 got = _unit_rows(buf, unit, n).numpy().reshape(-1)
                 if j < kept and got.any():
-                    problems.append(f"{kind} entry {e}: unit {unit} (position {j}) of the decode's prefix was written")
+                    problems.append(f"{key} entry {e}: unit {unit} (position {j}) of the decode's prefix was written")
                 elif j >= kept and not np.array_equal(got, want):
-                    problems.append(f"{kind} entry {e}: unit {unit} (position {j}) differs from rank {who}'s")
+                    problems.append(f"{key} entry {e}: unit {unit} (position {j}) differs from rank {who}'s")
     for e, buf in enumerate(mem.buffers.get("dsa_tail", ())):
         for t, at in _tail_positions(model, alloc) if buf.shape[0] else ():
             got = _view(buf[alloc["mamba"], at : at + 1])[0].numpy()
@@ -548,10 +630,10 @@ def untouched(model, mem: StateMemory, allocs: list[dict], kv_pages: list) -> li
             used = {a["mamba"] for a in allocs}
         elif kind == "dsa":
             used = {int(p) for pages in kv_pages for p in pages}
-        elif kind in _unit_kinds(model):  # the rows of the requests' units
+        elif kind.partition(":")[0] in _unit_kinds(model):  # the rows of the requests' units
             used = set()
             for a, pages in zip(allocs, kv_pages):
-                units, n = _units(model, kind, a, pages)
+                units, n = _units(model, kind.partition(":")[0], a, pages)
                 used |= {u * n + r for u in units for r in range(n)}
         else:
             continue

@@ -189,8 +189,8 @@ def test_an_odd_mha_entry_count_is_refused():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("state_types", ["swa_ring"], r"KVArgs.state_types\[0\]='swa_ring': the backend moves mamba, swa, dsa"),
-        ("kv_layout", "dsv4_unified", r"KVArgs.kv_layout='dsv4_unified'"),
+        ("state_types", ["dsv4_c128"], r"KVArgs.state_types\[0\]='dsv4_c128': the backend moves mamba, swa, dsa"),
+        ("kv_layout", "v4,c4:v4,c128:v4", r"KVArgs.kv_layout='v4,c4:v4,c128:v4': a kv_layout pool that is not an MLA"),
     ],
 )
 def test_unsupported_pools_are_refused_by_name(field, value, message):

@@ -368,10 +368,10 @@ def test_state_on_one_side_only_fails_the_request_naming_both_sides(side_with_st
 def test_a_state_type_the_backend_does_not_move_is_refused_at_manager_construction():
     from tests.integrations.sglang_env import rank_memory, server_args
 
-    backend, defs = sides.setup(sides.Spec("prefill", model("swa", "swa_ring"), 1, free_port(), []))
-    m = model("swa", "swa_ring")
+    m = model("swa", "dsv4_c4_state")  # (an Ascend NPU type, AscendStateType.DSV4_C4_STATE)
+    backend, defs = sides.setup(sides.Spec("prefill", m, 1, free_port(), []))
     sa = server_args(sides.MODEL_PATH, "prefill", 1, free_port())
-    with pytest.raises(Exception, match=r"KVArgs.state_types\[1\]='swa_ring': the backend moves mamba, swa, dsa"):
+    with pytest.raises(Exception, match=r"KVArgs.state_types\[1\]='dsv4_c4_state': the backend moves mamba, swa"):
         backend.KVXferKVManager(rank_memory(m, 1, 0, "prefill").kv_args, defs.DisaggregationMode.PREFILL, sa, False)
 
 

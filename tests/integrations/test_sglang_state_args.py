@@ -216,8 +216,8 @@ def test_several_types_keep_state_types_order():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (with_state(("swa", swa()), ("swa_ring", rows([8]))), r"KVArgs.state_types\[1\]='swa_ring': the backend moves"),
-        (with_state(("c128_state", rows([8]))), r"transferring 'c128_state' state is not implemented"),
+        (with_state(("swa", swa()), ("dsv4_c128", rows([8]))), r"KVArgs.state_types\[1\]='dsv4_c128': the backend"),
+        (with_state(("dsv4_c4_state", rows([8]))), r"transferring 'dsv4_c4_state' state is not implemented"),
         (with_state(("swa", swa()), layout="hnd"), r"KVArgs.swa_kv_cache_layout='hnd'"),
         (with_state(("swa", swa()), layout=None), r"KVArgs.swa_kv_cache_layout=None"),
     ],
@@ -305,3 +305,83 @@ def test_why_two_servers_state_pools_cannot_exchange_a_request():
         "mamba state (KVArgs.state_types[0]='mamba', entries 0..0: rows of 64 bytes): prefill attention TP size 2 "
         "and decode attention TP size 1 differ; mamba conv/SSM state rows are sharded"
     ), tp
+
+
+V4 = "v4,c4:v4,c128:v4"  # DeepSeekV4TokenToKVPool.pd_kv_layout() of the V4 layouts
+
+
+def dsv4(layout=V4, **over):
+    """A DeepSeek-V4 rank's KVArgs: get_contiguous_buf_infos' [C4 KV x2, C4 indexer x2, C128 KV]
+    (one item a padded page of each pool), get_state_buf_infos' SWA KV of two layers and a C4
+    compressor ring (one item an SWA page's), the C128 ring pages and a draft's request row."""
+    kv = rows([4608, 4608, 528, 528, 1152], slots=20)
+    return with_state(
+        ("swa", rows([2048, 2048, 384])),
+        ("c128_state", rows([1536], slots=16)),
+        ("request_row", rows([8])),
+        layout=None,
+        kv_layout=layout,
+        kv_data_ptrs=kv["ptrs"],
+        kv_data_lens=kv["lens"],
+        kv_item_lens=kv["items"],
+        **over,
+    )
+
+
+def test_a_deepseek_v4_pool_moves_whole_compressed_pages_and_rows_of_state_replicated():
+    lay = layout(dsv4(), mla=True)
+    g = lay.geometry  # the first run (C4 KV): one row a page
+    assert (g.num_layers, g.head_dim, g.page_size, g.dtype, g.mla, g.num_pages) == (2, 4608, 1, "uint8", True, 20)
+    assert lay.kv_ptrs == (0x700000, 0x710000) and lay.kv_layout == V4
+    names = [(p.name, p.kind, p.index, p.geometry.num_layers, p.geometry.head_dim, p.equal_tp_only) for p in lay.states]
+    tag = names[0][0].split(".")[0]
+    assert tag.startswith("state:kv_") and len(tag) == len("state:kv_") + 8, tag
+    assert names == [
+        (f"{tag}.1", "kv_pages", -1, 2, 528, ""),  # C4 indexer keys
+        (f"{tag}.2", "kv_pages", -1, 1, 1152, ""),  # C128 KV
+        ("state:swa.0", "swa", 0, 2, 2048, ""),
+        ("state:swa.1", "swa", 0, 1, 384, ""),
+        ("state:c128_state", "c128_state", 1, 1, 1536, ""),
+        ("state:request_row", "request_row", 2, 1, 8, ""),
+    ]
+    # replicated (an MLA latent): any TP pair; the KV pools take the request's KV pages
+    assert state_problem([p.name for p in lay.states], lay.states, 2, 1) == ""
+    pages = np.array([7, 3])
+    got = state_pages(lay.states, [np.array([4], np.int32), np.zeros(0, np.int32), np.array([5], np.int32)], pages)
+    assert [x.tolist() for x in got] == [[7, 3], [7, 3], [4], [4], [], [5]]
+    with pytest.raises(ValueError, match=r"state_indices\[2\] \(request_row\) must be the request's one slot, got 2"):
+        state_pages(lay.states, [np.array([4]), np.zeros(0), np.array([5, 6])], pages)
+
+
+def test_deepseek_v4_servers_of_different_kv_layouts_cannot_exchange_a_request():
+    ours = layout(dsv4(), mla=True).states
+    theirs = [p.name for p in layout(dsv4("v41,c4:v41,c128:v41"), mla=True).states]
+    problem = state_problem(theirs, ours, 1, 1)
+    assert "compressed KV pools (KVArgs.kv_layout, kv_item_lens): prefill [state:kv_" in problem, problem
+    assert "SGLANG_DSV4_KV_LAYOUT" in problem and theirs[0] in problem and ours[0].name in problem
+
+
+@pytest.mark.parametrize(
+    "mla, over, message",
+    [
+        (False, {}, r"KVArgs.kv_layout='v4,c4:v4,c128:v4': a kv_layout pool that is not an MLA one"),
+        (True, dict(dcp_size=2), r"--dcp-size=2: with a kv_layout pool"),
+    ],
+)
+def test_deepseek_v4_pools_the_backend_does_not_map_are_refused_naming_the_field(mla, over, message):
+    with pytest.raises(KVXferError, match=message):
+        layout_from_kv_args(dsv4(), tp_size=2, mla=mla, dtype="bfloat16", **over)
+
+
+def test_a_deepseek_v4_drafts_second_swa_component_gets_pools_of_its_own():
+    """A NextN draft's SWA rows come as a second ``swa`` component (and its mark as a request
+    row); only a kv_layout pool may name a type twice."""
+    args = dsv4()
+    args.state_types.insert(2, "swa")
+    for name in ("ptrs", "lens", "items"):
+        getattr(args, f"state_{'item_lens' if name == 'items' else 'data_' + name}").insert(2, rows([2048])[name])
+    names = [(p.name, p.index) for p in layout(args, mla=True).states if p.kind == "swa"]
+    assert names == [("state:swa.0", 0), ("state:swa.1", 0), ("state:swa_2", 2)]
+    plain = with_state(("mamba", rows([64])), ("mamba", rows([64])))
+    with pytest.raises(GeometryError, match=r"names a type twice"):
+        layout(plain)
