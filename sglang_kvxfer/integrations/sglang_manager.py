@@ -261,7 +261,6 @@ class KVXferKVManager(BaseKVManager):
                 )
         if self.layout.kv_layout is not None:  # (DeepSeek-V4: KV moves as whole compressed pages)
             for flag, value, on in (
-                ("--pp-size", self.pp_size, self.pp_size > 1),
                 ("--attn-cp-size", self.plan.attn_cp_size, self.plan.attn_cp_size > 1),
                 ("--enable-kv-cache-sharding", True, self.plan.kv_sharded),
             ):
@@ -270,7 +269,7 @@ class KVXferKVManager(BaseKVManager):
                         flag,
                         value,
                         f"with a compressed KV pool (KVArgs.kv_layout={self.layout.kv_layout!r}, DeepSeek-V4): "
-                        "mapping its pages and state over stages or shards is not implemented by the kvxfer backend",
+                        "mapping its pages and state over CP ranks or shards is not implemented by the kvxfer backend",
                     )
         qsa = [p.name for p in self.layout.states if p.kind in QSA_KINDS]
         if qsa and self.plan.attn_cp_size > 1:
@@ -280,7 +279,7 @@ class KVXferKVManager(BaseKVManager):
                 f"with QSA indexer state ({describe(qsa)}): which CP ranks hold a request's whole pending rings and "
                 "compressed keys is not established by the kvxfer backend (refused rather than risk moving part of them)",
             )
-        if self.pp_size > 1 and any(p.kind == "swa" for p in self.layout.states):
+        if self.pp_size > 1 and self.layout.kv_layout is None and any(p.kind == "swa" for p in self.layout.states):
             self.layout, layer_start = self._swa_stage(server_args, layer_start)
         lay = self.layout
         gpu_id = int(getattr(args, "gpu_id", 0) or 0)
@@ -747,11 +746,14 @@ class KVXferKVManager(BaseKVManager):
         if self.pp_size == 1 and not self.layout.states:
             return tiling_problem(topo.pp_layers, ours)
         if self.pp_size == 1:  # a hybrid model: the KV pool holds the full-attention layers only
-            staged = [p.label for p in self.layout.states if p.kind in STAGE_TO_STAGE_KINDS]
+            # (a DeepSeek-V4 pool's every pool: its entries are grouped by compression ratio per stage)
+            dsv4 = self.layout.kv_layout is not None
+            staged = [p.label for p in self.layout.states if dsv4 or p.kind in STAGE_TO_STAGE_KINDS]
             if staged:
                 return (
                     f"{staged[0]}: the prefill's {topo.pp_size} PP stages each send the entries of their own layers "
-                    "(K, then V scales or score rings of the stage's layers; QSA key rings and a RoPE ring each), "
+                    "(K, then V scales or score rings of the stage's layers; QSA key rings and a RoPE ring each; "
+                    "DeepSeek-V4's compressed pools and state grouped by compression ratio), "
                     "which a decode of PP 1 would need mapped into its own entries; that mapping is not implemented "
                     f"by the kvxfer backend: serve the decode with --pp-size {topo.pp_size}"
                 )

@@ -128,6 +128,7 @@ def stage_state(state, pp_size: int, pp_rank: int):
         qsa_first=qs[0],
         qsa_total=state.qsa_layers,
         dsa_skip=tuple(i - ds[0] for i in state.dsa_skip if ds[0] <= i < ds[1]),
+        dsv4_stage=pp_rank,
     )
 
 
@@ -441,6 +442,8 @@ def _forward_and_send(spec: PpSpec, w: dict, mems) -> None:
                 fill_request(drafts[r], mem.draft_buffers, draft_seed(w["room"], w["group"]), pages, a, b - a)
                 for buf in mem.draft_buffers if not bool(keep.all()) else ():  # not its share: its poison
                     buf.view(torch.uint8)[rows[~keep]] = cp_poison(spec.pp_rank, c)
+            if part.kv_layout is not None and c == 0:  # DeepSeek-V4: the chunk's pages of its other compressed pools
+                state_env.fill_pages(part, mem.extra["state"], w["room"], w["pages"], a, b)
             if last:  # set_buf on every stage (the outputs reach every stage's scheduler)
                 for name, row in sides.aux_rows(m, w["room"]).items():
                     mem.meta[name][w["slot"]] = row

@@ -124,6 +124,7 @@ class StateModel:
     c128_ring: int = 16
     c128_state: tuple[int, ...] = (56,)
     request_row: int = 8
+    dsv4_stage: int = 0  # a PP stage's DeepSeek-V4 entries: rows of their own (the stage's layers)
 
     @property
     def tail_ring(self) -> int:
@@ -394,6 +395,8 @@ def _entry(model, kind: str, e: int) -> int:
     s = model.state
     if ":" in kind:  # a draft's component: entries of their own (its rows differ from the target's)
         return 1000 + _entry(model, kind.partition(":")[0], e)
+    if kind in DSV4_UNITS:  # (a PP stage's entries: its own layers')
+        return 100 * s.dsv4_stage + e
     if kind == "block_scale":
         first, layers, total = s.scale_first, model.num_layers, s.scale_total
     elif kind == "dsa_tail":

@@ -87,15 +87,22 @@ def test_deepseek_v4_servers_of_different_kv_layouts_fail_naming_it_on_both_side
     failed_on_both_sides(prefill, decode, "compressed KV pools (KVArgs.kv_layout, kv_item_lens): prefill [state:kv_")
 
 
-def test_deepseek_v4_over_pp_stages_is_refused_at_manager_construction():
+@pytest.mark.parametrize(
+    "role, tp, extra, message",
+    [
+        ("prefill", 2, dict(attn_cp_size=2), r"--attn-cp-size=2: with a compressed KV pool \(KVArgs.kv_layout='v4,"),
+        ("decode", 2, dict(dcp_size=2), r"--dcp-size=2: with a kv_layout pool \(whole compressed pages are not split"),
+    ],
+    ids=["prefill-cp", "decode-dcp"],
+)
+def test_deepseek_v4_over_cp_or_dcp_ranks_is_refused_at_manager_construction(role, tp, extra, message):
     from sglang_kvxfer.integrations import sglang as backend
     from tests.integrations.sglang_env import rank_memory, server_args
 
     m = dsv4("swa")
-    _, defs = sides.setup(sides.Spec("prefill", m, 1, free_port(), []))
-    sa = server_args(sides.MODEL_PATH, "prefill", 1, free_port(), pp_size=2, disable_overlap_schedule=True)
-    args = rank_memory(m, 1, 0, "prefill").kv_args
-    with pytest.raises(
-        Exception, match=r"--pp-size=2: with a compressed KV pool \(KVArgs.kv_layout='v4,c4:v4,c128:v4'"
-    ):
-        backend.KVXferKVManager(args, defs.DisaggregationMode.PREFILL, sa, m.is_mla_backend)
+    _, defs = sides.setup(sides.Spec(role, m, tp, free_port(), []))
+    sa = server_args(sides.MODEL_PATH, role, tp, free_port(), **extra)
+    args = rank_memory(m, tp, 0, role).kv_args
+    mode = defs.DisaggregationMode.PREFILL if role == "prefill" else defs.DisaggregationMode.DECODE
+    with pytest.raises(Exception, match=message):
+        backend.KVXferKVManager(args, mode, sa, m.is_mla_backend)

@@ -115,6 +115,15 @@ def _mxfp8(*kinds) -> Model:
 TAILS = dict(dsa_layers=3, dsa_skip=(1,), tail_pool=8)  # rings of 9; layer 1 shares another's indexer
 
 
+def _dsv4(*kinds) -> Model:
+    """A DeepSeek-V4 pool (kv_layout, MLA) of 4 layers: each stage's compressed KV pools and
+    state rows are of its own layers (their contents a function of the stage)."""
+    st = StateModel(kinds=kinds)
+    return Model(
+        mla=True, head_dim=24, num_layers=4, pool_tokens=192, kv_cache_dtype_str="bfloat16", kv_layout="v4", state=st
+    )
+
+
 @pytest.mark.parametrize(
     "model, prefill, decode",
     [
@@ -123,6 +132,8 @@ TAILS = dict(dsa_layers=3, dsa_skip=(1,), tail_pool=8)  # rings of 9; layer 1 sh
         (_hybrid("dsa", "dsa_tail", mla=True, **TAILS), (1, 1, 2), (2, 1, 2)),  # tails replicated to both ranks
         (_hybrid("mamba", "qsa_pending", "qsa_compressed", qsa_layers=2), (1, 1, 2), (2, 1, 2)),
         (_hybrid("qsa_pending", "qsa_compressed", qsa_layers=3), (2, 1, 2), (1, 1, 2)),  # 1 + 2 QSA layers
+        (_dsv4("swa", "c128_state", "request_row"), (1, 1, 2), (2, 1, 2)),  # replicated to both decode ranks
+        (_dsv4("swa", "swa_ring", "c128_state", "swa_ring:draft"), (2, 1, 2), (1, 1, 2)),
     ],
     ids=[
         "mxfp8-pp2-to-pp2",
@@ -130,6 +141,8 @@ TAILS = dict(dsa_layers=3, dsa_skip=(1,), tail_pool=8)  # rings of 9; layer 1 sh
         "dsa-tails-mla-pp2-to-pp2xtp2",
         "qsa+mamba-pp2-to-pp2xtp2",
         "qsa-pp2xtp2-to-pp2",
+        "dsv4-pp2-to-pp2xtp2",
+        "dsv4-unified-draft-pp2xtp2-to-pp2",
     ],  # fmt: skip
 )
 def test_scales_tails_and_qsa_state_move_stage_to_stage_to_a_decode_of_the_same_pp(tmp_path, model, prefill, decode):
@@ -150,8 +163,9 @@ def test_scales_tails_and_qsa_state_move_stage_to_stage_to_a_decode_of_the_same_
         (_mxfp8("block_scale"), "MXFP8 KV block scales (KVArgs.state_types[0]='block_scale'"),
         (_hybrid("dsa_tail", mla=True, **TAILS), "DSA indexer tails (KVArgs.state_types[0]='dsa_tail'"),
         (_hybrid("qsa_pending", "qsa_compressed"), "QSA pending key and RoPE rings (KVArgs.state_types[0]="),
+        (_dsv4("swa"), "compressed KV pages (kv_data_ptrs, entries 4..5: rows of 40 bytes), KVArgs.kv_layout='v4'"),
     ],
-    ids=["mxfp8", "dsa-tails", "qsa"],
+    ids=["mxfp8", "dsa-tails", "qsa", "dsv4"],
 )
 def test_scales_tails_or_qsa_state_from_pp_stages_to_a_decode_of_pp1_fail_naming_the_pool(tmp_path, model, label):
     env = {"KVXFER_BOOTSTRAP_TIMEOUT_S": "5"}
