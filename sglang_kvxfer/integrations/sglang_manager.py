@@ -183,8 +183,8 @@ def _check_mxfp8(layout: SglangLayout, kv_cache_dtype_str: Any, draft_dtype: Any
 
 
 # state a PP prefill's stage sends to the decode stage of the same PP rank only (its entries: K,
-# then V or score, of the stage's layers; QSA's key rings of its layers and its RoPE ring)
-STAGE_TO_STAGE_KINDS = ("block_scale", "dsa_tail", *QSA_KINDS)
+# then V or score, of the stage's layers, with no layer ids)
+STAGE_TO_STAGE_KINDS = ("block_scale", "dsa_tail")
 
 
 class KVXferKVManager(BaseKVManager):
@@ -752,15 +752,26 @@ class KVXferKVManager(BaseKVManager):
             if staged:
                 return (
                     f"{staged[0]}: the prefill's {topo.pp_size} PP stages each send the entries of their own layers "
-                    "(K, then V scales or score rings of the stage's layers; QSA key rings and a RoPE ring each; "
-                    "DeepSeek-V4's compressed pools and state grouped by compression ratio), "
+                    "(K, then V scales or score rings of the stage's layers; DeepSeek-V4's compressed pools and "
+                    "state grouped by compression ratio), "
                     "which a decode of PP 1 would need mapped into its own entries; that mapping is not implemented "
                     f"by the kvxfer backend: serve the decode with --pp-size {topo.pp_size}"
                 )
             problem = count_problem("the full-attention KV", [len(r) for r in topo.pp_layers], ours)
             counts = dict(topo.state_counts)
             for pool in self.layout.states:
-                if not problem and pool.name in counts:  # (a pool the prefill lacks: state_problem says so)
+                if problem or pool.name not in counts:  # (a pool the prefill lacks: state_problem says so)
+                    continue
+                if pool.shared:  # (every stage holds it whole: QSA's RoPE ring)
+                    problem = next(
+                        (
+                            count_problem(f"{pool.label} of PP stage {s}", [n], pool.geometry.num_layers)
+                            for s, n in enumerate(counts[pool.name])
+                            if n != pool.geometry.num_layers
+                        ),
+                        "",
+                    )
+                else:
                     problem = count_problem(pool.label, counts[pool.name], pool.geometry.num_layers)
             return problem
         theirs = topo.pp_layers[self.pp_rank]
@@ -838,10 +849,13 @@ class KVXferKVManager(BaseKVManager):
         for pool in self.layout.states:
             if pool.name not in counts:
                 raise KVXferError(f"{pool.label}: the prefill's PP stages registered no such pool")
-            for s, (layers, span) in enumerate(zip(topo.pp_layers, entry_spans(counts[pool.name]))):
+            spans = entry_spans(counts[pool.name])
+            if pool.shared:  # every stage sends it whole, into the whole pool (the same bytes)
+                spans = tuple(range(pool.geometry.num_layers) for _ in counts[pool.name])
+            for s, (layers, span) in enumerate(zip(topo.pp_layers, spans)):
                 if not len(span):  # this stage has none of the pool's layers
                     continue
-                engine, _, _ = self._slice(span, pool)
+                engine, _, _ = self._slice(span, pool, stage=s if pool.shared else None)
                 address = bootstrap.group_address(bootstrap_addr, dp_rank, s)
                 parts.append(StatePart(pool, f"{pool.label} of {stage_label(s, layers, span)}", engine, address))
         return parts
@@ -873,17 +887,19 @@ class KVXferKVManager(BaseKVManager):
         return made
 
     def _slice(
-        self, entries: range, pool: StatePool | None = None, cp_rank: int = 0
+        self, entries: range, pool: StatePool | None = None, cp_rank: int = 0, stage: int | None = None
     ) -> tuple[DecodeManager, EngineConfig, tuple[int, ...]]:
         """An engine manager over ``entries`` (layers) of this rank's KV pool, or of its state
         pool ``pool`` (a layer-slice view of SGLang's buffers), made once per pool, range and
         prefill CP rank (each CP rank's share of a request is an engine request of its own,
-        and an engine manager holds one request per room) and closed with this manager."""
+        and an engine manager holds one request per room), or PP ``stage`` (a ``shared`` pool
+        every stage sends whole), and closed with this manager."""
         from sglang_kvxfer.engine import KVManager, KVPool
         from sglang_kvxfer.engine.decode import DecodeManager
 
         name = "" if pool is None else pool.name
-        key = (f"{name}.cp{cp_rank}" if cp_rank else name, entries.start, entries.stop)
+        name = f"{name}.cp{cp_rank}" if cp_rank else name
+        key = (f"{name}.pp{stage}" if stage is not None else name, entries.start, entries.stop)
         made = self._slices.get(key)
         if made is None:
             lay = self.layout

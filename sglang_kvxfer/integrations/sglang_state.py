@@ -51,8 +51,10 @@ What each type SGLang 0.5.23 hands a backend becomes (``disaggregation/utils.py`
   item per request slot (the request's row, ``get_qsa_pending_state_indices``), and per QSA
   layer the compressed keys, one item per KV page (one page's groups; the request's KV pages
   from its first token). Replicated like the DSA indexer: any TP pair, one writer per decode
-  rank. Entries are paired by position, so both sides list the same QSA layers (with PP:
-  stage to stage; a stage without a QSA layer, whose components SGLang leaves empty, is refused).
+  rank. Entries are paired by position, so both sides list the same QSA layers (with PP: stage
+  to stage, or each stage's into its slice of a decode of PP 1, the RoPE ring, which every
+  stage holds whole, from each: ``shared``; a stage without a QSA layer, whose components
+  SGLang leaves empty, is refused).
 - DeepSeek-V4 (``DeepSeekV4TokenToKVPool``, a ``KVArgs.kv_layout`` pool; MLA: every row is
   replicated over attention TP, any TP pair, one writer per decode rank): its ``swa`` component
   is a list of entries of their own sizes (the SWA KV of every layer, one item an SWA page,
@@ -150,6 +152,9 @@ class StatePool:
     # (a sliced mamba slot: one page per outer row, in sub-block widths); else the index itself
     slot_pages: tuple[int, int, int] = (1, 0, 1)
     ring: int = 0  # dsa_tail: the tokens of a request slot's ring (a request's index: its live tokens)
+    # every PP stage registers this pool whole (QSA's RoPE position ring, layer-independent): a
+    # decode of PP 1 receives it from each stage, as SGLang's backends pair it by its layer id
+    shared: bool = False
 
 
 def _type_name(value: Any) -> str:
@@ -228,6 +233,8 @@ def states_from_kv_args(
             pools += _tail_pools(i, ptrs, lens, items, mla, dsa_index_head_dim)
         elif kind in MINIMAX_KINDS:  # (MiniMax's attention is MHA: never replicated over TP)
             pools += _row_pools(i, kind, ptrs, lens, items, _MINIMAX_TP)
+        elif kind == "qsa_pending":  # (one index head: every rank holds the same rows)
+            pools += _qsa_pending_pools(args, i, ptrs, lens, items)
         elif kind in (*QSA_KINDS, *DSV4_KINDS):  # (one index head / an MLA pool: every rank holds the same rows)
             pools += _row_pools(i, kind, ptrs, lens, items, "")
         else:
@@ -378,6 +385,24 @@ def _row_pools(i: int, kind: str, ptrs: list, lens: list, items: list, why: str)
             StatePool(name, kind, i, label, geometry, tuple(ptrs[e] for e in run), tuple(lens[e] for e in run), why)
         )
     return out
+
+
+QSA_ROPE_LAYER_ID = (1 << 32) - 2  # SGLang's QSA_ROPE_STATE_LAYER_ID: the RoPE ring's entry
+
+
+def _qsa_pending_pools(args: Any, i: int, ptrs: list, lens: list, items: list) -> list[StatePool]:
+    """A ``qsa_pending`` component: its key rings (one run per row size) and its RoPE position
+    ring (the entry whose ``state_layer_ids`` is SGLang's ``QSA_ROPE_STATE_LAYER_ID``; every PP
+    stage holds it whole: ``shared``), each a pool of its own even where their rows are of one size."""
+    ids = _per_entry(args, "state_layer_ids", i, len(items), None)
+    rope = [e for e, lid in enumerate(ids) if lid == QSA_ROPE_LAYER_ID]
+    if not rope:  # (no layer ids: the pools by row size, the RoPE ring not known)
+        return _row_pools(i, "qsa_pending", ptrs, lens, items, "")
+    keys = [0 if e in rope else item for e, item in enumerate(items)]
+    rings = [item if e in rope else 0 for e, item in enumerate(items)]
+    pools = _row_pools(i, "qsa_pending", ptrs, lens, keys, "") if any(keys) else []
+    pools += [replace(p, shared=True) for p in _row_pools(i, "qsa_pending", ptrs, lens, rings, "")]
+    return [replace(p, name=f"state:qsa_pending.{g}") for g, p in enumerate(pools)]
 
 
 def _tail_pools(

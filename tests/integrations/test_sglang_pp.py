@@ -83,8 +83,20 @@ def _hybrid(*kinds, mla=False, **state) -> Model:
         (("swa", "mamba"), (2, 1, 2), (2, 1, 1), False),  # PP 2 x TP 2 -> TP 2: each rank its mamba shard
         (("swa",), (2, 1, 2), (1, 1, 1), False),  # SWA heads gathered from two writers of each stage
         (("dsa",), (1, 1, 2), (2, 1, 1), True),  # MLA: DSA rows of each stage replicated to both ranks
+        # QSA key rings and compressed keys of each stage's layer into that layer's entries, and
+        # the RoPE ring every stage holds whole from each stage (SGLang pairs entries by layer id)
+        (("mamba", "qsa_pending", "qsa_compressed"), (1, 1, 2), (1, 1, 1), False),
+        (("qsa_pending", "qsa_compressed"), (2, 1, 2), (2, 1, 1), False),
     ],
-    ids=["swa+mamba-pp2-to-pp1", "swa+mamba-pp2-to-pp2", "swa+mamba-pp2xtp2-to-tp2", "swa-pp2xtp2-to-tp1", "dsa-mla"],
+    ids=[
+        "swa+mamba-pp2-to-pp1",
+        "swa+mamba-pp2-to-pp2",
+        "swa+mamba-pp2xtp2-to-tp2",
+        "swa-pp2xtp2-to-tp1",
+        "dsa-mla",
+        "qsa+mamba-pp2-to-pp1",
+        "qsa-pp2xtp2-to-tp2",
+    ],
 )
 def test_each_stage_sends_its_layers_state_and_every_state_byte_is_exact(tmp_path, kinds, prefill, decode, mla):
     """Extra per-request state with --pp-size: every stage registers and sends its own layers'
@@ -162,10 +174,9 @@ def test_scales_tails_and_qsa_state_move_stage_to_stage_to_a_decode_of_the_same_
     [
         (_mxfp8("block_scale"), "MXFP8 KV block scales (KVArgs.state_types[0]='block_scale'"),
         (_hybrid("dsa_tail", mla=True, **TAILS), "DSA indexer tails (KVArgs.state_types[0]='dsa_tail'"),
-        (_hybrid("qsa_pending", "qsa_compressed"), "QSA pending key and RoPE rings (KVArgs.state_types[0]="),
         (_dsv4("swa"), "compressed KV pages (kv_data_ptrs, entries 4..5: rows of 40 bytes), KVArgs.kv_layout='v4'"),
     ],
-    ids=["mxfp8", "dsa-tails", "qsa", "dsv4"],
+    ids=["mxfp8", "dsa-tails", "dsv4"],
 )
 def test_scales_tails_or_qsa_state_from_pp_stages_to_a_decode_of_pp1_fail_naming_the_pool(tmp_path, model, label):
     env = {"KVXFER_BOOTSTRAP_TIMEOUT_S": "5"}

@@ -385,3 +385,17 @@ def test_a_deepseek_v4_drafts_second_swa_component_gets_pools_of_its_own():
     plain = with_state(("mamba", rows([64])), ("mamba", rows([64])))
     with pytest.raises(GeometryError, match=r"names a type twice"):
         layout(plain)
+
+
+def test_the_qsa_rope_ring_is_a_pool_every_pp_stage_holds_whole_even_beside_rings_of_its_size():
+    """The RoPE ring is the entry SGLang gives QSA_ROPE_STATE_LAYER_ID: a pool of its own
+    (``shared``: a decode of PP 1 takes it whole from each stage), even when its rows are as
+    wide as the key rings'."""
+    pending = rows([96, 96, 96], slots=9)  # two layers' key rings and the RoPE ring, rows of one size
+    args = with_state(("qsa_pending", pending), state_layer_ids=[[4, 6, (1 << 32) - 2]])
+    pools = layout(args).states
+    assert [(p.name, p.geometry.num_layers, p.shared) for p in pools] == [
+        ("state:qsa_pending.0", 2, False),
+        ("state:qsa_pending.1", 1, True),
+    ]
+    assert pools[1].ptrs == (pending["ptrs"][2],)
