@@ -59,7 +59,6 @@ from sglang_kvxfer.integrations.sglang_pp import (
 )
 from sglang_kvxfer.integrations.sglang_state import (
     MINIMAX_KINDS,
-    QSA_KINDS,
     SCALE_KINDS,
     StatePool,
     describe,
@@ -271,14 +270,6 @@ class KVXferKVManager(BaseKVManager):
                         f"with a compressed KV pool (KVArgs.kv_layout={self.layout.kv_layout!r}, DeepSeek-V4): "
                         "mapping its pages and state over CP ranks or shards is not implemented by the kvxfer backend",
                     )
-        qsa = [p.name for p in self.layout.states if p.kind in QSA_KINDS]
-        if qsa and self.plan.attn_cp_size > 1:
-            raise _not_supported(
-                "--attn-cp-size",
-                self.plan.attn_cp_size,
-                f"with QSA indexer state ({describe(qsa)}): which CP ranks hold a request's whole pending rings and "
-                "compressed keys is not established by the kvxfer backend (refused rather than risk moving part of them)",
-            )
         if self.pp_size > 1 and self.layout.kv_layout is None and any(p.kind == "swa" for p in self.layout.states):
             self.layout, layer_start = self._swa_stage(server_args, layer_start)
         lay = self.layout

@@ -87,6 +87,28 @@ def test_cp_rank_0_sends_every_page_and_the_replicas_nothing(prefill, decode, ml
 
 
 @needs_sglang
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", [False, True], ids=["cp-rank-0-sends", "every-cp-rank-sends"])
+def test_qsa_state_with_prefill_cp_comes_whole_from_cp_rank_0(sharded):
+    """SGLang's QSA indexer all-gathers the raw keys under prefill CP, so every CP rank holds
+    a request's whole pending rings and compressed keys (``qsa_indexer``: "every rank ends up
+    with the complete compressed-K cache"): CP rank 0 sends them, beside the mamba slot, whether
+    it sends every KV page or each CP rank its share. The CP replicas' state rows are zero here,
+    so state from any other CP rank is caught; every state row and KV byte is compared."""
+    from tests.integrations.sglang_state_env import StateModel
+
+    state = StateModel(kinds=("mamba", "qsa_pending", "qsa_compressed"))
+    model = Model(total_kv_heads=4, pool_tokens=192, kv_cache_dtype_str="bfloat16", state=state)
+    rooms = SHARDED_ROOMS if sharded else ROOMS
+    pre, dec = run_cp((1, 1, 2), (1, 1), model, rooms, sharded=sharded)
+    assert "error" not in pre and "error" not in dec, (pre.get("error"), dec.get("error"))
+    for q in rooms:
+        assert dec[q.room]["status"] == "Success", dec[q.room]
+        assert dec[q.room]["problems"] == [], dec[q.room]["problems"]
+    assert dec["pool_problems"] == [], dec["pool_problems"]
+
+
+@needs_sglang
 def test_a_cp_replica_sender_moves_nothing_and_follows_sglangs_dummy_states(monkeypatch):
     """In-process: a CP rank 1 manager has no engine and registers nothing; its sender is
     WaitingForInput at once, Success at its last chunk; a failure elsewhere (the MIN) makes

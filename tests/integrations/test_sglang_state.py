@@ -216,8 +216,8 @@ def test_mxfp8_block_scales_between_tp_sizes_are_refused_as_sglang_refuses_them(
 
 def test_state_the_backend_cannot_move_whole_is_refused_at_manager_construction(monkeypatch):
     """MXFP8 KV without its scales in KVArgs, an MXFP8 draft pool (SGLang registers no scales
-    of it), an SWA sub-pool's block scales and MiniMax state over PP stages and QSA state with
-    attention CP are refused naming the flag or field."""
+    of it), an SWA sub-pool's block scales and MiniMax state over PP stages are refused naming
+    the flag or field."""
     from sglang_kvxfer.integrations import sglang as backend
     from tests.integrations.sglang_env import Draft, rank_memory, server_args
 
@@ -242,11 +242,6 @@ def test_state_the_backend_cannot_move_whole_is_refused_at_manager_construction(
     monkeypatch.setattr(backend, "_model_total_kv_heads", sides._model_heads(minimax("minimax_index_k")))
     with pytest.raises(Exception, match=r"--pp-size=2: with MiniMax sparse state \(state:minimax_index_k, "):
         manager(minimax("minimax_index_k"), pp_size=2, disable_overlap_schedule=True)
-    qsa = model("qsa_pending", "qsa_compressed")
-    monkeypatch.setattr(backend, "_model_total_kv_heads", sides._model_heads(qsa))
-    sa = server_args(sides.MODEL_PATH, "prefill", 2, free_port(), attn_cp_size=2)  # attention TP 1, CP 2
-    with pytest.raises(Exception, match=r"--attn-cp-size=2: with QSA indexer state \(state:qsa_pending.0, "):
-        backend.KVXferKVManager(rank_memory(qsa, 1, 0, "prefill").kv_args, mode, sa, False)
 
 
 def minimax(*kinds, **state) -> Model:
