@@ -3,9 +3,10 @@
 Owns the translation of the attribute bag SGLang hands every transfer backend into a full ``KVGeometry`` with the buffer addresses, the aux
 (metadata) buffer layout and the packing of one aux slot, and the reading of the few
 ``ServerArgs`` fields that decide the attention TP and DP sizes and the bootstrap address.
-Every feature this backend does not carry (a DeepSeek-V4 ``kv_layout``, a state type it does
-not move...) is refused here with a message that names the setting; extra per-request state
-is translated in ``sglang_state``.
+Every feature this backend does not carry (a state type it does not move, a ``kv_layout``
+pool over DCP ranks...) is refused here with a message that names the setting; extra
+per-request state, and a DeepSeek-V4 ``kv_layout`` pool's compressed KV pages, are translated
+in ``sglang_state``.
 
 Head counts are never inferred from byte lengths: the total comes from
 ``KVArgs.total_kv_head_num`` (or the model config, through the caller), the per-rank count
@@ -801,7 +802,9 @@ def layout_from_kv_args(
             indexer's head dim (the model's config): a tail token's width.
 
     Extra per-request state (``state_types`` of ``sglang_state.HANDLED_STATE_TYPES``) becomes
-    ``states``, a pool each (``sglang_state``); any other type is refused naming it.
+    ``states``, a pool each (``sglang_state``); any other type is refused naming it. A
+    DeepSeek-V4 pool (``KVArgs.kv_layout`` set) moves its KV as whole pages: the geometry is
+    its first run of one page size, the other runs are ``KV_PAGES`` pools in ``states``.
 
     Raises ``GeometryError`` naming the KVArgs field for anything inconsistent.
     """
