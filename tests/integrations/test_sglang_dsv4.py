@@ -92,8 +92,9 @@ def test_deepseek_v4_servers_of_different_kv_layouts_fail_naming_it_on_both_side
     [
         ("prefill", 2, dict(attn_cp_size=2), r"--attn-cp-size=2: with a compressed KV pool \(KVArgs.kv_layout='v4,"),
         ("decode", 2, dict(dcp_size=2), r"--dcp-size=2: with a kv_layout pool \(whole compressed pages are not split"),
+        ("prefill", 2, dict(enable_kv_cache_sharding=True), r"--enable-kv-cache-sharding=True: with a compressed KV"),
     ],
-    ids=["prefill-cp", "decode-dcp"],
+    ids=["prefill-cp", "decode-dcp", "prefill-kv-sharding"],
 )
 def test_deepseek_v4_over_cp_or_dcp_ranks_is_refused_at_manager_construction(role, tp, extra, message):
     from sglang_kvxfer.integrations import sglang as backend

@@ -366,6 +366,7 @@ def test_deepseek_v4_servers_of_different_kv_layouts_cannot_exchange_a_request()
     [
         (False, {}, r"KVArgs.kv_layout='v4,c4:v4,c128:v4': a kv_layout pool that is not an MLA one"),
         (True, dict(dcp_size=2), r"--dcp-size=2: with a kv_layout pool"),
+        (True, dict(cp_tp=2), r"--enable-cp-tp-group-sharing=2: with a kv_layout pool is not implemented"),
     ],
 )
 def test_deepseek_v4_pools_the_backend_does_not_map_are_refused_naming_the_field(mla, over, message):
@@ -385,6 +386,13 @@ def test_a_deepseek_v4_drafts_second_swa_component_gets_pools_of_its_own():
     plain = with_state(("mamba", rows([64])), ("mamba", rows([64])))
     with pytest.raises(GeometryError, match=r"names a type twice"):
         layout(plain)
+    twice = dsv4()  # two DSA components: no DeepSeek-V4 pool registers a type twice but its SWA rows
+    for _ in range(2):
+        twice.state_types.append("dsa")
+        for name in ("ptrs", "lens", "items"):
+            getattr(twice, f"state_{'item_lens' if name == 'items' else 'data_' + name}").append(rows([16])[name])
+    with pytest.raises(GeometryError, match=r"names 'dsa' twice \(a DeepSeek-V4 draft adds swa rows\)"):
+        layout(twice, mla=True)
 
 
 def test_the_qsa_rope_ring_is_a_pool_every_pp_stage_holds_whole_even_beside_rings_of_its_size():
